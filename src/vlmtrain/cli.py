@@ -1,0 +1,112 @@
+"""`vlmtrain train|eval|predict|demo`: parse and validate the config first, then do the work in vlmtrain.run."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from vlmtrain.config import ConfigError, build_parser, parse_with
+
+COMMANDS = {
+    "train": "Train a model: vlmtrain train --config FILE.yaml [--train.learning_rate 3e-4 ...]",
+    "eval": "Evaluate on the eval set: vlmtrain eval --config FILE.yaml [--checkpoint DIR]",
+    "predict": "Print generated answers for the eval set: vlmtrain predict --config FILE.yaml --checkpoint DIR",
+    "demo": "Train a tiny addition model on CPU in a few minutes: vlmtrain demo [--output-dir DIR]",
+}
+_CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
+                    "or 'latest' for the newest checkpoint in train.output_dir.")
+
+
+def _usage() -> str:
+    lines = ["usage: vlmtrain {train,eval,predict,demo} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
+    lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def _parse(command: str, argv: list[str], checkpoint: str | None = None) -> tuple[Any, Any]:
+    """checkpoint: None (no --checkpoint option), 'optional' or 'required'."""
+    parser = build_parser(prog=f"vlmtrain {command}", description=COMMANDS[command])
+    if checkpoint:
+        parser.add_argument("--checkpoint", type=str | None, default=None, help=_CHECKPOINT_HELP)
+    argv = ["--print_config" if a == "--print-config" else a for a in argv]  # both spellings
+    cfg, ns = parse_with(parser, argv)
+    if not ns.get("config"):
+        raise ConfigError(f"vlmtrain {command} needs --config FILE.yaml (see configs/ for examples).")
+    if checkpoint == "required" and not ns.get("checkpoint"):
+        raise ConfigError(f"vlmtrain {command} needs --checkpoint DIR. {_CHECKPOINT_HELP}")
+    return cfg, ns
+
+
+def _print_metrics(metrics: dict[str, Any]) -> None:
+    print(json.dumps(metrics, indent=2, default=str))
+
+
+def _train(argv: list[str]) -> int:
+    cfg, _ = _parse("train", argv)
+    from vlmtrain import run
+
+    _print_metrics(run.train(cfg))
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    cfg, ns = _parse("eval", argv, checkpoint="optional")
+    from vlmtrain import run
+
+    _print_metrics(run.evaluate(cfg, checkpoint=ns.checkpoint))
+    return 0
+
+
+def _predict(argv: list[str]) -> int:
+    cfg, ns = _parse("predict", argv, checkpoint="required")
+    from vlmtrain import run
+
+    for text in run.predict(cfg, checkpoint=ns.checkpoint):
+        print(text)
+    return 0
+
+
+def _demo(argv: list[str]) -> int:
+    import jsonargparse
+
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain demo", description=COMMANDS["demo"], exit_on_error=False,
+                                         allow_abbrev=False)
+    parser.add_argument("--output-dir", "--output_dir", type=str | None, default=None,
+                        help="Where to write checkpoints, metrics.jsonl and config.yaml (default: the config's).")
+    try:
+        ns = parser.parse_args(argv)
+    except jsonargparse.ArgumentError as e:
+        raise ConfigError(f"{e}. See vlmtrain demo --help.") from None
+    from vlmtrain import run
+
+    run.demo(output_dir=ns.output_dir)
+    return 0
+
+
+_HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "demo": _demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the vlmtrain command line; returns the exit code (2 for configuration errors)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command not in _HANDLERS:
+            near = difflib.get_close_matches(command, list(_HANDLERS), n=1)
+            raise ConfigError(f"unknown command {command!r}." + (f" Did you mean {near[0]!r}?" if near else "")
+                              + f" Commands: {', '.join(_HANDLERS)}.")
+        return _HANDLERS[command](rest)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help and --print_config exit from inside the parser
+        return e.code if isinstance(e.code, int) else 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

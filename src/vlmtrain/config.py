@@ -1,0 +1,289 @@
+"""Run configuration: one YAML file (sections model, data, train) plus dotted overrides -> RunConfig.
+
+Parsing and type checks are jsonargparse's; this module adds what its errors lack: every unknown key
+or section (in a file, on the command line, in overrides) is reported with its section and the nearest
+valid keys, and type errors name the key and the expected type, before any model or data is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from vlmtrain.trainer.args import ConfigError, TrainingArguments
+
+
+@dataclass
+class ModelConfig:
+    """What model to train."""
+
+    kind: Literal["causal_lm"] = "causal_lm"
+    """Model family: causal_lm (any transformers AutoModelForCausalLM)."""
+    pretrained: str | None = None
+    """Hub name or local directory to load weights from; None builds a randomly initialized model from config."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """transformers config kwargs incl. model_type (e.g. {model_type: llama, hidden_size: 64}); used when
+    pretrained is None, otherwise its entries override the pretrained config."""
+    tokenizer: str | None = None
+    """Hub name or local directory of the tokenizer; None uses the data source's own tokenizer."""
+
+
+@dataclass
+class DataConfig:
+    """What data to train and evaluate on."""
+
+    source: Literal["addition"] = "addition"
+    """Data source: addition (synthetic 'a+b=' -> 'c' problems with a locally trained tokenizer)."""
+    num_train: int = 20000
+    """Number of training samples."""
+    num_eval: int = 500
+    """Number of held-out evaluation samples."""
+    num_digits: int = 2
+    """Digits per operand (addition)."""
+    seed: int = 0
+    """Seed for generating the data and its train/eval split."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("num_train", 1), ("num_eval", 0), ("num_digits", 1)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")
+
+
+@dataclass
+class RunConfig:
+    """A whole run: the model, the data, and TrainingArguments (the `train` section)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainingArguments = field(default_factory=TrainingArguments)
+
+    def __post_init__(self) -> None:
+        # Cross-section check: the addition data is tokenized by its own tokenizer, so another one cannot fit.
+        if self.data.source == "addition" and self.model.tokenizer is not None:
+            raise ConfigError("model.tokenizer must be unset (null) with data.source='addition': that source "
+                              "builds and uses its own tokenizer.")
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainingArguments}
+
+
+# -- key and type checks -----------------------------------------------------------------------------
+def _nearest(word: str, choices: list[str]) -> list[str]:
+    near = difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
+    # Abbreviations ('lr', 'batch') are too short for difflib's ratio; substring matches catch them.
+    near += [c for c in choices if len(word) >= 2 and (word in c or c in word) and c not in near]
+    return near[:3]
+
+
+def _unknown(kind: str, name: str, choices: list[str], where: str, prefix: str = "") -> ConfigError:
+    near = _nearest(name.rsplit(".", 1)[-1], [c.rsplit(".", 1)[-1] for c in choices])
+    full = [f"{prefix}{n}" for n in near]
+    if full:
+        hint = f" Did you mean {' or '.join(repr(n) for n in full)}?"
+    else:
+        hint = f" Valid {kind}s{f' in {prefix[:-1]!r}' if prefix else ''}: {', '.join(choices)}."
+    return ConfigError(f"unknown {kind} {name!r} in {where}.{hint}")
+
+
+def _field_names(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(SECTIONS[section])]
+
+
+def check_keys(data: Any, where: str) -> None:
+    """Raise ConfigError for anything in a {section: {key: value}} mapping that RunConfig has no field for."""
+    if data is None:  # an empty file: all defaults
+        return
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping with sections {list(SECTIONS)}, got {type(data).__name__}.")
+    for section, body in data.items():
+        if section not in SECTIONS:
+            raise _unknown("section", str(section), list(SECTIONS), where)
+        check_section_keys(section, body, where)
+
+
+def check_section_keys(section: str, body: Any, where: str) -> None:
+    """Raise ConfigError for a section that is not a mapping or has a key its dataclass does not define."""
+    if body is None:
+        return
+    if not isinstance(body, dict):
+        raise ConfigError(f"section {section!r} in {where} must be a mapping of keys to values, got {body!r}.")
+    names = _field_names(section)
+    for key in body:
+        if key not in names:
+            raise _unknown("key", f"{section}.{key}", names, where, prefix=f"{section}.")
+
+
+def _type_name(section: str, key: str) -> str:
+    hint = typing.get_type_hints(SECTIONS[section])[key]
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    annotation = {f.name: f.type for f in dataclasses.fields(SECTIONS[section])}[key]
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+
+
+def _allows_none(section: str, key: str) -> bool:
+    hint = typing.get_type_hints(SECTIONS[section])[key]
+    return hint is Any or type(None) in typing.get_args(hint)
+
+
+def _translate(err: Exception) -> ConfigError:
+    """Turn a jsonargparse error into a ConfigError that names the key (and the expected type)."""
+    msg = str(err)
+    m = re.search(r'Parser key "(\w+)\.(\w+)"', msg)
+    if m and m.group(1) in SECTIONS and m.group(2) in _field_names(m.group(1)):
+        section, key = m.groups()
+        got = re.findall(r"(?:Got value|Given value): (.*)", msg)
+        value = got[-1].strip() if got else "?"
+        value = {"None": "null", "True": "true", "False": "false"}.get(value, value)  # as YAML writes them
+        hint = ""
+        if "str" in _type_name(section, key) and re.fullmatch(r"true|false|[-+.\deE]+", value):
+            hint = f" (quote it to pass a string: '{value}')"
+        return ConfigError(f"{section}.{key}: expected {_type_name(section, key)}, got {value}{hint}.")
+    m = re.search(r"Group '(\w+)' does not accept option '([\w.]+)'", msg)
+    if m and m.group(1) in SECTIONS:
+        return _unknown("key", f"{m.group(1)}.{m.group(2)}", _field_names(m.group(1)), "a config file",
+                        prefix=f"{m.group(1)}.")
+    return ConfigError(f"invalid configuration: {msg}")
+
+
+# -- command-line checks -------------------------------------------------------------------------------
+def _check_argv(parser: Any, argv: list[str]) -> None:
+    """Check option names and the config files they point to, before jsonargparse sees them."""
+    known = set(parser._option_string_actions)  # argparse's registry of every option string
+    for i, token in enumerate(argv):
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name = token.split("=", 1)[0]
+        value = token.split("=", 1)[1] if "=" in token else (argv[i + 1] if i + 1 < len(argv) else None)
+        if name in known:
+            section = name[2:]
+            if name == "--config" or section in SECTIONS:  # a whole file, or one section's file
+                _check_file(value, section if section in SECTIONS else None)
+            continue
+        section, _, key = name[2:].partition(".")
+        key = key.split(".", 1)[0].rstrip("+")
+        if section in SECTIONS and key in _field_names(section) and "dict" in _type_name(section, key):
+            continue  # --model.config.hidden_size 64 sets one entry of a dict-typed key
+        if section in SECTIONS:
+            raise _unknown("key", f"{section}.{key}", _field_names(section), "the command line",
+                           prefix=f"{section}.")
+        if key:
+            raise _unknown("section", section, list(SECTIONS), "the command line")
+        opts = sorted(o for o in known if o.startswith("--"))
+        near = difflib.get_close_matches(name, opts, n=3)
+        hint = f" Did you mean {' or '.join(near)}?" if near else " See --help."
+        raise ConfigError(f"unknown option {name!r}.{hint}")
+
+
+def _check_file(path: str | None, section: str | None) -> None:
+    if path is None or not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path!r}.")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if data is None:
+        raise ConfigError(f"{path} is empty; expected a mapping with sections {list(SECTIONS)}.")
+    if section is None:
+        check_keys(data, path)
+    else:
+        check_section_keys(section, data, path)
+
+
+def _normalize_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{'train.learning_rate': 3e-4} and {'train': {'learning_rate': 3e-4}} -> the nested form."""
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in overrides.items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            nested.setdefault(section, {})[name] = value
+        elif isinstance(value, dict) and key in SECTIONS:
+            nested.setdefault(key, {}).update(value)
+        else:
+            raise _unknown("section", key, list(SECTIONS), "overrides")
+    return nested
+
+
+# -- parsing -------------------------------------------------------------------------------------------
+def build_parser(prog: str = "vlmtrain train", description: str | None = None) -> Any:
+    """A jsonargparse parser with --config FILE and one option per key (--train.learning_rate ...)."""
+    import jsonargparse
+
+    # Field docstrings (the string under each field) become the --help text of each key.
+    jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = jsonargparse.ArgumentParser(prog=prog, description=description, exit_on_error=False,
+                                         allow_abbrev=False)
+    parser.add_argument("--config", action=jsonargparse.ActionConfigFile,
+                        help="YAML file with sections model, data, train. Later options override it.")
+    for section, cls in SECTIONS.items():
+        parser.add_class_arguments(cls, section)
+    return parser
+
+
+def parse_with(parser: Any, argv: list[str], overrides: dict[str, Any] | None = None) -> tuple[RunConfig, Any]:
+    """Parse argv (and Python overrides) with a parser from build_parser; return the RunConfig and the
+    parsed namespace (for options a command added, e.g. --checkpoint)."""
+    # --config first, so dotted options beat the file wherever they are written.
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            front += argv[i:i + 2]
+            i += 2
+            continue
+        (front if argv[i].startswith("--config=") else rest).append(argv[i])
+        i += 1
+    argv = front + rest
+    _check_argv(parser, argv)
+    nested = _normalize_overrides(overrides or {})
+    check_keys(nested, "overrides")
+    try:
+        ns = parser.parse_args(argv)
+        if nested:
+            ns = parser.parse_object(nested, ns)
+    except Exception as e:  # jsonargparse.ArgumentError and friends; ConfigError never comes from here
+        raise _translate(e) from None
+    for section in SECTIONS:
+        for key in _field_names(section):
+            if ns[f"{section}.{key}"] is None and not _allows_none(section, key):
+                raise ConfigError(f"{section}.{key}: expected {_type_name(section, key)}, got null.")
+    init = parser.instantiate(ns)  # TrainingArguments' own ConfigError comes through unchanged
+    return RunConfig(model=init.model, data=init.data, train=init.train), ns
+
+
+def parse_run_config(argv: list[str]) -> RunConfig:
+    """Parse `--config FILE.yaml` plus dotted overrides (`--train.learning_rate 3e-4`) into a RunConfig."""
+    return parse_with(build_parser(), argv)[0]
+
+
+def load_run_config(path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a YAML run config; overrides ({'train.max_steps': 10} or {'train': {...}}) win over the file.
+    A dict-valued override replaces the whole value (e.g. all of model.config)."""
+    return parse_with(build_parser(), ["--config", str(path)], overrides)[0]
+
+
+def run_config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """Plain nested dict of a RunConfig (sections in model, data, train order)."""
+    return {section: dataclasses.asdict(getattr(cfg, section)) for section in SECTIONS}
+
+
+def save_run_config(cfg: RunConfig, output_dir: str | os.PathLike) -> str:
+    """Write the resolved config to output_dir/config.yaml (atomically); load_run_config reads it back equal."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = Path(output_dir) / "config.yaml"
+    tmp = path.with_name(f".config.yaml.tmp-{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(run_config_to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
+    return str(path)

@@ -1,0 +1,20 @@
+"""The training engine: transformers' Trainer API in a small core."""
+
+from .args import ConfigError, TrainingArguments
+from .callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    EarlyStoppingCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerCallback,
+)
+from .checkpoint import CheckpointError
+from .state import EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
+from .trainer import Trainer, set_seed
+
+__all__ = [
+    "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
+    "EvalPrediction", "PredictionOutput", "PrinterCallback", "ProgressCallback", "Trainer", "TrainerCallback",
+    "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "set_seed",
+]

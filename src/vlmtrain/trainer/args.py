@@ -1,0 +1,198 @@
+"""TrainingArguments: transformers' field names and defaults, validated at construction."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
+INTERVALS = ("no", "steps", "epoch")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+REPORTERS = ("none", "jsonl", "tensorboard", "all")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which key and what to change."""
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        near = difflib.get_close_matches(str(value), choices, n=2)
+        hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+        raise ConfigError(f"{name}={value!r} is not one of {list(choices)}.{hint}")
+    return value
+
+
+@dataclass
+class TrainingArguments:
+    """Everything about how to train; field names and defaults follow transformers' TrainingArguments."""
+
+    output_dir: str = "runs/default"
+    """Where checkpoints, metrics.jsonl and the resolved config are written."""
+    num_train_epochs: float = 3.0
+    """Epochs to train when max_steps is not set (fractions allowed)."""
+    max_steps: int = -1
+    """If > 0: total optimizer steps, overriding num_train_epochs. Required for datasets without a length."""
+    per_device_train_batch_size: int = 8
+    """Samples per micro-batch per process in training."""
+    per_device_eval_batch_size: int = 8
+    """Samples per batch per process in evaluation and prediction."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated into one optimizer step."""
+    learning_rate: float = 5e-5
+    """Peak learning rate of parameters that match no entry of module_learning_rates."""
+    module_learning_rates: dict[str, float] | None = None
+    """Per-module peak learning rates, e.g. {"projector": 5e-3, "vision": 5e-5}. A key matches a
+    parameter whose name starts with it (or with it after a dotted prefix); the longest key wins.
+    A learning rate of 0 freezes those parameters (requires_grad=False, not in the optimizer)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay; never applied to biases and normalization weights."""
+    adam_beta1: float = 0.9
+    """AdamW beta1 (also SGD momentum when optim='sgd')."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    optim: str = "adamw_torch"
+    """Optimizer: adamw_torch, adamw_torch_fused or sgd."""
+    lr_scheduler_type: str = "linear"
+    """constant, constant_with_warmup, linear, cosine, cosine_with_min_lr or polynomial."""
+    lr_scheduler_kwargs: dict[str, float] | None = None
+    """Extra schedule arguments: min_lr_rate (cosine_with_min_lr), power and lr_end (polynomial), num_cycles."""
+    warmup_steps: float = 0
+    """Linear warmup length: an int number of steps, or a float in (0, 1) as a ratio of total steps."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of total steps (used when warmup_steps is 0)."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    logging_strategy: str = "steps"
+    """When to log training metrics: no, steps or epoch."""
+    logging_steps: int = 500
+    """Log every N optimizer steps (logging_strategy='steps')."""
+    logging_first_step: bool = False
+    """Also log after the first optimizer step."""
+    eval_strategy: str = "no"
+    """When to evaluate: no, steps or epoch."""
+    eval_steps: int | None = None
+    """Evaluate every N steps (eval_strategy='steps'); defaults to logging_steps."""
+    max_eval_batches: int | None = None
+    """Evaluate on at most this many batches per eval set (None: all)."""
+    save_strategy: str = "steps"
+    """When to checkpoint: no, steps, epoch or best (whenever metric_for_best_model improves)."""
+    save_steps: int = 500
+    """Checkpoint every N steps (save_strategy='steps')."""
+    save_total_limit: int | None = None
+    """Keep at most this many checkpoints; the best one is never deleted."""
+    metric_for_best_model: str | None = None
+    """Metric (e.g. 'loss', 'eval_accuracy') that picks the best checkpoint; 'eval_' is prefixed when missing."""
+    greater_is_better: bool | None = None
+    """Whether a larger metric_for_best_model is better; by default False for names ending in 'loss'."""
+    load_best_model_at_end: bool = False
+    """Reload the best checkpoint's weights when training ends."""
+    seed: int = 42
+    """Seed for model init (when built by vlmtrain), shuffling and dropout."""
+    data_seed: int | None = None
+    """Seed for the data order only; defaults to seed."""
+    bf16: bool = False
+    """Run forward passes under bfloat16 autocast."""
+    dataloader_num_workers: int = 0
+    """Worker processes of the data loaders."""
+    dataloader_pin_memory: bool = True
+    """Pin host memory for faster copies to the accelerator (ignored on CPU)."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete training batch of each epoch."""
+    report_to: str | list[str] = "none"
+    """Extra log writers besides metrics.jsonl (always written): none, tensorboard or all."""
+    run_name: str | None = None
+    """Name of the run for log writers; defaults to output_dir's basename."""
+    disable_tqdm: bool = False
+    """Hide progress bars."""
+    resume_from_checkpoint: str | None = None
+    """Checkpoint dir to resume from, or 'true'/'latest' for the newest complete one in output_dir."""
+    torch_compile: bool = False
+    """Compile the model with torch.compile before training."""
+    predict_with_generate: bool = False
+    """Evaluation/prediction generate from the batch's `prompt_*` inputs and return the generated ids."""
+    generation_max_new_tokens: int = 32
+    """Maximum new tokens per generated answer (predict_with_generate)."""
+
+    def __post_init__(self) -> None:
+        _choice("optim", self.optim, OPTIMIZERS)
+        _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        _choice("logging_strategy", self.logging_strategy, INTERVALS)
+        _choice("eval_strategy", self.eval_strategy, INTERVALS)
+        _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        for r in reporters:
+            _choice("report_to", r, REPORTERS)
+        self.report_to = reporters
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                     "logging_steps", "save_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_steps == 0 or (self.max_steps < 0 and self.num_train_epochs <= 0):
+            raise ConfigError("Set max_steps > 0 or num_train_epochs > 0: there is nothing to train otherwise.")
+        if self.learning_rate < 0:
+            raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}.")
+        for key, lr in (self.module_learning_rates or {}).items():
+            if lr < 0:
+                raise ConfigError(f"module_learning_rates[{key!r}] must be >= 0, got {lr}.")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
+        if self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+        if self.eval_steps < 1:
+            raise ConfigError(f"eval_steps must be >= 1, got {self.eval_steps}.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError("save_total_limit must be >= 1, or None to keep every checkpoint.")
+        kwargs = self.lr_scheduler_kwargs or {}
+        if self.lr_scheduler_type == "cosine_with_min_lr" and "min_lr_rate" not in kwargs and "min_lr" not in kwargs:
+            raise ConfigError("lr_scheduler_type='cosine_with_min_lr' needs lr_scheduler_kwargs={'min_lr_rate': 0.1} "
+                              "(or 'min_lr').")
+        if self.save_strategy == "best" and self.eval_strategy == "no":
+            raise ConfigError("save_strategy='best' needs evaluation: set eval_strategy to 'steps' or 'epoch'.")
+        if self.load_best_model_at_end:
+            if self.eval_strategy == "no":
+                raise ConfigError("load_best_model_at_end=True needs eval_strategy 'steps' or 'epoch'.")
+            if self.save_strategy not in (self.eval_strategy, "best"):
+                raise ConfigError(
+                    f"load_best_model_at_end=True needs save_strategy to match eval_strategy "
+                    f"(got save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}), or 'best'.")
+            if self.save_strategy == "steps" and self.save_steps % self.eval_steps != 0:
+                raise ConfigError(f"load_best_model_at_end=True needs save_steps ({self.save_steps}) to be a "
+                                  f"multiple of eval_steps ({self.eval_steps}).")
+        if (self.load_best_model_at_end or self.save_strategy == "best") and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.metric_for_best_model is not None and self.greater_is_better is None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.max_eval_batches is not None and self.max_eval_batches < 1:
+            raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
+        if self.dataloader_num_workers < 0:
+            raise ConfigError("dataloader_num_workers must be >= 0.")
+        if self.run_name is None:
+            self.run_name = os.path.basename(os.path.normpath(self.output_dir))
+
+    # -- derived values -------------------------------------------------------------------
+    @property
+    def train_batch_size(self) -> int:
+        return self.per_device_train_batch_size
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warmup length in steps: warmup_steps (int, or ratio if in (0, 1)), else warmup_ratio."""
+        if 0 < self.warmup_steps < 1:
+            return math.ceil(self.warmup_steps * num_training_steps)
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil(self.warmup_ratio * num_training_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+

@@ -1,0 +1,191 @@
+"""Checkpoint directories: atomic writes, discovery of the newest complete one, rotation, RNG state.
+
+A checkpoint is written into a hidden temporary directory and renamed to `checkpoint-<step>` only when
+every file is on disk, so a crash mid-save never leaves a directory that resume would pick up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+from torch import nn
+
+PREFIX = "checkpoint"
+TMP_PREFIX = ".tmp-checkpoint-"
+STATE_NAME = "trainer_state.json"
+MODEL_NAME = "model.safetensors"
+REQUIRED = (STATE_NAME, MODEL_NAME, "optimizer.pt", "scheduler.pt")
+_CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing or incomplete; the message names the directory and what is missing."""
+
+
+def checkpoint_step(path: str) -> int | None:
+    m = _CKPT_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(output_dir: str) -> list[str]:
+    """Complete checkpoints in output_dir, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if checkpoint_step(name) is not None and os.path.isfile(os.path.join(path, STATE_NAME)):
+            found.append(path)
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    ckpts = list_checkpoints(output_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def check_complete(path: str) -> None:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"resume_from_checkpoint={path!r} does not exist (or is not a directory).")
+    missing = [f for f in REQUIRED if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise CheckpointError(f"Checkpoint {path!r} is incomplete: missing {missing}. Resume from another "
+                              f"checkpoint or pass resume_from_checkpoint=True to pick the newest complete one.")
+
+
+def remove_stale_tmp(output_dir: str) -> None:
+    """Delete half-written checkpoints left by a crash; put back one caught mid-swap by a re-save."""
+    if not os.path.isdir(output_dir):
+        return
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name.startswith(TMP_PREFIX):
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.endswith(".old") and checkpoint_step(name[:-4]) is not None:
+            if os.path.exists(path[:-4]):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.replace(path, path[:-4])
+
+
+# -- model weights ----------------------------------------------------------------------------------
+def save_model_files(model: nn.Module, directory: str, processing_class: Any = None) -> None:
+    """`model.safetensors` (+ `config.json` for transformers models) and the tokenizer/processor files,
+    loadable by the model's from_pretrained."""
+    os.makedirs(directory, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(directory)
+    else:
+        safetensors.torch.save_model(model, os.path.join(directory, MODEL_NAME), metadata={"format": "pt"})
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(directory)
+
+
+def load_model_weights(model: nn.Module, directory: str) -> None:
+    """Load `model.safetensors` into model in place; tied weights missing from the file are fine."""
+    path = os.path.join(directory, MODEL_NAME)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{directory!r} has no {MODEL_NAME}.")
+    state = safetensors.torch.load_file(path)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = {n for n in missing if n in params and any(params[n] is params[s] for s in state if s in params)}
+    bad_missing = [n for n in missing if n not in tied and n in dict(model.state_dict())]
+    if unexpected or bad_missing:
+        raise CheckpointError(f"Weights in {path!r} do not fit {type(model).__name__}: missing {bad_missing[:5]}, "
+                              f"unexpected {unexpected[:5]}.")
+
+
+# -- RNG ----------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        # numpy's state as plain lists so torch.load(weights_only=True) can read it back.
+        "numpy": [np_state[0], np_state[1].tolist(), np_state[2], np_state[3], np_state[4]],
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- the whole checkpoint -------------------------------------------------------------------------------
+def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_model, rank: int = 0) -> str:
+    """Write `files` ({name: object for torch.save, or str/dict for JSON if name ends in .json}) plus the
+    model (write_model(dir)) into output_dir/checkpoint-<step>, atomically."""
+    final = os.path.join(output_dir, f"{PREFIX}-{step}")
+    tmp = os.path.join(output_dir, f"{TMP_PREFIX}{step}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        write_model(tmp)
+    for name, obj in files.items():
+        path = os.path.join(tmp, name)
+        if name.endswith(".json"):
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=2, sort_keys=True)
+        else:
+            torch.save(obj, path)
+    if rank == 0:
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap, then drop the old one
+            old = final + ".old"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(output_dir)
+    return final
+
+
+def _fsync_dir(path: str) -> None:
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_torch(path: str) -> Any:
+    """torch.load that never unpickles arbitrary objects."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def rotate_checkpoints(output_dir: str, limit: int | None, best: str | None) -> list[str]:
+    """Delete the oldest checkpoints beyond `limit`; never the best one, never the newest."""
+    if not limit:
+        return []
+    ckpts = list_checkpoints(output_dir)
+    best_real = os.path.realpath(best) if best else None
+    deletable = [c for c in ckpts[:-1] if os.path.realpath(c) != best_real]
+    deleted = []
+    while len(ckpts) - len(deleted) > limit and deletable:
+        victim = deletable.pop(0)
+        shutil.rmtree(victim, ignore_errors=True)
+        deleted.append(victim)
+    return deleted

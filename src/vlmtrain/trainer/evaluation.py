@@ -1,0 +1,139 @@
+"""evaluate() and predict(): the loss (and every loss_*) over a whole eval set, logits or generations,
+and compute_metrics. A mixin of Trainer, kept apart so each file reads on its own."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from .state import EvalPrediction, PredictionOutput
+from .stats import LossAverager, extra_losses, num_items_of
+
+
+def _pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
+    """Concatenate along dim 0, padding dim 1 (sequence) to the longest chunk with `pad`."""
+    if chunks[0].ndim < 2:
+        return torch.cat(chunks).numpy()
+    longest = max(c.shape[1] for c in chunks)
+    padded = [torch.nn.functional.pad(c, (0, 0) * (c.ndim - 2) + (0, longest - c.shape[1]), value=pad)
+              for c in chunks]
+    return torch.cat(padded).numpy()
+
+
+class EvaluationMixin:
+    """evaluate / predict / evaluation_loop / prediction_step for Trainer."""
+
+    def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | None = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Mean loss (weighted by num_items), every `loss_*`, and compute_metrics, keyed `<prefix>_<name>`.
+        A dict of datasets is evaluated one by one with prefixes `eval_<name>_`."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, Mapping):
+            metrics: dict[str, float] = {}
+            for name, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        dataloader = self.get_eval_dataloader(dataset)
+        output = self.evaluation_loop(dataloader, prediction_loss_only=self.compute_metrics is None,
+                                      ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        self.log(output.metrics)
+        self.control = self._event("on_evaluate", metrics=output.metrics)
+        return output.metrics
+
+    def predict(self, test_dataset: Dataset, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Predictions (logits, or generated token ids with predict_with_generate; then also `texts`), labels
+        and metrics for a dataset."""
+        dataloader = self.get_eval_dataloader(test_dataset)
+        output = self.evaluation_loop(dataloader, prediction_loss_only=False, ignore_keys=ignore_keys,
+                                      metric_key_prefix=metric_key_prefix)
+        self.control = self._event("on_predict", metrics=output.metrics)
+        return output
+
+    def evaluation_loop(self, dataloader: DataLoader, prediction_loss_only: bool = False,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> PredictionOutput:
+        self.callback_handler.refs["eval_dataloader"] = dataloader
+        model, start = self.model, time.time()
+        model.eval()
+        losses, preds, labels, samples = LossAverager(), [], [], 0
+        for i, batch in enumerate(dataloader):
+            if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
+                break
+            loss, pred, label, extras = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
+            size = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), 1)
+            samples += size
+            weight = extras.pop("num_items", None)
+            if loss is not None:
+                losses.add({"loss": loss, **extras}, weight if weight is not None else float(size))
+            if pred is not None:
+                preds.append(pred.detach().cpu())
+            if label is not None:
+                labels.append(label.detach().cpu())
+            self.control = self._event("on_prediction_step")
+        runtime = time.time() - start
+        predictions = _pad_concat(preds) if preds else None
+        label_ids = _pad_concat(labels) if labels else None
+        metrics = dict(losses.compute())
+        if self.compute_metrics is not None and predictions is not None:
+            metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
+        metrics.update(runtime=round(runtime, 4), samples_per_second=round(samples / max(runtime, 1e-9), 3))
+        metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
+                   for k, v in metrics.items()}
+        texts = None
+        if self.args.predict_with_generate and predictions is not None and hasattr(self.processing_class, "decode"):
+            texts = [self.processing_class.decode([t for t in row if t >= 0], skip_special_tokens=True)
+                     for row in predictions.tolist()]
+        return PredictionOutput(predictions, label_ids, metrics, texts)
+
+    def prediction_step(self, model: nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple:
+        """Returns (loss, predictions, labels, extras) where extras holds `loss_*` and `num_items`.
+        Predictions are logits, or generated ids when predict_with_generate is on."""
+        prompt = {k[len("prompt_"):]: v.to(self.device) for k, v in inputs.items()
+                  if k.startswith("prompt_") and isinstance(v, torch.Tensor)}
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs.get("labels")
+        loss, extras, outputs = None, {}, None
+        with torch.no_grad(), self.autocast():
+            if labels is not None or not self.args.predict_with_generate:
+                outputs = model(**inputs)
+                if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
+                    loss = outputs["loss"].detach().float()
+                    extras = extra_losses(outputs)
+                    n = num_items_of(outputs)
+                    if n is not None:
+                        extras["num_items"] = n
+        if prediction_loss_only:
+            return loss, None, None, extras
+        if self.args.predict_with_generate:
+            if not prompt:
+                raise ValueError("predict_with_generate needs `prompt_input_ids` (and prompt_attention_mask) in "
+                                 "each batch: have the data collator add the left-padded prompts.")
+            return loss, self.generate(prompt), labels, extras
+        logits = None
+        if isinstance(outputs, Mapping):
+            logits = outputs.get("logits")
+            if logits is None:
+                kept = [v for k, v in outputs.items() if k not in (ignore_keys or []) and not k.startswith("loss")
+                        and isinstance(v, torch.Tensor) and v.ndim > 0]
+                logits = kept[0] if kept else None
+        return loss, logits, labels, extras
+
+    def generate(self, prompt: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Greedy generation from the batch's `prompt_*` inputs; returns only the new tokens."""
+        tok = self.processing_class
+        kwargs = {"max_new_tokens": self.args.generation_max_new_tokens, "do_sample": False}
+        if tok is not None and getattr(tok, "pad_token_id", None) is not None:
+            kwargs["pad_token_id"] = tok.pad_token_id
+        with torch.no_grad(), self.autocast():
+            out = self.model.generate(**prompt, **kwargs)
+        new = out[:, prompt["input_ids"].shape[1]:]
+        if kwargs.get("pad_token_id") is not None:
+            new = new.masked_fill(new == kwargs["pad_token_id"], -100)
+        return new

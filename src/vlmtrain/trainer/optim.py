@@ -1,0 +1,136 @@
+"""Optimizer (parameter groups with per-module learning rates) and learning-rate schedules."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from .args import ConfigError, TrainingArguments
+
+DEFAULT_GROUP = "default"
+
+
+def _module_key(name: str, keys: list[str]) -> str | None:
+    """The longest key that names a module on `name`'s path ('vision' matches 'vision.x.w' and 'm.vision.w')."""
+    parts = name.split(".")
+    best = None
+    for key in keys:
+        kp = key.split(".")
+        hit = any(parts[i:i + len(kp)] == kp for i in range(len(parts) - len(kp) + 1))
+        if hit and (best is None or len(key) > len(best)):
+            best = key
+    return best
+
+
+def _no_decay_names(model: nn.Module) -> set[str]:
+    """Biases, normalization weights and other 1-D parameters get no weight decay."""
+    names = set()
+    for mod_name, module in model.named_modules():
+        is_norm = "norm" in type(module).__name__.lower()
+        for p_name, p in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if is_norm or p_name.endswith("bias") or p.ndim < 2:
+                names.add(full)
+    return names
+
+
+def build_param_groups(model: nn.Module, args: TrainingArguments) -> list[dict]:
+    """One group per (module learning rate, decay or not). Parameters whose learning rate is 0 are frozen:
+    requires_grad is set to False and they stay out of the optimizer."""
+    lrs = dict(args.module_learning_rates or {})
+    keys = list(lrs)
+    no_decay = _no_decay_names(model)
+    groups: dict[tuple[str, bool], dict] = {}
+    used = set()
+    for name, p in model.named_parameters():
+        key = _module_key(name, keys)
+        if key is not None:
+            used.add(key)
+        lr = lrs[key] if key is not None else args.learning_rate
+        if lr == 0:
+            p.requires_grad_(False)
+            continue
+        if not p.requires_grad:
+            continue
+        decay = name not in no_decay
+        group = groups.setdefault((key or DEFAULT_GROUP, decay), {
+            "params": [], "lr": lr, "weight_decay": args.weight_decay if decay else 0.0,
+            "name": key or DEFAULT_GROUP,
+        })
+        group["params"].append(p)
+    unused = [k for k in keys if k not in used]
+    if unused:
+        top = sorted({n.split(".")[0] for n, _ in model.named_parameters()})
+        raise ConfigError(f"module_learning_rates keys {unused} match no parameter of {type(model).__name__}; "
+                          f"its top-level modules are {top}.")
+    if not groups:
+        raise ConfigError("No trainable parameters: every parameter is frozen (learning rate 0 or "
+                          "requires_grad=False).")
+    return list(groups.values())
+
+
+def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
+    groups = build_param_groups(model, args)
+    if args.optim == "sgd":
+        return torch.optim.SGD(groups, lr=args.learning_rate)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                             eps=args.adam_epsilon, fused=args.optim == "adamw_torch_fused" or None)
+
+
+# Schedules as multipliers of each group's peak learning rate (the same curves as transformers').
+def _warmup(step: int, warmup: int) -> float | None:
+    return step / max(1, warmup) if step < warmup else None
+
+
+def _constant(step: int, warmup: int, total: int) -> float:
+    w = _warmup(step, warmup)
+    return 1.0 if w is None else w
+
+
+def _linear(step: int, warmup: int, total: int) -> float:
+    w = _warmup(step, warmup)
+    return w if w is not None else max(0.0, (total - step) / max(1, total - warmup))
+
+
+def _cosine(step: int, warmup: int, total: int, num_cycles: float = 0.5, min_lr_rate: float = 0.0) -> float:
+    w = _warmup(step, warmup)
+    if w is not None:
+        return w
+    progress = (step - warmup) / max(1, total - warmup)
+    factor = max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
+    return factor * (1 - min_lr_rate) + min_lr_rate
+
+
+def _polynomial(step: int, warmup: int, total: int, end_rate: float = 0.0, power: float = 1.0) -> float:
+    w = _warmup(step, warmup)
+    if w is not None:
+        return w
+    if step > total:
+        return end_rate
+    remaining = 1 - (step - warmup) / max(1, total - warmup)
+    return (1 - end_rate) * remaining**power + end_rate
+
+
+def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,
+                     num_training_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = args.get_warmup_steps(num_training_steps)
+    kw = dict(args.lr_scheduler_kwargs or {})
+    kind = args.lr_scheduler_type
+    if kind == "constant":
+        fn = functools.partial(_constant, warmup=0, total=num_training_steps)
+    elif kind == "constant_with_warmup":
+        fn = functools.partial(_constant, warmup=warmup, total=num_training_steps)
+    elif kind == "linear":
+        fn = functools.partial(_linear, warmup=warmup, total=num_training_steps)
+    elif kind in ("cosine", "cosine_with_min_lr"):
+        min_rate = kw.get("min_lr_rate", kw["min_lr"] / args.learning_rate if "min_lr" in kw else 0.0)
+        fn = functools.partial(_cosine, warmup=warmup, total=num_training_steps,
+                               num_cycles=kw.get("num_cycles", 0.5), min_lr_rate=min_rate)
+    else:  # polynomial
+        end_rate = kw.get("lr_end", 1e-7) / args.learning_rate if args.learning_rate > 0 else 0.0
+        fn = functools.partial(_polynomial, warmup=warmup, total=num_training_steps, end_rate=end_rate,
+                               power=kw.get("power", 1.0))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -1,0 +1,96 @@
+"""Running averages for logging: every loss a model returns, weighted by num_items, plus throughput."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The scalar `loss_<name>` entries of a model output (besides `loss` itself)."""
+    found = {}
+    for key, value in outputs.items():
+        if key.startswith("loss_") and isinstance(value, torch.Tensor) and value.numel() == 1:
+            found[key] = value.detach().reshape(())
+    return found
+
+
+def num_items_of(outputs: Mapping[str, Any]) -> torch.Tensor | None:
+    n = outputs.get("num_items", outputs.get("num_tokens")) if isinstance(outputs, Mapping) else None
+    if n is None:
+        return None
+    return n.detach().reshape(()).float() if isinstance(n, torch.Tensor) else torch.tensor(float(n))
+
+
+class LossAverager:
+    """Sum of value*weight and of weight per key; tensors stay on device until `compute()` (one sync)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Any] = {}
+        self.weights: dict[str, Any] = {}
+
+    def add(self, values: Mapping[str, torch.Tensor], weight: torch.Tensor | float) -> None:
+        for key, value in values.items():
+            v = value.detach().float() * weight
+            self.sums[key] = self.sums[key] + v if key in self.sums else v
+            self.weights[key] = self.weights[key] + weight if key in self.weights else weight
+
+    def compute(self) -> dict[str, float]:
+        out = {}
+        for key, total in self.sums.items():
+            w = float(self.weights[key])
+            out[key] = float(total) / w if w > 0 else math.nan
+        return out
+
+    def reset(self) -> None:
+        self.sums.clear()
+        self.weights.clear()
+
+    def state_dict(self) -> dict:
+        return {"sums": {k: float(v) for k, v in self.sums.items()},
+                "weights": {k: float(v) for k, v in self.weights.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums = {k: torch.tensor(v, dtype=torch.float32) for k, v in state["sums"].items()}
+        self.weights = dict(state["weights"])
+
+
+class Throughput:
+    """Samples, tokens and data-wait time over a logging window."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.samples = 0
+        self.tokens = 0
+        self.data_wait = 0.0
+        self.excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave time spent outside training (evaluation, checkpointing) out of the rates."""
+        self.excluded += seconds
+
+    def add_batch(self, batch: Mapping[str, Any], wait_seconds: float) -> None:
+        self.data_wait += wait_seconds
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if isinstance(ids, torch.Tensor):
+            self.samples += ids.shape[0]
+            self.tokens += int(mask.sum()) if isinstance(mask, torch.Tensor) else ids.numel()
+        else:
+            first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+            self.samples += first.shape[0] if first is not None and first.ndim else 0
+
+    def compute(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start - self.excluded, 1e-9)
+        out = {"samples_per_second": round(self.samples / elapsed, 3),
+               "data_wait_fraction": round(min(1.0, self.data_wait / elapsed), 4)}
+        if self.tokens:
+            out["tokens_per_second"] = round(self.tokens / elapsed, 3)
+        return out

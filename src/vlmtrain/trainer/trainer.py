@@ -1,0 +1,413 @@
+"""The Trainer: transformers' API (train / evaluate / predict, callbacks, checkpoints) in a small loop.
+
+Gradient scaling: each micro-batch's backward uses `loss * num_items` (or `loss * 1` when the model does not
+report num_items), and the summed gradients are divided by the window's total weight just before the
+optimizer step. The gradient of a step is therefore that of one big batch however it is split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import random
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from ..data.collate import DefaultCollator
+from ..logging.writers import default_writers
+from . import checkpoint as ckpt
+from . import distributed as dist
+from .args import TrainingArguments
+from .callbacks import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerCallback,
+)
+from .evaluation import EvaluationMixin
+from .optim import DEFAULT_GROUP, create_optimizer, create_scheduler
+from .state import TrainerControl, TrainerState, TrainOutput
+from .stats import LossAverager, Throughput, extra_losses, num_items_of
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer(EvaluationMixin):
+    """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, on any map-style or
+    iterable dataset of dict samples. Override the named steps to change behaviour."""
+
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
+                 data_collator: Any = None, train_dataset: Dataset | None = None,
+                 eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class: Any = None,
+                 compute_metrics: Any = None, callbacks: list[TrainerCallback] | None = None,
+                 optimizers: tuple[Any, Any] = (None, None)) -> None:
+        if model is None:
+            raise ValueError("Trainer needs a model: Trainer(model=..., args=...).")
+        self.args = args if args is not None else TrainingArguments()
+        set_seed(self.args.seed)
+        if self.args.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass "
+                             "Trainer(eval_dataset=...) or set eval_strategy='no'.")
+        self.device = dist.default_device()
+        self.model = model.to(self.device)
+        self.rank, self.world_size = dist.rank(), dist.world_size()
+        pad_id = getattr(processing_class, "pad_token_id", None) or 0
+        self.data_collator = data_collator if data_collator is not None else DefaultCollator(pad_id)
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.processing_class, self.compute_metrics = processing_class, compute_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.state, self.control = TrainerState(), TrainerControl()
+        self.state.is_world_process_zero = self.state.is_local_process_zero = self.rank == 0
+        progress = PrinterCallback() if self.args.disable_tqdm else ProgressCallback()
+        self.callback_handler = CallbackHandler(
+            [DefaultFlowCallback(), progress, *default_writers(self.args), *(callbacks or [])],
+            model=self.model, processing_class=processing_class, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler)
+        self.train_dataloader: StatefulDataLoader | None = None
+        self.control = self._event("on_init_end")
+
+    # -- callbacks -------------------------------------------------------------------------------------
+    def add_callback(self, callback: type | TrainerCallback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: type | TrainerCallback) -> TrainerCallback | None:
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: type | TrainerCallback) -> None:
+        self.callback_handler.remove_callback(callback)
+
+    def _event(self, name: str, **kwargs: Any) -> TrainerControl:
+        return self.callback_handler.call(name, self.args, self.state, self.control, **kwargs)
+
+    # -- data ------------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> StatefulDataLoader:
+        """A StatefulDataLoader (its position is saved in checkpoints) over a seeded, per-rank shuffle."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train() needs a train_dataset: pass Trainer(train_dataset=...).")
+        args, seed = self.args, self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        sampler = None
+        if not isinstance(self.train_dataset, IterableDataset):
+            sampler = StatefulDistributedSampler(self.train_dataset, num_replicas=self.world_size, rank=self.rank,
+                                                 shuffle=True, seed=seed, drop_last=False)
+        return StatefulDataLoader(
+            self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+            collate_fn=self.data_collator, num_workers=args.dataloader_num_workers, drop_last=args.dataloader_drop_last,
+            pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
+            generator=torch.Generator().manual_seed(seed))
+
+    def get_eval_dataloader(self, eval_dataset: Dataset | None = None) -> DataLoader:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
+        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, shuffle=False,
+                          collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
+
+    def _prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """Move tensors to the device; `prompt_*` keys are for generation only and stay out of forward."""
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in inputs.items() if not k.startswith("prompt_")}
+
+    # -- optimizer -------------------------------------------------------------------------------------
+    def create_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = create_optimizer(self.model, self.args)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        if self.lr_scheduler is None:
+            self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+        return self.lr_scheduler
+
+    def _learning_rates(self) -> dict[str, float]:
+        lrs: dict[str, float] = {}
+        for group in self.optimizer.param_groups:
+            lrs.setdefault(group.get("name", DEFAULT_GROUP), group["lr"])
+        out = {"learning_rate": lrs.get(DEFAULT_GROUP, next(iter(lrs.values())))}
+        if len(lrs) > 1:
+            out.update({f"learning_rate_{name}": lr for name, lr in lrs.items() if name != DEFAULT_GROUP})
+        return out
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+        """Train for max_steps (or num_train_epochs); resume from a checkpoint path, or True for the newest."""
+        args = self.args
+        resume = self._resolve_resume(args.resume_from_checkpoint if resume_from_checkpoint is None
+                                      else resume_from_checkpoint)
+        self._check_output_dir()
+        self.train_dataloader = loader = self.get_train_dataloader()
+        epochs = self._setup_training(loader)
+        if resume is not None:
+            self._load_checkpoint(resume)
+        model = torch.compile(self.model) if args.torch_compile else self.model
+        start = time.time()
+        self.control = self._event("on_train_begin")
+        while self._epoch_index < epochs and not self.control.should_training_stop:
+            self.control = self._event("on_epoch_begin")
+            self._run_epoch(model, loader)
+            self.control = self._event("on_epoch_end")
+            self._maybe_log_save_evaluate()
+        return self._finish_training(start)
+
+    def _run_epoch(self, model: nn.Module, loader: StatefulDataLoader) -> None:
+        accum, steps_in_epoch = self.args.gradient_accumulation_steps, self._steps_in_epoch
+        if isinstance(loader.sampler, StatefulDistributedSampler):
+            loader.sampler.set_epoch(self._epoch_index)
+        batches, seen = iter(loader), 0
+        while True:
+            fetch_start = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            seen += 1
+            self._throughput.add_batch(batch, time.perf_counter() - fetch_start)
+            if self._micro_step % accum == 0:
+                self.control = self._event("on_step_begin")
+            self.training_step(model, batch)
+            self._micro_step += 1
+            if self._micro_step % accum == 0 or self._micro_step == steps_in_epoch:
+                self._optimizer_step(model)
+            else:
+                self.control = self._event("on_substep_end")
+            if self.control.should_epoch_stop or self.control.should_training_stop:
+                return
+        # The epoch is complete.
+        if self._window_weight is not None:
+            self._optimizer_step(model)  # an iterable dataset ran out mid-window: step on what was accumulated
+        self._epoch_index, self._micro_step = self._epoch_index + 1, 0
+        if seen == 0:
+            warnings.warn("The train dataloader yielded no batch this epoch: stopping training.", stacklevel=2)
+            self.control.should_training_stop = True
+
+    def training_step(self, model: nn.Module, inputs: Mapping[str, Any],
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns the detached loss."""
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.autocast():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        n = num_items_of(outputs)
+        weight = n.to(loss.device) if n is not None else torch.ones((), device=loss.device)
+        (loss * weight).backward()
+        self._window_weight = weight if self._window_weight is None else self._window_weight + weight
+        self._train_losses.add({"loss": loss, **extra_losses(outputs)}, weight)
+        self._run_loss.add({"loss": loss}, weight)
+        return loss.detach()
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        outputs = model(**inputs)
+        if isinstance(outputs, Mapping):
+            if outputs.get("loss") is None:
+                raise ValueError(f"The model returned no 'loss' (its output keys: {list(outputs.keys())}; the batch "
+                                 f"had {list(inputs)}). Pass labels in the batch, or override compute_loss.")
+            loss = outputs["loss"]
+        elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+            loss, outputs = outputs[0], {"loss": outputs[0]}
+        else:
+            raise ValueError(f"The model returned {type(outputs).__name__}; vlmtrain needs a mapping with 'loss'.")
+        return (loss, outputs) if return_outputs else loss
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.args.bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _optimizer_step(self, model: nn.Module) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # Sum of weights over micro-batches (and ranks); DDP averages gradients, hence the world_size factor.
+        total = dist.all_reduce_sum(self._window_weight.detach().float())
+        scale = self.world_size / total
+        grads = [p.grad for p in params]
+        if grads:
+            torch._foreach_mul_(grads, scale.to(grads[0].device))
+        if self.args.max_grad_norm > 0:
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
+        else:
+            self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        self.control = self._event("on_pre_optimizer_step")
+        self.optimizer.step()
+        self.control = self._event("on_optimizer_step")
+        self._last_lrs = self._learning_rates()
+        self.lr_scheduler.step()
+        model.zero_grad(set_to_none=True)
+        self._window_weight = None
+        self.state.global_step += 1
+        steps = self._steps_in_epoch
+        self.state.epoch = self._epoch_index + (self._micro_step / steps if steps else 0.0)
+        self.control = self._event("on_step_end")
+        self._maybe_log_save_evaluate()
+
+    def _maybe_log_save_evaluate(self) -> None:
+        if self.control.should_log and self.state.global_step > self._last_logged_step:
+            logs = self._train_losses.compute()
+            self._train_losses.reset()
+            if self._grad_norm is not None:
+                logs["grad_norm"] = float(self._grad_norm)
+            logs.update(self._last_lrs or self._learning_rates())
+            logs.update(self._throughput.compute())
+            self._throughput.reset()
+            self._last_logged_step = self.state.global_step
+            self.log(logs)
+        paused = time.perf_counter()
+        if self.control.should_evaluate:
+            metrics = self.evaluate()
+            is_best = self._update_best(metrics)
+            if self.args.save_strategy == "best":
+                self.control.should_save = is_best
+        if self.control.should_save:
+            self._save_checkpoint()
+            self.control = self._event("on_save")
+        self._throughput.exclude(time.perf_counter() - paused)
+
+    def log(self, logs: dict[str, float]) -> None:
+        """Record logs in state.log_history and hand them to on_log (metrics.jsonl, progress bar, ...)."""
+        logs = {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self._event("on_log", logs=logs)
+
+    def _update_best(self, metrics: dict[str, float]) -> bool:
+        name = self.args.metric_for_best_model
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={name!r}: evaluation returned no {key!r} "
+                           f"(it returned {sorted(metrics)}).")
+        value, best = metrics[key], self.state.best_metric
+        if best is None or (value > best if self.args.greater_is_better else value < best):
+            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
+            return True
+        return False
+
+    # -- setup, checkpoints, end -------------------------------------------------------------------------
+    def _setup_training(self, loader: StatefulDataLoader) -> int:
+        """Work out max_steps / epochs, reset the state, build optimizer and scheduler. Returns the epoch count."""
+        args, accum = self.args, self.args.gradient_accumulation_steps
+        self._steps_in_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
+        if self._steps_in_epoch == 0:
+            raise ValueError("The train_dataset yields no batch (empty dataset, or fewer samples than a batch with "
+                             "dataloader_drop_last=True).")
+        if self._steps_in_epoch is None:
+            if args.max_steps <= 0:
+                raise ValueError("train_dataset has no length (an iterable/streaming dataset): set max_steps.")
+            max_steps, epochs = args.max_steps, 2**31
+        else:
+            updates_per_epoch = math.ceil(self._steps_in_epoch / accum)
+            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
+            epochs = math.ceil(max_steps / updates_per_epoch)
+        self.state = TrainerState(max_steps=max_steps, num_train_epochs=epochs, logging_steps=args.logging_steps,
+                                  eval_steps=args.eval_steps, save_steps=args.save_steps,
+                                  train_batch_size=args.per_device_train_batch_size,
+                                  is_world_process_zero=self.rank == 0, is_local_process_zero=self.rank == 0)
+        self.create_optimizer()
+        self.create_scheduler(max_steps)
+        self.callback_handler.refs.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+                                          train_dataloader=loader)
+        self._epoch_index, self._micro_step, self._last_logged_step = 0, 0, 0
+        self._window_weight = self._grad_norm = self._last_lrs = None
+        self._train_losses, self._run_loss, self._throughput = LossAverager(), LossAverager(), Throughput()
+        self.model.zero_grad(set_to_none=True)
+        return epochs
+
+    def _resolve_resume(self, resume: str | bool | None) -> str | None:
+        if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")):
+            return None
+        if resume is True or (isinstance(resume, str) and resume.lower() in ("true", "latest")):
+            ckpt.remove_stale_tmp(self.args.output_dir)
+            latest = ckpt.latest_checkpoint(self.args.output_dir)
+            if latest is None:
+                warnings.warn(f"resume_from_checkpoint=True but {self.args.output_dir!r} holds no complete "
+                              "checkpoint: starting from scratch.", stacklevel=3)
+            return latest
+        ckpt.check_complete(resume)
+        return resume
+
+    def _check_output_dir(self) -> None:
+        out = self.args.output_dir
+        try:
+            os.makedirs(out, exist_ok=True)
+            probe = os.path.join(out, f".write-test-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+        except OSError as e:
+            raise PermissionError(f"output_dir {out!r} is not writable ({e.strerror}); choose another "
+                                  "--train.output_dir.") from e
+        if self.rank == 0:
+            ckpt.remove_stale_tmp(out)
+
+    def _loop_state(self) -> dict:
+        epoch_done = self._steps_in_epoch is not None and self._micro_step == self._steps_in_epoch
+        return {"loader": None if epoch_done else self.train_dataloader.state_dict(),
+                "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
+                "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step}
+
+    def _save_checkpoint(self) -> str:
+        out, step = self.args.output_dir, self.state.global_step
+        if self.state.best_global_step == step:
+            self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
+        self.state.stateful_callbacks = {type(cb).__name__: cb.state_dict() for cb in self.callback_handler.callbacks
+                                         if hasattr(cb, "state_dict")}
+        files = {"optimizer.pt": self.optimizer.state_dict(), "scheduler.pt": self.lr_scheduler.state_dict(),
+                 f"rng_state_{self.rank}.pth": ckpt.rng_state(), f"loop_state_{self.rank}.pt": self._loop_state()}
+        if self.rank == 0:
+            files[ckpt.STATE_NAME] = dataclasses.asdict(self.state)
+        path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
+        if self.rank == 0:
+            ckpt.rotate_checkpoints(out, self.args.save_total_limit, self.state.best_model_checkpoint)
+        return path
+
+    def _load_checkpoint(self, path: str) -> None:
+        ckpt.load_model_weights(self.model, path)
+        saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
+        if saved.max_steps != self.state.max_steps:
+            warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
+                          f"{saved.max_steps}.", stacklevel=3)
+        saved.max_steps, saved.num_train_epochs = self.state.max_steps, self.state.num_train_epochs
+        self.state = saved
+        for cb in self.callback_handler.callbacks:
+            if type(cb).__name__ in saved.stateful_callbacks and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(saved.stateful_callbacks[type(cb).__name__])
+        self.optimizer.load_state_dict(ckpt.load_torch(os.path.join(path, "optimizer.pt")))
+        self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
+        loop = ckpt.load_torch(os.path.join(path, f"loop_state_{self.rank}.pt"))
+        if loop["loader"] is not None:
+            self.train_dataloader.load_state_dict(loop["loader"])
+        self._epoch_index, self._micro_step = loop["epoch_index"], loop["micro_step"]
+        self._train_losses.load_state_dict(loop["train_losses"])
+        self._last_logged_step = loop["last_logged_step"]
+        ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir."""
+        if self.rank == 0:
+            ckpt.save_model_files(self.model, output_dir or self.args.output_dir, self.processing_class)
+
+    def _finish_training(self, start: float) -> TrainOutput:
+        runtime = time.time() - start
+        train_loss = self._run_loss.compute().get("loss", math.nan)
+        steps = self.state.global_step
+        metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
+                   "train_steps_per_second": round(steps / max(runtime, 1e-9), 3)}
+        self.log(metrics)
+        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            ckpt.load_model_weights(self.model, self.state.best_model_checkpoint)
+        self.control = self._event("on_train_end")
+        return TrainOutput(steps, train_loss, metrics)
