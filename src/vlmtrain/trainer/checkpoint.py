@@ -82,7 +82,15 @@ def save_model_files(model: nn.Module, directory: str, processing_class: Any = N
     loadable by the model's from_pretrained."""
     os.makedirs(directory, exist_ok=True)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(directory)
+        from transformers.utils import logging as hf_logging
+
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # its per-shard bar would break our training progress bar
+        try:
+            model.save_pretrained(directory)
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
     else:
         safetensors.torch.save_model(model, os.path.join(directory, MODEL_NAME), metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
