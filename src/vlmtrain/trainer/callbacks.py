@@ -39,7 +39,9 @@ class CallbackHandler:
         self.callbacks: list[TrainerCallback] = []
         for cb in callbacks:
             self.add_callback(cb)
-        self.refs = refs  # model, processing_class, optimizer, lr_scheduler, dataloaders
+        # model, processing_class, optimizer, lr_scheduler, dataloaders; like transformers, every event gets the
+        # dataloader keys (None until there is one).
+        self.refs = {"train_dataloader": None, "eval_dataloader": None, **refs}
 
     def add_callback(self, callback: type | TrainerCallback) -> None:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
@@ -179,7 +181,7 @@ class EarlyStoppingCallback(TrainerCallback):
     def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0) -> None:
         self.early_stopping_patience = early_stopping_patience
         self.early_stopping_threshold = early_stopping_threshold
-        self.patience_counter = 0
+        self.early_stopping_patience_counter = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.metric_for_best_model is None:
@@ -196,14 +198,14 @@ class EarlyStoppingCallback(TrainerCallback):
         better = (lambda a, b: a > b) if args.greater_is_better else (lambda a, b: a < b)
         best = state.best_metric
         if best is None or (better(value, best) and abs(value - best) > self.early_stopping_threshold):
-            self.patience_counter = 0
+            self.early_stopping_patience_counter = 0
         else:
-            self.patience_counter += 1
-        if self.patience_counter >= self.early_stopping_patience:
+            self.early_stopping_patience_counter += 1
+        if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
 
     def state_dict(self) -> dict:
-        return {"patience_counter": self.patience_counter}
+        return {"early_stopping_patience_counter": self.early_stopping_patience_counter}
 
     def load_state_dict(self, state: dict) -> None:
-        self.patience_counter = state["patience_counter"]
+        self.early_stopping_patience_counter = state["early_stopping_patience_counter"]

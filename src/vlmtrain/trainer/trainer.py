@@ -169,7 +169,7 @@ class Trainer(EvaluationMixin):
         accum, steps_in_epoch = self.args.gradient_accumulation_steps, self._steps_in_epoch
         if isinstance(loader.sampler, StatefulDistributedSampler):
             loader.sampler.set_epoch(self._epoch_index)
-        batches, seen = iter(loader), 0
+        batches, seen, self._epoch_cut = iter(loader), 0, False
         while True:
             fetch_start = time.perf_counter()
             batch = next(batches, None)
@@ -185,8 +185,14 @@ class Trainer(EvaluationMixin):
                 self._optimizer_step(model)
             else:
                 self.control = self._event("on_substep_end")
-            if self.control.should_epoch_stop or self.control.should_training_stop:
+            if self.control.should_training_stop:
                 return
+            if self.control.should_epoch_stop:
+                # A callback ended the epoch: drop an unfinished accumulation window and go on with the next epoch
+                # (transformers too moves on, but leaves that window's gradients in .grad for the next step).
+                model.zero_grad(set_to_none=True)
+                self._window_weight, self._epoch_cut = None, True
+                break
         # The epoch is complete.
         if self._window_weight is not None:
             self._optimizer_step(model)  # an iterable dataset ran out mid-window: step on what was accumulated
@@ -322,6 +328,7 @@ class Trainer(EvaluationMixin):
                                           train_dataloader=loader)
         self._epoch_index, self._micro_step, self._last_logged_step = 0, 0, 0
         self._window_weight = self._grad_norm = self._last_lrs = None
+        self._epoch_cut = False
         self._train_losses, self._run_loss, self._throughput = LossAverager(), LossAverager(), Throughput()
         self.model.zero_grad(set_to_none=True)
         return epochs
@@ -335,8 +342,10 @@ class Trainer(EvaluationMixin):
             if latest is None:
                 warnings.warn(f"resume_from_checkpoint=True but {self.args.output_dir!r} holds no complete "
                               "checkpoint: starting from scratch.", stacklevel=3)
+            else:
+                ckpt.check_complete(latest, self.rank)
             return latest
-        ckpt.check_complete(resume)
+        ckpt.check_complete(resume, self.rank)
         return resume
 
     def _check_output_dir(self) -> None:
@@ -355,7 +364,8 @@ class Trainer(EvaluationMixin):
 
     def _loop_state(self) -> dict:
         epoch_done = self._steps_in_epoch is not None and self._micro_step == self._steps_in_epoch
-        return {"loader": None if epoch_done else self.train_dataloader.state_dict(),
+        # After an epoch cut short by should_epoch_stop the next epoch starts with a fresh loader.
+        return {"loader": None if epoch_done or self._epoch_cut else self.train_dataloader.state_dict(),
                 "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
                 "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step}
 
