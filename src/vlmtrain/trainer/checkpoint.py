@@ -52,10 +52,11 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return ckpts[-1] if ckpts else None
 
 
-def check_complete(path: str) -> None:
+def check_complete(path: str, rank: int = 0) -> None:
     if not os.path.isdir(path):
         raise CheckpointError(f"resume_from_checkpoint={path!r} does not exist (or is not a directory).")
-    missing = [f for f in REQUIRED if not os.path.isfile(os.path.join(path, f))]
+    required = (*REQUIRED, f"rng_state_{rank}.pth", f"loop_state_{rank}.pt")
+    missing = [f for f in required if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise CheckpointError(f"Checkpoint {path!r} is incomplete: missing {missing}. Resume from another "
                               f"checkpoint or pass resume_from_checkpoint=True to pick the newest complete one.")
