@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import os
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +91,8 @@ def _unknown(kind: str, name: str, choices: list[str], where: str, prefix: str =
         hint = f" Did you mean {' or '.join(repr(n) for n in full)}?"
     else:
         hint = f" Valid {kind}s{f' in {prefix[:-1]!r}' if prefix else ''}: {', '.join(choices)}."
-    return ConfigError(f"unknown {kind} {name!r} in {where}.{hint}")
+    place = "on the command line" if where == "the command line" else f"in {where}"
+    return ConfigError(f"unknown {kind} {name!r} {place}.{hint}")
 
 
 def _field_names(section: str) -> list[str]:
@@ -129,9 +131,14 @@ def _type_name(section: str, key: str) -> str:
     return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
 
 
-def _allows_none(section: str, key: str) -> bool:
+def _members(section: str, key: str) -> tuple[Any, ...]:
+    """The types a key accepts: the members of a union, else the type itself."""
     hint = typing.get_type_hints(SECTIONS[section])[key]
-    return hint is Any or type(None) in typing.get_args(hint)
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def _allows_none(section: str, key: str) -> bool:
+    return any(t is Any or t is type(None) for t in _members(section, key))
 
 
 def _translate(err: Exception) -> ConfigError:
@@ -144,7 +151,7 @@ def _translate(err: Exception) -> ConfigError:
         value = got[-1].strip() if got else "?"
         value = {"None": "null", "True": "true", "False": "false"}.get(value, value)  # as YAML writes them
         hint = ""
-        if "str" in _type_name(section, key) and re.fullmatch(r"true|false|[-+.\deE]+", value):
+        if str in _members(section, key) and re.fullmatch(r"true|false|[-+.\deE]+", value):
             hint = f" (quote it to pass a string: '{value}')"
         return ConfigError(f"{section}.{key}: expected {_type_name(section, key)}, got {value}{hint}.")
     m = re.search(r"Group '(\w+)' does not accept option '([\w.]+)'", msg)

@@ -111,8 +111,9 @@ def find_demo_config() -> Path:
     raise ConfigError(f"cannot find configs/{DEMO_CONFIG} (looked in {', '.join(str(c.parent) for c in candidates)}).")
 
 
-def _pick(metrics: dict[str, Any], *names: str) -> Any:
-    return next((metrics[n] for n in names if n in metrics), None)
+def _pick(metrics: dict[str, Any], *names: str) -> str:
+    value = next((metrics[n] for n in names if n in metrics), None)
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def demo(output_dir: str | None = None) -> dict[str, Any]:
@@ -123,9 +124,8 @@ def demo(output_dir: str | None = None) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     out = cfg.train.output_dir
     exact, loss = _pick(metrics, "eval_exact_match", "exact_match"), _pick(metrics, "eval_loss")
-    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
     print(f"\nvlmtrain demo: {metrics.get('global_step')} steps in {seconds:.0f}s\n"
-          f"  eval exact-match: {fmt(exact)}   eval loss: {fmt(loss)}\n"
+          f"  eval exact-match: {exact}   eval loss: {loss}\n"
           f"  checkpoints: {os.path.join(out, 'checkpoint-*')}/\n"
           f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
           f"  config:      {os.path.join(out, 'config.yaml')}")
