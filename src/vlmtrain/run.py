@@ -78,7 +78,11 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     out = trainer.train(resume_from_checkpoint=resume_arg(cfg.train.resume_from_checkpoint))
     metrics = {"global_step": out.global_step, "training_loss": out.training_loss, **(out.metrics or {})}
     if getattr(trainer, "eval_dataset", None) is not None:
-        metrics.update(trainer.evaluate())
+        # Reuse an evaluation the run already made at its last step rather than running it twice.
+        last = [h for h in trainer.state.log_history if h.get("step") == out.global_step
+                and any(k.startswith("eval_") and k.endswith("loss") for k in h)]
+        metrics.update({k: v for h in last for k, v in h.items() if k.startswith("eval_")} if last
+                       else trainer.evaluate())
     return metrics
 
 

@@ -22,7 +22,11 @@ def _check_model_type(config: dict[str, Any]) -> str:
     if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         near = difflib.get_close_matches(str(model_type), causal, n=3, cutoff=0.5)
         hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
-        what = "has no causal LM class" if model_type in CONFIG_MAPPING else "is not a known transformers model type"
+        what = (
+            "has no causal LM class"
+            if model_type in CONFIG_MAPPING
+            else "is not a known transformers model type"
+        )
         raise ValueError(f"model.config.model_type={model_type!r} {what}.{hint}")
     return model_type
 

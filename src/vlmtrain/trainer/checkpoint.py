@@ -18,6 +18,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from .distributed import barrier
+
 PREFIX = "checkpoint"
 TMP_PREFIX = ".tmp-checkpoint-"
 STATE_NAME = "trainer_state.json"
@@ -147,6 +149,7 @@ def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_mo
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         write_model(tmp)
+    barrier()  # every rank writes its own files into the directory rank 0 just made
     for name, obj in files.items():
         path = os.path.join(tmp, name)
         if name.endswith(".json"):
@@ -154,6 +157,7 @@ def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_mo
                 json.dump(obj, f, indent=2, sort_keys=True)
         else:
             torch.save(obj, path)
+    barrier()  # ... and all of them are on disk before the rename makes the checkpoint visible
     if rank == 0:
         _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap, then drop the old one

@@ -25,6 +25,11 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
 def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
