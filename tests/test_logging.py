@@ -1,0 +1,67 @@
+"""metrics.jsonl schema, TensorBoard, progress output, bf16 and torch.compile runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from tiny import tiny_llama, token_samples
+
+from vlmtrain import Trainer, TrainingArguments
+
+
+def _train(tmp_path, **kw):
+    args = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
+                save_strategy="no", learning_rate=1e-3, disable_tqdm=True)
+    args.update(kw)
+    trainer = Trainer(tiny_llama(), TrainingArguments(**args), train_dataset=token_samples(16),
+                      eval_dataset=token_samples(8, seed=3))
+    return trainer, trainer.train()
+
+
+def test_metrics_jsonl_schema(tmp_path):
+    _train(tmp_path, eval_strategy="steps", eval_steps=2)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    eval_rows = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in train_rows] == [2, 4] and [r["step"] for r in eval_rows] == [2, 4]
+    for r in train_rows:
+        assert {"step", "epoch", "loss", "learning_rate", "grad_norm", "samples_per_second", "tokens_per_second",
+                "data_wait_fraction"} <= set(r)
+        assert 0 <= r["data_wait_fraction"] <= 1 and r["tokens_per_second"] > 0 and math.isfinite(r["loss"])
+    assert rows[-1]["train_runtime"] > 0 and "train_loss" in rows[-1]
+
+
+def test_tensorboard_when_requested(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _train(tmp_path, report_to="tensorboard", run_name="tb", eval_strategy="steps", eval_steps=2)
+    acc = EventAccumulator(str(tmp_path / "runs" / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"train/loss", "train/learning_rate", "eval/loss"} <= set(tags)
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4]
+
+
+def test_progress_bar_and_printer(tmp_path, capsys):
+    _train(tmp_path / "bar", disable_tqdm=False)
+    err = capsys.readouterr().err
+    assert "train" in err and "loss=" in err and "lr=" in err
+    _train(tmp_path / "print", disable_tqdm=True)
+    out = capsys.readouterr().out
+    assert "'loss'" in out and "'learning_rate'" in out
+
+
+def test_bf16_autocast_trains(tmp_path):
+    trainer, out = _train(tmp_path, bf16=True)
+    assert math.isfinite(out.training_loss)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # master weights stay fp32
+
+
+@pytest.mark.slow
+def test_torch_compile_trains(tmp_path):
+    trainer, out = _train(tmp_path, torch_compile=True, max_steps=2)
+    assert out.global_step == 2 and math.isfinite(out.training_loss)
