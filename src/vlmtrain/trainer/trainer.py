@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 import random
@@ -80,6 +81,7 @@ class Trainer(EvaluationMixin):
             model=self.model, processing_class=processing_class, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler)
         self.train_dataloader: StatefulDataLoader | None = None
+        self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self.control = self._event("on_init_end")
 
     # -- callbacks -------------------------------------------------------------------------------------
@@ -204,15 +206,23 @@ class Trainer(EvaluationMixin):
     def training_step(self, model: nn.Module, inputs: Mapping[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
         """Forward + backward of one micro-batch; returns the detached loss."""
-        model.train()
+        if not self.model.training:  # (self.model: a torch.compile wrapper does not see evaluation's .eval())
+            model.train()
         inputs = self._prepare_inputs(inputs)
+        if self._forward_takes_use_cache:
+            inputs.setdefault("use_cache", False)  # a KV cache is wasted work in training
         with self.autocast():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        n = num_items_of(outputs)
-        weight = n.to(loss.device) if n is not None else torch.ones((), device=loss.device)
-        (loss * weight).backward()
+        n, extras = num_items_of(outputs), extra_losses(outputs)
+        del outputs  # free logits before backward
+        if n is None:  # plain mean loss: weight 1 per micro-batch, no tensor work
+            weight = 1.0
+            loss.backward()
+        else:
+            weight = n.to(loss.device)
+            (loss * weight).backward()
         self._window_weight = weight if self._window_weight is None else self._window_weight + weight
-        self._train_losses.add({"loss": loss, **extra_losses(outputs)}, weight)
+        self._train_losses.add({"loss": loss, **extras}, weight)
         self._run_loss.add({"loss": loss}, weight)
         return loss.detach()
 
@@ -238,11 +248,12 @@ class Trainer(EvaluationMixin):
     def _optimizer_step(self, model: nn.Module) -> None:
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         # Sum of weights over micro-batches (and ranks); DDP averages gradients, hence the world_size factor.
-        total = dist.all_reduce_sum(self._window_weight.detach().float())
-        scale = self.world_size / total
         grads = [p.grad for p in params]
-        if grads:
-            torch._foreach_mul_(grads, scale.to(grads[0].device))
+        w = self._window_weight
+        if self.world_size > 1 or isinstance(w, torch.Tensor) or w != 1.0:  # else the mean is already right
+            total = dist.all_reduce_sum(torch.as_tensor(w, device=self.device).float())
+            if grads:
+                torch._foreach_mul_(grads, (self.world_size / total).to(grads[0].device))
         if self.args.max_grad_norm > 0:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
         else:
