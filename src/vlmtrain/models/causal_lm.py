@@ -17,7 +17,7 @@ def _check_model_type(config: dict[str, Any]) -> str:
     if not model_type:
         raise ValueError(
             "model.config.model_type is required when model.pretrained is not set "
-            f"(e.g. 'llama', 'qwen2', 'gpt2'; causal LM types include {causal[:12]}...)"
+            "(a transformers causal LM type such as 'llama', 'qwen2' or 'gpt2')."
         )
     if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         near = difflib.get_close_matches(str(model_type), causal, n=3, cutoff=0.5)
