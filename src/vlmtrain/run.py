@@ -73,6 +73,10 @@ def resolve_checkpoint(path: str, output_dir: str) -> str:
 def train(cfg: RunConfig) -> dict[str, Any]:
     """Train as configured (resuming if train.resume_from_checkpoint says so); return the final metrics,
     including a final evaluation when there is an eval set."""
+    return _train(cfg)[1]
+
+
+def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
     trainer = build(cfg)
     save_run_config(cfg, cfg.train.output_dir)
     out = trainer.train(resume_from_checkpoint=resume_arg(cfg.train.resume_from_checkpoint))
@@ -83,7 +87,7 @@ def train(cfg: RunConfig) -> dict[str, Any]:
                 and any(k.startswith("eval_") and k.endswith("loss") for k in h)]
         metrics.update({k: v for h in last for k, v in h.items() if k.startswith("eval_")} if last
                        else trainer.evaluate())
-    return metrics
+    return trainer, metrics
 
 
 def evaluate(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
@@ -124,13 +128,27 @@ def demo(output_dir: str | None = None) -> dict[str, Any]:
     """Train the tiny addition model of configs/addition-tiny.yaml on CPU and print where everything went."""
     cfg = load_run_config(find_demo_config(), {"train.output_dir": output_dir} if output_dir else None)
     start = time.perf_counter()
-    metrics = train(cfg)
+    trainer, metrics = _train(cfg)
     seconds = time.perf_counter() - start
     out = cfg.train.output_dir
+    examples = _examples(trainer)
     exact, loss = _pick(metrics, "eval_exact_match", "exact_match"), _pick(metrics, "eval_loss")
     print(f"\nvlmtrain demo: {metrics.get('global_step')} steps in {seconds:.0f}s\n"
           f"  eval exact-match: {exact}   eval loss: {loss}\n"
           f"  checkpoints: {os.path.join(out, 'checkpoint-*')}/\n"
           f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
-          f"  config:      {os.path.join(out, 'config.yaml')}")
+          f"  config:      {os.path.join(out, 'config.yaml')}\n"
+          f"  held-out examples (Trainer.predict): {examples}\n"
+          f"  next: vlmtrain predict --config {find_demo_config()} --checkpoint {out}")
     return metrics
+
+
+def _examples(trainer: Any, n: int = 5) -> str:
+    """A few held-out prompts with the model's generated answers."""
+    if trainer.eval_dataset is None or not trainer.args.predict_with_generate:
+        return "n/a"
+    subset = [trainer.eval_dataset[i] for i in range(min(n, len(trainer.eval_dataset)))]
+    texts = trainer.predict(subset).texts or []
+    tok = trainer.processing_class
+    prompts = [tok.decode(s["prompt_input_ids"], skip_special_tokens=True) for s in subset]
+    return ", ".join(f"{p}{t}" for p, t in zip(prompts, texts))
