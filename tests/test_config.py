@@ -185,3 +185,18 @@ def test_python_m_vlmtrain_bad_config(tmp_path):
     assert proc.stderr.strip() == "error: train.max_steps: expected int, got abc."
     assert not (tmp_path / "runs").exists()  # nothing was written: it failed before any work
     assert time.perf_counter() - start < 60
+
+
+def test_unknown_model_type_fails_before_data_is_built(tmp_path, monkeypatch):
+    from vlmtrain import run
+    from vlmtrain.data import addition
+
+    def never(*a, **k):
+        raise AssertionError("data was built before the model config was checked")
+
+    monkeypatch.setattr(addition, "build_addition", never)
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  config: {model_type: lama}\ntrain:\n  max_steps: 3\n")
+    cfg = load_run_config(path)
+    with pytest.raises(ConfigError, match="model_type='lama'.*'llama'"):
+        run.build(cfg)

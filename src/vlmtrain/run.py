@@ -20,6 +20,10 @@ DEMO_CONFIG = "addition-tiny.yaml"
 def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     """Build the data, the model (initialized under cfg.train.seed) and a Trainer; with checkpoint, the
     model weights are loaded from that checkpoint directory."""
+    if cfg.model.kind == "causal_lm" and cfg.model.pretrained is None:
+        from vlmtrain.models.causal_lm import check_model_type
+
+        check_model_type(cfg.model.config)  # a bad model_type fails before any data is built
     if cfg.data.source == "addition":
         from vlmtrain.data.addition import build_addition
 

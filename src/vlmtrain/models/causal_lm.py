@@ -10,12 +10,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from ..trainer.args import ConfigError
 
-def _check_model_type(config: dict[str, Any]) -> str:
+
+def check_model_type(config: dict[str, Any]) -> str:
+    """The config's model_type, if transformers has a causal LM for it; else a ConfigError with suggestions."""
     model_type = config.get("model_type")
     causal = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     if not model_type:
-        raise ValueError(
+        raise ConfigError(
             "model.config.model_type is required when model.pretrained is not set "
             "(a transformers causal LM type such as 'llama', 'qwen2' or 'gpt2')."
         )
@@ -27,7 +30,7 @@ def _check_model_type(config: dict[str, Any]) -> str:
             if model_type in CONFIG_MAPPING
             else "is not a known transformers model type"
         )
-        raise ValueError(f"model.config.model_type={model_type!r} {what}.{hint}")
+        raise ConfigError(f"model.config.model_type={model_type!r} {what}.{hint}")
     return model_type
 
 
@@ -50,7 +53,7 @@ def build_causal_lm(
         config.pop("model_type", None)
         model = AutoModelForCausalLM.from_pretrained(pretrained, **config)
     else:
-        model_type = _check_model_type(config)
+        model_type = check_model_type(config)
         rest = {k: v for k, v in config.items() if k != "model_type"}
         if tokenizer is not None:
             # Token ids must agree with the tokenizer, or generate() never stops and padding is wrong.
