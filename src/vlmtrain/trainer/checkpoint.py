@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from typing import Any
 
 import numpy as np
@@ -202,3 +203,36 @@ def rotate_checkpoints(output_dir: str, limit: int | None, best: str | None) -> 
         shutil.rmtree(victim, ignore_errors=True)
         deleted.append(victim)
     return deleted
+
+
+def resolve_resume(resume: str | bool | None, output_dir: str, rank: int = 0) -> str | None:
+    """A complete checkpoint to resume from: an explicit path, or for True/'true'/'latest' the newest
+    complete one in output_dir (None, with a warning, when there is none)."""
+    if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")):
+        return None
+    if resume is True or (isinstance(resume, str) and resume.lower() in ("true", "latest")):
+        remove_stale_tmp(output_dir)
+        latest = latest_checkpoint(output_dir)
+        if latest is None:
+            warnings.warn(f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint: "
+                          "starting from scratch.", stacklevel=3)
+        else:
+            check_complete(latest, rank)
+        return latest
+    check_complete(resume, rank)
+    return resume
+
+
+def prepare_output_dir(output_dir: str, rank: int = 0) -> None:
+    """Fail early, naming the directory, when output_dir cannot be written; clear crash leftovers."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(f"output_dir {output_dir!r} is not writable ({e.strerror}); choose another "
+                              "--train.output_dir.") from e
+    if rank == 0:
+        remove_stale_tmp(output_dir)

@@ -80,6 +80,16 @@ def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.O
                              eps=args.adam_epsilon, fused=args.optim == "adamw_torch_fused" or None)
 
 
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """`learning_rate` (the default group's) plus `learning_rate_<module>` for each per-module group."""
+    lrs: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        lrs.setdefault(group.get("name", DEFAULT_GROUP), group["lr"])
+    out = {"learning_rate": lrs.get(DEFAULT_GROUP, next(iter(lrs.values())))}
+    out.update({f"learning_rate_{name}": lr for name, lr in lrs.items() if name != DEFAULT_GROUP})
+    return out
+
+
 # Schedules as multipliers of each group's peak learning rate (the same curves as transformers').
 def _warmup(step: int, warmup: int) -> float | None:
     return step / max(1, warmup) if step < warmup else None

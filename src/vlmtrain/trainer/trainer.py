@@ -38,7 +38,7 @@ from .callbacks import (
     TrainerCallback,
 )
 from .evaluation import EvaluationMixin
-from .optim import DEFAULT_GROUP, create_optimizer, create_scheduler
+from .optim import create_optimizer, create_scheduler, learning_rates
 from .state import TrainerControl, TrainerState, TrainOutput
 from .stats import LossAverager, Throughput, extra_losses, num_items_of
 
@@ -137,22 +137,13 @@ class Trainer(EvaluationMixin):
             self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
         return self.lr_scheduler
 
-    def _learning_rates(self) -> dict[str, float]:
-        lrs: dict[str, float] = {}
-        for group in self.optimizer.param_groups:
-            lrs.setdefault(group.get("name", DEFAULT_GROUP), group["lr"])
-        out = {"learning_rate": lrs.get(DEFAULT_GROUP, next(iter(lrs.values())))}
-        if len(lrs) > 1:
-            out.update({f"learning_rate_{name}": lr for name, lr in lrs.items() if name != DEFAULT_GROUP})
-        return out
-
     # -- the loop --------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train for max_steps (or num_train_epochs); resume from a checkpoint path, or True for the newest."""
         args = self.args
-        resume = self._resolve_resume(args.resume_from_checkpoint if resume_from_checkpoint is None
-                                      else resume_from_checkpoint)
-        self._check_output_dir()
+        resume = ckpt.resolve_resume(args.resume_from_checkpoint if resume_from_checkpoint is None
+                                     else resume_from_checkpoint, args.output_dir, self.rank)
+        ckpt.prepare_output_dir(args.output_dir, self.rank)
         self.train_dataloader = loader = self.get_train_dataloader()
         epochs = self._setup_training(loader)
         if resume is not None:
@@ -261,7 +252,7 @@ class Trainer(EvaluationMixin):
         self.control = self._event("on_pre_optimizer_step")
         self.optimizer.step()
         self.control = self._event("on_optimizer_step")
-        self._last_lrs = self._learning_rates()
+        self._last_lrs = learning_rates(self.optimizer)
         self.lr_scheduler.step()
         model.zero_grad(set_to_none=True)
         self._window_weight = None
@@ -277,7 +268,7 @@ class Trainer(EvaluationMixin):
             self._train_losses.reset()
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
-            logs.update(self._last_lrs or self._learning_rates())
+            logs.update(self._last_lrs or learning_rates(self.optimizer))
             logs.update(self._throughput.compute())
             self._throughput.reset()
             self._last_logged_step = self.state.global_step
@@ -343,35 +334,6 @@ class Trainer(EvaluationMixin):
         self._train_losses, self._run_loss, self._throughput = LossAverager(), LossAverager(), Throughput()
         self.model.zero_grad(set_to_none=True)
         return epochs
-
-    def _resolve_resume(self, resume: str | bool | None) -> str | None:
-        if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")):
-            return None
-        if resume is True or (isinstance(resume, str) and resume.lower() in ("true", "latest")):
-            ckpt.remove_stale_tmp(self.args.output_dir)
-            latest = ckpt.latest_checkpoint(self.args.output_dir)
-            if latest is None:
-                warnings.warn(f"resume_from_checkpoint=True but {self.args.output_dir!r} holds no complete "
-                              "checkpoint: starting from scratch.", stacklevel=3)
-            else:
-                ckpt.check_complete(latest, self.rank)
-            return latest
-        ckpt.check_complete(resume, self.rank)
-        return resume
-
-    def _check_output_dir(self) -> None:
-        out = self.args.output_dir
-        try:
-            os.makedirs(out, exist_ok=True)
-            probe = os.path.join(out, f".write-test-{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
-        except OSError as e:
-            raise PermissionError(f"output_dir {out!r} is not writable ({e.strerror}); choose another "
-                                  "--train.output_dir.") from e
-        if self.rank == 0:
-            ckpt.remove_stale_tmp(out)
 
     def _loop_state(self) -> dict:
         epoch_done = self._steps_in_epoch is not None and self._micro_step == self._steps_in_epoch
