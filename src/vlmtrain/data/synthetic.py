@@ -1,0 +1,322 @@
+"""Synthetic shapes VQA: coloured shapes drawn with PIL and one-word questions about them.
+
+Samples follow the_cauldron schema (``{"images": [...], "texts": [{"user", "assistant"}]}``) plus
+``qtype``, ``id`` and ``scene`` (per image, a list of ``(shape, color, x, y, size)``: centre and
+extent in pixels), so every answer can be re-derived from the metadata.
+
+Every item is a pure function of ``(seed, split, index)``: any index can be produced alone, in any
+worker, and gives the same pixels and text. Splits never share an image: a scene's split bucket is
+a hash of its layout (independent of the seed), and a scene is re-drawn until it lands in the
+requested split's buckets (train 0-7, val 8, test 9 of 10).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from collections import Counter
+from typing import Any
+
+from PIL import Image, ImageDraw
+from torch.utils.data import Dataset
+
+SHAPES = ("circle", "square", "triangle", "cross")
+PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles", "cross": "crosses"}
+COLORS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 225),
+    "yellow": (235, 200, 20),
+    "purple": (145, 55, 190),
+    "orange": (250, 140, 20),
+}
+BACKGROUND = (240, 240, 240)
+SINGLE_IMAGE_QTYPES = ("color", "shape", "count", "position")
+MULTI_IMAGE_QTYPES = ("multi_count", "multi_color")
+QTYPES = SINGLE_IMAGE_QTYPES + MULTI_IMAGE_QTYPES
+MAX_OBJECTS = 4
+ANSWERS: dict[str, tuple[str, ...]] = {
+    "color": tuple(COLORS),
+    "shape": SHAPES,
+    "count": ("1", "2", "3", "4"),
+    "position": ("left", "right"),
+    "multi_count": ("first", "second"),
+    "multi_color": ("first", "second", "both", "neither"),
+}
+SPLIT_BUCKETS = {"train": range(0, 8), "val": range(8, 9), "test": range(9, 10)}
+NUM_BUCKETS = 10
+_SUPERSAMPLE = 4  # draw at 4x and box-downsample: smooth, deterministic edges
+
+Obj = tuple[str, str, int, int, int]  # shape, color, centre x, centre y, size (px)
+Scene = list[Obj]
+
+
+def is_multi_image(qtype: str) -> bool:
+    """True for question types that come with two images."""
+    if qtype not in QTYPES:
+        raise ValueError(f"unknown qtype {qtype!r}; expected one of {list(QTYPES)}")
+    return qtype in MULTI_IMAGE_QTYPES
+
+
+def scene_bucket(scene: Scene, image_size: int) -> int:
+    """Split bucket (0..9) of a scene: a hash of its layout, independent of object order and seed."""
+    key = json.dumps([image_size, sorted(list(o) for o in scene)])
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % NUM_BUCKETS
+
+
+def render_scene(scene: Scene, image_size: int = 64) -> Image.Image:
+    """Draw a scene as an RGB image of ``image_size`` x ``image_size`` pixels."""
+    k = _SUPERSAMPLE
+    img = Image.new("RGB", (image_size * k, image_size * k), BACKGROUND)
+    draw = ImageDraw.Draw(img)
+    for shape, color, x, y, size in scene:
+        cx, cy, h = x * k, y * k, size * k / 2
+        fill = COLORS[color]
+        if shape == "circle":
+            draw.ellipse([cx - h, cy - h, cx + h, cy + h], fill=fill)
+        elif shape == "square":
+            s = 0.9 * h  # a touch smaller, so squares do not look heavier than circles
+            draw.rectangle([cx - s, cy - s, cx + s, cy + s], fill=fill)
+        elif shape == "triangle":
+            draw.polygon([(cx, cy - h), (cx + h, cy + h), (cx - h, cy + h)], fill=fill)
+        elif shape == "cross":
+            t = 0.36 * h
+            draw.rectangle([cx - h, cy - t, cx + h, cy + t], fill=fill)
+            draw.rectangle([cx - t, cy - h, cx + t, cy + h], fill=fill)
+        else:
+            raise ValueError(f"unknown shape {shape!r}")
+    return img.resize((image_size, image_size), Image.Resampling.BOX)
+
+
+def _apart(a: Obj, b: Obj, gap: float) -> bool:
+    reach = (a[4] + b[4]) / 2 + gap
+    return abs(a[2] - b[2]) >= reach or abs(a[3] - b[3]) >= reach
+
+
+class _Generator:
+    """Draws scenes and questions for one (split, image_size); all randomness comes from ``rng``."""
+
+    def __init__(self, split: str, image_size: int) -> None:
+        self.buckets = SPLIT_BUCKETS[split]
+        self.size = image_size
+        scale = image_size / 64
+        self.min_size, self.max_size = max(4, round(12 * scale)), max(5, round(20 * scale))
+        self.gap = 2 * scale
+        self.margin = image_size / 6  # position questions: centres at least this far apart in x
+
+    def layout(self, rng: random.Random, attrs: list[tuple[str, str]]) -> Scene:
+        """Place objects with these (shape, color) at random, non-overlapping, in-split positions."""
+        for _ in range(10_000):
+            scene = self._place(rng, attrs)
+            if scene is not None and scene_bucket(scene, self.size) in self.buckets:
+                return scene
+        raise RuntimeError(f"could not lay out {attrs} in a {self.size}px image")
+
+    def _place(self, rng: random.Random, attrs: list[tuple[str, str]]) -> Scene | None:
+        scene: Scene = []
+        for shape, color in attrs:
+            for _ in range(50):
+                size = rng.randint(self.min_size, self.max_size)
+                lo, hi = (size + 1) // 2 + 1, self.size - (size + 1) // 2 - 1
+                obj = (shape, color, rng.randint(lo, hi), rng.randint(lo, hi), size)
+                if all(_apart(obj, o, self.gap) for o in scene):
+                    scene.append(obj)
+                    break
+            else:
+                return None
+        return scene
+
+    @staticmethod
+    def attrs(rng: random.Random, n: int, shapes=SHAPES, colors=tuple(COLORS)) -> list[tuple[str, str]]:
+        return [(rng.choice(shapes), rng.choice(colors)) for _ in range(n)]
+
+    def color(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+        while True:
+            attrs = self.attrs(rng, rng.randint(1, MAX_OBJECTS))
+            counts = Counter(shape for shape, _ in attrs)
+            unique = [a for a in attrs if counts[a[0]] == 1]
+            if unique:
+                break
+        shape, color = rng.choice(unique)
+        return [self.layout(rng, attrs)], f"What color is the {shape}?", color
+
+    def shape(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+        while True:
+            attrs = self.attrs(rng, rng.randint(1, MAX_OBJECTS))
+            counts = Counter(color for _, color in attrs)
+            unique = [a for a in attrs if counts[a[1]] == 1]
+            if unique:
+                break
+        shape, color = rng.choice(unique)
+        return [self.layout(rng, attrs)], f"What shape is the {color} object?", shape
+
+    def count(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+        k = rng.randint(1, MAX_OBJECTS)
+        if rng.random() < 0.5:
+            return [self.layout(rng, self.attrs(rng, k))], "How many shapes are there?", str(k)
+        target = rng.choice(SHAPES)
+        others = [s for s in SHAPES if s != target]
+        attrs = self.attrs(rng, k, shapes=(target,)) + self.attrs(rng, rng.randint(0, MAX_OBJECTS - k), others)
+        rng.shuffle(attrs)
+        return [self.layout(rng, attrs)], f"How many {PLURALS[target]} are there?", str(k)
+
+    def position(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+        answer = rng.choice(ANSWERS["position"])
+        while True:
+            scene = self.layout(rng, self.attrs(rng, rng.randint(2, MAX_OBJECTS)))
+            counts = Counter((o[0], o[1]) for o in scene)
+            unique = [o for o in scene if counts[(o[0], o[1])] == 1]
+            pairs = [(a, b) for a in unique for b in unique if a[2] + self.margin <= b[2]]
+            if pairs:
+                break
+        a, b = rng.choice(pairs)  # a is left of b
+        if answer == "right":
+            a, b = b, a
+        question = f"Is the {a[1]} {a[0]} left or right of the {b[1]} {b[0]}?"
+        return [scene], question, answer
+
+    def multi_count(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+        target = rng.choice(SHAPES)
+        others = [s for s in SHAPES if s != target]
+        less = rng.randint(0, MAX_OBJECTS - 1)
+        more = rng.randint(less + 1, MAX_OBJECTS)
+        scenes = []
+        for c in (more, less):
+            attrs = self.attrs(rng, c, shapes=(target,))
+            attrs += self.attrs(rng, rng.randint(max(0, 1 - c), MAX_OBJECTS - c), shapes=others)
+            rng.shuffle(attrs)
+            scenes.append(self.layout(rng, attrs))
+        answer = rng.choice(ANSWERS["multi_count"])
+        if answer == "second":
+            scenes.reverse()
+        return scenes, f"Which image has more {PLURALS[target]}?", answer
+
+    def multi_color(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+        color = rng.choice(tuple(COLORS))
+        others = tuple(c for c in COLORS if c != color)
+        answer = rng.choice(ANSWERS["multi_color"])
+        has = {"first": (True, False), "second": (False, True), "both": (True, True), "neither": (False, False)}
+        scenes = []
+        for with_color in has[answer]:
+            n = rng.randint(1, MAX_OBJECTS)
+            if with_color:
+                attrs = self.attrs(rng, 1, colors=(color,)) + self.attrs(rng, n - 1)
+                rng.shuffle(attrs)
+            else:
+                attrs = self.attrs(rng, n, colors=others)
+            scenes.append(self.layout(rng, attrs))
+        return scenes, f"Which image has a {color} shape?", answer
+
+
+class ShapesVQA(Dataset):
+    """Map-style synthetic VQA over coloured shapes; item ``i`` is a pure function of (seed, split, i).
+
+    ``multi_image_fraction`` of the items (in expectation) ask about two images (``multi_count``,
+    ``multi_color``); the rest ask about one (``color``, ``shape``, ``count``, ``position``), the
+    types within each group drawn uniformly. ``qtypes`` restricts the types; if it holds only one
+    group, every item comes from that group. Answers are single words from ``ANSWERS[qtype]``,
+    balanced within each type. Splits ``train``/``val``/``test`` never share an image, whatever the
+    seeds (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        split: str = "train",
+        num_samples: int = 1000,
+        seed: int = 0,
+        image_size: int = 64,
+        multi_image_fraction: float = 0.25,
+        qtypes: list[str] | None = None,
+    ) -> None:
+        if split not in SPLIT_BUCKETS:
+            raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
+        if num_samples < 0:
+            raise ValueError(f"num_samples must be >= 0, got {num_samples}")
+        if image_size < 32:
+            raise ValueError(f"image_size must be >= 32 so that shapes stay recognizable, got {image_size}")
+        if not 0.0 <= multi_image_fraction <= 1.0:
+            raise ValueError(f"multi_image_fraction must be in [0, 1], got {multi_image_fraction}")
+        qtypes = list(QTYPES) if qtypes is None else list(qtypes)
+        unknown = [q for q in qtypes if q not in QTYPES]
+        if unknown or not qtypes:
+            raise ValueError(f"qtypes must be a non-empty subset of {list(QTYPES)}, got {qtypes}")
+        self.split, self.num_samples, self.seed = split, num_samples, seed
+        self.image_size, self.multi_image_fraction = image_size, multi_image_fraction
+        self.qtypes = qtypes
+        self._single = [q for q in QTYPES if q in qtypes and not is_multi_image(q)]
+        self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
+        self._gen = _Generator(split, image_size)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _rng(self, index: int) -> random.Random:
+        digest = hashlib.sha256(f"shapes-vqa-{self.seed}-{self.split}-{index}".encode()).digest()
+        return random.Random(int.from_bytes(digest[:8], "big"))
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not -self.num_samples <= index < self.num_samples:
+            raise IndexError(f"index {index} out of range for {self.num_samples} samples")
+        index %= self.num_samples
+        rng = self._rng(index)
+        multi = rng.random() < self.multi_image_fraction
+        group = (self._multi if multi else self._single) or self._single or self._multi
+        qtype = rng.choice(group)
+        scenes, question, answer = getattr(self._gen, qtype)(rng)
+        return {
+            "images": [render_scene(s, self.image_size) for s in scenes],
+            "texts": [{"user": question, "assistant": answer}],
+            "qtype": qtype,
+            "id": f"{self.split}-{index}",
+            "scene": scenes,
+        }
+
+
+def write_cauldron_jsonl(dataset: Any, out_dir: str, name: str = "data") -> str:
+    """Write ``dataset``'s samples (PIL images) as ``out_dir/<name>.jsonl`` plus PNGs in ``out_dir/images/``.
+
+    Each line is the sample with ``images`` replaced by paths relative to the JSONL file. Returns
+    the JSONL path.
+    """
+    img_dir = os.path.join(out_dir, "images")
+    os.makedirs(img_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.jsonl")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i in range(len(dataset)):
+            sample = dict(dataset[i])
+            stem = f"{name}-{sample.get('id', i)}"
+            rel = []
+            for k, img in enumerate(sample["images"]):
+                rel_path = f"images/{stem}-{k}.png"
+                img.save(os.path.join(out_dir, rel_path))
+                rel.append(rel_path)
+            sample["images"] = rel
+            f.write(json.dumps(sample) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_cauldron_jsonl(path: str) -> list[dict[str, Any]]:
+    """Load a cauldron-style JSONL file; image paths are resolved against the file's folder.
+
+    Images come back as RGB PIL images; ``scene`` entries (if any) come back as tuples.
+    """
+    root = os.path.dirname(os.path.abspath(path))
+    samples = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            sample = json.loads(line)
+            images = []
+            for p in sample["images"]:
+                with Image.open(os.path.join(root, p)) as img:
+                    images.append(img.convert("RGB"))
+            sample["images"] = images
+            if "scene" in sample:
+                sample["scene"] = [[tuple(o) for o in scene] for scene in sample["scene"]]
+            samples.append(sample)
+    return samples

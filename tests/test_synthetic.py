@@ -1,0 +1,172 @@
+"""Fast tests for the synthetic shapes-VQA source: determinism, disjoint splits, correct answers, JSONL."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import re
+from collections import Counter
+
+import pytest
+
+from vlmtrain.data.synthetic import (
+    ANSWERS,
+    COLORS,
+    MULTI_IMAGE_QTYPES,
+    PLURALS,
+    QTYPES,
+    SHAPES,
+    ShapesVQA,
+    is_multi_image,
+    read_cauldron_jsonl,
+    render_scene,
+    write_cauldron_jsonl,
+)
+
+SINGULAR = {v: k for k, v in PLURALS.items()}
+
+
+@pytest.fixture(scope="module")
+def train_items() -> list[dict]:
+    ds = ShapesVQA("train", num_samples=2000, seed=0)
+    return [ds[i] for i in range(len(ds))]
+
+
+def _image_hashes(items: list[dict]) -> set[str]:
+    return {hashlib.sha256(img.tobytes()).hexdigest() for it in items for img in it["images"]}
+
+
+def _oracle(qtype: str, question: str, scenes: list[list[tuple]]) -> str:
+    """Re-derive the answer from the scene metadata, independently of the generator."""
+    if qtype == "color":
+        shape = re.fullmatch(r"What color is the (\w+)\?", question)[1]
+        (obj,) = [o for o in scenes[0] if o[0] == shape]  # must be unique
+        return obj[1]
+    if qtype == "shape":
+        color = re.fullmatch(r"What shape is the (\w+) object\?", question)[1]
+        (obj,) = [o for o in scenes[0] if o[1] == color]
+        return obj[0]
+    if qtype == "count":
+        m = re.fullmatch(r"How many (\w+) are there\?", question)
+        if m[1] == "shapes":
+            return str(len(scenes[0]))
+        return str(sum(o[0] == SINGULAR[m[1]] for o in scenes[0]))
+    if qtype == "position":
+        m = re.fullmatch(r"Is the (\w+) (\w+) left or right of the (\w+) (\w+)\?", question)
+        (a,) = [o for o in scenes[0] if (o[1], o[0]) == (m[1], m[2])]
+        (b,) = [o for o in scenes[0] if (o[1], o[0]) == (m[3], m[4])]
+        assert abs(a[2] - b[2]) >= 64 / 6, "position pairs must be clearly separated"
+        return "left" if a[2] < b[2] else "right"
+    if qtype == "multi_count":
+        shape = SINGULAR[re.fullmatch(r"Which image has more (\w+)\?", question)[1]]
+        c1, c2 = (sum(o[0] == shape for o in s) for s in scenes)
+        assert c1 != c2
+        return "first" if c1 > c2 else "second"
+    if qtype == "multi_color":
+        color = re.fullmatch(r"Which image has a (\w+) shape\?", question)[1]
+        h1, h2 = (any(o[1] == color for o in s) for s in scenes)
+        return {(True, False): "first", (False, True): "second", (True, True): "both"}.get((h1, h2), "neither")
+    raise AssertionError(qtype)
+
+
+def test_schema_and_answers_are_correct(train_items: list[dict]) -> None:
+    for it in train_items:
+        assert set(it) == {"images", "texts", "qtype", "id", "scene"}
+        assert len(it["images"]) == len(it["scene"]) == (2 if is_multi_image(it["qtype"]) else 1)
+        assert all(img.mode == "RGB" and img.size == (64, 64) for img in it["images"])
+        (turn,) = it["texts"]
+        assert turn["assistant"] in ANSWERS[it["qtype"]]
+        assert _oracle(it["qtype"], turn["user"], it["scene"]) == turn["assistant"], it["id"]
+
+
+def test_scenes_are_valid_and_match_pixels(train_items: list[dict]) -> None:
+    for it in train_items[:300]:
+        for scene, img in zip(it["scene"], it["images"]):
+            assert 1 <= len(scene) <= 4
+            for i, (shape, color, x, y, size) in enumerate(scene):
+                assert shape in SHAPES and color in COLORS and 12 <= size <= 20
+                assert size / 2 <= x <= 64 - size / 2 and size / 2 <= y <= 64 - size / 2
+                # The centre of every shape is filled with its colour.
+                assert max(abs(a - b) for a, b in zip(img.getpixel((x, y)), COLORS[color])) <= 30
+                for o in scene[i + 1:]:  # no overlap (bounding boxes apart)
+                    reach = (size + o[4]) / 2
+                    assert abs(x - o[2]) >= reach or abs(y - o[3]) >= reach
+
+
+def test_deterministic_by_seed_and_index() -> None:
+    a, b = ShapesVQA("train", 50, seed=3), ShapesVQA("train", 50, seed=3)
+    c = ShapesVQA("train", 50, seed=4)
+    clone = pickle.loads(pickle.dumps(a))  # what a DataLoader worker gets
+    for i in [0, 7, 49, 7]:
+        x, y, z = a[i], b[i], clone[i]
+        assert x["texts"] == y["texts"] == z["texts"] and x["scene"] == y["scene"] == z["scene"]
+        assert [im.tobytes() for im in x["images"]] == [im.tobytes() for im in y["images"]]
+        assert [im.tobytes() for im in x["images"]] == [im.tobytes() for im in z["images"]]
+    assert a[-1]["id"] == "train-49"
+    differ = sum(a[i]["images"][0].tobytes() != c[i]["images"][0].tobytes() for i in range(50))
+    assert differ >= 48
+    with pytest.raises(IndexError):
+        a[50]
+
+
+def test_splits_never_share_an_image(train_items: list[dict]) -> None:
+    train = _image_hashes(train_items)
+    test = _image_hashes([ShapesVQA("test", 500, seed=0)[i] for i in range(500)])
+    val = _image_hashes([ShapesVQA("val", 300, seed=1)[i] for i in range(300)])  # other seed too
+    assert len(test) > 550 and len(val) > 300
+    assert not train & test and not train & val and not val & test
+
+
+def test_qtype_fractions(train_items: list[dict]) -> None:
+    counts = Counter(it["qtype"] for it in train_items)
+    assert set(counts) == set(QTYPES)
+    n = len(train_items)
+    multi = sum(counts[q] for q in MULTI_IMAGE_QTYPES) / n
+    assert 0.21 < multi < 0.29
+    for q in QTYPES:
+        expected = 0.25 / 2 if is_multi_image(q) else 0.75 / 4
+        assert abs(counts[q] / n - expected) < 0.04, (q, counts[q])
+    only = ShapesVQA("val", 100, qtypes=["position", "multi_color"], multi_image_fraction=0.5)
+    assert {only[i]["qtype"] for i in range(100)} == {"position", "multi_color"}
+    assert {ShapesVQA(qtypes=["count"], multi_image_fraction=1.0)[i]["qtype"] for i in range(20)} == {"count"}
+    assert all(len(ShapesVQA(multi_image_fraction=0.0)[i]["images"]) == 1 for i in range(50))
+
+
+def test_answer_balance(train_items: list[dict]) -> None:
+    for qtype in QTYPES:
+        answers = Counter(it["texts"][0]["assistant"] for it in train_items if it["qtype"] == qtype)
+        total = sum(answers.values())
+        assert set(answers) == set(ANSWERS[qtype]), qtype
+        uniform = 1 / len(ANSWERS[qtype])
+        for answer, count in answers.items():
+            assert abs(count / total - uniform) < 0.5 * uniform, (qtype, answer, count, total)
+
+
+def test_image_size_and_bad_arguments() -> None:
+    item = ShapesVQA("test", 5, image_size=96, qtypes=["multi_count"])[0]
+    assert [im.size for im in item["images"]] == [(96, 96), (96, 96)]
+    assert render_scene([("circle", "red", 32, 32, 16)]).getpixel((32, 32)) == COLORS["red"]
+    for kwargs in [{"split": "dev"}, {"qtypes": ["colour"]}, {"qtypes": []}, {"multi_image_fraction": 2.0}]:
+        with pytest.raises(ValueError):
+            ShapesVQA(**kwargs)
+    with pytest.raises(ValueError):
+        is_multi_image("nope")
+
+
+def test_jsonl_round_trip(tmp_path) -> None:
+    ds = ShapesVQA("val", 12, seed=5, multi_image_fraction=0.5)
+    path = write_cauldron_jsonl(ds, str(tmp_path / "out"), name="shapes")
+    assert path == str(tmp_path / "out" / "shapes.jsonl")
+    with open(path) as f:
+        raw = f.read()
+    assert str(tmp_path) not in raw  # image paths are relative to the JSONL file
+    # Moving the whole folder keeps it loadable.
+    os.rename(tmp_path / "out", tmp_path / "moved")
+    back = read_cauldron_jsonl(str(tmp_path / "moved" / "shapes.jsonl"))
+    assert len(back) == len(ds)
+    for i, got in enumerate(back):
+        want = ds[i]
+        assert got["texts"] == want["texts"] and got["qtype"] == want["qtype"] and got["id"] == want["id"]
+        assert got["scene"] == want["scene"]
+        assert [im.tobytes() for im in got["images"]] == [im.tobytes() for im in want["images"]]
