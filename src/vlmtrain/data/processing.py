@@ -1,0 +1,288 @@
+"""Chat template, loss mask and image transforms for VLM samples (the_cauldron schema).
+
+A sample is ``{"images": [...], "texts": [{"user": str, "assistant": str}, ...]}``; images are paths,
+bytes or PIL images. :class:`VLMProcessor` turns one into ``input_ids`` / ``labels`` / ``pixel_values``
+/ ``prompt_input_ids``. Conventions shared with the model:
+
+* every encoder input (an image, or a tile / global view of a split image) becomes exactly
+  ``image_token_length`` consecutive image-token ids in ``input_ids``;
+* ``pixel_values`` holds the encoder inputs in order of appearance, so the model splices the image
+  embeddings into the placeholder positions in row-major order.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import string
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE, WordLevel
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+IGNORE_INDEX = -100
+IM_START, IM_END, IMAGE_TOKEN = "<|im_start|>", "<|im_end|>", "<image>"
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+# Order fixes the ids: <pad>=0 so zero-filled buffers are padding.
+CHAT_SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, IM_START, IM_END, IMAGE_TOKEN)
+# ChatML without a default system prompt; matches VLMProcessor for text-only samples.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SKIP_REASONS = ("empty_conversation", "malformed_text", "missing_image", "corrupt_image", "too_many_images",
+                "too_long")
+
+
+class SkipSample(Exception):
+    """A sample that cannot be used; ``reason`` is one of :data:`SKIP_REASONS` (collators count them)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in SKIP_REASONS:
+            raise ValueError(f"unknown skip reason {reason!r}; expected one of {SKIP_REASONS}")
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+    def __reduce__(self) -> tuple:  # survives pickling (worker processes), unlike the default args tuple
+        return type(self), (self.reason, self.detail)
+
+
+def build_chat_tokenizer(texts_for_training: list[str] | None = None, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A small chat tokenizer trained locally (no Hub access).
+
+    With ``texts_for_training``, a byte-level BPE (every string encodes, never ``<unk>``); with None, a
+    character-level vocabulary over printable ASCII (other characters become ``<unk>``). Ids 0-6 are
+    ``<pad> <s> </s> <unk> <|im_start|> <|im_end|> <image>``. ``eos_token`` is ``<|im_end|>`` (chat
+    generation stops at the end of the assistant turn); ``tokenizer.image_token(_id)`` names the
+    placeholder. ``chat_template`` is ChatML.
+    """
+    if texts_for_training is not None:
+        tok = Tokenizer(BPE(unk_token=UNK))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(CHAT_SPECIAL_TOKENS),
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(list(texts_for_training), trainer=trainer)
+    else:
+        vocab = {t: i for i, t in enumerate(CHAT_SPECIAL_TOKENS)}
+        for ch in string.printable:
+            vocab.setdefault(ch, len(vocab))
+        tok = Tokenizer(WordLevel(vocab=vocab, unk_token=UNK))
+        # One "word" per character, whitespace included; Fuse decodes without inserting spaces.
+        tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+        tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(CHAT_SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=IM_END, unk_token=UNK,
+        extra_special_tokens={"image_token": IMAGE_TOKEN, "im_start_token": IM_START,
+                              "end_of_text_token": EOS},
+        padding_side="right", clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+ImageLike = Any  # str | Path | bytes | PIL.Image.Image | {"bytes": ..., "path": ...}
+
+
+def load_image(image: ImageLike) -> Image.Image:
+    """Open a path / bytes / PIL image (or an HF ``{"bytes", "path"}`` dict) as RGB; raise SkipSample."""
+    if isinstance(image, dict):  # HF datasets Image(decode=False)
+        image = image.get("bytes") or image.get("path")
+    if image is None:
+        raise SkipSample("missing_image", "image is None")
+    if isinstance(image, Image.Image):
+        img = image
+    elif isinstance(image, (str, Path)):
+        if not Path(image).is_file():
+            raise SkipSample("missing_image", str(image))
+        img = _decode(image, str(image))
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        img = _decode(io.BytesIO(bytes(image)), f"{len(image)} bytes")
+    else:
+        raise SkipSample("corrupt_image", f"unsupported image type {type(image).__name__}")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _decode(source: Any, what: str) -> Image.Image:
+    try:
+        img = Image.open(source)
+        img.load()  # force the decode now: a truncated file must fail here, not in the collate step
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as err:
+        raise SkipSample("corrupt_image", f"{what}: {err}") from err
+    return img
+
+
+def split_grid(width: int, height: int, image_size: int, max_tiles: int) -> tuple[int, int]:
+    """(rows, cols) of tiles for an image: (1, 1) when it fits in ``image_size``; else the grid of at
+    most ``max_tiles`` tiles (no more than needed to cover the image) whose aspect ratio is closest to
+    the image's, preferring more tiles on ties."""
+    need_r, need_c = math.ceil(height / image_size), math.ceil(width / image_size)
+    if need_r * need_c <= 1 or max_tiles <= 1:
+        return 1, 1
+    target = math.log(width / height)
+    best = (1, 1)
+    best_key = (abs(target), -1)
+    for r in range(1, need_r + 1):
+        for c in range(1, need_c + 1):
+            if r * c > max_tiles:
+                continue
+            key = (round(abs(math.log(c / r) - target), 9), -r * c)
+            if key < best_key:
+                best, best_key = (r, c), key
+    return best
+
+
+class VLMProcessor:
+    """Turns the_cauldron samples into model inputs with a ChatML template and an exact loss mask.
+
+    Per turn: ``<|im_start|>user\\n`` + image placeholders (all of the sample's images, first user turn
+    only) + user text + ``<|im_end|>\\n<|im_start|>assistant\\n`` + assistant text + ``<|im_end|>`` +
+    ``\\n``. Labels are the ids of the assistant text and its closing ``<|im_end|>``; everything else
+    is -100. Each piece is tokenised on its own and the ids are concatenated, so the mask is exact.
+    User/assistant text is tokenised with special tokens split, so a literal ``<image>`` in the text
+    can never add a placeholder.
+
+    Images are resized to ``image_size`` (bicubic) and normalised with ``mean``/``std``. With
+    ``split_large_images``, an image larger than ``image_size`` becomes a grid of up to ``max_tiles``
+    tiles (row-major) followed by a global view, each its own encoder input with its own placeholders.
+
+    Bad samples raise :class:`SkipSample`; an over-long sample is dropped (``too_long``), never
+    truncated, so an image's token run is never cut.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, image_size: int, image_token_length: int,
+                 max_length: int = 512, max_images: int = 4, image_token: str = IMAGE_TOKEN,
+                 split_large_images: bool = False, max_tiles: int = 4,
+                 mean: Sequence[float] = (0.5, 0.5, 0.5), std: Sequence[float] = (0.5, 0.5, 0.5)) -> None:
+        if image_size < 1 or image_token_length < 1 or max_length < 1 or max_images < 0 or max_tiles < 1:
+            raise ValueError("image_size, image_token_length, max_length and max_tiles must be >= 1, "
+                             "max_images >= 0")
+        self.tokenizer = tokenizer
+        self.image_size, self.image_token_length = image_size, image_token_length
+        self.max_length, self.max_images = max_length, max_images
+        self.image_token, self.split_large_images, self.max_tiles = image_token, split_large_images, max_tiles
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+        self.image_token_id = self._single_token_id(image_token)
+        self.im_end_id = self._single_token_id(IM_END)
+        self._single_token_id(IM_START)
+        # Template pieces, tokenised once.
+        self._user_start = self._encode(f"{IM_START}user\n", split_special=False)
+        self._assistant_start = self._encode(f"{IM_END}\n{IM_START}assistant\n", split_special=False)
+        self._turn_end = self._encode("\n", split_special=False)
+
+    def _single_token_id(self, token: str) -> int:
+        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1 or ids[0] == self.tokenizer.unk_token_id:
+            raise ValueError(f"tokenizer has no single token for {token!r} (got ids {ids}); add it as a "
+                             f"special token, e.g. tokenizer.add_special_tokens(...)")
+        return int(ids[0])
+
+    def _encode(self, text: str, split_special: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
+
+    # -- images ---------------------------------------------------------------------------------
+    def to_tensor(self, img: Image.Image) -> torch.Tensor:
+        """Resize an RGB image to image_size x image_size (bicubic) and normalise: float [3, S, S]."""
+        s = self.image_size
+        if img.size != (s, s):
+            img = img.resize((s, s), Image.Resampling.BICUBIC)
+        x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float().div_(255.0)
+        return (x - self.mean) / self.std
+
+    def image_views(self, img: Image.Image) -> list[Image.Image]:
+        """The encoder inputs of one image: itself, or (when split) its tiles in row-major order + global view."""
+        if not self.split_large_images:
+            return [img]
+        rows, cols = split_grid(img.width, img.height, self.image_size, self.max_tiles)
+        if rows * cols == 1:
+            return [img]
+        s = self.image_size
+        grid = img.resize((cols * s, rows * s), Image.Resampling.BICUBIC)
+        tiles = [grid.crop((c * s, r * s, (c + 1) * s, (r + 1) * s)) for r in range(rows) for c in range(cols)]
+        return [*tiles, img]
+
+    def process_images(self, images: Sequence[ImageLike]) -> torch.Tensor:
+        """All encoder inputs of a list of images, stacked: [n_views, 3, S, S] (n_views may be 0)."""
+        views = [v for image in images for v in self.image_views(load_image(image))]
+        if not views:
+            return torch.zeros(0, 3, self.image_size, self.image_size)
+        return torch.stack([self.to_tensor(v) for v in views])
+
+    # -- text -----------------------------------------------------------------------------------
+    @staticmethod
+    def _check_texts(texts: Any) -> list[tuple[str, str]]:
+        if texts is None or (isinstance(texts, (list, tuple)) and not texts):
+            raise SkipSample("empty_conversation", "no texts")
+        if isinstance(texts, dict):  # a single turn given without the list
+            texts = [texts]
+        if not isinstance(texts, (list, tuple)):
+            raise SkipSample("malformed_text", f"texts is a {type(texts).__name__}, expected a list")
+        turns = []
+        for i, turn in enumerate(texts):
+            if not isinstance(turn, dict):
+                raise SkipSample("malformed_text", f"turn {i} is a {type(turn).__name__}")
+            user, assistant = turn.get("user"), turn.get("assistant")
+            if not isinstance(user, str) or not isinstance(assistant, str):
+                raise SkipSample("malformed_text", f"turn {i}: user/assistant must be strings")
+            if not user.strip() or not assistant.strip():
+                raise SkipSample("malformed_text", f"turn {i}: empty user or assistant text")
+            turns.append((user, assistant))
+        return turns
+
+    @staticmethod
+    def _as_image_list(images: Any) -> list[ImageLike]:
+        if images is None:
+            return []
+        if isinstance(images, (list, tuple)):
+            return list(images)
+        return [images]  # a single image given without the list
+
+    def process(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """One sample -> ``input_ids``, ``labels``, ``prompt_input_ids`` (LongTensors), ``pixel_values``
+        [n_views, 3, S, S] and ``num_images`` (images before splitting; n_views counts tiles too).
+
+        ``prompt_input_ids`` is ``input_ids`` up to and including the last ``<|im_start|>assistant\\n``:
+        generation answers the last assistant turn. Raises :class:`SkipSample` for a bad sample.
+        """
+        if not isinstance(sample, dict):
+            raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
+        turns = self._check_texts(sample.get("texts"))
+        images = self._as_image_list(sample.get("images"))
+        if len(images) > self.max_images:
+            raise SkipSample("too_many_images", f"{len(images)} > max_images={self.max_images}")
+        # Images first: the placeholder count depends on tiling, which needs the image sizes.
+        pixel_values = self.process_images(images)
+        n_placeholders = pixel_values.shape[0] * self.image_token_length
+
+        ids: list[int] = []
+        labels: list[int] = []
+        prompt_len = 0
+        for i, (user, assistant) in enumerate(turns):
+            ctx = self._user_start + ([self.image_token_id] * n_placeholders if i == 0 else [])
+            ctx += self._encode(user) + self._assistant_start
+            ids += ctx
+            labels += [IGNORE_INDEX] * len(ctx)
+            prompt_len = len(ids)  # ends right after this turn's "<|im_start|>assistant\n"
+            answer = self._encode(assistant) + [self.im_end_id]  # end-of-turn is supervised
+            ids += answer + self._turn_end
+            labels += answer + [IGNORE_INDEX] * len(self._turn_end)
+            if len(ids) > self.max_length:  # stop tokenising early; the sample is dropped anyway
+                raise SkipSample("too_long", f"> max_length={self.max_length} tokens")
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "prompt_input_ids": torch.tensor(ids[:prompt_len], dtype=torch.long),
+            "pixel_values": pixel_values,
+            "num_images": len(images),
+        }
+
+    __call__ = process
