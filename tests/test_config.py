@@ -84,7 +84,7 @@ def test_unknown_key_on_command_line(tmp_path, argv, match):
     ("train", "max_steps", None, "int"),
     ("train", "bf16", "maybe", "bool"),
     ("data", "num_train", 2.5, "int"),
-    ("model", "kind", "vlm", "one of 'causal_lm'"),
+    ("model", "kind", "vit", "one of 'causal_lm', 'vlm'"),
     ("model", "config", 5, "dict[str, Any]"),
 ])
 def test_wrong_type_in_yaml_names_key_and_type(tmp_path, section, key, value, expected):

@@ -26,36 +26,71 @@ from vlmtrain.trainer.args import ConfigError, TrainingArguments
 class ModelConfig:
     """What model to train."""
 
-    kind: Literal["causal_lm"] = "causal_lm"
-    """Model family: causal_lm (any transformers AutoModelForCausalLM)."""
+    kind: Literal["causal_lm", "vlm"] = "causal_lm"
+    """Model family: causal_lm (any transformers AutoModelForCausalLM) or vlm (vision encoder + pixel-shuffle
+    projector + causal LM decoder)."""
     pretrained: str | None = None
-    """Hub name or local directory to load weights from; None builds a randomly initialized model from config."""
+    """(causal_lm) Hub name or local directory to load weights from; None builds a randomly initialized model
+    from config."""
     config: dict[str, Any] = field(default_factory=dict)
-    """transformers config kwargs incl. model_type (e.g. {model_type: llama, hidden_size: 64}); used when
-    pretrained is None, otherwise its entries override the pretrained config."""
+    """(causal_lm) transformers config kwargs incl. model_type (e.g. {model_type: llama, hidden_size: 64}); used
+    when pretrained is None, otherwise its entries override the pretrained config."""
     tokenizer: str | None = None
-    """Hub name or local directory of the tokenizer; None uses the data source's own tokenizer."""
+    """Hub name or local directory of the tokenizer; None uses the data source's own tokenizer (vlm: one
+    trained locally on the training texts)."""
+    vision: str | dict[str, Any] | None = None
+    """(vlm) Vision tower: a Hub name or local dir, or a transformers vision config dict with model_type
+    (e.g. {model_type: siglip_vision_model, image_size: 64, patch_size: 8, ...})."""
+    text: str | dict[str, Any] | None = None
+    """(vlm) Language decoder: a Hub name or local dir, or a causal-LM config dict with model_type."""
+    pixel_shuffle_factor: int = 2
+    """(vlm) Pixel-shuffle factor of the projector: image tokens = patches / factor^2."""
+    projector_type: Literal["linear", "mlp"] = "linear"
+    """(vlm) Projector after the pixel shuffle: linear or a 2-layer GELU MLP."""
+    load_backbone: bool = False
+    """(vlm) Load pretrained weights for vision/text given as Hub names or dirs; False: their configs only,
+    random init."""
 
 
 @dataclass
 class DataConfig:
     """What data to train and evaluate on."""
 
-    source: Literal["addition"] = "addition"
-    """Data source: addition (synthetic 'a+b=' -> 'c' problems with a locally trained tokenizer)."""
+    source: Literal["addition", "shapes", "jsonl"] = "addition"
+    """Data source: addition (synthetic 'a+b=' -> 'c' for a causal LM), shapes (synthetic shapes VQA, one or
+    two images per question) or jsonl (the_cauldron-schema JSONL files, image paths relative to the file)."""
     num_train: int = 20000
-    """Number of training samples."""
+    """Number of training samples (addition, shapes)."""
     num_eval: int = 500
-    """Number of held-out evaluation samples."""
+    """Number of held-out evaluation samples (addition; shapes: per question type)."""
     num_digits: int = 2
     """Digits per operand (addition)."""
     seed: int = 0
     """Seed for generating the data and its train/eval split."""
+    multi_image_fraction: float = 0.25
+    """(shapes) Fraction of training questions about two images."""
+    train_file: str | None = None
+    """(jsonl) Training JSONL file."""
+    eval_file: str | None = None
+    """(jsonl) Evaluation JSONL file (optional)."""
+    max_length: int = 512
+    """(vlm) Samples longer than this many tokens (image tokens included) are skipped and counted, never cut."""
+    max_images: int = 4
+    """(vlm) Samples with more images than this are skipped and counted."""
+    split_large_images: bool = False
+    """(vlm) Split images larger than the encoder's size into tiles plus a global view."""
+    tokenizer_vocab_size: int = 256
+    """(vlm) Vocabulary size of the tokenizer trained on the training texts when model.tokenizer is null."""
 
     def __post_init__(self) -> None:
-        for name, low in (("num_train", 1), ("num_eval", 0), ("num_digits", 1)):
+        for name, low in (("num_train", 1), ("num_eval", 0), ("num_digits", 1), ("max_length", 1),
+                          ("max_images", 0), ("tokenizer_vocab_size", 32)):
             if getattr(self, name) < low:
                 raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")
+        if not 0 <= self.multi_image_fraction <= 1:
+            raise ConfigError(f"data.multi_image_fraction must be in [0, 1], got {self.multi_image_fraction}.")
+        if self.source == "jsonl" and not self.train_file:
+            raise ConfigError("data.source='jsonl' needs data.train_file (a the_cauldron-schema JSONL file).")
 
 
 @dataclass
@@ -67,10 +102,17 @@ class RunConfig:
     train: TrainingArguments = field(default_factory=TrainingArguments)
 
     def __post_init__(self) -> None:
-        # Cross-section check: the addition data is tokenized by its own tokenizer, so another one cannot fit.
+        # Cross-section checks, so a mismatch fails before anything is built.
         if self.data.source == "addition" and self.model.tokenizer is not None:
             raise ConfigError("model.tokenizer must be unset (null) with data.source='addition': that source "
                               "builds and uses its own tokenizer.")
+        wants = "causal_lm" if self.data.source == "addition" else "vlm"
+        if self.model.kind != wants:
+            raise ConfigError(f"data.source={self.data.source!r} needs model.kind={wants!r} "
+                              f"(got {self.model.kind!r}).")
+        if self.model.kind == "vlm" and (self.model.vision is None or self.model.text is None):
+            raise ConfigError("model.kind='vlm' needs model.vision and model.text (Hub names, dirs or config "
+                              "dicts with model_type).")
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainingArguments}

@@ -20,36 +20,77 @@ DEMO_CONFIG = "addition-tiny.yaml"
 def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     """Build the data, the model (initialized under cfg.train.seed) and a Trainer; with checkpoint, the
     model weights are loaded from that checkpoint directory."""
-    if cfg.model.kind == "causal_lm" and cfg.model.pretrained is None:
-        from vlmtrain.models.causal_lm import check_model_type
-
-        check_model_type(cfg.model.config)  # a bad model_type fails before any data is built
-    if cfg.data.source == "addition":
-        from vlmtrain.data.addition import build_addition
-
-        data = build_addition(num_train=cfg.data.num_train, num_eval=cfg.data.num_eval,
-                              num_digits=cfg.data.num_digits, seed=cfg.data.seed)
-    else:  # unreachable through the parser (Literal); kept for Python users building RunConfig by hand
-        raise ConfigError(f"data.source={cfg.data.source!r} is not supported; use 'addition'.")
-    tokenizer = data["tokenizer"]
-
-    if cfg.model.kind == "causal_lm":
-        from vlmtrain.models.causal_lm import build_causal_lm
-
-        model = build_causal_lm(config=cfg.model.config or None, pretrained=cfg.model.pretrained,
-                                tokenizer=tokenizer, seed=cfg.train.seed)
-    else:
-        raise ConfigError(f"model.kind={cfg.model.kind!r} is not supported; use 'causal_lm'.")
+    parts = _build_addition(cfg) if cfg.model.kind == "causal_lm" else _build_vqa(cfg)
     if checkpoint is not None:
         from vlmtrain.trainer.checkpoint import load_model_weights
 
-        load_model_weights(model, checkpoint)
+        load_model_weights(parts["model"], checkpoint)
 
     from vlmtrain.trainer import Trainer
 
-    return Trainer(model, cfg.train, data_collator=data["data_collator"], train_dataset=data["train_dataset"],
-                   eval_dataset=data["eval_dataset"] if cfg.data.num_eval > 0 else None,
-                   processing_class=tokenizer, compute_metrics=data["compute_metrics"])
+    return Trainer(parts["model"], cfg.train, data_collator=parts["data_collator"],
+                   train_dataset=parts["train_dataset"],
+                   eval_dataset=parts["eval_dataset"] if cfg.data.num_eval > 0 else None,
+                   processing_class=parts["tokenizer"], compute_metrics=parts["compute_metrics"])
+
+
+def _build_addition(cfg: RunConfig) -> dict[str, Any]:
+    from vlmtrain.data.addition import build_addition
+    from vlmtrain.models.causal_lm import build_causal_lm, check_model_type
+
+    if cfg.model.pretrained is None:
+        check_model_type(cfg.model.config)  # a bad model_type fails before any data is built
+    parts = build_addition(num_train=cfg.data.num_train, num_eval=cfg.data.num_eval,
+                           num_digits=cfg.data.num_digits, seed=cfg.data.seed)
+    parts["model"] = build_causal_lm(config=cfg.model.config or None, pretrained=cfg.model.pretrained,
+                                     tokenizer=parts["tokenizer"], seed=cfg.train.seed)
+    return parts
+
+
+def _build_vqa(cfg: RunConfig) -> dict[str, Any]:
+    """A VLM on shapes-VQA or the_cauldron JSONL: tokenizer, model, processor, collator, exact-match metric.
+    Shapes evaluation is one eval set per question type (eval_<type>_exact_match)."""
+    import torch
+
+    from vlmtrain.data.addition import exact_match_metric
+    from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
+    from vlmtrain.data.vlm_collate import VLMCollator
+    from vlmtrain.models.vlm import _resolve_config, build_vlm
+
+    m, d = cfg.model, cfg.data
+    for key, spec, causal in (("model.vision", m.vision, False), ("model.text", m.text, True)):
+        if isinstance(spec, dict):
+            _resolve_config(spec, key, causal)  # unknown model types fail before any data is built
+    train, evals = _vqa_datasets(cfg)
+    if m.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(m.tokenizer)
+    else:
+        texts = [t[part] for i in range(min(len(train), 2000)) for t in train[i]["texts"] for part in t]
+        tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
+    torch.manual_seed(cfg.train.seed)
+    model = build_vlm(m.vision, m.text, pixel_shuffle_factor=m.pixel_shuffle_factor,
+                      projector_type=m.projector_type, tokenizer=tokenizer, load_backbone=m.load_backbone)
+    processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
+                             image_token_length=model.config.image_token_length, max_length=d.max_length,
+                             max_images=d.max_images, split_large_images=d.split_large_images)
+    return {"model": model, "tokenizer": tokenizer, "train_dataset": train, "eval_dataset": evals,
+            "data_collator": VLMCollator(processor), "compute_metrics": exact_match_metric(tokenizer)}
+
+
+def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:
+    d = cfg.data
+    if d.source == "shapes":
+        from vlmtrain.data.synthetic import QTYPES, ShapesVQA
+
+        train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction)
+        evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
+        return train, evals
+    from vlmtrain.data.synthetic import read_cauldron_jsonl
+
+    train = read_cauldron_jsonl(d.train_file)
+    return train, (read_cauldron_jsonl(d.eval_file) if d.eval_file else None)
 
 
 def resume_arg(value: str | None) -> str | bool | None:
