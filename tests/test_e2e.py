@@ -51,6 +51,8 @@ def test_cli_trains_checkpoints_resumes_and_predicts(tmp_path):
     assert metrics["eval_loss"] == pytest.approx(rows[-2]["eval_loss"], rel=1e-5)
     texts = _cli("predict", *common, "--checkpoint", str(out)).stdout.splitlines()[-50:]
     assert all(t.isdigit() for t in texts), texts
+    answer = _cli("generate", "--checkpoint", str(out), "--prompt", "12+34=", "--max-new-tokens", "4").stdout
+    assert answer.strip().isdigit()
 
 
 @pytest.mark.slow

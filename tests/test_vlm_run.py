@@ -45,6 +45,17 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
     logs = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert "learning_rate_projector" in logs
 
+    # vlmtrain generate: the checkpoint answers from images, and a bad image is a clear error.
+    sample = ShapesVQA("test", 1, seed=5, multi_image_fraction=1.0)[0]
+    paths = []
+    for k, image in enumerate(sample["images"]):
+        paths.append(str(tmp_path / f"img{k}.png"))
+        image.save(paths[-1])
+    answer = run.generate(str(tmp_path / "run"), sample["texts"][0]["user"], images=paths, max_new_tokens=3)
+    assert isinstance(answer, str)
+    with pytest.raises(ConfigError, match="missing_image"):
+        run.generate(str(tmp_path / "run"), "What color?", images=[str(tmp_path / "nope.png")])
+
 
 def test_jsonl_source_in_cauldron_schema(tmp_path):
     path = write_cauldron_jsonl(ShapesVQA("train", 16, seed=1), str(tmp_path / "data"), name="train")

@@ -14,6 +14,8 @@ COMMANDS = {
     "train": "Train a model: vlmtrain train --config FILE.yaml [--train.learning_rate 3e-4 ...]",
     "eval": "Evaluate on the eval set: vlmtrain eval --config FILE.yaml [--checkpoint DIR]",
     "predict": "Print generated answers for the eval set: vlmtrain predict --config FILE.yaml --checkpoint DIR",
+    "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
+                "--prompt TEXT",
     "demo": "Train a tiny addition model on CPU in a few minutes: vlmtrain demo [--output-dir DIR]",
 }
 _CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
@@ -86,7 +88,28 @@ def _demo(argv: list[str]) -> int:
     return 0
 
 
-_HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "demo": _demo}
+def _generate(argv: list[str]) -> int:
+    import jsonargparse
+
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain generate", description=COMMANDS["generate"],
+                                         exit_on_error=False, allow_abbrev=False)
+    parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP)
+    parser.add_argument("--prompt", type=str, required=True, help="The question or text to continue.")
+    parser.add_argument("--image", type=str, default=[], action="append",
+                        help="An image file; repeat for several images (VLM checkpoints).")
+    parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=32,
+                        help="Most tokens to generate.")
+    try:
+        ns = parser.parse_args(argv)
+    except jsonargparse.ArgumentError as e:
+        raise ConfigError(f"{e}. See vlmtrain generate --help.") from None
+    from vlmtrain import run
+
+    print(run.generate(ns.checkpoint, ns.prompt, images=list(ns.image), max_new_tokens=ns.max_new_tokens))
+    return 0
+
+
+_HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _generate, "demo": _demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

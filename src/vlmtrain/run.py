@@ -155,6 +155,45 @@ def predict(cfg: RunConfig, checkpoint: str) -> list[str]:
     return trainer.processing_class.batch_decode(ids, skip_special_tokens=True)
 
 
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
+    """Answer one prompt (with images, for a VLM) from a trained checkpoint, greedily."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = resolve_checkpoint(checkpoint, checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type == "vlmtrain_vlm":
+        from vlmtrain.data.processing import SkipSample, VLMProcessor
+        from vlmtrain.models.vlm import VisionLanguageModel
+
+        model = VisionLanguageModel.from_pretrained(ckpt)
+        processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
+                                 image_token_length=model.config.image_token_length, max_images=len(images or []))
+        try:  # the template needs an answer to build the sample; generation starts before it
+            sample = processor.process({"images": list(images or []), "texts": [{"user": prompt, "assistant": "-"}]})
+        except SkipSample as e:
+            raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
+        inputs = {"input_ids": sample["prompt_input_ids"][None], "pixel_values": sample["pixel_values"]}
+    else:
+        if images:
+            raise ConfigError(f"{ckpt} holds a text-only model: --image cannot be used with it.")
+        model = AutoModelForCausalLM.from_pretrained(ckpt)
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        if tokenizer.bos_token_id is not None:
+            ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
+        inputs = {"input_ids": ids}
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
 def find_demo_config() -> Path:
     """configs/addition-tiny.yaml of the repository (or of the current directory)."""
     candidates = [Path(__file__).resolve().parents[2] / "configs" / DEMO_CONFIG, Path.cwd() / "configs" / DEMO_CONFIG]
