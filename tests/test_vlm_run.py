@@ -37,13 +37,17 @@ def _config(tmp_path, **sections):
 
 
 def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
-    metrics = run.train(_config(tmp_path))
+    cfg = _config(tmp_path)
+    metrics = run.train(cfg)
     for q in QTYPES:
         assert 0.0 <= metrics[f"eval_{q}_exact_match"] <= 1.0
         assert math.isfinite(metrics[f"eval_{q}_loss"])
     assert (tmp_path / "run" / "checkpoint-2" / "model.safetensors").is_file()
     logs = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert "learning_rate_projector" in logs
+    # vlmtrain eval --checkpoint: the saved weights and tokenizer give the same evaluation.
+    again = run.evaluate(cfg, checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert again["eval_count_loss"] == pytest.approx(metrics["eval_count_loss"], rel=1e-6)
 
     # vlmtrain generate: the checkpoint answers from images, and a bad image is a clear error.
     sample = ShapesVQA("test", 1, seed=5, multi_image_fraction=1.0)[0]

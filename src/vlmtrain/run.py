@@ -20,7 +20,7 @@ DEMO_CONFIG = "addition-tiny.yaml"
 def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     """Build the data, the model (initialized under cfg.train.seed) and a Trainer; with checkpoint, the
     model weights are loaded from that checkpoint directory."""
-    parts = _build_addition(cfg) if cfg.model.kind == "causal_lm" else _build_vqa(cfg)
+    parts = _build_addition(cfg) if cfg.model.kind == "causal_lm" else _build_vqa(cfg, checkpoint)
     if checkpoint is not None:
         from vlmtrain.trainer.checkpoint import load_model_weights
 
@@ -47,9 +47,10 @@ def _build_addition(cfg: RunConfig) -> dict[str, Any]:
     return parts
 
 
-def _build_vqa(cfg: RunConfig) -> dict[str, Any]:
+def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     """A VLM on shapes-VQA or the_cauldron JSONL: tokenizer, model, processor, collator, exact-match metric.
-    Shapes evaluation is one eval set per question type (eval_<type>_exact_match)."""
+    Shapes evaluation is one eval set per question type (eval_<type>_exact_match). With a checkpoint, its
+    saved tokenizer is used (the one the weights were trained with)."""
     import torch
 
     from vlmtrain.data.addition import exact_match_metric
@@ -62,10 +63,11 @@ def _build_vqa(cfg: RunConfig) -> dict[str, Any]:
         if isinstance(spec, dict):
             _resolve_config(spec, key, causal)  # unknown model types fail before any data is built
     train, evals = _vqa_datasets(cfg)
-    if m.tokenizer is not None:
+    saved = checkpoint if checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json")) else None
+    if m.tokenizer is not None or saved:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(m.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(saved or m.tokenizer)
     else:
         texts = [t[part] for i in range(min(len(train), 2000)) for t in train[i]["texts"] for part in t]
         tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
