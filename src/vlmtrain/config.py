@@ -79,8 +79,9 @@ class DataConfig:
     """(vlm) Samples with more images than this are skipped and counted."""
     split_large_images: bool = False
     """(vlm) Split images larger than the encoder's size into tiles plus a global view."""
-    tokenizer_vocab_size: int = 256
-    """(vlm) Vocabulary size of the tokenizer trained on the training texts when model.tokenizer is null."""
+    tokenizer_vocab_size: int = 400
+    """(vlm) Vocabulary size of the byte-level BPE trained on the training texts when model.tokenizer is null
+    (>= ~400: below that its 263 base symbols leave no room for merges and answers are spelled out)."""
 
     def __post_init__(self) -> None:
         for name, low in (("num_train", 1), ("num_eval", 0), ("num_digits", 1), ("max_length", 1),
