@@ -123,3 +123,12 @@ def test_every_shipped_config_builds_at_tiny_scale(path, tmp_path):
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     out = model(**{k: v for k, v in batch.items() if not k.startswith("prompt_")})
     assert math.isfinite(out["loss"].item())
+
+
+def test_image_normalization_comes_from_the_config(tmp_path):
+    trainer = run.build(_config(tmp_path, data={"image_mean": [0.94] * 3, "image_std": [0.25] * 3}))
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    # The grey-240 background of shapes images maps to ~0 with its own mean.
+    assert abs(float(batch["pixel_values"][0, :, 0, 0].mean())) < 0.01
+    with pytest.raises(ConfigError, match="3 values"):
+        _config(tmp_path, data={"image_std": [0.5, 0.5]})

@@ -79,6 +79,11 @@ class DataConfig:
     """(vlm) Samples with more images than this are skipped and counted."""
     split_large_images: bool = False
     """(vlm) Split images larger than the encoder's size into tiles plus a global view."""
+    image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    """(vlm) Per-channel mean subtracted from pixels in [0, 1] (SigLIP's 0.5; a synthetic set's background
+    colour makes an untrained encoder see the shapes more clearly)."""
+    image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    """(vlm) Per-channel standard deviation pixels are divided by."""
     tokenizer_vocab_size: int = 400
     """(vlm) Vocabulary size of the byte-level BPE trained on the training texts when model.tokenizer is null
     (>= ~400: below that its 263 base symbols leave no room for merges and answers are spelled out)."""
@@ -88,6 +93,8 @@ class DataConfig:
                           ("max_images", 0), ("tokenizer_vocab_size", 32)):
             if getattr(self, name) < low:
                 raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")
+        if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
+            raise ConfigError("data.image_mean and data.image_std need 3 values (RGB), the std ones > 0.")
         if not 0 <= self.multi_image_fraction <= 1:
             raise ConfigError(f"data.multi_image_fraction must be in [0, 1], got {self.multi_image_fraction}.")
         if self.source == "jsonl" and not self.train_file:

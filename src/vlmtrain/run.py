@@ -76,7 +76,8 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
                       projector_type=m.projector_type, tokenizer=tokenizer, load_backbone=m.load_backbone)
     processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
                              image_token_length=model.config.image_token_length, max_length=d.max_length,
-                             max_images=d.max_images, split_large_images=d.split_large_images)
+                             max_images=d.max_images, split_large_images=d.split_large_images,
+                             mean=d.image_mean, std=d.image_std)
     return {"model": model, "tokenizer": tokenizer, "train_dataset": train, "eval_dataset": evals,
             "data_collator": VLMCollator(processor), "compute_metrics": exact_match_metric(tokenizer)}
 
