@@ -20,12 +20,7 @@ CKPT_FILES = {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt"
               "loop_state_0.pt", "trainer_state.json"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_args(out, **overrides) -> TrainingArguments:

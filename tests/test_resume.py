@@ -23,13 +23,7 @@ MICRO_PER_EPOCH = NUM_SAMPLES // BATCH
 MICRO_BEFORE_STOP = 2 * MICRO_PER_EPOCH + 2 * ACCUM  # two whole epochs + two steps of the third
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (no oversubscription on a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Interrupted(Exception):

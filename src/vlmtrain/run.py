@@ -56,12 +56,12 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     from vlmtrain.data.addition import exact_match_metric
     from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
     from vlmtrain.data.vlm_collate import VLMCollator
-    from vlmtrain.models.vlm import _resolve_config, build_vlm
+    from vlmtrain.models.vlm import build_vlm, resolve_config
 
     m, d = cfg.model, cfg.data
     for key, spec, causal in (("model.vision", m.vision, False), ("model.text", m.text, True)):
         if isinstance(spec, dict):
-            _resolve_config(spec, key, causal)  # unknown model types fail before any data is built
+            resolve_config(spec, key, causal)  # unknown model types fail before any data is built
     train, evals = _vqa_datasets(cfg)
     saved = checkpoint if checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json")) else None
     if m.tokenizer is not None or saved:

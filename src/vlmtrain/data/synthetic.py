@@ -132,24 +132,21 @@ class _Generator:
     def attrs(rng: random.Random, n: int, shapes=SHAPES, colors=tuple(COLORS)) -> list[tuple[str, str]]:
         return [(rng.choice(shapes), rng.choice(colors)) for _ in range(n)]
 
-    def color(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+    def _with_unique(self, rng: random.Random, by: int) -> tuple[list[tuple[str, str]], tuple[str, str]]:
+        """Objects for one image and one of them whose shape (by=0) or colour (by=1) occurs only once."""
         while True:
             attrs = self.attrs(rng, rng.randint(1, MAX_OBJECTS))
-            counts = Counter(shape for shape, _ in attrs)
-            unique = [a for a in attrs if counts[a[0]] == 1]
+            counts = Counter(a[by] for a in attrs)
+            unique = [a for a in attrs if counts[a[by]] == 1]
             if unique:
-                break
-        shape, color = rng.choice(unique)
+                return attrs, rng.choice(unique)
+
+    def color(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+        attrs, (shape, color) = self._with_unique(rng, by=0)
         return [self.layout(rng, attrs)], f"What color is the {shape}?", color
 
     def shape(self, rng: random.Random) -> tuple[list[Scene], str, str]:
-        while True:
-            attrs = self.attrs(rng, rng.randint(1, MAX_OBJECTS))
-            counts = Counter(color for _, color in attrs)
-            unique = [a for a in attrs if counts[a[1]] == 1]
-            if unique:
-                break
-        shape, color = rng.choice(unique)
+        attrs, (shape, color) = self._with_unique(rng, by=1)
         return [self.layout(rng, attrs)], f"What shape is the {color} object?", shape
 
     def count(self, rng: random.Random) -> tuple[list[Scene], str, str]:

@@ -315,7 +315,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 
 # -- building -----------------------------------------------------------------------------------------
-def _resolve_config(spec: str | dict[str, Any], key: str, causal: bool) -> PretrainedConfig:
+def resolve_config(spec: str | dict[str, Any], key: str, causal: bool) -> PretrainedConfig:
     """A vision (causal=False) or text config from a Hub name / local dir, or a dict with model_type."""
     if isinstance(spec, str):
         config = AutoConfig.from_pretrained(spec)
@@ -354,8 +354,8 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
     if load_backbone and not (isinstance(vision, str) and isinstance(text, str)):
         raise ConfigError("load_backbone=True needs vision and text as Hub names or local directories.")
     # Resolve (and validate) both configs before building anything heavy.
-    vision_config = _resolve_config(vision, "vision", causal=False)
-    text_config = _resolve_config(text, "text", causal=True)
+    vision_config = resolve_config(vision, "vision", causal=False)
+    text_config = resolve_config(text, "text", causal=True)
     if hasattr(vision_config, "vision_use_head") and not (isinstance(vision, dict) and "vision_use_head" in vision):
         vision_config.vision_use_head = False
     image_token_id = None
