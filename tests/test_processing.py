@@ -183,10 +183,12 @@ def test_collator_shapes_padding_and_skips(proc):
     good = [sample(2), sample(0, turns=(("Hi?", "Hello there."), ("And?", "Done."))), sample(1)]
     bad = [{"images": ["/missing.png"], "texts": [{"user": "q", "assistant": "a"}]}, {"texts": []}]
     batch = collate([good[0], bad[0], good[1], bad[1], good[2]])
+    assert batch.pop("skipped") == {"missing_image": 1, "empty_conversation": 1}  # this batch's drops
     assert all(isinstance(v, torch.Tensor) for v in batch.values())
     assert set(batch) == {"input_ids", "attention_mask", "labels", "pixel_values", "prompt_input_ids",
                           "prompt_attention_mask", "prompt_pixel_values"}
     assert collate.skipped == {"missing_image": 1, "empty_conversation": 1}
+    assert collate([good[0]])["skipped"] == {} and collate.skipped["missing_image"] == 1  # a running total
     assert batch["pixel_values"].shape == (3, 3, S, S)
     assert batch["prompt_pixel_values"] is batch["pixel_values"]
     processed = [proc.process(s) for s in good]

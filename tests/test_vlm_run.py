@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -71,6 +72,31 @@ def test_jsonl_source_in_cauldron_schema(tmp_path):
     out = trainer.train()
     assert out.global_step == 2 and math.isfinite(out.training_loss)
     assert "eval_exact_match" in trainer.evaluate()
+
+
+def test_bad_samples_are_skipped_counted_and_logged(tmp_path):
+    """Missing/corrupt images and empty conversations never stop a run: each is counted by reason, per logging
+    window in metrics.jsonl (also from DataLoader workers) and in total at the end and in evaluation."""
+    data = tmp_path / "data"
+    path = write_cauldron_jsonl(ShapesVQA("train", 13, seed=1), str(data), name="train")
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    (data / rows[0]["images"][0]).unlink()  # missing_image
+    (data / rows[1]["images"][0]).write_bytes(b"not a png")  # corrupt_image
+    with open(path, "a") as f:
+        f.write(json.dumps({"images": [], "texts": []}) + "\n")  # empty_conversation
+    cfg = _config(tmp_path, data={"source": "jsonl", "train_file": path, "eval_file": path},
+                  train={"max_steps": 4, "dataloader_num_workers": 2, "eval_steps": 4, "save_strategy": "no"})
+    trainer = run.build(cfg)
+    out = trainer.train()  # 14 samples, batch 8: 2 batches per epoch, so 4 steps see every bad sample twice
+    expected = {"missing_image": 2, "corrupt_image": 2, "empty_conversation": 2}
+    assert {k: v for k, v in out.metrics.items() if k.startswith("train_skipped_")} == {
+        f"train_skipped_{k}": v for k, v in expected.items()}
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    per_window = {k: sum(row.get(f"skipped_{k}", 0) for row in logged) for k in expected}
+    assert per_window == expected
+    evaluation = next(row for row in logged if "eval_loss" in row)
+    assert {k: evaluation.get(f"eval_skipped_{k}") for k in expected} == {k: 1 for k in expected}
+    assert evaluation["eval_samples"] == 11
 
 
 @pytest.mark.parametrize("sections,message", [

@@ -69,7 +69,8 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
 
         tokenizer = AutoTokenizer.from_pretrained(saved or m.tokenizer)
     else:
-        texts = [t[part] for i in range(min(len(train), 2000)) for t in train[i]["texts"] for part in t]
+        texts = [v for i in range(min(len(train), 2000)) for t in (train[i].get("texts") or [])
+                 if isinstance(t, dict) for v in t.values() if isinstance(v, str)]
         tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
     torch.manual_seed(cfg.train.seed)
     model = build_vlm(m.vision, m.text, pixel_shuffle_factor=m.pixel_shuffle_factor,
@@ -92,8 +93,9 @@ def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:
         return train, evals
     from vlmtrain.data.synthetic import read_cauldron_jsonl
 
-    train = read_cauldron_jsonl(d.train_file)
-    return train, (read_cauldron_jsonl(d.eval_file) if d.eval_file else None)
+    # Images stay paths: the processor opens them, skipping (and counting) missing or corrupt ones.
+    train = read_cauldron_jsonl(d.train_file, load_images=False)
+    return train, (read_cauldron_jsonl(d.eval_file, load_images=False) if d.eval_file else None)
 
 
 def resume_arg(value: str | None) -> str | bool | None:

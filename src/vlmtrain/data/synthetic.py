@@ -296,24 +296,37 @@ def write_cauldron_jsonl(dataset: Any, out_dir: str, name: str = "data") -> str:
     return path
 
 
-def read_cauldron_jsonl(path: str) -> list[dict[str, Any]]:
+def read_cauldron_jsonl(path: str, load_images: bool = True) -> list[dict[str, Any]]:
     """Load a cauldron-style JSONL file; image paths are resolved against the file's folder.
 
-    Images come back as RGB PIL images; ``scene`` entries (if any) come back as tuples.
+    With ``load_images`` images come back as RGB PIL images (a missing or unreadable file raises);
+    without, as absolute paths, opened later by the processor, which skips and counts a sample whose
+    image is missing or corrupt instead of failing the run. ``scene`` entries (if any) come back as
+    tuples. A line that is not a JSON object raises a ValueError naming the file and line.
     """
     root = os.path.dirname(os.path.abspath(path))
     samples = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            sample = json.loads(line)
-            images = []
-            for p in sample["images"]:
-                with Image.open(os.path.join(root, p)) as img:
-                    images.append(img.convert("RGB"))
-            sample["images"] = images
+            try:
+                sample = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}).") from None
+            if not isinstance(sample, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(sample).__name__}.")
+            paths = [p if os.path.isabs(p) else os.path.join(root, p) for p in sample.get("images") or []]
+            if load_images:
+                sample["images"] = [_open_rgb(p) for p in paths]
+            else:
+                sample["images"] = paths
             if "scene" in sample:
                 sample["scene"] = [[tuple(o) for o in scene] for scene in sample["scene"]]
             samples.append(sample)
     return samples
+
+
+def _open_rgb(path: str) -> Image.Image:
+    with Image.open(path) as img:
+        return img.convert("RGB")

@@ -27,8 +27,10 @@ class VLMCollator:
       tokens follow every prompt directly; ``prompt_pixel_values`` is ``pixel_values`` (a prompt holds
       all of its sample's images).
 
-    Samples raising :class:`SkipSample` are dropped and counted by reason in ``self.skipped``
-    (a Counter; with DataLoader workers each worker counts in its own copy). Items already processed
+    Samples raising :class:`SkipSample` are dropped and counted by reason: the batch's ``skipped``
+    entry holds this batch's counts (so they reach the Trainer's log from DataLoader workers too; the
+    Trainer keeps the key out of the model's forward), ``self.skipped`` the running total of this
+    process. Items already processed
     (dicts with ``input_ids``) pass through unchanged. If EVERY sample of a batch is bad, a
     ``ValueError`` naming the reasons is raised: an empty batch would silently break the step.
     """
@@ -41,7 +43,7 @@ class VLMCollator:
         self.pad_token_id = int(pad)
         self.skipped: Counter[str] = Counter()
 
-    def _process(self, sample: Any) -> dict[str, Any] | None:
+    def _process(self, sample: Any, skipped: Counter[str]) -> dict[str, Any] | None:
         if isinstance(sample, Mapping) and "input_ids" in sample:
             return dict(sample)
         try:
@@ -50,12 +52,14 @@ class VLMCollator:
             if not self.skipped[err.reason]:  # warn once per reason, then only count
                 logger.warning("skipping bad sample (%s); further ones are only counted", err)
             self.skipped[err.reason] += 1
+            skipped[err.reason] += 1
             return None
 
-    def __call__(self, samples: list[Any]) -> dict[str, torch.Tensor]:
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
         if not samples:
             raise ValueError("Cannot collate an empty list of samples.")
-        items = [it for it in map(self._process, samples) if it is not None]
+        skipped: Counter[str] = Counter()
+        items = [it for it in (self._process(s, skipped) for s in samples) if it is not None]
         if not items:
             raise ValueError(f"every sample of the batch ({len(samples)}) was skipped; reasons so far: "
                              f"{dict(self.skipped)}")
@@ -73,4 +77,5 @@ class VLMCollator:
             "prompt_input_ids": pad_sequences(prompts, self.pad_token_id, side="left"),
             "prompt_attention_mask": pad_sequences([torch.ones_like(t) for t in prompts], 0, side="left"),
             "prompt_pixel_values": pixel_values,
+            "skipped": dict(skipped),
         }

@@ -4,6 +4,7 @@ and compute_metrics. A mixin of Trainer, kept apart so each file reads on its ow
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .state import EvalPrediction, PredictionOutput
-from .stats import LossAverager, extra_losses, num_items_of
+from .stats import LossAverager, extra_losses, num_items_of, skipped_counts
 
 
 def _pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
@@ -61,13 +62,14 @@ class EvaluationMixin:
         self.callback_handler.refs["eval_dataloader"] = dataloader
         model, start = self.model, time.time()
         model.eval()
-        losses, preds, labels, samples = LossAverager(), [], [], 0
+        losses, preds, labels, samples, skipped = LossAverager(), [], [], 0, Counter()
         for i, batch in enumerate(dataloader):
             if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
                 break
             loss, pred, label, extras = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
             size = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), 1)
             samples += size
+            skipped.update(skipped_counts(batch))
             weight = extras.pop("num_items", None)
             if loss is not None:
                 losses.add({"loss": loss, **extras}, weight if weight is not None else float(size))
@@ -82,7 +84,9 @@ class EvaluationMixin:
         metrics = dict(losses.compute())
         if self.compute_metrics is not None and predictions is not None:
             metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
-        metrics.update(runtime=round(runtime, 4), samples_per_second=round(samples / max(runtime, 1e-9), 3))
+        metrics.update(runtime=round(runtime, 4), samples_per_second=round(samples / max(runtime, 1e-9), 3),
+                       samples=samples)
+        metrics.update({f"skipped_{reason}": n for reason, n in sorted(skipped.items())})
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
                    for k, v in metrics.items()}
         texts = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,10 +60,17 @@ class LossAverager:
         self.weights = dict(state["weights"])
 
 
+def skipped_counts(batch: Any) -> Mapping[str, int]:
+    """Per-reason counts of samples the collator dropped from this batch (its ``skipped`` entry, if any)."""
+    skipped = batch.get("skipped") if isinstance(batch, Mapping) else None
+    return skipped if isinstance(skipped, Mapping) else {}
+
+
 class Throughput:
-    """Samples, tokens and data-wait time over a logging window."""
+    """Samples, tokens, data-wait time and skipped samples over a logging window (skipped also in total)."""
 
     def __init__(self) -> None:
+        self.skipped_total: Counter[str] = Counter()
         self.reset()
 
     def reset(self) -> None:
@@ -71,6 +79,7 @@ class Throughput:
         self.tokens = 0
         self.data_wait = 0.0
         self.excluded = 0.0
+        self.skipped: Counter[str] = Counter()
 
     def exclude(self, seconds: float) -> None:
         """Leave time spent outside training (evaluation, checkpointing) out of the rates."""
@@ -78,6 +87,9 @@ class Throughput:
 
     def add_batch(self, batch: Mapping[str, Any], wait_seconds: float) -> None:
         self.data_wait += wait_seconds
+        skipped = skipped_counts(batch)
+        self.skipped.update(skipped)
+        self.skipped_total.update(skipped)
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if isinstance(ids, torch.Tensor):
@@ -93,4 +105,5 @@ class Throughput:
                "data_wait_fraction": round(min(1.0, self.data_wait / elapsed), 4)}
         if self.tokens:
             out["tokens_per_second"] = round(self.tokens / elapsed, 3)
+        out.update({f"skipped_{reason}": n for reason, n in sorted(self.skipped.items())})
         return out

@@ -122,9 +122,10 @@ class Trainer(EvaluationMixin):
                           pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
 
     def _prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """Move tensors to the device; `prompt_*` keys are for generation only and stay out of forward."""
+        """Move tensors to the device. `prompt_*` keys (generation only) and `skipped` (the collator's count of
+        dropped samples) stay out of forward."""
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in inputs.items() if not k.startswith("prompt_")}
+                for k, v in inputs.items() if not k.startswith("prompt_") and k != "skipped"}
 
     # -- optimizer -------------------------------------------------------------------------------------
     def create_optimizer(self) -> torch.optim.Optimizer:
@@ -340,7 +341,8 @@ class Trainer(EvaluationMixin):
         # After an epoch cut short by should_epoch_stop the next epoch starts with a fresh loader.
         return {"loader": None if epoch_done or self._epoch_cut else self.train_dataloader.state_dict(),
                 "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
-                "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step}
+                "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step,
+                "skipped": dict(self._throughput.skipped_total)}
 
     def _save_checkpoint(self) -> str:
         out, step = self.args.output_dir, self.state.global_step
@@ -376,6 +378,7 @@ class Trainer(EvaluationMixin):
         self._epoch_index, self._micro_step = loop["epoch_index"], loop["micro_step"]
         self._train_losses.load_state_dict(loop["train_losses"])
         self._last_logged_step = loop["last_logged_step"]
+        self._throughput.skipped_total.update(loop.get("skipped", {}))
         ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))
 
     def save_model(self, output_dir: str | None = None) -> None:
@@ -389,6 +392,11 @@ class Trainer(EvaluationMixin):
         steps = self.state.global_step
         metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
                    "train_steps_per_second": round(steps / max(runtime, 1e-9), 3)}
+        skipped = self._throughput.skipped_total
+        if skipped:  # bad samples the collator dropped, by reason, over the whole run (resumes included)
+            metrics.update({f"train_skipped_{reason}": n for reason, n in sorted(skipped.items())})
+            warnings.warn(f"{sum(skipped.values())} training samples were skipped: {dict(sorted(skipped.items()))}",
+                          stacklevel=3)
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             ckpt.load_model_weights(self.model, self.state.best_model_checkpoint)
