@@ -225,3 +225,16 @@ def test_pickles_for_dataloader_workers(proc):
     assert err.reason == "too_long" and err.detail == "300 > 256"
     collate = pickle.loads(pickle.dumps(VLMCollator(proc)))
     assert collate([sample(1)])["pixel_values"].shape == (1, 3, S, S)
+
+
+def test_exact_match_scores_the_last_answer_of_a_conversation(proc, tok):
+    from types import SimpleNamespace
+
+    from vlmtrain.data.addition import exact_match_metric
+
+    turns = (("What color is the square?", "Red."), ("How many circles are there?", "Two."))
+    labels = proc.process(sample(1, turns=turns))["labels"][None].numpy()
+    metric = exact_match_metric(tok)
+    for answer, score in (("Two.", 1.0), ("Red.", 0.0), ("Red.Two.", 0.0)):
+        generated = [enc(tok, answer) + [tok.eos_token_id]]
+        assert metric(SimpleNamespace(predictions=generated, label_ids=labels)) == {"exact_match": score}

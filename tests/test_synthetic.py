@@ -64,7 +64,7 @@ def _oracle(qtype: str, question: str, scenes: list[list[tuple]]) -> str:
         assert c1 != c2
         return "first" if c1 > c2 else "second"
     if qtype == "multi_color":
-        color = re.fullmatch(r"Which image has a (\w+) shape\?", question)[1]
+        color = re.fullmatch(r"Which image has an? (\w+) shape\?", question)[1]
         h1, h2 = (any(o[1] == color for o in s) for s in scenes)
         return {(True, False): "first", (False, True): "second", (True, True): "both"}.get((h1, h2), "neither")
     raise AssertionError(qtype)
@@ -72,7 +72,8 @@ def _oracle(qtype: str, question: str, scenes: list[list[tuple]]) -> str:
 
 def test_schema_and_answers_are_correct(train_items: list[dict]) -> None:
     for it in train_items:
-        assert set(it) == {"images", "texts", "qtype", "id", "scene"}
+        assert set(it) == {"images", "texts", "qtype", "turn_qtypes", "id", "scene"}
+        assert it["turn_qtypes"] == [it["qtype"]]
         assert len(it["images"]) == len(it["scene"]) == (2 if is_multi_image(it["qtype"]) else 1)
         assert all(img.mode == "RGB" and img.size == (64, 64) for img in it["images"])
         (turn,) = it["texts"]
@@ -84,14 +85,17 @@ def test_scenes_are_valid_and_match_pixels(train_items: list[dict]) -> None:
     for it in train_items[:300]:
         for scene, img in zip(it["scene"], it["images"]):
             assert 1 <= len(scene) <= 4
-            for i, (shape, color, x, y, size) in enumerate(scene):
-                assert shape in SHAPES and color in COLORS and 12 <= size <= 20
-                assert size / 2 <= x <= 64 - size / 2 and size / 2 <= y <= 64 - size / 2
+            cells = set()
+            for shape, color, x, y, size in scene:
+                assert shape in SHAPES and color in COLORS and 12 <= size <= 14
+                # Each object lies inside one 16px cell of the 4x4 grid, one object per cell: no overlap.
+                cell = (x // 16, y // 16)
+                assert cell not in cells
+                cells.add(cell)
+                for centre, start in ((x, cell[0] * 16), (y, cell[1] * 16)):
+                    assert start < centre - size / 2 and centre + size / 2 < start + 16
                 # The centre of every shape is filled with its colour.
                 assert max(abs(a - b) for a, b in zip(img.getpixel((x, y)), COLORS[color])) <= 30
-                for o in scene[i + 1:]:  # no overlap (bounding boxes apart)
-                    reach = (size + o[4]) / 2
-                    assert abs(x - o[2]) >= reach or abs(y - o[3]) >= reach
 
 
 def test_deterministic_by_seed_and_index() -> None:
@@ -143,11 +147,30 @@ def test_answer_balance(train_items: list[dict]) -> None:
             assert abs(count / total - uniform) < 0.5 * uniform, (qtype, answer, count, total)
 
 
+def test_multi_question_samples() -> None:
+    """Extra turns ask other questions about the same image(s); every answer is right; the first turn, the
+    images and the scene are those of the one-question sample with the same index."""
+    one = ShapesVQA("train", 300, seed=2, multi_image_fraction=0.3)
+    many = ShapesVQA("train", 300, seed=2, multi_image_fraction=0.3, questions_per_sample=4)
+    turn_types = Counter()
+    for i in range(len(many)):
+        a, b = one[i], many[i]
+        assert b["texts"][0] == a["texts"][0] and b["scene"] == a["scene"] and b["qtype"] == a["qtype"]
+        assert len(b["texts"]) == len(b["turn_qtypes"]) and 2 <= len(b["texts"]) <= 4
+        assert len({t["user"] for t in b["texts"]}) == len(b["texts"])  # no question twice
+        for qtype, turn in zip(b["turn_qtypes"], b["texts"]):
+            assert is_multi_image(qtype) == is_multi_image(b["qtype"])
+            assert _oracle(qtype, turn["user"], b["scene"]) == turn["assistant"], (b["id"], turn)
+        turn_types.update(b["turn_qtypes"][1:])
+    assert set(turn_types) == set(QTYPES)  # every type shows up as an extra turn
+
+
 def test_image_size_and_bad_arguments() -> None:
     item = ShapesVQA("test", 5, image_size=96, qtypes=["multi_count"])[0]
     assert [im.size for im in item["images"]] == [(96, 96), (96, 96)]
     assert render_scene([("circle", "red", 32, 32, 16)]).getpixel((32, 32)) == COLORS["red"]
-    for kwargs in [{"split": "dev"}, {"qtypes": ["colour"]}, {"qtypes": []}, {"multi_image_fraction": 2.0}]:
+    for kwargs in [{"split": "dev"}, {"qtypes": ["colour"]}, {"qtypes": []}, {"multi_image_fraction": 2.0},
+                   {"questions_per_sample": 0}]:
         with pytest.raises(ValueError):
             ShapesVQA(**kwargs)
     with pytest.raises(ValueError):

@@ -208,9 +208,14 @@ def test_default_collator_pads_and_stacks():
 def test_eval_dataset_dict_and_predict(tmp_path):
     data = token_samples(12)
     trainer = Trainer(tiny_llama(), _args(tmp_path, max_steps=1), train_dataset=data,
-                      eval_dataset={"a": data[:4], "b": data[4:8]}, compute_metrics=lambda p: {"n": len(p[0])})
+                      eval_dataset={"a": data[:4], "b": data[4:10]}, compute_metrics=lambda p: {"n": len(p[0])})
     metrics = trainer.evaluate()
     assert {"eval_a_loss", "eval_b_loss", "eval_a_n", "eval_b_n"} <= set(metrics)
+    # Combined over the sets: sample-weighted means, summed sample counts.
+    assert metrics["eval_a_samples"] == 4 and metrics["eval_b_samples"] == 6 and metrics["eval_samples"] == 10
+    assert metrics["eval_n"] == pytest.approx((4 * 4 + 6 * 6) / 10)
+    assert metrics["eval_loss"] == pytest.approx((4 * metrics["eval_a_loss"] + 6 * metrics["eval_b_loss"]) / 10)
+    assert trainer.state.log_history[-1]["eval_n"] == metrics["eval_n"]
     out = trainer.predict(data[:5])
     assert out.predictions.shape[0] == 5 and out.label_ids.shape[0] == 5
     assert math.isfinite(out.metrics["test_loss"])

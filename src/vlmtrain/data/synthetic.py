@@ -37,6 +37,7 @@ SINGLE_IMAGE_QTYPES = ("color", "shape", "count", "position")
 MULTI_IMAGE_QTYPES = ("multi_count", "multi_color")
 QTYPES = SINGLE_IMAGE_QTYPES + MULTI_IMAGE_QTYPES
 MAX_OBJECTS = 4
+GRID = 4  # objects sit in cells of a GRID x GRID grid (see _Generator)
 ANSWERS: dict[str, tuple[str, ...]] = {
     "color": tuple(COLORS),
     "shape": SHAPES,
@@ -51,6 +52,10 @@ _SUPERSAMPLE = 4  # draw at 4x and box-downsample: smooth, deterministic edges
 
 Obj = tuple[str, str, int, int, int]  # shape, color, centre x, centre y, size (px)
 Scene = list[Obj]
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
 
 
 def is_multi_image(qtype: str) -> bool:
@@ -90,42 +95,37 @@ def render_scene(scene: Scene, image_size: int = 64) -> Image.Image:
     return img.resize((image_size, image_size), Image.Resampling.BOX)
 
 
-def _apart(a: Obj, b: Obj, gap: float) -> bool:
-    reach = (a[4] + b[4]) / 2 + gap
-    return abs(a[2] - b[2]) >= reach or abs(a[3] - b[3]) >= reach
-
-
 class _Generator:
-    """Draws scenes and questions for one (split, image_size); all randomness comes from ``rng``."""
+    """Draws scenes and questions for one (split, image_size); all randomness comes from ``rng``.
+
+    Objects sit in distinct cells of a ``GRID`` x ``GRID`` grid, each jittered inside its cell: a
+    scene is still one of ~10^9 layouts, but an object never straddles two image tokens of a
+    pixel-shuffled 64px/8px-patch encoder, which is what lets a tiny encoder trained from scratch
+    learn shapes within minutes on CPU.
+    """
 
     def __init__(self, split: str, image_size: int) -> None:
         self.buckets = SPLIT_BUCKETS[split]
         self.size = image_size
-        scale = image_size / 64
-        self.min_size, self.max_size = max(4, round(12 * scale)), max(5, round(20 * scale))
-        self.gap = 2 * scale
+        self.cell = image_size // GRID
+        self.min_size, self.max_size = round(0.75 * self.cell), self.cell - 2
         self.margin = image_size / 6  # position questions: centres at least this far apart in x
 
     def layout(self, rng: random.Random, attrs: list[tuple[str, str]]) -> Scene:
-        """Place objects with these (shape, color) at random, non-overlapping, in-split positions."""
+        """Place objects with these (shape, color) in random distinct cells, re-drawn until in-split."""
         for _ in range(10_000):
             scene = self._place(rng, attrs)
-            if scene is not None and scene_bucket(scene, self.size) in self.buckets:
+            if scene_bucket(scene, self.size) in self.buckets:
                 return scene
         raise RuntimeError(f"could not lay out {attrs} in a {self.size}px image")
 
-    def _place(self, rng: random.Random, attrs: list[tuple[str, str]]) -> Scene | None:
+    def _place(self, rng: random.Random, attrs: list[tuple[str, str]]) -> Scene:
         scene: Scene = []
-        for shape, color in attrs:
-            for _ in range(50):
-                size = rng.randint(self.min_size, self.max_size)
-                lo, hi = (size + 1) // 2 + 1, self.size - (size + 1) // 2 - 1
-                obj = (shape, color, rng.randint(lo, hi), rng.randint(lo, hi), size)
-                if all(_apart(obj, o, self.gap) for o in scene):
-                    scene.append(obj)
-                    break
-            else:
-                return None
+        for (shape, color), cell in zip(attrs, rng.sample(range(GRID * GRID), len(attrs))):
+            size = rng.randint(self.min_size, self.max_size)
+            lo, hi = (size + 1) // 2 + 1, self.cell - (size + 1) // 2 - 1  # 1px clear of the cell's edges
+            x0, y0 = (cell % GRID) * self.cell, (cell // GRID) * self.cell
+            scene.append((shape, color, x0 + rng.randint(lo, hi), y0 + rng.randint(lo, hi), size))
         return scene
 
     @staticmethod
@@ -204,7 +204,40 @@ class _Generator:
             else:
                 attrs = self.attrs(rng, n, colors=others)
             scenes.append(self.layout(rng, attrs))
-        return scenes, f"Which image has a {color} shape?", answer
+        return scenes, f"Which image has {_article(color)} {color} shape?", answer
+
+
+def scene_questions(qtype: str, scenes: list[Scene], margin: float) -> list[tuple[str, str]]:
+    """Every (question, answer) of type ``qtype`` that has one right answer for these scenes.
+
+    What the extra turns of a multi-question sample are drawn from: single-image types look at
+    ``scenes[0]``, multi-image types compare ``scenes[0]`` and ``scenes[1]``; position questions need
+    the two objects' centres ``margin`` pixels apart in x.
+    """
+    scene = scenes[0]
+    shapes, colors = Counter(o[0] for o in scene), Counter(o[1] for o in scene)
+    if qtype == "color":
+        return [(f"What color is the {o[0]}?", o[1]) for o in scene if shapes[o[0]] == 1]
+    if qtype == "shape":
+        return [(f"What shape is the {o[1]} object?", o[0]) for o in scene if colors[o[1]] == 1]
+    if qtype == "count":
+        return [("How many shapes are there?", str(len(scene)))] + [
+            (f"How many {PLURALS[shape]} are there?", str(n)) for shape, n in sorted(shapes.items())]
+    if qtype == "position":
+        pairs = Counter((o[0], o[1]) for o in scene)
+        unique = [o for o in scene if pairs[(o[0], o[1])] == 1]
+        return [(f"Is the {a[1]} {a[0]} left or right of the {b[1]} {b[0]}?", "left" if a[2] < b[2] else "right")
+                for a in unique for b in unique if abs(a[2] - b[2]) >= margin]
+    if qtype == "multi_count":
+        c1, c2 = (Counter(o[0] for o in s) for s in scenes)
+        return [(f"Which image has more {PLURALS[shape]}?", "first" if c1[shape] > c2[shape] else "second")
+                for shape in SHAPES if c1[shape] != c2[shape]]
+    if qtype == "multi_color":
+        answers = {(True, False): "first", (False, True): "second", (True, True): "both", (False, False): "neither"}
+        return [(f"Which image has {_article(color)} {color} shape?",
+                 answers[tuple(any(o[1] == color for o in s) for s in scenes)])
+                for color in COLORS]
+    raise ValueError(f"unknown qtype {qtype!r}; expected one of {list(QTYPES)}")
 
 
 class ShapesVQA(Dataset):
@@ -216,6 +249,12 @@ class ShapesVQA(Dataset):
     group, every item comes from that group. Answers are single words from ``ANSWERS[qtype]``,
     balanced within each type. Splits ``train``/``val``/``test`` never share an image, whatever the
     seeds (see the module docstring).
+
+    With ``questions_per_sample`` > 1 a sample is a multi-turn conversation: after its first question
+    (the balanced one above) come up to that many in all, drawn from every question of its group
+    (single or multi image) that the scene answers unambiguously (:func:`scene_questions`), no
+    question twice. More answers per rendered image train a small model faster; keep evaluation sets
+    at 1. ``qtype`` is the first question's type; ``turn_qtypes`` lists every turn's.
     """
 
     def __init__(
@@ -226,6 +265,7 @@ class ShapesVQA(Dataset):
         image_size: int = 64,
         multi_image_fraction: float = 0.25,
         qtypes: list[str] | None = None,
+        questions_per_sample: int = 1,
     ) -> None:
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -235,13 +275,15 @@ class ShapesVQA(Dataset):
             raise ValueError(f"image_size must be >= 32 so that shapes stay recognizable, got {image_size}")
         if not 0.0 <= multi_image_fraction <= 1.0:
             raise ValueError(f"multi_image_fraction must be in [0, 1], got {multi_image_fraction}")
+        if questions_per_sample < 1:
+            raise ValueError(f"questions_per_sample must be >= 1, got {questions_per_sample}")
         qtypes = list(QTYPES) if qtypes is None else list(qtypes)
         unknown = [q for q in qtypes if q not in QTYPES]
         if unknown or not qtypes:
             raise ValueError(f"qtypes must be a non-empty subset of {list(QTYPES)}, got {qtypes}")
         self.split, self.num_samples, self.seed = split, num_samples, seed
         self.image_size, self.multi_image_fraction = image_size, multi_image_fraction
-        self.qtypes = qtypes
+        self.qtypes, self.questions_per_sample = qtypes, questions_per_sample
         self._single = [q for q in QTYPES if q in qtypes and not is_multi_image(q)]
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
         self._gen = _Generator(split, image_size)
@@ -262,10 +304,24 @@ class ShapesVQA(Dataset):
         group = (self._multi if multi else self._single) or self._single or self._multi
         qtype = rng.choice(group)
         scenes, question, answer = getattr(self._gen, qtype)(rng)
+        turns, turn_qtypes = [{"user": question, "assistant": answer}], [qtype]
+        if self.questions_per_sample > 1:
+            # A type first (uniformly among those with questions left), then one of its questions: types with
+            # many candidate questions (multi_color has one per colour) do not crowd out the rest.
+            extra = {q: [qa for qa in scene_questions(q, scenes, self._gen.margin) if qa[0] != question] for q in group}
+            for _ in range(self.questions_per_sample - 1):
+                left = [q for q in group if extra[q]]
+                if not left:
+                    break
+                q = rng.choice(left)
+                user, assistant = extra[q].pop(rng.randrange(len(extra[q])))
+                turns.append({"user": user, "assistant": assistant})
+                turn_qtypes.append(q)
         return {
             "images": [render_scene(s, self.image_size) for s in scenes],
-            "texts": [{"user": question, "assistant": answer}],
+            "texts": turns,
             "qtype": qtype,
+            "turn_qtypes": turn_qtypes,
             "id": f"{self.split}-{index}",
             "scene": scenes,
         }

@@ -27,18 +27,45 @@ def _pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
     return torch.cat(padded).numpy()
 
 
+_NOT_AVERAGED = ("runtime", "samples_per_second", "samples")
+
+
+def combine_eval_metrics(metrics: Mapping[str, float], prefixes: list[str], prefix: str) -> dict[str, float]:
+    """Sample-weighted means over several evaluated sets (`<set prefix>_<metric>`, each with `_samples`) of the
+    metrics every set reports, as `<prefix>_<metric>`; skipped counts and sample counts are summed."""
+    counts = [metrics.get(f"{p}_samples") for p in prefixes]
+    if not prefixes or any(not c for c in counts):
+        return {}
+    per_set = [{k[len(p) + 1:] for k in metrics if k.startswith(f"{p}_")} for p in prefixes]
+    total, out = sum(counts), {}
+    for name in sorted(set.intersection(*per_set) - set(_NOT_AVERAGED)):
+        values = [metrics[f"{p}_{name}"] for p in prefixes]
+        if all(isinstance(v, (int, float)) for v in values) and not name.startswith("skipped_"):
+            out[f"{prefix}_{name}"] = sum(v * c for v, c in zip(values, counts)) / total
+    for name in sorted(n for n in set.union(*per_set) if n.startswith("skipped_")):
+        out[f"{prefix}_{name}"] = sum(metrics.get(f"{p}_{name}", 0) for p in prefixes)
+    out[f"{prefix}_samples"] = total
+    return out
+
+
 class EvaluationMixin:
     """evaluate / predict / evaluation_loop / prediction_step for Trainer."""
 
     def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | None = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Mean loss (weighted by num_items), every `loss_*`, and compute_metrics, keyed `<prefix>_<name>`.
-        A dict of datasets is evaluated one by one with prefixes `eval_<name>_`."""
+        A dict of datasets is evaluated one by one with prefixes `eval_<name>_`, then combined: `eval_<metric>`
+        is the sample-weighted mean over the sets of each metric they all report (logged as one more line)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, Mapping):
             metrics: dict[str, float] = {}
             for name, ds in dataset.items():
                 metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{name}"))
+            overall = combine_eval_metrics(metrics, [f"{metric_key_prefix}_{name}" for name in dataset],
+                                           metric_key_prefix)
+            if overall:
+                self.log(overall)
+                metrics.update(overall)
             return metrics
         dataloader = self.get_eval_dataloader(dataset)
         output = self.evaluation_loop(dataloader, prediction_loss_only=self.compute_metrics is None,
