@@ -61,3 +61,22 @@ def test_addition_example_reaches_95_percent_on_held_out_sums(tmp_path):
     metrics = run.train(cfg)
     assert metrics["global_step"] == cfg.train.max_steps
     assert metrics["eval_exact_match"] >= 0.95, metrics
+
+
+@pytest.mark.slow
+def test_vlm_demo_learns_shapes_vqa_from_the_images(tmp_path, capsys):
+    """`vlmtrain demo` (configs/shapes-tiny.yaml): >= 90% on held-out single-image questions, >= 80% on
+    multi-image ones, and near chance once the images are blanked: the answers come from the pixels."""
+    from vlmtrain.data.synthetic import CHANCE, MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
+
+    metrics = run.demo(output_dir=str(tmp_path))
+    assert metrics["eval_single_image_exact_match"] >= 0.90, metrics
+    assert metrics["eval_multi_image_exact_match"] >= 0.80, metrics
+    for group, qtypes in (("single_image", SINGLE_IMAGE_QTYPES), ("multi_image", MULTI_IMAGE_QTYPES)):
+        chance = sum(CHANCE[q] for q in qtypes) / len(qtypes)
+        assert metrics[f"blank_{group}_exact_match"] <= chance + 0.15, metrics
+    printed = capsys.readouterr().out
+    for needle in ("position", "multi_color", "blank images", "single-image (mean)", str(tmp_path)):
+        assert needle in printed
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "metrics.jsonl").is_file()
+    assert sorted(tmp_path.glob("checkpoint-*"))

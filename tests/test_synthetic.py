@@ -53,11 +53,10 @@ def _oracle(qtype: str, question: str, scenes: list[list[tuple]]) -> str:
             return str(len(scenes[0]))
         return str(sum(o[0] == SINGULAR[m[1]] for o in scenes[0]))
     if qtype == "position":
-        m = re.fullmatch(r"Is the (\w+) (\w+) left or right of the (\w+) (\w+)\?", question)
-        (a,) = [o for o in scenes[0] if (o[1], o[0]) == (m[1], m[2])]
-        (b,) = [o for o in scenes[0] if (o[1], o[0]) == (m[3], m[4])]
-        assert abs(a[2] - b[2]) >= 64 / 6, "position pairs must be clearly separated"
-        return "left" if a[2] < b[2] else "right"
+        side = re.fullmatch(r"Which shape is furthest (left|right)\?", question)[1]
+        xs = sorted((o[2] if side == "left" else -o[2], o[0]) for o in scenes[0])
+        assert len(xs) >= 2 and xs[1][0] - xs[0][0] >= 64 / 6, "the furthest shape must be clearly apart"
+        return xs[0][1]
     if qtype == "multi_count":
         shape = SINGULAR[re.fullmatch(r"Which image has more (\w+)\?", question)[1]]
         c1, c2 = (sum(o[0] == shape for o in s) for s in scenes)

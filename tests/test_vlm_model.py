@@ -252,6 +252,27 @@ def test_load_backbone_from_local_dirs(tmp_path):
     assert torch.equal(model.vision_encoder.embeddings.patch_embedding.weight,
                        siglip.vision_model.embeddings.patch_embedding.weight)
     assert torch.equal(model.decoder.lm_head.weight, llama.lm_head.weight)
+    # Pretrained position embeddings are kept as they are (no sin-cos overwrite).
+    assert torch.equal(model.vision_encoder.embeddings.position_embedding.weight,
+                       siglip.vision_model.embeddings.position_embedding.weight)
+
+
+@pytest.mark.parametrize("vision", [VISION, dict(model_type="siglip2_vision_model", num_patches=16, patch_size=8,
+                                                 hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=4)])
+def test_random_init_tower_gets_2d_sincos_positions(vision):
+    """Patches in the same column share the x half of their position vector, same row the y half; columns and
+    rows differ; values are sin/cos themselves (unit scale, as in MAE)."""
+    table = build_vlm(vision, TEXT, 2).vision_encoder.embeddings.position_embedding.weight.detach()
+    g, half = 4, table.shape[1] // 2
+    grid = table.reshape(g, g, -1)  # [row, column, dim]
+    for c in range(g):
+        assert torch.allclose(grid[:, c, :half], grid[0, c, :half].expand(g, -1))
+        assert torch.allclose(grid[c, :, half:], grid[c, 0, half:].expand(g, -1))
+    assert all(not torch.allclose(grid[0, a, :half], grid[0, b, :half]) for a in range(g) for b in range(a))
+    quarter = table.shape[1] // 4  # patch (0, 0): sin(0) = 0 and cos(0) = 1 for x, then for y
+    origin = torch.cat([torch.zeros(quarter), torch.ones(quarter)]).repeat(2)
+    assert table.abs().max() <= 1.0 and torch.allclose(table[0], origin)
 
 
 def test_siglip2_vision_tower():

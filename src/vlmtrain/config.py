@@ -69,6 +69,9 @@ class DataConfig:
     """Seed for generating the data and its train/eval split."""
     multi_image_fraction: float = 0.25
     """(shapes) Fraction of training questions about two images."""
+    questions_per_sample: int = 1
+    """(shapes) Training samples ask up to this many questions about their image(s), as one multi-turn
+    conversation (evaluation stays one question per sample)."""
     train_file: str | None = None
     """(jsonl) Training JSONL file."""
     eval_file: str | None = None
@@ -90,6 +93,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("num_train", 1), ("num_eval", 0), ("num_digits", 1), ("max_length", 1),
+                          ("questions_per_sample", 1),
                           ("max_images", 0), ("tokenizer_vocab_size", 32)):
             if getattr(self, name) < low:
                 raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")

@@ -14,7 +14,7 @@ from typing import Any
 
 from vlmtrain.config import ConfigError, RunConfig, load_run_config, save_run_config
 
-DEMO_CONFIG = "addition-tiny.yaml"
+DEMO_CONFIG = "shapes-tiny.yaml"
 
 
 def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
@@ -88,7 +88,8 @@ def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:
     if d.source == "shapes":
         from vlmtrain.data.synthetic import QTYPES, ShapesVQA
 
-        train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction)
+        train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
+                          questions_per_sample=d.questions_per_sample)
         evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
         return train, evals
     from vlmtrain.data.synthetic import read_cauldron_jsonl
@@ -137,13 +138,16 @@ def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
                 and any(k.startswith("eval_") and k.endswith("loss") for k in h)]
         metrics.update({k: v for h in last for k, v in h.items() if k.startswith("eval_")} if last
                        else trainer.evaluate())
+    if cfg.data.source == "shapes":
+        metrics.update(shapes_summary(metrics))
     return trainer, metrics
 
 
 def evaluate(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     """Evaluate the configured model, or the weights of a checkpoint, on the eval set."""
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir) if checkpoint else None
-    return build(cfg, checkpoint=ckpt).evaluate()
+    metrics = build(cfg, checkpoint=ckpt).evaluate()
+    return {**metrics, **shapes_summary(metrics)} if cfg.data.source == "shapes" else metrics
 
 
 def predict(cfg: RunConfig, checkpoint: str) -> list[str]:
@@ -199,13 +203,54 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def find_demo_config() -> Path:
-    """configs/addition-tiny.yaml of the repository (or of the current directory)."""
-    candidates = [Path(__file__).resolve().parents[2] / "configs" / DEMO_CONFIG, Path.cwd() / "configs" / DEMO_CONFIG]
+def find_demo_config(name: str = DEMO_CONFIG) -> Path:
+    """configs/<name> of the repository (or of the current directory)."""
+    candidates = [Path(__file__).resolve().parents[2] / "configs" / name, Path.cwd() / "configs" / name]
     for path in candidates:
         if path.is_file():
             return path
-    raise ConfigError(f"cannot find configs/{DEMO_CONFIG} (looked in {', '.join(str(c.parent) for c in candidates)}).")
+    raise ConfigError(f"cannot find configs/{name} (looked in {', '.join(str(c.parent) for c in candidates)}).")
+
+
+def shapes_summary(metrics: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
+    """Single- and multi-image exact match of a shapes-VQA evaluation: the mean over the question types of
+    each group (every type has the same number of eval samples)."""
+    from vlmtrain.data.synthetic import MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
+
+    out = {}
+    for group, qtypes in (("single_image", SINGLE_IMAGE_QTYPES), ("multi_image", MULTI_IMAGE_QTYPES)):
+        values = [metrics.get(f"{prefix}_{q}_exact_match") for q in qtypes]
+        if all(v is not None for v in values):
+            out[f"{prefix}_{group}_exact_match"] = sum(values) / len(values)
+    return out
+
+
+def demo(output_dir: str | None = None, config: str | None = None) -> dict[str, Any]:
+    """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU and print
+    the results (per question type and against blank images for shapes-VQA) and where everything went."""
+    path = Path(config) if config else find_demo_config()
+    if not path.is_file():
+        raise ConfigError(f"demo config {str(path)!r} does not exist.")
+    cfg = load_run_config(path, {"train.output_dir": output_dir} if output_dir else None)
+    start = time.perf_counter()
+    trainer, metrics = _train(cfg)
+    seconds = time.perf_counter() - start
+    out = cfg.train.output_dir
+    if cfg.model.kind == "vlm" and cfg.data.source == "shapes":
+        blank = _blank_image_metrics(trainer)
+        metrics.update(blank)
+        report = _shapes_table(metrics, blank) + "\n" + _shapes_examples(trainer)
+    else:
+        exact, loss = _pick(metrics, "eval_exact_match", "exact_match"), _pick(metrics, "eval_loss")
+        report = (f"  eval exact-match: {exact}   eval loss: {loss}\n"
+                  f"  held-out examples (Trainer.predict): {_examples(trainer)}")
+    print(f"\nvlmtrain demo ({path.name}): {metrics.get('global_step')} steps, {seconds:.0f}s in all\n"
+          f"{report}\n"
+          f"  checkpoints: {os.path.join(out, 'checkpoint-*')}/\n"
+          f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
+          f"  config:      {os.path.join(out, 'config.yaml')}\n"
+          f"  next: vlmtrain eval --config {path} --checkpoint {out}")
+    return metrics
 
 
 def _pick(metrics: dict[str, Any], *names: str) -> str:
@@ -213,23 +258,40 @@ def _pick(metrics: dict[str, Any], *names: str) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
-def demo(output_dir: str | None = None) -> dict[str, Any]:
-    """Train the tiny addition model of configs/addition-tiny.yaml on CPU and print where everything went."""
-    cfg = load_run_config(find_demo_config(), {"train.output_dir": output_dir} if output_dir else None)
-    start = time.perf_counter()
-    trainer, metrics = _train(cfg)
-    seconds = time.perf_counter() - start
-    out = cfg.train.output_dir
-    examples = _examples(trainer)
-    exact, loss = _pick(metrics, "eval_exact_match", "exact_match"), _pick(metrics, "eval_loss")
-    print(f"\nvlmtrain demo: {metrics.get('global_step')} steps in {seconds:.0f}s\n"
-          f"  eval exact-match: {exact}   eval loss: {loss}\n"
-          f"  checkpoints: {os.path.join(out, 'checkpoint-*')}/\n"
-          f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
-          f"  config:      {os.path.join(out, 'config.yaml')}\n"
-          f"  held-out examples (Trainer.predict): {examples}\n"
-          f"  next: vlmtrain predict --config {find_demo_config()} --checkpoint {out}")
-    return metrics
+def _blank_image_metrics(trainer: Any) -> dict[str, float]:
+    """Exact match on the same eval questions with empty images (keys blank_<type>_exact_match, ...)."""
+    from vlmtrain.data.synthetic import BlankImages
+
+    metrics = trainer.evaluate({q: BlankImages(ds) for q, ds in trainer.eval_dataset.items()},
+                               metric_key_prefix="blank")
+    return {**metrics, **shapes_summary(metrics, "blank")}
+
+
+def _shapes_table(metrics: dict[str, Any], blank: dict[str, Any]) -> str:
+    from vlmtrain.data.synthetic import CHANCE, MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
+
+    rows = [f"  {'held-out exact match':<22}{'model':>8}{'blank images':>14}{'chance':>8}"]
+    for group, qtypes in (("single_image", SINGLE_IMAGE_QTYPES), ("multi_image", MULTI_IMAGE_QTYPES)):
+        for q in qtypes:
+            rows.append(f"  {q:<22}{metrics.get(f'eval_{q}_exact_match', float('nan')):>8.3f}"
+                        f"{blank.get(f'blank_{q}_exact_match', float('nan')):>14.3f}{CHANCE[q]:>8.3f}")
+        chance = sum(CHANCE[q] for q in qtypes) / len(qtypes)
+        rows.append(f"  {group.replace('_', '-') + ' (mean)':<22}"
+                    f"{metrics.get(f'eval_{group}_exact_match', float('nan')):>8.3f}"
+                    f"{blank.get(f'blank_{group}_exact_match', float('nan')):>14.3f}{chance:>8.3f}")
+    return "\n".join(rows)
+
+
+def _shapes_examples(trainer: Any) -> str:
+    """One held-out question per type with the model's generated answer and the truth."""
+    names = list(trainer.eval_dataset)
+    samples = [trainer.eval_dataset[q][0] for q in names]
+    texts = trainer.predict(samples).texts or [""] * len(samples)
+    lines = ["  held-out examples (Trainer.predict):"]
+    for q, sample, answer in zip(names, samples, texts):
+        turn = sample["texts"][-1]
+        lines.append(f"    [{q}] {turn['user']} -> {answer!r} (truth {turn['assistant']!r})")
+    return "\n".join(lines)
 
 
 def _examples(trainer: Any, n: int = 5) -> str:

@@ -380,6 +380,8 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
         vision_encoder = AutoModel.from_pretrained(vision, config=config.vision_config, dtype=dtype)
         decoder = AutoModelForCausalLM.from_pretrained(text, config=config.text_config, dtype=dtype)
     model = VisionLanguageModel(config, vision_encoder=vision_encoder, decoder=decoder).to(dtype)
+    if not load_backbone:
+        sincos_position_embeddings(model.vision_encoder)
     if tokenizer is not None and load_backbone:
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.decoder.resize_token_embeddings(len(tokenizer))
@@ -387,6 +389,34 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
             if getattr(tokenizer, name) is not None and getattr(model.config.text_config, name, None) is None:
                 setattr(model.config.text_config, name, getattr(tokenizer, name))
     return model
+
+
+def sincos_position_embeddings(vision_encoder: nn.Module) -> bool:
+    """Set a randomly initialized ViT's learned position table to 2D sin-cos values (as MAE does).
+
+    Random position vectors carry no notion of left/right: a from-scratch model must first learn an
+    ordering of the columns before it can answer "is A left of B?". Sin-cos rows give every patch its
+    (x, y) from the start; they stay trainable. Applies to towers whose ``embeddings.position_embedding``
+    is an ``nn.Embedding`` over a square patch grid (SigLIP, SigLIP2); returns whether it applied.
+    """
+    embeddings = getattr(getattr(vision_encoder, "vision_model", vision_encoder), "embeddings", None)
+    table = getattr(embeddings, "position_embedding", None)
+    if not isinstance(table, nn.Embedding):
+        return False
+    n, dim = table.weight.shape
+    grid = math.isqrt(n)
+    if grid * grid != n or dim % 4:
+        return False
+    freqs = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
+    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
+                            indexing="ij")  # row-major, as the patches are numbered
+    parts = []
+    for coord in (xs.reshape(-1), ys.reshape(-1)):
+        angles = coord[:, None] * freqs[None, :]
+        parts += [angles.sin(), angles.cos()]
+    with torch.no_grad():  # unit scale as in MAE: a random init's ~1/sqrt(width) drowns under the pixel content
+        table.weight.copy_(torch.cat(parts, dim=1).to(table.weight.dtype))
+    return True
 
 
 AutoConfig.register(VLMConfig.model_type, VLMConfig, exist_ok=True)
