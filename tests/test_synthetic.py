@@ -53,10 +53,11 @@ def _oracle(qtype: str, question: str, scenes: list[list[tuple]]) -> str:
             return str(len(scenes[0]))
         return str(sum(o[0] == SINGULAR[m[1]] for o in scenes[0]))
     if qtype == "position":
-        side = re.fullmatch(r"Which shape is furthest (left|right)\?", question)[1]
-        xs = sorted((o[2] if side == "left" else -o[2], o[0]) for o in scenes[0])
-        assert len(xs) >= 2 and xs[1][0] - xs[0][0] >= 64 / 6, "the furthest shape must be clearly apart"
-        return xs[0][1]
+        m = re.fullmatch(r"Is the (\w+) left or right of the (\w+)\?", question)
+        (a,) = [o for o in scenes[0] if o[0] == m[1]]  # each named shape must be unique in the scene
+        (b,) = [o for o in scenes[0] if o[0] == m[2]]
+        assert abs(a[2] - b[2]) >= 64 / 6, "position pairs must be clearly separated"
+        return "left" if a[2] < b[2] else "right"
     if qtype == "multi_count":
         shape = SINGULAR[re.fullmatch(r"Which image has more (\w+)\?", question)[1]]
         c1, c2 = (sum(o[0] == shape for o in s) for s in scenes)

@@ -65,6 +65,21 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
         run.generate(str(tmp_path / "run"), "What color?", images=[str(tmp_path / "nope.png")])
 
 
+def test_demo_report_for_a_shapes_config(tmp_path, capsys):
+    """`vlmtrain demo --config` on a (tiny) shapes config: per-type table, blank-image baseline, chance, paths."""
+    cfg = _config(tmp_path)
+    metrics = run.demo(config=str(tmp_path / "cfg.yaml"))
+    printed = capsys.readouterr().out
+    for q in QTYPES:
+        assert f"blank_{q}_exact_match" in metrics and q in printed
+    assert {"eval_single_image_exact_match", "eval_multi_image_exact_match", "blank_single_image_exact_match",
+            "blank_multi_image_exact_match"} <= set(metrics)
+    assert "single-image (mean)" in printed and "multi-image (mean)" in printed and "chance" in printed
+    assert "held-out examples" in printed and str(cfg.train.output_dir) in printed
+    with pytest.raises(ConfigError, match="does not exist"):
+        run.demo(config=str(tmp_path / "nope.yaml"))
+
+
 def test_jsonl_source_in_cauldron_schema(tmp_path):
     path = write_cauldron_jsonl(ShapesVQA("train", 16, seed=1), str(tmp_path / "data"), name="train")
     cfg = _config(tmp_path, data={"source": "jsonl", "train_file": path, "eval_file": path})

@@ -42,26 +42,17 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "color": tuple(COLORS),
     "shape": SHAPES,
     "count": ("1", "2", "3", "4"),
-    "position": SHAPES,  # "Which shape is furthest left/right?"
+    "position": ("left", "right"),
     "multi_count": ("first", "second"),
     "multi_color": ("first", "second", "both", "neither"),
 }
 CHANCE = {q: 1 / len(a) for q, a in ANSWERS.items()}  # answers are balanced within each type
-SIDES = ("left", "right")
 SPLIT_BUCKETS = {"train": range(0, 8), "val": range(8, 9), "test": range(9, 10)}
 NUM_BUCKETS = 10
 _SUPERSAMPLE = 4  # draw at 4x and box-downsample: smooth, deterministic edges
 
 Obj = tuple[str, str, int, int, int]  # shape, color, centre x, centre y, size (px)
 Scene = list[Obj]
-
-
-def _furthest(scene: Scene, side: str, margin: float) -> str | None:
-    """Shape of the object furthest to ``side`` if its centre is at least ``margin`` px beyond all others."""
-    if len(scene) < 2:
-        return None
-    ordered = sorted(scene, key=lambda o: o[2], reverse=side == "right")
-    return ordered[0][0] if abs(ordered[0][2] - ordered[1][2]) >= margin else None
 
 
 def _article(word: str) -> str:
@@ -170,11 +161,18 @@ class _Generator:
         return [self.layout(rng, attrs)], f"How many {PLURALS[target]} are there?", str(k)
 
     def position(self, rng: random.Random) -> tuple[list[Scene], str, str]:
-        answer, side = rng.choice(ANSWERS["position"]), rng.choice(SIDES)
-        while True:  # the object furthest to that side must be the answer's shape, clearly apart from the rest
+        answer = rng.choice(ANSWERS["position"])
+        while True:
             scene = self.layout(rng, self.attrs(rng, rng.randint(2, MAX_OBJECTS)))
-            if _furthest(scene, side, self.margin) == answer:
-                return [scene], f"Which shape is furthest {side}?", answer
+            counts = Counter(o[0] for o in scene)
+            unique = [o for o in scene if counts[o[0]] == 1]  # objects are named by shape: it must be unique
+            pairs = [(a, b) for a in unique for b in unique if a[2] + self.margin <= b[2]]
+            if pairs:
+                break
+        a, b = rng.choice(pairs)  # a is left of b
+        if answer == "right":
+            a, b = b, a
+        return [scene], f"Is the {a[0]} left or right of the {b[0]}?", answer
 
     def multi_count(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         target = rng.choice(SHAPES)
@@ -226,8 +224,9 @@ def scene_questions(qtype: str, scenes: list[Scene], margin: float) -> list[tupl
         return [("How many shapes are there?", str(len(scene)))] + [
             (f"How many {PLURALS[shape]} are there?", str(n)) for shape, n in sorted(shapes.items())]
     if qtype == "position":
-        found = [(side, _furthest(scene, side, margin)) for side in SIDES]
-        return [(f"Which shape is furthest {side}?", shape) for side, shape in found if shape is not None]
+        unique = [o for o in scene if shapes[o[0]] == 1]
+        return [(f"Is the {a[0]} left or right of the {b[0]}?", "left" if a[2] < b[2] else "right")
+                for a in unique for b in unique if abs(a[2] - b[2]) >= margin]
     if qtype == "multi_count":
         c1, c2 = (Counter(o[0] for o in s) for s in scenes)
         return [(f"Which image has more {PLURALS[shape]}?", "first" if c1[shape] > c2[shape] else "second")
