@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+from vlmtrain.data.cauldron import read_cauldron_jsonl, write_cauldron_jsonl
 from vlmtrain.data.synthetic import (
     ANSWERS,
     COLORS,
@@ -19,9 +20,7 @@ from vlmtrain.data.synthetic import (
     SHAPES,
     ShapesVQA,
     is_multi_image,
-    read_cauldron_jsonl,
     render_scene,
-    write_cauldron_jsonl,
 )
 
 SINGULAR = {v: k for k, v in PLURALS.items()}

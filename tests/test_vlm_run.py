@@ -11,7 +11,8 @@ import yaml
 
 from vlmtrain import run
 from vlmtrain.config import ConfigError, load_run_config
-from vlmtrain.data.synthetic import QTYPES, ShapesVQA, write_cauldron_jsonl
+from vlmtrain.data.cauldron import write_cauldron_jsonl
+from vlmtrain.data.synthetic import QTYPES, ShapesVQA
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +103,8 @@ def test_bad_samples_are_skipped_counted_and_logged(tmp_path):
     cfg = _config(tmp_path, data={"source": "jsonl", "train_file": path, "eval_file": path},
                   train={"max_steps": 4, "dataloader_num_workers": 2, "eval_steps": 4, "save_strategy": "no"})
     trainer = run.build(cfg)
-    out = trainer.train()  # 14 samples, batch 8: 2 batches per epoch, so 4 steps see every bad sample twice
+    with pytest.warns(UserWarning, match="6 training samples were skipped"):  # the end-of-run summary
+        out = trainer.train()  # 14 samples, batch 8: 2 batches per epoch, so 4 steps see every bad sample twice
     expected = {"missing_image": 2, "corrupt_image": 2, "empty_conversation": 2}
     assert {k: v for k, v in out.metrics.items() if k.startswith("train_skipped_")} == {
         f"train_skipped_{k}": v for k, v in expected.items()}

@@ -92,7 +92,7 @@ def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:
                           questions_per_sample=d.questions_per_sample)
         evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
         return train, evals
-    from vlmtrain.data.synthetic import read_cauldron_jsonl
+    from vlmtrain.data.cauldron import read_cauldron_jsonl
 
     # Images stay paths: the processor opens them, skipping (and counting) missing or corrupt ones.
     train = read_cauldron_jsonl(d.train_file, load_images=False)
