@@ -54,8 +54,20 @@ Obj = tuple[str, str, int, int, int]  # shape, color, centre x, centre y, size (
 Scene = list[Obj]
 
 
-def _article(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
+# Question wording, shared by the per-type generators and scene_questions (the extra turns).
+QUESTION = {
+    "color": "What color is the {shape}?",
+    "shape": "What shape is the {color} object?",
+    "count_all": "How many shapes are there?",
+    "count": "How many {shapes} are there?",
+    "position": "Is the {a} left or right of the {b}?",
+    "multi_count": "Which image has more {shapes}?",
+    "multi_color": "Which image has {article} {color} shape?",
+}
+
+
+def _multi_color_question(color: str) -> str:
+    return QUESTION["multi_color"].format(article="an" if color[0] in "aeiou" else "a", color=color)
 
 
 def is_multi_image(qtype: str) -> bool:
@@ -143,21 +155,21 @@ class _Generator:
 
     def color(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         attrs, (shape, color) = self._with_unique(rng, by=0)
-        return [self.layout(rng, attrs)], f"What color is the {shape}?", color
+        return [self.layout(rng, attrs)], QUESTION["color"].format(shape=shape), color
 
     def shape(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         attrs, (shape, color) = self._with_unique(rng, by=1)
-        return [self.layout(rng, attrs)], f"What shape is the {color} object?", shape
+        return [self.layout(rng, attrs)], QUESTION["shape"].format(color=color), shape
 
     def count(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         k = rng.randint(1, MAX_OBJECTS)
         if rng.random() < 0.5:
-            return [self.layout(rng, self.attrs(rng, k))], "How many shapes are there?", str(k)
+            return [self.layout(rng, self.attrs(rng, k))], QUESTION["count_all"], str(k)
         target = rng.choice(SHAPES)
         others = [s for s in SHAPES if s != target]
         attrs = self.attrs(rng, k, shapes=(target,)) + self.attrs(rng, rng.randint(0, MAX_OBJECTS - k), others)
         rng.shuffle(attrs)
-        return [self.layout(rng, attrs)], f"How many {PLURALS[target]} are there?", str(k)
+        return [self.layout(rng, attrs)], QUESTION["count"].format(shapes=PLURALS[target]), str(k)
 
     def position(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         answer = rng.choice(ANSWERS["position"])
@@ -171,7 +183,7 @@ class _Generator:
         a, b = rng.choice(pairs)  # a is left of b
         if answer == "right":
             a, b = b, a
-        return [scene], f"Is the {a[0]} left or right of the {b[0]}?", answer
+        return [scene], QUESTION["position"].format(a=a[0], b=b[0]), answer
 
     def multi_count(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         target = rng.choice(SHAPES)
@@ -187,7 +199,7 @@ class _Generator:
         answer = rng.choice(ANSWERS["multi_count"])
         if answer == "second":
             scenes.reverse()
-        return scenes, f"Which image has more {PLURALS[target]}?", answer
+        return scenes, QUESTION["multi_count"].format(shapes=PLURALS[target]), answer
 
     def multi_color(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         color = rng.choice(tuple(COLORS))
@@ -203,7 +215,7 @@ class _Generator:
             else:
                 attrs = self.attrs(rng, n, colors=others)
             scenes.append(self.layout(rng, attrs))
-        return scenes, f"Which image has {_article(color)} {color} shape?", answer
+        return scenes, _multi_color_question(color), answer
 
 
 def scene_questions(qtype: str, scenes: list[Scene], margin: float) -> list[tuple[str, str]]:
@@ -216,23 +228,23 @@ def scene_questions(qtype: str, scenes: list[Scene], margin: float) -> list[tupl
     scene = scenes[0]
     shapes, colors = Counter(o[0] for o in scene), Counter(o[1] for o in scene)
     if qtype == "color":
-        return [(f"What color is the {o[0]}?", o[1]) for o in scene if shapes[o[0]] == 1]
+        return [(QUESTION["color"].format(shape=o[0]), o[1]) for o in scene if shapes[o[0]] == 1]
     if qtype == "shape":
-        return [(f"What shape is the {o[1]} object?", o[0]) for o in scene if colors[o[1]] == 1]
+        return [(QUESTION["shape"].format(color=o[1]), o[0]) for o in scene if colors[o[1]] == 1]
     if qtype == "count":
-        return [("How many shapes are there?", str(len(scene)))] + [
-            (f"How many {PLURALS[shape]} are there?", str(n)) for shape, n in sorted(shapes.items())]
+        return [(QUESTION["count_all"], str(len(scene)))] + [
+            (QUESTION["count"].format(shapes=PLURALS[shape]), str(n)) for shape, n in sorted(shapes.items())]
     if qtype == "position":
         unique = [o for o in scene if shapes[o[0]] == 1]
-        return [(f"Is the {a[0]} left or right of the {b[0]}?", "left" if a[2] < b[2] else "right")
+        return [(QUESTION["position"].format(a=a[0], b=b[0]), "left" if a[2] < b[2] else "right")
                 for a in unique for b in unique if abs(a[2] - b[2]) >= margin]
     if qtype == "multi_count":
         c1, c2 = (Counter(o[0] for o in s) for s in scenes)
-        return [(f"Which image has more {PLURALS[shape]}?", "first" if c1[shape] > c2[shape] else "second")
+        return [(QUESTION["multi_count"].format(shapes=PLURALS[shape]), "first" if c1[shape] > c2[shape] else "second")
                 for shape in SHAPES if c1[shape] != c2[shape]]
     if qtype == "multi_color":
         answers = {(True, False): "first", (False, True): "second", (True, True): "both", (False, False): "neither"}
-        return [(f"Which image has {_article(color)} {color} shape?",
+        return [(_multi_color_question(color),
                  answers[tuple(any(o[1] == color for o in s) for s in scenes)])
                 for color in COLORS]
     raise ValueError(f"unknown qtype {qtype!r}; expected one of {list(QTYPES)}")

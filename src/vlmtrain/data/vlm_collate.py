@@ -30,9 +30,9 @@ class VLMCollator:
     Samples raising :class:`SkipSample` are dropped and counted by reason: the batch's ``skipped``
     entry holds this batch's counts (so they reach the Trainer's log from DataLoader workers too; the
     Trainer keeps the key out of the model's forward), ``self.skipped`` the running total of this
-    process. Items already processed
-    (dicts with ``input_ids``) pass through unchanged. If EVERY sample of a batch is bad, a
-    ``ValueError`` naming the reasons is raised: an empty batch would silently break the step.
+    process. Items already processed (dicts with ``input_ids``) pass through unchanged. If EVERY
+    sample of a batch is bad, a ``ValueError`` naming the reasons is raised: an empty batch would
+    silently break the step.
     """
 
     def __init__(self, processor: VLMProcessor) -> None:
