@@ -184,6 +184,7 @@ def test_collator_shapes_padding_and_skips(proc):
     bad = [{"images": ["/missing.png"], "texts": [{"user": "q", "assistant": "a"}]}, {"texts": []}]
     batch = collate([good[0], bad[0], good[1], bad[1], good[2]])
     assert batch.pop("skipped") == {"missing_image": 1, "empty_conversation": 1}  # this batch's drops
+    stats = batch.pop("pack_stats")
     assert all(isinstance(v, torch.Tensor) for v in batch.values())
     assert set(batch) == {"input_ids", "attention_mask", "labels", "pixel_values", "prompt_input_ids",
                           "prompt_attention_mask", "prompt_pixel_values"}
@@ -195,6 +196,8 @@ def test_collator_shapes_padding_and_skips(proc):
     assert torch.equal(batch["pixel_values"], torch.cat([p["pixel_values"] for p in processed]))
     n, width = batch["input_ids"].shape
     assert n == 3 and width == max(len(p["input_ids"]) for p in processed)
+    assert stats == {"samples": 3, "tokens": sum(len(p["input_ids"]) for p in processed), "rows": 3,
+                     "capacity": 3 * width, "images": 3}
     pid = proc.tokenizer.pad_token_id
     for i, p in enumerate(processed):
         k = len(p["input_ids"])  # right padding for training

@@ -87,6 +87,15 @@ class DataConfig:
     colour makes an untrained encoder see the shapes more clearly)."""
     image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     """(vlm) Per-channel standard deviation pixels are divided by."""
+    packing: bool | None = None
+    """Pack each training batch's samples into rows of pack_length tokens, every sample attending only to
+    itself (positions restart per sample). null: on where safe, i.e. when a check on the model finds packed
+    logits equal to unpacked ones; true: required (an error if the model fails the check); false: pad.
+    Evaluation never packs."""
+    pack_length: int | None = None
+    """Tokens per packed row (default: max_length for a VLM, 64 for addition)."""
+    max_images_per_pack: int | None = None
+    """(vlm) At most this many images (tiles count) in one packed row; null: no cap."""
     tokenizer_vocab_size: int = 400
     """(vlm) Vocabulary size of the byte-level BPE trained on the training texts when model.tokenizer is null
     (>= ~400: below that its 263 base symbols leave no room for merges and answers are spelled out)."""
@@ -101,6 +110,9 @@ class DataConfig:
             raise ConfigError("data.image_mean and data.image_std need 3 values (RGB), the std ones > 0.")
         if not 0 <= self.multi_image_fraction <= 1:
             raise ConfigError(f"data.multi_image_fraction must be in [0, 1], got {self.multi_image_fraction}.")
+        for name in ("pack_length", "max_images_per_pack"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}.")
         if self.source == "jsonl" and not self.train_file:
             raise ConfigError("data.source='jsonl' needs data.train_file (a the_cauldron-schema JSONL file).")
 

@@ -7,14 +7,17 @@ bad config fails in the time it takes to read YAML.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from vlmtrain.config import ConfigError, RunConfig, load_run_config, save_run_config
 
 DEMO_CONFIG = "shapes-tiny.yaml"
+logger = logging.getLogger(__name__)
 
 
 def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
@@ -36,6 +39,7 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
 
 def _build_addition(cfg: RunConfig) -> dict[str, Any]:
     from vlmtrain.data.addition import build_addition
+    from vlmtrain.data.packing import PackingCollator
     from vlmtrain.models.causal_lm import build_causal_lm, check_model_type
 
     if cfg.model.pretrained is None:
@@ -44,6 +48,9 @@ def _build_addition(cfg: RunConfig) -> dict[str, Any]:
                            num_digits=cfg.data.num_digits, seed=cfg.data.seed)
     parts["model"] = build_causal_lm(config=cfg.model.config or None, pretrained=cfg.model.pretrained,
                                      tokenizer=parts["tokenizer"], seed=cfg.train.seed)
+    padded, pad_id = parts["data_collator"], parts["tokenizer"].pad_token_id
+    parts["data_collator"] = _collator(cfg, parts["model"], len(parts["tokenizer"]), padded,
+                                       lambda n: PackingCollator(n, pad_id, padding_collator=padded))
     return parts
 
 
@@ -56,7 +63,7 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
     from vlmtrain.data.addition import exact_match_metric
     from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
     from vlmtrain.data.vlm_collate import VLMCollator
-    from vlmtrain.models.vlm import build_vlm, resolve_config
+    from vlmtrain.models.build import build_vlm, resolve_config
 
     m, d = cfg.model, cfg.data
     for key, spec, causal in (("model.vision", m.vision, False), ("model.text", m.text, True)):
@@ -80,7 +87,28 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
                              max_images=d.max_images, split_large_images=d.split_large_images,
                              mean=d.image_mean, std=d.image_std)
     return {"model": model, "tokenizer": tokenizer, "train_dataset": train, "eval_dataset": evals,
-            "data_collator": VLMCollator(processor), "compute_metrics": exact_match_metric(tokenizer)}
+            "data_collator": _collator(cfg, model, len(tokenizer), VLMCollator(processor),
+                                       lambda n: VLMCollator(processor, n, d.max_images_per_pack)),
+            "compute_metrics": exact_match_metric(tokenizer)}
+
+
+def _collator(cfg: RunConfig, model: Any, vocab_size: int, padded: Any, packed: Callable[[int], Any]) -> Any:
+    """The packing collator (``packed(pack_length)``) if data.packing allows it and the model passes
+    :func:`check_packing`, else the padding one."""
+    from vlmtrain.data.packing import check_packing
+
+    d = cfg.data
+    if d.packing is False:
+        return padded
+    error = check_packing(model, vocab_size)
+    if error > 1e-4:
+        message = (f"{type(model).__name__} does not keep packed samples apart (logits differ by {error:.2g} "
+                   f"from unpacked runs): its attention ignores restarting position_ids.")
+        if d.packing:
+            raise ConfigError(f"data.packing=true but {message} Set data.packing: false.")
+        logger.warning("%s Training with padding instead of packing.", message)
+        return padded
+    return packed(d.pack_length or (d.max_length if cfg.model.kind == "vlm" else 64))
 
 
 def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:

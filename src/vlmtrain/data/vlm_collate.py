@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections import Counter
 from collections.abc import Mapping
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from vlmtrain.data.collate import pad_sequences
+from vlmtrain.data.packing import pack_items, pack_stats
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, VLMProcessor
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,12 @@ class VLMCollator:
       tokens follow every prompt directly; ``prompt_pixel_values`` is ``pixel_values`` (a prompt holds
       all of its sample's images).
 
+    With ``pack_length`` the training tensors are packed instead (:mod:`vlmtrain.data.packing`):
+    ``input_ids`` / ``labels`` / ``position_ids`` of shape [rows, pack_length], no ``attention_mask``,
+    and ``pixel_values`` in the order the samples appear in the rows; at most ``max_images_per_pack``
+    images per row. The ``pack_stats`` entry (samples, real tokens, rows, capacity, images) lets the
+    Trainer log fill ratio, padding fraction and images per row, packed or not.
+
     Samples raising :class:`SkipSample` are dropped and counted by reason: the batch's ``skipped``
     entry holds this batch's counts (so they reach the Trainer's log from DataLoader workers too; the
     Trainer keeps the key out of the model's forward), ``self.skipped`` the running total of this
@@ -35,13 +43,29 @@ class VLMCollator:
     silently break the step.
     """
 
-    def __init__(self, processor: VLMProcessor) -> None:
+    def __init__(self, processor: VLMProcessor, pack_length: int | None = None,
+                 max_images_per_pack: int | None = None) -> None:
         pad = processor.tokenizer.pad_token_id
         if pad is None:
             raise ValueError("VLMCollator needs a tokenizer with a pad token")
+        if pack_length is not None and pack_length < processor.max_length:
+            raise ValueError(f"pack_length={pack_length} is shorter than the processor's max_length="
+                             f"{processor.max_length}: a sample that fits max_length must fit a pack.")
+        if max_images_per_pack is not None and max_images_per_pack < processor.max_images:
+            raise ValueError(f"max_images_per_pack={max_images_per_pack} is below max_images="
+                             f"{processor.max_images}: a sample with max_images images must fit a pack.")
         self.processor = processor
+        self.pack_length, self.max_images_per_pack = pack_length, max_images_per_pack
         self.pad_token_id = int(pad)
         self.skipped: Counter[str] = Counter()
+
+    def without_packing(self) -> VLMCollator:
+        """The same collator with padding instead of packing (what evaluation and prediction use)."""
+        if self.pack_length is None:
+            return self
+        other = copy.copy(self)
+        other.pack_length = other.max_images_per_pack = None
+        return other
 
     def _process(self, sample: Any, skipped: Counter[str]) -> dict[str, Any] | None:
         if isinstance(sample, Mapping) and "input_ids" in sample:
@@ -63,19 +87,44 @@ class VLMCollator:
         if not items:
             raise ValueError(f"every sample of the batch ({len(samples)}) was skipped; reasons so far: "
                              f"{dict(self.skipped)}")
-        ids = [torch.as_tensor(it["input_ids"], dtype=torch.long) for it in items]
-        labels = [torch.as_tensor(it["labels"], dtype=torch.long) for it in items]
+        cap = self.max_images_per_pack
+        if self.pack_length is not None and cap is not None:  # tiles can take a sample past the pack's cap
+            over = [it for it in items if it["pixel_values"].shape[0] > cap]
+            for _ in over:
+                self.skipped["too_many_images"] += 1
+                skipped["too_many_images"] += 1
+            items = [it for it in items if it["pixel_values"].shape[0] <= cap]
+            if not items:
+                raise ValueError(f"every sample of the batch has more image views than max_images_per_pack={cap}")
         prompts = [torch.as_tensor(it["prompt_input_ids"], dtype=torch.long) for it in items]
-        s = self.processor.image_size
-        pixels = [it["pixel_values"] for it in items if it["pixel_values"].shape[0]]
-        pixel_values = torch.cat(pixels) if pixels else torch.zeros(0, 3, s, s)
+        batch: dict[str, Any] = {}
+        lengths = [len(it["input_ids"]) for it in items]
+        if self.pack_length is not None:
+            # Views (tiles) are what occupy image-token runs, so they are what a pack's image cap counts.
+            views = [{**it, "num_images": it["pixel_values"].shape[0]} for it in items]
+            batch, order = pack_items(views, self.pack_length, self.pad_token_id, self.max_images_per_pack)
+            rows, width = batch["input_ids"].shape
+        else:
+            order = list(range(len(items)))
+            ids = [torch.as_tensor(it["input_ids"], dtype=torch.long) for it in items]
+            labels = [torch.as_tensor(it["labels"], dtype=torch.long) for it in items]
+            batch["input_ids"] = pad_sequences(ids, self.pad_token_id, side="right")
+            batch["attention_mask"] = pad_sequences([torch.ones_like(t) for t in ids], 0, side="right")
+            batch["labels"] = pad_sequences(labels, IGNORE_INDEX, side="right")
+            rows, width = batch["input_ids"].shape
+        batch["pixel_values"] = self._pixels([items[i] for i in order])
+        prompt_pixels = batch["pixel_values"] if order == sorted(order) else self._pixels(items)
+        n_images = int(batch["pixel_values"].shape[0])
         return {
-            "input_ids": pad_sequences(ids, self.pad_token_id, side="right"),
-            "attention_mask": pad_sequences([torch.ones_like(t) for t in ids], 0, side="right"),
-            "labels": pad_sequences(labels, IGNORE_INDEX, side="right"),
-            "pixel_values": pixel_values,
+            **batch,
             "prompt_input_ids": pad_sequences(prompts, self.pad_token_id, side="left"),
             "prompt_attention_mask": pad_sequences([torch.ones_like(t) for t in prompts], 0, side="left"),
-            "prompt_pixel_values": pixel_values,
+            "prompt_pixel_values": prompt_pixels,
             "skipped": dict(skipped),
+            "pack_stats": pack_stats(len(items), sum(lengths), rows, width, n_images),
         }
+
+    def _pixels(self, items: list[dict[str, Any]]) -> torch.Tensor:
+        pixels = [it["pixel_values"] for it in items if it["pixel_values"].shape[0]]
+        s = self.processor.image_size
+        return torch.cat(pixels) if pixels else torch.zeros(0, 3, s, s)

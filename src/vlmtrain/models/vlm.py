@@ -7,7 +7,6 @@ mean cross-entropy over target tokens (``labels != -100``) and ``num_items`` cou
 from __future__ import annotations
 
 import difflib
-import inspect
 import math
 from typing import Any
 
@@ -16,8 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from ..trainer.args import ConfigError
 from .projector import PROJECTOR_TYPES, ModalityProjector
@@ -32,11 +29,11 @@ def _sub_config(value: Any, default_type: str, key: str) -> PretrainedConfig:
     value = dict(value or {})
     model_type = value.pop("model_type", default_type)
     if model_type not in CONFIG_MAPPING:
-        raise ConfigError(_unknown_type_message(key, model_type))
+        raise ConfigError(unknown_type_message(key, model_type))
     return AutoConfig.for_model(model_type, **value)
 
 
-def _unknown_type_message(key: str, model_type: Any) -> str:
+def unknown_type_message(key: str, model_type: Any) -> str:
     near = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
     return f"{key}.model_type={model_type!r} is not a known transformers model type.{hint}"
@@ -312,111 +309,6 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     num_items = (shift_labels != IGNORE_INDEX).sum()
     total = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return total / num_items.clamp(min=1), num_items
-
-
-# -- building -----------------------------------------------------------------------------------------
-def resolve_config(spec: str | dict[str, Any], key: str, causal: bool) -> PretrainedConfig:
-    """A vision (causal=False) or text config from a Hub name / local dir, or a dict with model_type."""
-    if isinstance(spec, str):
-        config = AutoConfig.from_pretrained(spec)
-    else:
-        spec = dict(spec)
-        model_type = spec.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError(f"{key} needs a model_type (e.g. {'llama' if causal else 'siglip_vision_model'!r}).")
-        if model_type not in CONFIG_MAPPING:
-            raise ConfigError(_unknown_type_message(key, model_type))
-        config = AutoConfig.for_model(model_type, **spec)
-    if causal:
-        config = config.get_text_config()  # a composite (e.g. a VLM repo) -> its language model config
-        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            raise ConfigError(f"{key} model_type={config.model_type!r} has no causal LM class in transformers.")
-    else:
-        config = getattr(config, "vision_config", None) or config  # e.g. a full SigLIP -> its vision tower
-        if config.model_type not in MODEL_MAPPING_NAMES:
-            raise ConfigError(f"{key} model_type={config.model_type!r} has no model class in transformers.")
-    return config
-
-
-def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_shuffle_factor: int,
-              projector_type: str = "linear", tokenizer: PreTrainedTokenizerBase | None = None,
-              load_backbone: bool = False, image_token: str = "<image>",
-              dtype: torch.dtype = torch.float32) -> VisionLanguageModel:
-    """Build a :class:`VisionLanguageModel`.
-
-    ``vision`` / ``text`` are Hub names or local dirs (``load_backbone=True`` loads their pretrained weights,
-    else only their configs, randomly initialized) or config dicts with ``model_type`` (random init).
-    SigLIP's pooling head is dropped (``vision_use_head=False``) unless a dict asks for it: the VLM uses
-    the patch embeddings only, and unused parameters break DDP. With ``tokenizer``: the image token is
-    added as a special token if missing, the decoder vocab follows ``len(tokenizer)`` and
-    ``image_token_id`` is set.
-    """
-    if load_backbone and not (isinstance(vision, str) and isinstance(text, str)):
-        raise ConfigError("load_backbone=True needs vision and text as Hub names or local directories.")
-    # Resolve (and validate) both configs before building anything heavy.
-    vision_config = resolve_config(vision, "vision", causal=False)
-    text_config = resolve_config(text, "text", causal=True)
-    if hasattr(vision_config, "vision_use_head") and not (isinstance(vision, dict) and "vision_use_head" in vision):
-        vision_config.vision_use_head = False
-    image_token_id = None
-    if tokenizer is not None:
-        if image_token not in tokenizer.get_vocab():
-            # transformers 5 renamed the flag that keeps existing extra special tokens (default: replace them).
-            params = inspect.signature(tokenizer.add_special_tokens).parameters
-            keep = {"replace_extra_special_tokens" if "replace_extra_special_tokens" in params
-                    else "replace_additional_special_tokens": False}
-            tokenizer.add_special_tokens({"additional_special_tokens": [image_token]}, **keep)
-        image_token_id = tokenizer.convert_tokens_to_ids(image_token)
-        if not load_backbone:  # random init: vocab and special ids follow the tokenizer
-            text_config.vocab_size = len(tokenizer)
-            for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-                if getattr(tokenizer, name) is not None:
-                    setattr(text_config, name, getattr(tokenizer, name))
-    config = VLMConfig(vision_config=vision_config, text_config=text_config,
-                       pixel_shuffle_factor=pixel_shuffle_factor, projector_type=projector_type,
-                       image_token_id=image_token_id)
-    vision_encoder = decoder = None
-    if load_backbone:
-        vision_encoder = AutoModel.from_pretrained(vision, config=config.vision_config, dtype=dtype)
-        decoder = AutoModelForCausalLM.from_pretrained(text, config=config.text_config, dtype=dtype)
-    model = VisionLanguageModel(config, vision_encoder=vision_encoder, decoder=decoder).to(dtype)
-    if not load_backbone:
-        sincos_position_embeddings(model.vision_encoder)
-    if tokenizer is not None and load_backbone:
-        if model.get_input_embeddings().num_embeddings < len(tokenizer):
-            model.decoder.resize_token_embeddings(len(tokenizer))
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            if getattr(tokenizer, name) is not None and getattr(model.config.text_config, name, None) is None:
-                setattr(model.config.text_config, name, getattr(tokenizer, name))
-    return model
-
-
-def sincos_position_embeddings(vision_encoder: nn.Module) -> bool:
-    """Set a randomly initialized ViT's learned position table to 2D sin-cos values (as MAE does).
-
-    Random position vectors carry no notion of left/right: a from-scratch model must first learn an
-    ordering of the columns before it can answer "is A left of B?". Sin-cos rows give every patch its
-    (x, y) from the start; they stay trainable. Applies to towers whose ``embeddings.position_embedding``
-    is an ``nn.Embedding`` over a square patch grid (SigLIP, SigLIP2); returns whether it applied.
-    """
-    embeddings = getattr(getattr(vision_encoder, "vision_model", vision_encoder), "embeddings", None)
-    table = getattr(embeddings, "position_embedding", None)
-    if not isinstance(table, nn.Embedding):
-        return False
-    n, dim = table.weight.shape
-    grid = math.isqrt(n)
-    if grid * grid != n or dim % 4:
-        return False
-    freqs = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
-    ys, xs = torch.meshgrid(torch.arange(grid, dtype=torch.float64), torch.arange(grid, dtype=torch.float64),
-                            indexing="ij")  # row-major, as the patches are numbered
-    parts = []
-    for coord in (xs.reshape(-1), ys.reshape(-1)):
-        angles = coord[:, None] * freqs[None, :]
-        parts += [angles.sin(), angles.cos()]
-    with torch.no_grad():  # unit scale as in MAE: a random init's ~1/sqrt(width) drowns under the pixel content
-        table.weight.copy_(torch.cat(parts, dim=1).to(table.weight.dtype))
-    return True
 
 
 AutoConfig.register(VLMConfig.model_type, VLMConfig, exist_ok=True)

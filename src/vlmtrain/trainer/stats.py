@@ -66,8 +66,17 @@ def skipped_counts(batch: Any) -> Mapping[str, int]:
     return skipped if isinstance(skipped, Mapping) else {}
 
 
+# Batch entries that describe the batch for logging and never reach the model's forward.
+BOOKKEEPING_KEYS = ("skipped", "pack_stats")
+
+
 class Throughput:
-    """Samples, tokens, data-wait time and skipped samples over a logging window (skipped also in total)."""
+    """Samples, tokens, data-wait time and skipped samples over a logging window (skipped also in total).
+
+    A batch's ``pack_stats`` (from a collator: samples, real tokens, rows, capacity, images) gives the
+    real sample/token counts of packed batches and the window's ``pack_fill`` (real tokens / row
+    capacity), ``padding_fraction`` and ``images_per_pack`` (images per row).
+    """
 
     def __init__(self) -> None:
         self.skipped_total: Counter[str] = Counter()
@@ -80,6 +89,7 @@ class Throughput:
         self.data_wait = 0.0
         self.excluded = 0.0
         self.skipped: Counter[str] = Counter()
+        self.layout: Counter[str] = Counter()
 
     def exclude(self, seconds: float) -> None:
         """Leave time spent outside training (evaluation, checkpointing) out of the rates."""
@@ -90,6 +100,12 @@ class Throughput:
         skipped = skipped_counts(batch)
         self.skipped.update(skipped)
         self.skipped_total.update(skipped)
+        layout = batch.get("pack_stats") if isinstance(batch, Mapping) else None
+        if isinstance(layout, Mapping):
+            self.layout.update(layout)
+            self.samples += int(layout["samples"])
+            self.tokens += int(layout["tokens"])
+            return
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
         if isinstance(ids, torch.Tensor):
@@ -105,5 +121,9 @@ class Throughput:
                "data_wait_fraction": round(min(1.0, self.data_wait / elapsed), 4)}
         if self.tokens:
             out["tokens_per_second"] = round(self.tokens / elapsed, 3)
+        if self.layout["capacity"]:
+            fill = self.layout["tokens"] / self.layout["capacity"]
+            out.update(pack_fill=round(fill, 4), padding_fraction=round(1 - fill, 4),
+                       images_per_pack=round(self.layout["images"] / self.layout["rows"], 3))
         out.update({f"skipped_{reason}": n for reason, n in sorted(self.skipped.items())})
         return out

@@ -40,7 +40,7 @@ from .callbacks import (
 from .evaluation import EvaluationMixin
 from .optim import create_optimizer, create_scheduler, learning_rates
 from .state import TrainerControl, TrainerState, TrainOutput
-from .stats import LossAverager, Throughput, extra_losses, num_items_of
+from .stats import BOOKKEEPING_KEYS, LossAverager, Throughput, extra_losses, num_items_of
 
 
 def set_seed(seed: int) -> None:
@@ -117,15 +117,17 @@ class Trainer(EvaluationMixin):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
+        # Never packed: predictions and labels must line up with samples, one row each.
+        unpacked = getattr(self.data_collator, "without_packing", None)
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, shuffle=False,
-                          collate_fn=self.data_collator, num_workers=self.args.dataloader_num_workers,
+                          collate_fn=unpacked() if unpacked else self.data_collator, num_workers=self.args.dataloader_num_workers,
                           pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
 
     def _prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
-        """Move tensors to the device. `prompt_*` keys (generation only) and `skipped` (the collator's count of
-        dropped samples) stay out of forward."""
+        """Move tensors to the device. `prompt_*` keys (generation only) and the collator's bookkeeping
+        (`skipped` samples, `pack_stats`) stay out of forward."""
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in inputs.items() if not k.startswith("prompt_") and k != "skipped"}
+                for k, v in inputs.items() if not k.startswith("prompt_") and k not in BOOKKEEPING_KEYS}
 
     # -- optimizer -------------------------------------------------------------------------------------
     def create_optimizer(self) -> torch.optim.Optimizer:
