@@ -198,3 +198,28 @@ def test_trainer_logs_pack_fill_and_matches_padded_training(tmp_path):
             assert all(r["samples_per_second"] > 0 for r in logged)
     assert len(losses["packed"]) == 6
     assert losses["packed"] == pytest.approx(losses["padded"], abs=1e-5)
+
+
+def test_config_packs_by_default_pads_when_off_and_refuses_an_unsafe_model(tmp_path, monkeypatch):
+    from tests.test_vlm_run import _config
+    from vlmtrain import run
+    from vlmtrain.config import ConfigError
+
+    cfg = _config(tmp_path, data={"max_length": 200, "max_images_per_pack": 4})
+    metrics = run.train(cfg)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    packed = [r for r in rows if "pack_fill" in r]
+    assert len(packed) == 2 and all(0 < r["pack_fill"] <= 1 and r["images_per_pack"] <= 4 for r in packed)
+    assert all(0 <= metrics[f"eval_{q}_exact_match"] <= 1 for q in ("color", "multi_count"))
+
+    off = run.build(_config(tmp_path, data={"packing": False}))
+    assert off.data_collator.pack_length is None
+    with pytest.raises(ConfigError, match="pack_length=300 is below data.max_length=512"):
+        _config(tmp_path, data={"pack_length": 300})
+    on = run.build(_config(tmp_path, data={"pack_length": 300, "max_length": 300}))
+    assert on.data_collator.pack_length == 300 and on.get_eval_dataloader().collate_fn.pack_length is None
+
+    monkeypatch.setattr("vlmtrain.data.packing.check_packing", lambda model, vocab: 0.5)  # a leaky model
+    with pytest.raises(ConfigError, match="data.packing=true but VisionLanguageModel does not keep packed"):
+        run.build(_config(tmp_path, data={"packing": True}))
+    assert run.build(_config(tmp_path)).data_collator.pack_length is None  # auto: falls back to padding

@@ -113,6 +113,9 @@ class DataConfig:
         for name in ("pack_length", "max_images_per_pack"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}.")
+        if self.pack_length is not None and self.source != "addition" and self.pack_length < self.max_length:
+            raise ConfigError(f"data.pack_length={self.pack_length} is below data.max_length={self.max_length}: "
+                              f"every sample that fits max_length must fit a pack.")
         if self.source == "jsonl" and not self.train_file:
             raise ConfigError("data.source='jsonl' needs data.train_file (a the_cauldron-schema JSONL file).")
 
