@@ -185,6 +185,7 @@ def test_collator_shapes_padding_and_skips(proc):
     batch = collate([good[0], bad[0], good[1], bad[1], good[2]])
     assert batch.pop("skipped") == {"missing_image": 1, "empty_conversation": 1}  # this batch's drops
     stats = batch.pop("pack_stats")
+    assert batch.pop("skipped_keys") == ["? (missing_image)", "? (empty_conversation)"]  # no key in these samples
     assert all(isinstance(v, torch.Tensor) for v in batch.values())
     assert set(batch) == {"input_ids", "attention_mask", "labels", "pixel_values", "prompt_input_ids",
                           "prompt_attention_mask", "prompt_pixel_values"}

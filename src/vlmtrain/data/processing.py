@@ -36,8 +36,8 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
     "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-SKIP_REASONS = ("empty_conversation", "malformed_text", "missing_image", "corrupt_image", "too_many_images",
-                "too_long")
+SKIP_REASONS = ("empty_conversation", "malformed_text", "malformed_json", "missing_image", "corrupt_image",
+                "too_many_images", "too_long")
 
 
 class SkipSample(Exception):
@@ -255,6 +255,8 @@ class VLMProcessor:
         """
         if not isinstance(sample, dict):
             raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
+        if sample.get("__bad__"):  # a source could not parse it (e.g. a malformed JSON line)
+            raise SkipSample(str(sample["__bad__"]), "unreadable record")
         turns = self._check_texts(sample.get("texts"))
         images = self._as_image_list(sample.get("images"))
         if len(images) > self.max_images:

@@ -13,6 +13,7 @@ import torch
 from vlmtrain.data.collate import pad_sequences
 from vlmtrain.data.packing import pack_items, pack_stats
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, VLMProcessor
+from vlmtrain.data.sources import KEY, drop_counts
 
 logger = logging.getLogger(__name__)
 
@@ -67,23 +68,29 @@ class VLMCollator:
         other.pack_length = other.max_images_per_pack = None
         return other
 
-    def _process(self, sample: Any, skipped: Counter[str]) -> dict[str, Any] | None:
+    def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
+        for reason, n in drop_counts(sample).items():  # what a stream dropped before this sample
+            self.skipped[reason] += n
+            skipped[reason] += n
         if isinstance(sample, Mapping) and "input_ids" in sample:
             return dict(sample)
         try:
             return self.processor.process(sample)
         except SkipSample as err:
+            key = sample.get(KEY, sample.get("id", "?")) if isinstance(sample, Mapping) else "?"
             if not self.skipped[err.reason]:  # warn once per reason, then only count
-                logger.warning("skipping bad sample (%s); further ones are only counted", err)
+                logger.warning("skipping bad sample %s (%s); further ones are only counted", key, err)
             self.skipped[err.reason] += 1
             skipped[err.reason] += 1
+            keys.append(f"{key} ({err.reason})")
             return None
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         if not samples:
             raise ValueError("Cannot collate an empty list of samples.")
         skipped: Counter[str] = Counter()
-        items = [it for it in (self._process(s, skipped) for s in samples) if it is not None]
+        keys: list[str] = []
+        items = [it for it in (self._process(s, skipped, keys) for s in samples) if it is not None]
         if not items:
             raise ValueError(f"every sample of the batch ({len(samples)}) was skipped; reasons so far: "
                              f"{dict(self.skipped)}")
@@ -121,6 +128,7 @@ class VLMCollator:
             "prompt_attention_mask": pad_sequences([torch.ones_like(t) for t in prompts], 0, side="left"),
             "prompt_pixel_values": prompt_pixels,
             "skipped": dict(skipped),
+            "skipped_keys": keys[:5],
             "pack_stats": pack_stats(len(items), sum(lengths), rows, width, n_images),
         }
 

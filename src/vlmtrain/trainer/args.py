@@ -81,6 +81,9 @@ class TrainingArguments:
     """Evaluate every N steps (eval_strategy='steps'); defaults to logging_steps."""
     max_eval_batches: int | None = None
     """Evaluate on at most this many batches per eval set (None: all)."""
+    max_bad_sample_fraction: float = 0.5
+    """Stop training with an error (naming example sample keys) when more than this fraction of a logging
+    window's samples were skipped as bad; samples a data filter rejected do not count. 1 = never."""
     save_strategy: str = "steps"
     """When to checkpoint: no, steps, epoch or best (whenever metric_for_best_model improves)."""
     save_steps: int = 500
@@ -175,6 +178,8 @@ class TrainingArguments:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
+        if not 0 < self.max_bad_sample_fraction <= 1:
+            raise ConfigError(f"max_bad_sample_fraction must be in (0, 1], got {self.max_bad_sample_fraction}.")
         if self.dataloader_num_workers < 0:
             raise ConfigError("dataloader_num_workers must be >= 0.")
         if self.run_name is None:

@@ -67,7 +67,7 @@ def skipped_counts(batch: Any) -> Mapping[str, int]:
 
 
 # Batch entries that describe the batch for logging and never reach the model's forward.
-BOOKKEEPING_KEYS = ("skipped", "pack_stats")
+BOOKKEEPING_KEYS = ("skipped", "skipped_keys", "pack_stats")
 
 
 class Throughput:
@@ -90,6 +90,7 @@ class Throughput:
         self.excluded = 0.0
         self.skipped: Counter[str] = Counter()
         self.layout: Counter[str] = Counter()
+        self.bad_keys: list[str] = []
 
     def exclude(self, seconds: float) -> None:
         """Leave time spent outside training (evaluation, checkpointing) out of the rates."""
@@ -100,6 +101,9 @@ class Throughput:
         skipped = skipped_counts(batch)
         self.skipped.update(skipped)
         self.skipped_total.update(skipped)
+        keys = batch.get("skipped_keys") if isinstance(batch, Mapping) else None
+        if keys and len(self.bad_keys) < 5:
+            self.bad_keys += list(keys)[: 5 - len(self.bad_keys)]
         layout = batch.get("pack_stats") if isinstance(batch, Mapping) else None
         if isinstance(layout, Mapping):
             self.layout.update(layout)
@@ -114,6 +118,15 @@ class Throughput:
         else:
             first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
             self.samples += first.shape[0] if first is not None and first.ndim else 0
+
+    def check_bad_fraction(self, limit: float) -> None:
+        """Raise if more than ``limit`` of this window's samples were skipped as bad (filtered ones aside)."""
+        bad = sum(n for reason, n in self.skipped.items() if not reason.startswith("filtered"))
+        if limit < 1 and bad and bad > limit * (bad + self.samples):
+            raise RuntimeError(
+                f"{bad} of the last {bad + self.samples} training samples were bad ({dict(self.skipped)}), more "
+                f"than max_bad_sample_fraction={limit}. Examples: {', '.join(self.bad_keys) or 'n/a'}. Fix the "
+                f"data (e.g. `vlmtrain data inspect`) or raise max_bad_sample_fraction.")
 
     def compute(self) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self.start - self.excluded, 1e-9)

@@ -165,6 +165,8 @@ class Trainer(EvaluationMixin):
         accum, steps_in_epoch = self.args.gradient_accumulation_steps, self._steps_in_epoch
         if isinstance(loader.sampler, StatefulDistributedSampler):
             loader.sampler.set_epoch(self._epoch_index)
+        elif hasattr(loader.dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
+            loader.dataset.set_epoch(self._epoch_index)
         batches, seen, self._epoch_cut = iter(loader), 0, False
         while True:
             fetch_start = time.perf_counter()
@@ -272,6 +274,7 @@ class Trainer(EvaluationMixin):
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs.update(self._last_lrs or learning_rates(self.optimizer))
+            self._throughput.check_bad_fraction(self.args.max_bad_sample_fraction)
             logs.update(self._throughput.compute())
             self._throughput.reset()
             self._last_logged_step = self.state.global_step
