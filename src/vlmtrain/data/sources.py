@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 KEY, DROPPED = "__key__", "__dropped__"
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp")
-Position = dict[str, int]
+Position = dict[str, Any]
 
 
 def expand_paths(spec: str | Sequence[str]) -> list[str]:

@@ -1,0 +1,148 @@
+"""`vlmtrain data to-wds` and `vlmtrain data inspect`: write a source as WebDataset shards, or describe one."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from PIL import Image
+
+from vlmtrain.data.sources import KEY, IndexedSource, JsonlSource, StreamingDataset, WebDatasetSource
+
+
+def open_source(spec: str) -> Any:
+    """A source from a command-line spec: ``shapes[:N]``, a ``.jsonl`` path/glob, ``.tar`` shards
+    (path, glob or brace range), or an HF ``load_from_disk`` directory."""
+    if spec.startswith("shapes"):
+        from vlmtrain.data.synthetic import ShapesVQA
+
+        n = int(spec.split(":", 1)[1]) if ":" in spec else 1000
+        return IndexedSource(ShapesVQA("train", n, multi_image_fraction=0.4), name="shapes")
+    if ".jsonl" in spec:
+        return JsonlSource(spec)
+    if ".tar" in spec:
+        return WebDatasetSource(spec)
+    if os.path.isdir(spec):
+        from vlmtrain.data.hf import hf_source
+
+        return hf_source({"path": spec})
+    raise ValueError(f"cannot tell what kind of source {spec!r} is: expected shapes[:N], *.jsonl, *.tar "
+                     f"shards or a datasets.load_from_disk directory")
+
+
+def _image_bytes(image: Any) -> tuple[bytes, str]:
+    """(bytes, extension) of an image given as a PIL image, bytes or a path."""
+    if isinstance(image, Image.Image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue(), "png"
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image), _sniff(bytes(image))
+    with open(image, "rb") as f:
+        data = f.read()
+    return data, _sniff(data)
+
+
+def _sniff(data: bytes) -> str:
+    return "jpg" if data[:3] == b"\xff\xd8\xff" else "webp" if data[8:12] == b"WEBP" else "png"
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 0  # reproducible shards
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_webdataset(samples: Iterable[dict[str, Any]], out_dir: str, shard_size: int = 1000,
+                     prefix: str = "shard") -> list[str]:
+    """Write samples as ``<out_dir>/<prefix>-NNNNNN.tar`` with ``shard_size`` samples each (DESIGN.md
+    layout: ``KEY.json`` + ``KEY.0.png`` ...). Returns the shard paths. Keys are sample numbers."""
+    if shard_size < 1:
+        raise ValueError(f"shard_size must be >= 1, got {shard_size}")
+    os.makedirs(out_dir, exist_ok=True)
+    paths: list[str] = []
+    tar = None
+    try:
+        for n, sample in enumerate(samples):
+            if n % shard_size == 0:
+                if tar is not None:
+                    tar.close()
+                paths.append(os.path.join(out_dir, f"{prefix}-{len(paths):06d}.tar"))
+                tar = tarfile.open(paths[-1], "w")
+            key = f"{n:09d}"
+            record = {k: v for k, v in sample.items() if k not in ("images", KEY) and not k.startswith("__")
+                      and _jsonable(v)}
+            _add(tar, f"{key}.json", json.dumps(record).encode())
+            for i, image in enumerate(sample.get("images") or []):
+                data, ext = _image_bytes(image)
+                _add(tar, f"{key}.{i}.{ext}", data)
+    finally:
+        if tar is not None:
+            tar.close()
+    return paths
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False
+
+
+def inspect_source(spec: str, processor: Any = None, limit: int | None = None) -> dict[str, Any]:
+    """Counts, image-count and text-length histograms and bad-sample reasons of a source (first ``limit``).
+
+    Without a processor, lengths are characters of the conversation and only unreadable records and
+    missing/undecodable images count as bad; with one, lengths are tokens and every SkipSample reason counts.
+    """
+    from vlmtrain.data.processing import SkipSample, load_image
+
+    source = open_source(spec)
+    stream = StreamingDataset([source], shuffle=False)
+    images, lengths, bad = Counter(), [], Counter()
+    samples = 0
+    for sample in stream:
+        if limit is not None and samples >= limit:
+            break
+        samples += 1
+        bad.update(sample.get("__dropped__", {}))
+        try:
+            if processor is not None:
+                lengths.append(len(processor.process(sample)["input_ids"]))
+            else:
+                for image in sample.get("images") or []:
+                    load_image(image)
+                lengths.append(sum(len(t.get("user", "")) + len(t.get("assistant", ""))
+                                   for t in sample.get("texts") or [] if isinstance(t, dict)))
+            images[len(sample.get("images") or [])] += 1
+        except SkipSample as err:
+            bad[err.reason] += 1
+    return {"source": spec, "shards": len(source.shards), "samples": samples, "bad": dict(bad),
+            "images_per_sample": dict(sorted(images.items())), "lengths": _histogram(lengths)}
+
+
+def _histogram(values: list[int], bins: int = 8) -> dict[str, int]:
+    if not values:
+        return {}
+    lo, hi = min(values), max(values)
+    width = max(1, -(-(hi - lo + 1) // bins))
+    counts = Counter((v - lo) // width for v in values)
+    return {f"{lo + b * width}-{lo + (b + 1) * width - 1}": counts[b] for b in range(bins) if lo + b * width <= hi}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"{report['source']}: {report['samples']} samples in {report['shards']} shard(s)",
+             f"  bad samples: {report['bad'] or 'none'}",
+             "  images per sample: " + ", ".join(f"{k}: {v}" for k, v in report["images_per_sample"].items())]
+    total = max(1, sum(report["lengths"].values()))
+    lines.append("  text length (characters):")
+    for label, n in report["lengths"].items():
+        lines.append(f"    {label:>12} {n:>7} {'#' * round(40 * n / total)}")
+    return "\n".join(lines)

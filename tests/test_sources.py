@@ -1,0 +1,228 @@
+"""Streaming sources: JSONL / WebDataset / HF / map-style, rank x worker splitting, mixtures, filters, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import pytest
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from vlmtrain.data.cauldron import write_cauldron_jsonl
+from vlmtrain.data.sources import (
+    KEY,
+    IndexedSource,
+    JsonlSource,
+    StreamingDataset,
+    WebDatasetSource,
+    expand_paths,
+)
+from vlmtrain.data.synthetic import ShapesVQA
+from vlmtrain.data.tools import inspect_source, write_webdataset
+
+N = 60
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    return ShapesVQA("train", N, seed=3, multi_image_fraction=0.5)
+
+
+@pytest.fixture(scope="module")
+def wds(shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("wds")
+    return write_webdataset((shapes[i] for i in range(N)), str(out), shard_size=7)  # 9 shards, the last short
+
+
+@pytest.fixture(scope="module")
+def jsonl(shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("jsonl")
+    return write_cauldron_jsonl(shapes, str(out))
+
+
+def keys_of(samples):
+    return [s[KEY] for s in samples]
+
+
+def identity(batch):
+    return batch
+
+
+def read_all(make_dataset, world=2, workers=2, batch_size=3):
+    """Keys every (rank, worker) reads in one epoch, through real DataLoader worker processes."""
+    keys = []
+    for rank in range(world):
+        loader = StatefulDataLoader(make_dataset(rank, world), batch_size=batch_size, num_workers=workers,
+                                    collate_fn=identity)
+        keys += [k for batch in loader for k in keys_of(batch)]
+    return keys
+
+
+def test_expand_paths(tmp_path):
+    for name in ("a-000.tar", "a-001.tar", "a-002.tar", "b.tar"):
+        (tmp_path / name).write_bytes(b"")
+    assert expand_paths(str(tmp_path / "a-{000..001}.tar")) == [str(tmp_path / "a-000.tar"), str(tmp_path / "a-001.tar")]
+    assert len(expand_paths([str(tmp_path / "a-*.tar"), str(tmp_path / "b.tar")])) == 4
+    assert expand_paths(str(tmp_path / "{a-002,b}.tar")) == [str(tmp_path / "a-002.tar"), str(tmp_path / "b.tar")]
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        expand_paths(str(tmp_path / "c-*.tar"))
+
+
+def test_webdataset_round_trip(shapes, wds):
+    source = WebDatasetSource(wds)
+    assert len(source.shards) == 9
+    got = [s for shard in range(9) for _, s in source.read(shard, {})]
+    assert len(got) == N
+    for i in (0, 17, N - 1):
+        assert got[i]["texts"] == shapes[i]["texts"] and len(got[i]["images"]) == len(shapes[i]["images"])
+        assert got[i]["images"][0][:4] == b"\x89PNG"
+    # reopening at a saved position continues with the next sample and reads nothing before it
+    positions = [pos for pos, _ in source.read(1, {})]
+    rest = [s[KEY] for _, s in source.read(1, positions[2])]
+    assert rest == [s[KEY] for s in got[10:14]]
+
+
+@pytest.mark.parametrize("kind", ["wds", "jsonl", "indexed"])
+@pytest.mark.parametrize("world,workers", [(2, 2), (1, 2)])
+def test_every_sample_read_once_per_epoch_across_ranks_and_workers(kind, world, workers, shapes, wds, jsonl):
+    """2 ranks x 2 workers: 9 tar shards are dealt out whole; 1 JSONL file is read strided by all 4 readers."""
+    def source():
+        return {"wds": lambda: WebDatasetSource(wds), "jsonl": lambda: JsonlSource(jsonl),
+                "indexed": lambda: IndexedSource(shapes, block_size=8)}[kind]()
+
+    keys = read_all(lambda rank, w: StreamingDataset([source()], seed=1, rank=rank, world_size=w), world, workers)
+    assert len(keys) == N and len(set(keys)) == N  # none twice, none lost
+    again = read_all(lambda rank, w: StreamingDataset([source()], seed=1, rank=rank, world_size=w), world, workers)
+    assert again == keys  # deterministic
+
+
+def test_epochs_reshuffle_shards(wds):
+    ds = StreamingDataset([WebDatasetSource(wds)], seed=0)
+    first = keys_of(ds)
+    ds.set_epoch(1)
+    second = keys_of(ds)
+    assert sorted(first) == sorted(second) and first != second
+
+
+def _resume_case(make, k, batch_size=4, workers=2):
+    """Keys of an uninterrupted epoch vs k batches + a resumed loader (a fresh dataset, as after a restart)."""
+    full = [key for b in StatefulDataLoader(make(), batch_size=batch_size, num_workers=workers, collate_fn=identity)
+            for key in keys_of(b)]
+    loader = StatefulDataLoader(make(), batch_size=batch_size, num_workers=workers, collate_fn=identity)
+    it = iter(loader)
+    head = [key for _ in range(k) for key in keys_of(next(it))]
+    state = loader.state_dict()
+    del it, loader
+    resumed = StatefulDataLoader(make(), batch_size=batch_size, num_workers=workers, collate_fn=identity)
+    resumed.load_state_dict(state)
+    tail = [key for b in resumed for key in keys_of(b)]
+    return full, head, tail
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_continues_with_the_next_unseen_sample(wds, jsonl, workers):
+    for make in (lambda: StreamingDataset([WebDatasetSource(wds)], seed=2),
+                 lambda: StreamingDataset([JsonlSource(jsonl)], seed=2)):
+        full, head, tail = _resume_case(make, k=5, workers=workers)
+        assert head + tail == full
+
+
+def test_resume_does_not_reread_consumed_samples(wds):
+    reads = Counter()
+
+    class Counting(WebDatasetSource):
+        def read(self, shard, position):
+            for pos, sample in super().read(shard, position):
+                reads[sample[KEY]] += 1
+                yield pos, sample
+
+    full, head, tail = _resume_case(lambda: StreamingDataset([Counting(wds)], seed=0), k=8, workers=0)
+    assert head + tail == full
+    assert max(reads.values()) == 2  # once in the uninterrupted epoch, once more at most
+    # the resumed loader read (about) only what it yielded: no replay of the 32 consumed samples
+    assert sum(reads.values()) - 2 * N <= 4
+
+
+def test_mixture_follows_weights_and_resumes_exactly(shapes, wds):
+    def make():
+        return StreamingDataset([WebDatasetSource(wds), IndexedSource(shapes, name="mem", block_size=16)],
+                                weights=[3, 1], seed=5)
+
+    ds = make()
+    first = [s[KEY] for _, s in zip(range(400), ds)]  # endless: the sources cycle through their epochs
+    from_mem = sum(k.startswith("mem:") for k in first)
+    assert 0.18 < from_mem / 400 < 0.32
+    assert Counter(first).most_common(1)[0][1] >= 2  # cycled
+    loader = StatefulDataLoader(make(), batch_size=5, num_workers=0, collate_fn=identity)
+    it = iter(loader)
+    head = [k for _ in range(7) for k in keys_of(next(it))]
+    state = loader.state_dict()
+    resumed = StatefulDataLoader(make(), batch_size=5, num_workers=0, collate_fn=identity)
+    resumed.load_state_dict(state)
+    it2 = iter(resumed)
+    tail = [k for _ in range(10) for k in keys_of(next(it2))]
+    assert head + tail == first[:85]
+
+
+def test_filters_and_malformed_lines_are_dropped_and_counted(jsonl, tmp_path):
+    original, jsonl = jsonl, str(tmp_path / "copy.jsonl")  # a copy: the fixture is shared (images not opened)
+    with open(jsonl, "w") as f:
+        f.write(open(original).read())
+        f.write("{not json\n")
+        f.write(json.dumps({"texts": [{"user": "q", "assistant": "a"}], "images": [], "rating": 1}) + "\n")
+
+    def min_rating(sample):
+        return sample.get("rating", 5) >= 3
+
+    samples = list(StreamingDataset([JsonlSource(jsonl)], shuffle=False, filters=[min_rating]))
+    assert len(samples) == N
+    dropped = Counter()
+    for s in samples:
+        dropped.update(s.get("__dropped__", {}))
+    # the two bad lines come last: nothing follows them to carry their counts
+    assert sum(dropped.values()) == 0
+    ds = StreamingDataset([JsonlSource(jsonl), JsonlSource(jsonl)], weights=[1, 1], seed=0, filters=[min_rating])
+    dropped = Counter()
+    for _, s in zip(range(200), ds):
+        dropped.update(s.get("__dropped__", {}))
+    assert dropped["malformed_json"] > 0 and dropped["filtered_min_rating"] > 0
+
+
+def test_resume_with_other_reader_count_is_an_error(wds):
+    loader = StatefulDataLoader(StreamingDataset([WebDatasetSource(wds)]), batch_size=2, num_workers=0,
+                                collate_fn=identity)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    other = StatefulDataLoader(StreamingDataset([WebDatasetSource(wds)], rank=0, world_size=2), batch_size=2,
+                               num_workers=0, collate_fn=identity)
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="saved by 1 readers .* resumed by 2"):
+        next(iter(other))
+
+
+def test_hf_sources(shapes, tmp_path, jsonl):
+    datasets = pytest.importorskip("datasets")
+    from vlmtrain.data.hf import hf_source
+
+    rows = [{"texts": shapes[i]["texts"], "images": shapes[i]["images"]} for i in range(10)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "disk"))
+    source = hf_source({"path": str(tmp_path / "disk")})
+    got = list(StreamingDataset([source], shuffle=False))
+    assert [s["texts"] for s in got] == [r["texts"] for r in rows]
+    assert got[0]["images"][0].size == shapes[0]["images"][0].size  # PIL images survive the round trip
+
+    stream = hf_source({"name": "json", "data_files": jsonl, "streaming": True})
+    keys = [s["texts"] for s in StreamingDataset([stream], shuffle=False)]
+    assert len(keys) == N
+    full, head, tail = _resume_case(lambda: StreamingDataset([hf_source(
+        {"name": "json", "data_files": jsonl, "streaming": True})], shuffle=False), k=3, workers=0)
+    assert head + tail == full
+
+
+def test_inspect_reports_counts_histograms_and_bad_samples(wds, tmp_path):
+    report = inspect_source(os.path.dirname(wds[0]) + "/shard-*.tar")
+    assert report["samples"] == N and report["shards"] == 9 and report["bad"] == {}
+    assert set(report["images_per_sample"]) <= {1, 2} and sum(report["images_per_sample"].values()) == N
+    assert sum(report["lengths"].values()) == N
