@@ -226,3 +226,19 @@ def test_inspect_reports_counts_histograms_and_bad_samples(wds, tmp_path):
     assert report["samples"] == N and report["shards"] == 9 and report["bad"] == {}
     assert set(report["images_per_sample"]) <= {1, 2} and sum(report["images_per_sample"].values()) == N
     assert sum(report["lengths"].values()) == N
+
+
+def test_cli_to_wds_and_inspect(tmp_path, capsys):
+    from vlmtrain.cli import main
+
+    assert main(["data", "to-wds", "shapes:30", str(tmp_path / "out"), "--shard-size", "8"]) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == [f"shard-{i:06d}.tar" for i in range(4)]
+    lines = [json.dumps({"images": ["missing.png"], "texts": [{"user": "q", "assistant": "a"}]}), "{oops",
+             json.dumps({"images": [], "texts": [{"user": "q", "assistant": "a"}]})]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["data", "inspect", str(tmp_path / "d.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "3 samples in 1 shard(s)" in out and "'missing_image': 1" in out and "'malformed_json': 1" in out
+    assert main(["data", "inspect", str(tmp_path / "out" / "shard-{000000..000003}.tar")]) == 0
+    assert "30 samples in 4 shard(s)" in capsys.readouterr().out
+    assert main(["data", "inspect", str(tmp_path / "nothing-*.tar")]) == 2

@@ -17,13 +17,14 @@ COMMANDS = {
     "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
                 "--prompt TEXT",
     "demo": "Train a tiny VLM on shapes-VQA on CPU in under 10 minutes: vlmtrain demo [--config C] [--output-dir DIR]",
+    "data": "Data tools: vlmtrain data to-wds SRC OUT [--shard-size N] | vlmtrain data inspect SRC [--limit N]",
 }
 _CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
                     "or 'latest' for the newest checkpoint in train.output_dir.")
 
 
 def _usage() -> str:
-    lines = ["usage: vlmtrain {train,eval,predict,demo} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
+    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,data} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
     lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -111,7 +112,43 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
-_HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _generate, "demo": _demo}
+def _data(argv: list[str]) -> int:
+    import jsonargparse
+
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain data", description=COMMANDS["data"], exit_on_error=False)
+    sub = parser.add_subcommands(required=True, dest="tool")
+    src_help = "shapes[:N], a .jsonl file/glob, .tar shards (path, glob or {000..009}) or a load_from_disk dir"
+    to_wds = jsonargparse.ArgumentParser(description="Write a source as WebDataset tar shards (KEY.json + KEY.N.png).")
+    to_wds.add_argument("src", type=str, help=src_help)
+    to_wds.add_argument("out", type=str, help="Output directory for shard-NNNNNN.tar files.")
+    to_wds.add_argument("--shard-size", "--shard_size", type=int, default=1000, help="Samples per shard.")
+    inspect = jsonargparse.ArgumentParser(description="Counts, image/length histograms and bad-sample reasons.")
+    inspect.add_argument("src", type=str, help=src_help)
+    inspect.add_argument("--limit", type=int | None, default=None, help="Look at the first N samples only.")
+    sub.add_subcommand("to-wds", to_wds)
+    sub.add_subcommand("inspect", inspect)
+    try:
+        ns = parser.parse_args(argv)
+    except jsonargparse.ArgumentError as e:
+        raise ConfigError(f"{e}. See vlmtrain data --help.") from None
+    from vlmtrain.data import tools
+    from vlmtrain.data.sources import StreamingDataset
+
+    try:
+        if ns.tool == "to-wds":
+            args = ns["to-wds"]
+            stream = StreamingDataset([tools.open_source(args.src)], shuffle=False)
+            paths = tools.write_webdataset(tools.progress(stream, "to-wds"), args.out, shard_size=args.shard_size)
+            print(f"wrote {len(paths)} shard(s) to {args.out}")
+        else:
+            print(tools.format_report(tools.inspect_source(ns.inspect.src, limit=ns.inspect.limit)))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    return 0
+
+
+_HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _generate, "demo": _demo,
+             "data": _data}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

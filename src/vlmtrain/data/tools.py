@@ -12,7 +12,7 @@ from typing import Any
 
 from PIL import Image
 
-from vlmtrain.data.sources import KEY, IndexedSource, JsonlSource, StreamingDataset, WebDatasetSource
+from vlmtrain.data.sources import KEY, IndexedSource, JsonlSource, WebDatasetSource
 
 
 def open_source(spec: str) -> Any:
@@ -33,6 +33,13 @@ def open_source(spec: str) -> Any:
         return hf_source({"path": spec})
     raise ValueError(f"cannot tell what kind of source {spec!r} is: expected shapes[:N], *.jsonl, *.tar "
                      f"shards or a datasets.load_from_disk directory")
+
+
+def progress(samples: Iterable[Any], what: str) -> Iterable[Any]:
+    """``samples`` with a tqdm counter on stderr."""
+    from tqdm import tqdm
+
+    return tqdm(samples, desc=what, unit=" samples")
 
 
 def _image_bytes(image: Any) -> tuple[bytes, str]:
@@ -105,14 +112,16 @@ def inspect_source(spec: str, processor: Any = None, limit: int | None = None) -
     from vlmtrain.data.processing import SkipSample, load_image
 
     source = open_source(spec)
-    stream = StreamingDataset([source], shuffle=False)
+    records = (sample for shard in range(len(source.shards)) for _, sample in source.read(shard, {}))
     images, lengths, bad = Counter(), [], Counter()
     samples = 0
-    for sample in stream:
+    for sample in progress(records, "inspect"):
         if limit is not None and samples >= limit:
             break
         samples += 1
-        bad.update(sample.get("__dropped__", {}))
+        if sample.get("__bad__"):
+            bad[sample["__bad__"]] += 1
+            continue
         try:
             if processor is not None:
                 lengths.append(len(processor.process(sample)["input_ids"]))
