@@ -219,8 +219,11 @@ def test_collator_no_images_and_all_bad(proc):
     collate = VLMCollator(proc)
     batch = collate([sample(0), sample(0)])
     assert batch["pixel_values"].shape == (0, 3, S, S)
-    with pytest.raises(ValueError, match="every sample"):
-        collate([{"texts": []}, {"images": [b"junk"], "texts": [{"user": "q", "assistant": "a"}]}])
+    # every sample bad: a batch with nothing for the model, only the counts (the Trainer skips it)
+    empty = collate([{"texts": []}, {"images": [b"junk"], "texts": [{"user": "q", "assistant": "a"}]}])
+    assert empty == {"skipped": {"empty_conversation": 1, "corrupt_image": 1},
+                     "skipped_keys": ["? (empty_conversation)", "? (corrupt_image)"],
+                     "pack_stats": {"samples": 0, "tokens": 0, "rows": 0, "capacity": 0, "images": 0}}
     assert collate.skipped == {"empty_conversation": 1, "corrupt_image": 1}
 
 

@@ -52,13 +52,17 @@ class ModelConfig:
     random init."""
 
 
+SOURCE_KINDS = ("jsonl", "wds", "hf", "shapes")
+
+
 @dataclass
 class DataConfig:
     """What data to train and evaluate on."""
 
-    source: Literal["addition", "shapes", "jsonl"] = "addition"
+    source: Literal["addition", "shapes", "jsonl", "stream"] = "addition"
     """Data source: addition (synthetic 'a+b=' -> 'c' for a causal LM), shapes (synthetic shapes VQA, one or
-    two images per question) or jsonl (the_cauldron-schema JSONL files, image paths relative to the file)."""
+    two images per question), jsonl (one the_cauldron-schema JSONL file, image paths relative to the file) or
+    stream (the `sources` below, read as a resumable stream split across ranks and workers)."""
     num_train: int = 20000
     """Number of training samples (addition, shapes)."""
     num_eval: int = 500
@@ -76,6 +80,19 @@ class DataConfig:
     """(jsonl) Training JSONL file."""
     eval_file: str | None = None
     """(jsonl) Evaluation JSONL file (optional)."""
+    sources: list[dict[str, Any]] | None = None
+    """(stream) Training sources, each {kind, weight (default 1), ...}: jsonl and wds take `path` (a file,
+    glob, {000..009} range or list); hf takes `path` (a load_from_disk dir) or `name` (+ config, split,
+    streaming, data_files) for load_dataset; shapes takes num_samples. One source: epochs over its shards;
+    several: an endless mixture by weight (set train.max_steps). A source that fails to load is reported
+    and skipped."""
+    min_ratings: dict[str, float] | None = None
+    """(jsonl, stream) Quality filter on the_cauldron rating fields, e.g. {relevance: 3, image_correspondence:
+    3, visual_dependency: 3, formatting: 3}: keeps the turns whose `<name>_ratings` entry (per turn) or the
+    samples whose `<name>_rating` is at least that; a sample left without turns is dropped (filtered_*)."""
+    filter: str | None = None
+    """(jsonl, stream) A custom filter 'package.module:function': called with each raw sample, it returns
+    True/False to keep/drop it, or a changed sample."""
     max_length: int = 512
     """(vlm) Samples longer than this many tokens (image tokens included) are skipped and counted, never cut."""
     max_images: int = 4
@@ -116,6 +133,13 @@ class DataConfig:
         if self.pack_length is not None and self.source != "addition" and self.pack_length < self.max_length:
             raise ConfigError(f"data.pack_length={self.pack_length} is below data.max_length={self.max_length}: "
                               f"every sample that fits max_length must fit a pack.")
+        if self.source == "stream" and not self.sources:
+            raise ConfigError("data.source='stream' needs data.sources, e.g. [{kind: wds, path: 'shards/{000..009}.tar'}].")
+        for i, spec in enumerate(self.sources or []):
+            if not isinstance(spec, dict) or spec.get("kind") not in SOURCE_KINDS:
+                raise ConfigError(f"data.sources[{i}] needs kind: one of {list(SOURCE_KINDS)}, got {spec!r}.")
+        if self.filter is not None and ":" not in self.filter:
+            raise ConfigError(f"data.filter={self.filter!r} must be 'package.module:function'.")
         if self.source == "jsonl" and not self.train_file:
             raise ConfigError("data.source='jsonl' needs data.train_file (a the_cauldron-schema JSONL file).")
 

@@ -7,6 +7,7 @@ bad config fails in the time it takes to read YAML.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -76,7 +77,8 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
 
         tokenizer = AutoTokenizer.from_pretrained(saved or m.tokenizer)
     else:
-        texts = [v for i in range(min(len(train), 2000)) for t in (train[i].get("texts") or [])
+        first = itertools.islice(iter(train), 2000)  # (a stream has no len: its first samples)
+        texts = [v for sample in first for t in (sample.get("texts") or [])
                  if isinstance(t, dict) for v in t.values() if isinstance(v, str)]
         tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
     torch.manual_seed(cfg.train.seed)
@@ -121,10 +123,30 @@ def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:
         evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
         return train, evals
     from vlmtrain.data.cauldron import read_cauldron_jsonl
+    from vlmtrain.data.streams import build_stream, config_filters
 
+    try:
+        filters = config_filters(d.min_ratings, d.filter)
+        evals = read_cauldron_jsonl(d.eval_file, load_images=False) if d.eval_file else None
+        if d.source == "stream":
+            return build_stream(d.sources or [], seed=d.seed, filters=filters), evals
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     # Images stay paths: the processor opens them, skipping (and counting) missing or corrupt ones.
     train = read_cauldron_jsonl(d.train_file, load_images=False)
-    return train, (read_cauldron_jsonl(d.eval_file, load_images=False) if d.eval_file else None)
+    kept = [s for s in (_apply(filters, s) for s in train) if s is not None]
+    if len(kept) < len(train):
+        logger.warning("data filters dropped %d of %d training samples", len(train) - len(kept), len(train))
+    return kept, evals
+
+
+def _apply(filters: list[Any], sample: dict[str, Any]) -> dict[str, Any] | None:
+    for f in filters:
+        kept = f(sample)
+        if kept is None or kept is False:
+            return None
+        sample = kept if isinstance(kept, dict) else sample
+    return sample
 
 
 def resume_arg(value: str | None) -> str | bool | None:

@@ -4,7 +4,7 @@ A *source* is a list of shards that can be read from a saved position: ``read(sh
 ``(next_position, sample)``, and reopening at ``next_position`` continues with the following sample
 without reading what came before (a byte offset for JSONL and tar files, an index for map-style data).
 :class:`StreamingDataset` splits the shards of its sources across ranks and DataLoader workers, mixes
-several sources by weight, and keeps its place in ``state_dict()``, so resuming costs the same at step
+several sources by weight, filters samples, and keeps its place in ``state_dict()``, so resuming costs the same at step
 10 as at step 10^6 and continues with the next unseen sample.
 
 Samples are the_cauldron dicts (DESIGN.md) plus ``__key__`` (``<source>:<shard>:<n>``), the name bad-
@@ -200,8 +200,9 @@ class StreamingDataset(IterableDataset):
     One source: its shards once per epoch (shuffled by ``seed`` and epoch if ``shuffle``), in order
     within a shard; the Trainer moves epochs with :meth:`set_epoch`. Several sources: an endless
     mixture that draws each sample's source with probability proportional to ``weights`` (each source
-    cycling through its epochs), so training needs ``max_steps``. ``filters`` (callables on a raw
-    sample) drop what they reject, counted as ``filtered``. Reader ``rank * num_workers + worker`` of
+    cycling through its epochs), so training needs ``max_steps``. ``filters`` are callables on a raw
+    sample returning True (keep), False/None (drop, counted as ``filtered_<function name>``) or a
+    changed sample. Reader ``rank * num_workers + worker`` of
     ``world_size * num_workers`` gets a disjoint share: within an epoch no sample is read twice or lost.
 
     ``state_dict()`` (taken inside the worker by torchdata's StatefulDataLoader) is each source's epoch,
@@ -259,8 +260,14 @@ class StreamingDataset(IterableDataset):
         self._state = None  # consumed: a later __iter__ (next epoch) starts fresh
         dropped: Counter[str] = Counter()
         for sample in (self._single() if len(self._readers) == 1 else self._mixture()):
-            reason = sample.get("__bad__") or next(
-                (f"filtered_{getattr(f, '__name__', 'filter')}" for f in self.filters if not f(sample)), None)
+            reason = sample.get("__bad__")
+            for f in [] if reason else self.filters:
+                kept = f(sample)
+                if kept is None or kept is False:
+                    reason = f"filtered_{getattr(f, '__name__', 'filter')}"
+                    break
+                if isinstance(kept, dict):
+                    sample = kept
             if reason:
                 dropped[reason] += 1
                 continue

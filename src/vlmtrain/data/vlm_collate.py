@@ -39,9 +39,10 @@ class VLMCollator:
     Samples raising :class:`SkipSample` are dropped and counted by reason: the batch's ``skipped``
     entry holds this batch's counts (so they reach the Trainer's log from DataLoader workers too; the
     Trainer keeps the key out of the model's forward), ``self.skipped`` the running total of this
-    process. Items already processed (dicts with ``input_ids``) pass through unchanged. If EVERY
-    sample of a batch is bad, a ``ValueError`` naming the reasons is raised: an empty batch would
-    silently break the step.
+    process; ``skipped_keys`` names up to 5 of them (``__key__`` or ``id``). Items already processed
+    (dicts with ``input_ids``) pass through unchanged. If EVERY sample of a batch is bad, the batch
+    holds only ``skipped``, ``skipped_keys`` and ``pack_stats``: the Trainer counts it and goes on
+    (and stops when bad samples pass ``max_bad_sample_fraction``).
     """
 
     def __init__(self, processor: VLMProcessor, pack_length: int | None = None,
@@ -91,9 +92,8 @@ class VLMCollator:
         skipped: Counter[str] = Counter()
         keys: list[str] = []
         items = [it for it in (self._process(s, skipped, keys) for s in samples) if it is not None]
-        if not items:
-            raise ValueError(f"every sample of the batch ({len(samples)}) was skipped; reasons so far: "
-                             f"{dict(self.skipped)}")
+        if not items:  # nothing for the model: the Trainer counts the drops and moves on to the next batch
+            return {"skipped": dict(skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         cap = self.max_images_per_pack
         if self.pack_length is not None and cap is not None:  # tiles can take a sample past the pack's cap
             over = [it for it in items if it["pixel_values"].shape[0] > cap]
@@ -102,7 +102,7 @@ class VLMCollator:
                 skipped["too_many_images"] += 1
             items = [it for it in items if it["pixel_values"].shape[0] <= cap]
             if not items:
-                raise ValueError(f"every sample of the batch has more image views than max_images_per_pack={cap}")
+                return {"skipped": dict(skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         prompts = [torch.as_tensor(it["prompt_input_ids"], dtype=torch.long) for it in items]
         batch: dict[str, Any] = {}
         lengths = [len(it["input_ids"]) for it in items]

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from .state import EvalPrediction, PredictionOutput
-from .stats import LossAverager, extra_losses, num_items_of, skipped_counts
+from .stats import LossAverager, extra_losses, is_empty_batch, num_items_of, skipped_counts
 
 
 def _pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
@@ -93,6 +93,9 @@ class EvaluationMixin:
         for i, batch in enumerate(dataloader):
             if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
                 break
+            if is_empty_batch(batch):  # every sample of this batch was bad
+                skipped.update(skipped_counts(batch))
+                continue
             loss, pred, label, extras = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
             size = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), 1)
             samples += size

@@ -70,6 +70,11 @@ def skipped_counts(batch: Any) -> Mapping[str, int]:
 BOOKKEEPING_KEYS = ("skipped", "skipped_keys", "pack_stats")
 
 
+def is_empty_batch(batch: Any) -> bool:
+    """A batch with nothing for the model (a collator dropped every sample): only bookkeeping entries."""
+    return isinstance(batch, Mapping) and all(k in BOOKKEEPING_KEYS for k in batch)
+
+
 class Throughput:
     """Samples, tokens, data-wait time and skipped samples over a logging window (skipped also in total).
 

@@ -40,7 +40,7 @@ from .callbacks import (
 from .evaluation import EvaluationMixin
 from .optim import create_optimizer, create_scheduler, learning_rates
 from .state import TrainerControl, TrainerState, TrainOutput
-from .stats import BOOKKEEPING_KEYS, LossAverager, Throughput, extra_losses, num_items_of
+from .stats import BOOKKEEPING_KEYS, LossAverager, Throughput, extra_losses, is_empty_batch, num_items_of
 
 
 def set_seed(seed: int) -> None:
@@ -173,8 +173,11 @@ class Trainer(EvaluationMixin):
             batch = next(batches, None)
             if batch is None:
                 break
-            seen += 1
             self._throughput.add_batch(batch, time.perf_counter() - fetch_start)
+            if is_empty_batch(batch):  # every sample was bad: counted, no step
+                self._throughput.check_bad_fraction(self.args.max_bad_sample_fraction)
+                continue
+            seen += 1
             if self._micro_step % accum == 0:
                 self.control = self._event("on_step_begin")
             self.training_step(model, batch)
