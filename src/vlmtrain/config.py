@@ -111,6 +111,11 @@ class DataConfig:
     Evaluation never packs."""
     pack_length: int | None = None
     """Tokens per packed row (default: max_length for a VLM, 64 for addition)."""
+    pack_window: int | None = None
+    """Pack rows from windows of this many consecutive samples instead of from each batch: rows come out
+    nearly full (only a window's last row is partial) and per_device_train_batch_size counts rows of
+    pack_length tokens (a step then holds as many samples as fit). Resume re-reads one window at most.
+    null: pack each batch's own samples (a step keeps exactly its batch's samples)."""
     max_images_per_pack: int | None = None
     """(vlm) At most this many images (tiles count) in one packed row; null: no cap."""
     tokenizer_vocab_size: int = 400
@@ -127,7 +132,7 @@ class DataConfig:
             raise ConfigError("data.image_mean and data.image_std need 3 values (RGB), the std ones > 0.")
         if not 0 <= self.multi_image_fraction <= 1:
             raise ConfigError(f"data.multi_image_fraction must be in [0, 1], got {self.multi_image_fraction}.")
-        for name in ("pack_length", "max_images_per_pack"):
+        for name in ("pack_length", "max_images_per_pack", "pack_window"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}.")
         if self.pack_length is not None and self.source != "addition" and self.pack_length < self.max_length:

@@ -25,6 +25,8 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     """Build the data, the model (initialized under cfg.train.seed) and a Trainer; with checkpoint, the
     model weights are loaded from that checkpoint directory."""
     parts = _build_addition(cfg) if cfg.model.kind == "causal_lm" else _build_vqa(cfg, checkpoint)
+    if cfg.data.pack_window and getattr(parts["data_collator"], "pack_length", None):
+        _window_packing(cfg, parts)
     if checkpoint is not None:
         from vlmtrain.trainer.checkpoint import load_model_weights
 
@@ -52,7 +54,12 @@ def _build_addition(cfg: RunConfig) -> dict[str, Any]:
     padded, pad_id = parts["data_collator"], parts["tokenizer"].pad_token_id
     parts["data_collator"] = _collator(cfg, parts["model"], len(parts["tokenizer"]), padded,
                                        lambda n: PackingCollator(n, pad_id, padding_collator=padded))
+    parts.update(padded_collator=padded, process=_tokenized)
     return parts
+
+
+def _tokenized(sample: dict[str, Any]) -> dict[str, Any]:
+    return sample  # addition samples come tokenized (a module-level function: it goes to DataLoader workers)
 
 
 def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
@@ -88,10 +95,27 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
                              image_token_length=model.config.image_token_length, max_length=d.max_length,
                              max_images=d.max_images, split_large_images=d.split_large_images,
                              mean=d.image_mean, std=d.image_std)
+    padded = VLMCollator(processor)
     return {"model": model, "tokenizer": tokenizer, "train_dataset": train, "eval_dataset": evals,
-            "data_collator": _collator(cfg, model, len(tokenizer), VLMCollator(processor),
+            "data_collator": _collator(cfg, model, len(tokenizer), padded,
                                        lambda n: VLMCollator(processor, n, d.max_images_per_pack)),
-            "compute_metrics": exact_match_metric(tokenizer)}
+            "compute_metrics": exact_match_metric(tokenizer), "padded_collator": padded,
+            "process": processor.process}
+
+
+def _window_packing(cfg: RunConfig, parts: dict[str, Any]) -> None:
+    """data.pack_window: train on rows packed from windows of consecutive samples (PackedDataset)."""
+    from vlmtrain.data.pack_stream import PackedDataset, RowCollator
+    from vlmtrain.data.sources import IndexedSource, StreamingDataset
+
+    d, train = cfg.data, parts["train_dataset"]
+    if not isinstance(train, StreamingDataset):  # map-style: the same samples as a stream of shuffled blocks
+        train = StreamingDataset([IndexedSource(train, name=d.source)], seed=d.seed)
+    pack_length = parts["data_collator"].pack_length
+    parts["train_dataset"] = PackedDataset(train, parts["process"], pack_length,
+                                           parts["tokenizer"].pad_token_id, window=d.pack_window,
+                                           max_images_per_pack=d.max_images_per_pack)
+    parts["data_collator"] = RowCollator(parts["padded_collator"])
 
 
 def _collator(cfg: RunConfig, model: Any, vocab_size: int, padded: Any, packed: Callable[[int], Any]) -> Any:

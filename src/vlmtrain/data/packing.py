@@ -65,11 +65,11 @@ def pack_lengths(lengths: Sequence[int], capacity: int, images: Sequence[int] | 
 
 
 def pack_items(items: Sequence[dict[str, Any]], pack_length: int, pad_token_id: int,
-               max_images_per_pack: int | None = None) -> tuple[dict[str, torch.Tensor], list[int]]:
+               max_images_per_pack: int | None = None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     """Pack processed items (``input_ids``, ``labels``; ``num_images`` optional) into [rows, pack_length].
 
-    Returns the tensors (``input_ids``, ``labels``, ``position_ids``) and the item order in which they
-    appear (row by row), which is the order their images must follow. Padding at the end of a row is
+    Returns the tensors (``input_ids``, ``labels``, ``position_ids``) and each row's items in the order
+    they appear (read row by row, the order their images must follow). Padding at the end of a row is
     its own run of positions (so it forms its own block) with labels -100.
     """
     lengths = [int(len(it["input_ids"])) for it in items]
@@ -79,7 +79,6 @@ def pack_items(items: Sequence[dict[str, Any]], pack_length: int, pad_token_id: 
     input_ids = torch.full((rows, pack_length), pad_token_id, dtype=torch.long)
     labels = torch.full((rows, pack_length), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((rows, pack_length), dtype=torch.long)
-    order: list[int] = []
     for r, members in enumerate(bins):
         at = 0
         for i in members:
@@ -89,9 +88,8 @@ def pack_items(items: Sequence[dict[str, Any]], pack_length: int, pad_token_id: 
             labels[r, at] = IGNORE_INDEX  # the previous sample's last token never predicts this one
             position_ids[r, at:at + n] = torch.arange(n)
             at += n
-            order.append(i)
         position_ids[r, at:] = torch.arange(pack_length - at)
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}, order
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}, bins
 
 
 def pack_stats(num_samples: int, real_tokens: int, rows: int, row_length: int, images: int) -> dict[str, int]:

@@ -109,7 +109,8 @@ class VLMCollator:
         if self.pack_length is not None:
             # Views (tiles) are what occupy image-token runs, so they are what a pack's image cap counts.
             views = [{**it, "num_images": it["pixel_values"].shape[0]} for it in items]
-            batch, order = pack_items(views, self.pack_length, self.pad_token_id, self.max_images_per_pack)
+            batch, bins = pack_items(views, self.pack_length, self.pad_token_id, self.max_images_per_pack)
+            order = [i for members in bins for i in members]
             rows, width = batch["input_ids"].shape
         else:
             order = list(range(len(items)))
