@@ -10,13 +10,15 @@ Two data sets, each trained for the same steps on the same batches of samples in
   pad-to-max   every row padded to max_length
   dynamic      rows padded to the batch's longest sample (what VLMCollator / DefaultCollator do)
   packing      the batch's samples packed into rows of max_length tokens (vlmtrain.data.packing), each
-               sample attending only to itself
+               sample attending only to itself (data.packing, the default: a step keeps its samples)
+  window       all samples packed 256 at a time into rows (vlmtrain.data.pack_stream.PackedDataset,
+               data.pack_window: 256), batched as many rows per step as "packing" averages
 
 Batches are collated before timing (the step is what differs); a step is forward, backward, AdamW.
 fill = real tokens / (rows x row length). Throughput = real target tokens (labels != -100) per second of
 training steps, median over --rounds rounds whose layout order rotates. Ratios are against dynamic padding.
-Packing takes the same samples per step as the padded layouts, so the loss is the same: the script checks
-that the first-step losses agree.
+"packing" takes the same samples per step as the padded layouts, so the loss is the same: the script checks
+that the first-step losses agree ("window" regroups samples, so its first loss differs).
 
     python benchmarks/packing.py                # about 2-3 minutes on 2 cores
     python benchmarks/packing.py --steps 10 --rounds 3 --batch-size 16
@@ -34,10 +36,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vlmtrain.data.collate import pad_sequences
+from vlmtrain.data.pack_stream import PackedDataset, collate_rows
 from vlmtrain.data.packing import IGNORE_INDEX, PackingCollator
+from vlmtrain.data.sources import IndexedSource, StreamingDataset
 from vlmtrain.data.vlm_collate import VLMCollator
 
-LAYOUTS = ("pad-to-max", "dynamic", "packing")
+LAYOUTS = ("pad-to-max", "dynamic", "packing", "window")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,6 +69,16 @@ def fill(batch: dict) -> tuple[int, int]:
 
 def targets(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def window_batches(samples: list, process, pack_length: int, pad_id: int, per_batch_rows: list[int],
+                   max_images: int | None = None) -> list[dict]:
+    """The samples window-packed (256 per window, in order), grouped into as many rows per step as per-batch
+    packing used on average."""
+    stream = StreamingDataset([IndexedSource(samples, block_size=len(samples))], shuffle=False)
+    rows = list(PackedDataset(stream, process, pack_length, pad_id, window=256, max_images_per_pack=max_images))
+    k = max(1, round(statistics.mean(per_batch_rows)))
+    return [collate_rows(rows[i:i + k]) for i in range(0, len(rows), k)]
 
 
 def time_steps(make_model, batches: list[dict], warmup: int) -> tuple[float, float]:
@@ -109,7 +123,13 @@ def shapes_case(steps: int, batch_size: int):
     dynamic = [collator(c) for c in chunks]
     layouts = {"pad-to-max": [pad_to(b, max_length, collator.pad_token_id) for b in dynamic],
                "dynamic": dynamic, "packing": [packer(c) for c in chunks]}
+    layouts["window"] = window_batches(samples, processor.process, max_length, collator.pad_token_id,
+                                       [b["input_ids"].shape[0] for b in layouts["packing"]])
     return make_model, layouts
+
+
+def _same(sample):
+    return sample
 
 
 def long_tailed_case(steps: int, batch_size: int, max_length: int = 1024, seed: int = 0):
@@ -134,6 +154,8 @@ def long_tailed_case(steps: int, batch_size: int, max_length: int = 1024, seed: 
     dynamic = [dynamic_collate(c) for c in chunks]
     layouts = {"pad-to-max": [pad_to(b, max_length, 0) for b in dynamic], "dynamic": dynamic,
                "packing": [packer(c) for c in chunks]}
+    layouts["window"] = window_batches(samples, _same, max_length, 0,
+                                       [b["input_ids"].shape[0] for b in layouts["packing"]])
 
     def make_model():
         torch.manual_seed(0)
@@ -147,21 +169,22 @@ def report(name: str, make_model, layouts: dict, rounds: int, warmup: int) -> di
     speeds: dict[str, list[float]] = {k: [] for k in LAYOUTS}
     losses: dict[str, float] = {}
     for r in range(rounds):
-        order = LAYOUTS[r % 3:] + LAYOUTS[:r % 3]
+        order = LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[:r % len(LAYOUTS)]
         for layout in order:
             speed, loss = time_steps(make_model, layouts[layout], warmup)
             speeds[layout].append(speed)
             losses[layout] = loss
     samples = sum(b["pack_stats"]["samples"] for b in layouts["packing"])
     print(f"\n{name}: {samples} samples, {len(layouts['dynamic'])} steps, median of {rounds} rounds")
-    print(f"  {'layout':<11} {'rows/step':>9} {'fill':>6} {'targets/s':>10} {'vs dynamic':>10} {'first loss':>10}")
+    print(f"  {'layout':<11} {'steps':>5} {'rows/step':>9} {'fill':>6} {'targets/s':>10} {'vs dynamic':>10} "
+          f"{'first loss':>10}")
     med = {k: statistics.median(v) for k, v in speeds.items()}
     for layout in LAYOUTS:
         real, cap = map(sum, zip(*(fill(b) for b in layouts[layout])))
         rows = statistics.mean(b["input_ids"].shape[0] for b in layouts[layout])
-        print(f"  {layout:<11} {rows:>9.1f} {real / cap:>6.3f} {med[layout]:>10.0f} "
+        print(f"  {layout:<11} {len(layouts[layout]):>5} {rows:>9.1f} {real / cap:>6.3f} {med[layout]:>10.0f} "
               f"{med[layout] / med['dynamic']:>9.2f}x {losses[layout]:>10.5f}")
-    spread = max(abs(losses[k] - losses["dynamic"]) for k in LAYOUTS)
+    spread = max(abs(losses[k] - losses["dynamic"]) for k in LAYOUTS if k != "window")
     if spread > 1e-4:
         raise SystemExit(f"layouts disagree on the first-step loss by {spread:.2g}: not the same computation")
     return med
