@@ -242,3 +242,26 @@ def test_cli_to_wds_and_inspect(tmp_path, capsys):
     assert main(["data", "inspect", str(tmp_path / "out" / "shard-{000000..000003}.tar")]) == 0
     assert "30 samples in 4 shard(s)" in capsys.readouterr().out
     assert main(["data", "inspect", str(tmp_path / "nothing-*.tar")]) == 2
+
+
+def test_trainer_runs_epochs_over_a_single_source_stream(shapes, tmp_path):
+    """The Trainer calls set_epoch on a stream: each epoch reads every sample once, in a new shard order."""
+    import torch
+
+    from tests.tiny import TwoLossModel
+    from vlmtrain import Trainer, TrainingArguments
+
+    seen = []
+
+    def collate(samples):
+        seen.append(keys_of(samples))
+        x = torch.randn(len(samples), 3, 4)
+        return {"x": x, "y": torch.zeros(len(samples), 3, 2), "mask": torch.ones(len(samples), 3)}
+
+    stream = StreamingDataset([IndexedSource(shapes, name="s", block_size=6)], seed=4)  # 10 shards
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=6,
+                             save_strategy="no", disable_tqdm=True, report_to="none", logging_steps=10)
+    Trainer(TwoLossModel(), args, train_dataset=stream, data_collator=collate).train()
+    epochs = [sum(seen[i:i + 10], []) for i in (0, 10, 20)]
+    assert all(sorted(e) == sorted(f"s:{i}" for i in range(N)) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]  # reshuffled shards
