@@ -13,7 +13,7 @@ from PIL import Image
 from tests.test_vlm_model import IMG, VOCAB, L, sample, tiny_vlm
 from tests.tiny import tiny_llama, token_samples
 from vlmtrain import Trainer, TrainingArguments
-from vlmtrain.data.packing import PackingCollator, check_packing, pack_items, pack_lengths
+from vlmtrain.data.packing import PackingCollator, check_packing, pack_items, pack_lengths, worth_packing
 from vlmtrain.data.processing import IGNORE_INDEX, VLMProcessor, build_chat_tokenizer
 from vlmtrain.data.vlm_collate import VLMCollator
 
@@ -103,6 +103,18 @@ def test_check_packing_catches_a_model_that_ignores_positions():
     assert check_packing(model, vocab_size=48) > 1e-3
 
 
+def test_a_batch_is_packed_only_when_that_fills_it_better():
+    uniform = [{"input_ids": list(range(1, 11)), "labels": list(range(1, 11))} for _ in range(8)]
+    varied = [{"input_ids": list(range(1, n)), "labels": list(range(1, n))} for n in (4, 30, 5, 6, 3, 7, 4, 5)]
+    collate = PackingCollator(pack_length=32, pad_token_id=0)
+    padded = collate(uniform)  # 3 rows of 32 would be less full than 8 rows of 10: padded
+    assert "position_ids" not in padded and padded["input_ids"].shape == (8, 10)
+    assert padded["pack_stats"] == {"samples": 8, "tokens": 80, "rows": 8, "capacity": 80, "images": 0}
+    packed = collate(varied)
+    assert "position_ids" in packed and packed["input_ids"].shape == (2, 32)  # 56 tokens
+    assert worth_packing([10] * 8, 3, 32) is False and worth_packing([3, 29, 4], 2, 32) is True
+
+
 def test_packed_loss_and_num_items_equal_the_padded_batch():
     model = tiny_llama().eval()
     samples = token_samples(10, seed=3)
@@ -144,7 +156,7 @@ def proc():
 
 def test_vlm_collator_packs_with_images_in_row_order_and_unpacks_for_eval(proc):
     samples = _shapes_like(12)
-    packed = VLMCollator(proc, pack_length=192, max_images_per_pack=3)(samples)
+    packed = VLMCollator(proc, pack_length=192, max_images_per_pack=3, min_fill_gain=-1)(samples)  # always pack
     padded = VLMCollator(proc)(samples)
     stats = packed["pack_stats"]
     assert "attention_mask" not in packed and packed["input_ids"].shape == (stats["rows"], 192)
@@ -184,7 +196,7 @@ def test_trainer_logs_pack_fill_and_matches_padded_training(tmp_path):
     """Same samples per step, packed or padded: the same losses (packing is layout only) + fill in the log."""
     samples = token_samples(64, seed=4, max_len=30)
     losses = {}
-    for name, collator in (("padded", None), ("packed", PackingCollator(64, pad_token_id=0))):
+    for name, collator in (("padded", None), ("packed", PackingCollator(64, pad_token_id=0, min_fill_gain=-1))):
         args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=6, per_device_train_batch_size=8,
                                  learning_rate=1e-3, logging_steps=1, save_strategy="no", disable_tqdm=True,
                                  report_to="none", seed=0)

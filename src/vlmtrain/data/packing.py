@@ -92,6 +92,17 @@ def pack_items(items: Sequence[dict[str, Any]], pack_length: int, pad_token_id: 
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}, bins
 
 
+MIN_FILL_GAIN = 0.05
+
+
+def worth_packing(lengths: Sequence[int], rows: int, pack_length: int, min_gain: float = MIN_FILL_GAIN) -> bool:
+    """Whether packing ``lengths`` into ``rows`` rows raises the batch's fill by at least ``min_gain`` over
+    padding to the longest sample. Near-uniform lengths pad densely already, and padded rows keep the
+    cheaper causal-only attention (a packed row attends over the whole row length behind its mask)."""
+    total = sum(lengths)
+    return total / (rows * pack_length) >= total / (len(lengths) * max(lengths)) + min_gain
+
+
 def pack_stats(num_samples: int, real_tokens: int, rows: int, row_length: int, images: int) -> dict[str, int]:
     """What a collator reports about a batch's layout (the Trainer logs fill, padding, images per row)."""
     return {"samples": num_samples, "tokens": real_tokens, "rows": rows, "capacity": rows * row_length,
@@ -136,18 +147,20 @@ def _logits(out: Any) -> torch.Tensor:
 class PackingCollator:
     """Packs tokenized samples (``input_ids``, optional ``labels``; lists or 1-D tensors) for a plain LM.
 
-    Training batches are ``input_ids`` / ``labels`` / ``position_ids`` of shape [rows, pack_length],
+    A batch is packed only when that raises its fill by ``min_fill_gain`` (:func:`worth_packing`); else
+    it is padded. Packed training batches are ``input_ids`` / ``labels`` / ``position_ids`` of shape [rows, pack_length],
     ``use_cache=False`` (a transformers LM only builds the per-sample mask without a cache) and
     ``pack_stats``; samples without ``labels`` are trained on every token. Evaluation and
     prediction use ``padding_collator`` (what :meth:`without_packing` returns), so predictions stay
     one row per sample. A sample longer than ``pack_length`` is an error naming it.
     """
 
-    def __init__(self, pack_length: int, pad_token_id: int, padding_collator: Any = None) -> None:
+    def __init__(self, pack_length: int, pad_token_id: int, padding_collator: Any = None,
+                 min_fill_gain: float = MIN_FILL_GAIN) -> None:
         if pack_length < 2:
             raise ValueError(f"pack_length must be >= 2, got {pack_length}")
         self.pack_length, self.pad_token_id = pack_length, int(pad_token_id)
-        self.padding_collator = padding_collator
+        self.padding_collator, self.min_fill_gain = padding_collator, min_fill_gain
 
     def without_packing(self) -> Any:
         if self.padding_collator is None:
@@ -164,10 +177,14 @@ class PackingCollator:
             ids = torch.as_tensor(s["input_ids"], dtype=torch.long)
             labels = torch.as_tensor(s["labels"], dtype=torch.long) if "labels" in s else ids
             items.append({"input_ids": ids, "labels": labels})
+        lengths = [len(it["input_ids"]) for it in items]
+        bins = pack_lengths(lengths, self.pack_length)
+        if not worth_packing(lengths, len(bins), self.pack_length, self.min_fill_gain):
+            batch = dict(self.without_packing()(samples))
+            batch["pack_stats"] = pack_stats(len(items), sum(lengths), len(items), max(lengths), 0)
+            return batch
         batch: dict[str, Any]
         batch, _ = pack_items(items, self.pack_length, self.pad_token_id)
         batch["use_cache"] = False
-        rows = batch["input_ids"].shape[0]
-        batch["pack_stats"] = pack_stats(len(items), sum(len(it["input_ids"]) for it in items), rows,
-                                         self.pack_length, 0)
+        batch["pack_stats"] = pack_stats(len(items), sum(lengths), len(bins), self.pack_length, 0)
         return batch

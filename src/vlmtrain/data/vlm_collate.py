@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from vlmtrain.data.collate import pad_sequences
-from vlmtrain.data.packing import pack_items, pack_stats
+from vlmtrain.data.packing import MIN_FILL_GAIN, pack_items, pack_lengths, pack_stats, worth_packing
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, VLMProcessor
 from vlmtrain.data.sources import KEY, drop_counts
 
@@ -30,7 +30,8 @@ class VLMCollator:
       tokens follow every prompt directly; ``prompt_pixel_values`` is ``pixel_values`` (a prompt holds
       all of its sample's images).
 
-    With ``pack_length`` the training tensors are packed instead (:mod:`vlmtrain.data.packing`):
+    With ``pack_length`` the training tensors are packed instead (:mod:`vlmtrain.data.packing`) when
+    that raises the batch's fill by ``min_fill_gain`` (else padded as above; a negative gain always packs):
     ``input_ids`` / ``labels`` / ``position_ids`` of shape [rows, pack_length], no ``attention_mask``,
     and ``pixel_values`` in the order the samples appear in the rows; at most ``max_images_per_pack``
     images per row. The ``pack_stats`` entry (samples, real tokens, rows, capacity, images) lets the
@@ -46,7 +47,7 @@ class VLMCollator:
     """
 
     def __init__(self, processor: VLMProcessor, pack_length: int | None = None,
-                 max_images_per_pack: int | None = None) -> None:
+                 max_images_per_pack: int | None = None, min_fill_gain: float = MIN_FILL_GAIN) -> None:
         pad = processor.tokenizer.pad_token_id
         if pad is None:
             raise ValueError("VLMCollator needs a tokenizer with a pad token")
@@ -58,6 +59,7 @@ class VLMCollator:
                              f"{processor.max_images}: a sample with max_images images must fit a pack.")
         self.processor = processor
         self.pack_length, self.max_images_per_pack = pack_length, max_images_per_pack
+        self.min_fill_gain = min_fill_gain
         self.pad_token_id = int(pad)
         self.skipped: Counter[str] = Counter()
 
@@ -106,10 +108,13 @@ class VLMCollator:
         prompts = [torch.as_tensor(it["prompt_input_ids"], dtype=torch.long) for it in items]
         batch: dict[str, Any] = {}
         lengths = [len(it["input_ids"]) for it in items]
-        if self.pack_length is not None:
-            # Views (tiles) are what occupy image-token runs, so they are what a pack's image cap counts.
-            views = [{**it, "num_images": it["pixel_values"].shape[0]} for it in items]
-            batch, bins = pack_items(views, self.pack_length, self.pad_token_id, self.max_images_per_pack)
+        # Views (tiles) are what occupy image-token runs, so they are what a pack's image cap counts.
+        views = [it["pixel_values"].shape[0] for it in items]
+        if self.pack_length is not None and worth_packing(
+                lengths, len(pack_lengths(lengths, self.pack_length, views, self.max_images_per_pack)),
+                self.pack_length, self.min_fill_gain):
+            batch, bins = pack_items([{**it, "num_images": n} for it, n in zip(items, views)], self.pack_length,
+                                     self.pad_token_id, self.max_images_per_pack)
             order = [i for members in bins for i in members]
             rows, width = batch["input_ids"].shape
         else:
