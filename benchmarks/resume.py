@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message=".*naively fast-forwarding.*")  # the replay rows show it
+    warnings.filterwarnings("ignore", message=".*set_vital.*")
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
         data = ShapesVQA("train", args.samples, seed=0, multi_image_fraction=0.4)
