@@ -175,3 +175,17 @@ def test_image_normalization_comes_from_the_config(tmp_path):
     assert abs(float(batch["pixel_values"][0, :, 0, 0].mean())) < 0.01
     with pytest.raises(ConfigError, match="3 values"):
         _config(tmp_path, data={"image_std": [0.5, 0.5]})
+
+
+def test_generate_preprocesses_images_as_training_did(tmp_path, monkeypatch):
+    from vlmtrain.data.processing import VLMProcessor
+
+    cfg = _config(tmp_path, data={"image_mean": [0.94] * 3, "image_std": [0.25] * 3}, train={"max_steps": 1})
+    run.train(cfg)
+    seen = []
+    original = VLMProcessor.to_tensor
+    monkeypatch.setattr(VLMProcessor, "to_tensor", lambda self, img: seen.append(original(self, img)) or seen[-1])
+    path = str(tmp_path / "img.png")
+    ShapesVQA("test", 1, qtypes=["color"])[0]["images"][0].save(path)
+    run.generate(str(tmp_path / "run"), "What color is the circle?", images=[path], max_new_tokens=2)
+    assert abs(float(seen[0][:, 0, 0].mean())) < 0.01  # the background maps to ~0 with the run's own mean

@@ -95,6 +95,9 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
                              image_token_length=model.config.image_token_length, max_length=d.max_length,
                              max_images=d.max_images, split_large_images=d.split_large_images,
                              mean=d.image_mean, std=d.image_std)
+    # Saved with the weights (config.json), so `vlmtrain generate` preprocesses images as training did.
+    model.config.preprocessing = {"image_mean": list(d.image_mean), "image_std": list(d.image_std),
+                                  "split_large_images": d.split_large_images}
     padded = VLMCollator(processor)
     return {"model": model, "tokenizer": tokenizer, "train_dataset": train, "eval_dataset": evals,
             "data_collator": _collator(cfg, model, len(tokenizer), padded,
@@ -254,8 +257,11 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
         from vlmtrain.models.vlm import VisionLanguageModel
 
         model = VisionLanguageModel.from_pretrained(ckpt)
+        pre = getattr(model.config, "preprocessing", None) or {}
         processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
-                                 image_token_length=model.config.image_token_length, max_images=len(images or []))
+                                 image_token_length=model.config.image_token_length, max_images=len(images or []),
+                                 split_large_images=pre.get("split_large_images", False),
+                                 mean=pre.get("image_mean", (0.5, 0.5, 0.5)), std=pre.get("image_std", (0.5, 0.5, 0.5)))
         try:  # the template needs an answer to build the sample; generation starts before it
             sample = processor.process({"images": list(images or []), "texts": [{"user": prompt, "assistant": "-"}]})
         except SkipSample as e:
