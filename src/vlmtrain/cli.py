@@ -11,7 +11,7 @@ from typing import Any
 from vlmtrain.config import ConfigError, build_parser, parse_with
 
 COMMANDS = {
-    "train": "Train a model: vlmtrain train --config FILE.yaml [--train.learning_rate 3e-4 ...]",
+    "train": "Train a model: vlmtrain train --config FILE.yaml [--nproc N] [--train.learning_rate 3e-4 ...]",
     "eval": "Evaluate on the eval set: vlmtrain eval --config FILE.yaml [--checkpoint DIR]",
     "predict": "Print generated answers for the eval set: vlmtrain predict --config FILE.yaml --checkpoint DIR",
     "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
@@ -44,10 +44,42 @@ def _parse(command: str, argv: list[str], checkpoint: str | None = None) -> tupl
 
 
 def _print_metrics(metrics: dict[str, Any]) -> None:
-    print(json.dumps(metrics, indent=2, default=str))
+    import os
+
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        print(json.dumps(metrics, indent=2, default=str))
+
+
+def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
+    """``--nproc N`` (or ``--nproc=N``) taken out of argv."""
+    rest, nproc, i = [], 1, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--nproc", "--nproc_per_node") and i + 1 < len(argv):
+            nproc, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith(("--nproc=", "--nproc_per_node=")):
+            nproc = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if not str(nproc).isdigit() or int(nproc) < 1:
+        raise ConfigError(f"--nproc must be a positive number of processes, got {nproc!r}.")
+    return int(nproc), rest
 
 
 def _train(argv: list[str]) -> int:
+    nproc, argv = _pop_nproc(argv)
+    if nproc > 1:  # one node, N processes: the same command under torchrun
+        import os
+        import subprocess
+
+        _parse("train", argv)  # a bad config fails here, once, not in N processes
+        if "WORLD_SIZE" in os.environ:
+            raise ConfigError("--nproc cannot be used inside torchrun: torchrun already sets the process count.")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "vlmtrain", "train", *argv]
+        return subprocess.call(cmd)
     cfg, _ = _parse("train", argv)
     from vlmtrain import run
 
@@ -151,6 +183,16 @@ _HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _g
              "data": _data}
 
 
+def _shutdown_distributed() -> None:
+    """Under torchrun: wait for every rank, then tear the process group down (a process that exits with
+    gloo threads still running can abort, failing the whole job)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the vlmtrain command line; returns the exit code (2 for configuration errors)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -163,7 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             near = difflib.get_close_matches(command, list(_HANDLERS), n=1)
             raise ConfigError(f"unknown command {command!r}." + (f" Did you mean {near[0]!r}?" if near else "")
                               + f" Commands: {', '.join(_HANDLERS)}.")
-        return _HANDLERS[command](rest)
+        code = _HANDLERS[command](rest)
+        _shutdown_distributed()
+        return code
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

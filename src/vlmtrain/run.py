@@ -206,7 +206,8 @@ def train(cfg: RunConfig) -> dict[str, Any]:
 
 def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
     trainer = build(cfg)
-    save_run_config(cfg, cfg.train.output_dir)
+    if trainer.rank == 0:
+        save_run_config(cfg, cfg.train.output_dir)
     out = trainer.train(resume_from_checkpoint=resume_arg(cfg.train.resume_from_checkpoint))
     metrics = {"global_step": out.global_step, "training_loss": out.training_loss, **(out.metrics or {})}
     if getattr(trainer, "eval_dataset", None) is not None:

@@ -1,9 +1,21 @@
-"""Process-group helpers. Single-process runs see rank 0 of 1 and every collective is a no-op."""
+"""torch.distributed helpers. Single-process runs see rank 0 of 1 and every collective is a no-op.
+
+Launched by torchrun (RANK / WORLD_SIZE / LOCAL_RANK in the environment), :func:`init_from_env` starts the
+process group: NCCL on GPUs, gloo on CPU. Metrics go through a gloo group on CPU tensors (:func:`metrics_group`),
+so logging never allocates on a GPU or syncs an NCCL stream.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
+from torch import nn
+
+_METRICS_GROUP = None
 
 
 def is_distributed() -> bool:
@@ -18,11 +30,45 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
+def init_from_env(timeout_s: float = 600.0) -> bool:
+    """Start the default process group if torchrun launched several processes; returns whether distributed."""
+    if is_distributed():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def metrics_group() -> object | None:
+    """A gloo group for CPU-side reductions of logged metrics (the default group itself when it is gloo)."""
+    global _METRICS_GROUP
+    if not is_distributed():
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    if _METRICS_GROUP is None:
+        _METRICS_GROUP = dist.new_group(backend="gloo")
+    return _METRICS_GROUP
+
+
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if is_distributed():
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def reduce_cpu(values: list[float], op: str = "sum") -> list[float]:
+    """Element-wise sum (or max) of a list of floats over ranks, on CPU through the metrics group."""
+    if not is_distributed() or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=metrics_group())
+    return t.tolist()
 
 
 def barrier() -> None:
@@ -34,3 +80,20 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """DistributedDataParallel over ``model`` when several processes train, else the model itself."""
+    if world_size() <= 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def maybe_no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """DDP's no_sync() on micro-steps that do not end an accumulation window: gradients are all-reduced once."""
+    if sync or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .distributed import reduce_cpu, world_size
+
 
 def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The scalar `loss_<name>` entries of a model output (besides `loss` itself)."""
@@ -41,11 +43,12 @@ class LossAverager:
             self.weights[key] = self.weights[key] + weight if key in self.weights else weight
 
     def compute(self) -> dict[str, float]:
-        out = {}
-        for key, total in self.sums.items():
-            w = float(self.weights[key])
-            out[key] = float(total) / w if w > 0 else math.nan
-        return out
+        """Weighted means; under torch.distributed, over every rank's sums (through the gloo metrics group:
+        every rank must call it, with the same keys)."""
+        keys = sorted(self.sums)
+        totals = reduce_cpu([float(self.sums[k]) for k in keys] + [float(self.weights[k]) for k in keys])
+        n = len(keys)
+        return {k: totals[i] / totals[n + i] if totals[n + i] > 0 else math.nan for i, k in enumerate(keys)}
 
     def reset(self) -> None:
         self.sums.clear()
@@ -134,11 +137,18 @@ class Throughput:
                 f"data (e.g. `vlmtrain data inspect`) or raise max_bad_sample_fraction.")
 
     def compute(self) -> dict[str, float]:
+        """Rates over the window; under torch.distributed samples and tokens are summed over ranks and the
+        data-wait fraction is the mean over ranks (``data_wait_fraction_max``: the slowest rank's)."""
         elapsed = max(time.perf_counter() - self.start - self.excluded, 1e-9)
-        out = {"samples_per_second": round(self.samples / elapsed, 3),
-               "data_wait_fraction": round(min(1.0, self.data_wait / elapsed), 4)}
-        if self.tokens:
-            out["tokens_per_second"] = round(self.tokens / elapsed, 3)
+        wait = min(1.0, self.data_wait / elapsed)
+        samples, tokens, wait_sum = reduce_cpu([float(self.samples), float(self.tokens), wait])
+        wait_max = reduce_cpu([wait], "max")[0]
+        out = {"samples_per_second": round(samples / elapsed, 3),
+               "data_wait_fraction": round(wait_sum / world_size(), 4)}
+        if world_size() > 1:
+            out["data_wait_fraction_max"] = round(wait_max, 4)
+        if tokens:
+            out["tokens_per_second"] = round(tokens / elapsed, 3)
         if self.layout["capacity"]:
             fill = self.layout["tokens"] / self.layout["capacity"]
             out.update(pack_fill=round(fill, 4), padding_fraction=round(1 - fill, 4),

@@ -65,6 +65,7 @@ class Trainer(EvaluationMixin):
         if self.args.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass "
                              "Trainer(eval_dataset=...) or set eval_strategy='no'.")
+        dist.init_from_env()  # under torchrun: join the process group (gloo on CPU, NCCL on GPUs)
         self.device = dist.default_device()
         self.model = model.to(self.device)
         self.rank, self.world_size = dist.rank(), dist.world_size()
@@ -151,7 +152,8 @@ class Trainer(EvaluationMixin):
         epochs = self._setup_training(loader)
         if resume is not None:
             self._load_checkpoint(resume)
-        model = torch.compile(self.model) if args.torch_compile else self.model
+        model = dist.wrap_ddp(self.model, self.device)  # DDP when torchrun started several processes
+        model = torch.compile(model) if args.torch_compile else model
         start = time.time()
         self.control = self._event("on_train_begin")
         while self._epoch_index < epochs and not self.control.should_training_stop:
@@ -168,9 +170,12 @@ class Trainer(EvaluationMixin):
         elif hasattr(loader.dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
             loader.dataset.set_epoch(self._epoch_index)
         batches, seen, self._epoch_cut = iter(loader), 0, False
+        streaming = self.world_size > 1 and steps_in_epoch is None
         while True:
             fetch_start = time.perf_counter()
             batch = next(batches, None)
+            if streaming and dist.reduce_cpu([float(batch is None)], "max")[0]:
+                break  # a stream ran dry on some rank: every rank ends the epoch here, none waits forever
             if batch is None:
                 break
             self._throughput.add_batch(batch, time.perf_counter() - fetch_start)
@@ -180,7 +185,10 @@ class Trainer(EvaluationMixin):
             seen += 1
             if self._micro_step % accum == 0:
                 self.control = self._event("on_step_begin")
-            self.training_step(model, batch)
+            ends_window = (self._micro_step + 1) % accum == 0 or self._micro_step + 1 == steps_in_epoch
+            with dist.maybe_no_sync(model, sync=ends_window):  # DDP all-reduces once per window
+                self.training_step(model, batch)
+            self._unsynced = not ends_window and self.world_size > 1
             self._micro_step += 1
             if self._micro_step % accum == 0 or self._micro_step == steps_in_epoch:
                 self._optimizer_step(model)
@@ -213,6 +221,10 @@ class Trainer(EvaluationMixin):
         with self.autocast():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
         n, extras = num_items_of(outputs), extra_losses(outputs)
+        if n is None and getattr(self.model, "loss_type", None) == "ForCausalLM" and "labels" in inputs:
+            # A transformers causal LM averages over its shifted targets: count them, so micro-batches and
+            # ranks are weighted by targets (1 x batch 4 == 2 x batch 2), as for models returning num_items.
+            n = (inputs["labels"][..., 1:] != -100).sum().float()
         del outputs  # free logits before backward
         if n is None:  # plain mean loss: weight 1 per micro-batch, no tensor work
             weight = 1.0
@@ -248,6 +260,10 @@ class Trainer(EvaluationMixin):
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         # Sum of weights over micro-batches (and ranks); DDP averages gradients, hence the world_size factor.
         grads = [p.grad for p in params]
+        if self._unsynced:  # a stream ended mid-window under no_sync: average the gradients as DDP would
+            for g in grads:
+                g.copy_(dist.all_reduce_sum(g) / self.world_size)
+            self._unsynced = False
         w = self._window_weight
         if self.world_size > 1 or isinstance(w, torch.Tensor) or w != 1.0:  # else the mean is already right
             total = dist.all_reduce_sum(torch.as_tensor(w, device=self.device).float())
@@ -318,6 +334,7 @@ class Trainer(EvaluationMixin):
         """Work out max_steps / epochs, reset the state, build optimizer and scheduler. Returns the epoch count."""
         args, accum = self.args, self.args.gradient_accumulation_steps
         self._steps_in_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
+        self._unsynced = False
         if self._steps_in_epoch == 0:
             raise ValueError("The train_dataset yields no batch (empty dataset, or fewer samples than a batch with "
                              "dataloader_drop_last=True).")

@@ -1,0 +1,87 @@
+"""DDP under torchrun (gloo, CPU): 2 processes x batch 2 == 1 process x batch 4, step by step; resume in 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+LM = {
+    "model": {"kind": "causal_lm", "config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                              "num_hidden_layers": 2, "num_attention_heads": 4,
+                                              "num_key_value_heads": 2, "max_position_embeddings": 32}},
+    "data": {"source": "addition", "num_train": 256, "num_eval": 8, "packing": False},
+    "train": {"max_steps": 6, "learning_rate": 3e-3, "logging_steps": 1, "eval_strategy": "no",
+              "save_strategy": "steps", "save_steps": 3, "disable_tqdm": True, "seed": 3,
+              "gradient_accumulation_steps": 2, "max_grad_norm": 1.0, "predict_with_generate": True,
+              "generation_max_new_tokens": 4},
+}
+
+
+def _vlm():
+    from tests.test_vlm_run import TINY
+
+    cfg = json.loads(json.dumps(TINY))
+    cfg["data"].update(num_train=64, packing=False)
+    # adam_epsilon 1e-6: an o_proj element whose gradient is ~0 (float noise: one batch of 4 vs two of 2 pad to
+    # different widths) gets a full-size Adam step of either sign at eps 1e-8 -> a 1.3e-5 weight difference,
+    # while losses and grad norms agree to 1e-7. The larger eps keeps noise-level gradients noise-level.
+    cfg["train"].update(max_steps=4, eval_strategy="no", save_steps=2, logging_steps=1, adam_epsilon=1e-6)
+    return cfg
+
+
+def _run(tmp_path: Path, cfg: dict, out: str, nproc: int, batch: int, *extra: str) -> Path:
+    path = tmp_path / f"{out}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, "-m", "vlmtrain", "train", "--config", str(path), "--nproc", str(nproc),
+           "--train.output_dir", str(tmp_path / out), "--train.per_device_train_batch_size", str(batch), *extra]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return tmp_path / out
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and "train_runtime" not in r}
+
+
+def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / f"checkpoint-{step}" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", ["lm", "vlm"])
+def test_two_processes_match_one_process_with_the_global_batch(tmp_path, kind):
+    cfg = LM if kind == "lm" else _vlm()
+    steps = cfg["train"]["max_steps"]
+    one = _run(tmp_path, cfg, "one", nproc=1, batch=4)
+    two = _run(tmp_path, cfg, "two", nproc=2, batch=2)
+    a, b = _losses(one), _losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
+    assert all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
+    norms = [{r["step"]: r["grad_norm"] for r in map(json.loads, open(run / "metrics.jsonl")) if "grad_norm" in r}
+             for run in (one, two)]
+    assert all(abs(norms[0][s] - norms[1][s]) < 1e-4 for s in norms[0])
+    wa, wb = _weights(one, steps), _weights(two, steps)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+    logs = [json.loads(line) for line in open(two / "metrics.jsonl")]
+    assert any("data_wait_fraction_max" in r for r in logs)  # aggregated over both ranks
+    assert {"rng_state_0.pth", "rng_state_1.pth", "loop_state_0.pt", "loop_state_1.pt"} <= set(
+        os.listdir(two / f"checkpoint-{steps}"))
+    if kind == "lm":  # a 2-process run resumed from its checkpoint continues exactly
+        resumed = _run(tmp_path, cfg, "resumed", 2, 2,
+                       "--train.resume_from_checkpoint", str(two / f"checkpoint-{steps // 2}"))
+        wr = _weights(resumed, steps)
+        assert all(torch.equal(wr[k], wb[k]) for k in wb)
+        assert [_losses(resumed)[s] for s in range(steps // 2 + 1, steps + 1)] == \
+               [b[s] for s in range(steps // 2 + 1, steps + 1)]
