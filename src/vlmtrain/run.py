@@ -210,6 +210,11 @@ def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
         save_run_config(cfg, cfg.train.output_dir)
     out = trainer.train(resume_from_checkpoint=resume_arg(cfg.train.resume_from_checkpoint))
     metrics = {"global_step": out.global_step, "training_loss": out.training_loss, **(out.metrics or {})}
+    if trainer.preempted:  # no time for a final evaluation: the checkpoint is what matters
+        metrics["preempted"] = True
+        logger.warning("preempted at step %d; checkpoint saved in %s. Resubmit with "
+                       "--train.resume_from_checkpoint true to continue.", out.global_step, cfg.train.output_dir)
+        return trainer, metrics
     if getattr(trainer, "eval_dataset", None) is not None:
         # Reuse an evaluation the run already made at its last step rather than running it twice.
         last = [h for h in trainer.state.log_history if h.get("step") == out.global_step

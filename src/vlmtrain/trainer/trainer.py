@@ -39,6 +39,7 @@ from .callbacks import (
 )
 from .evaluation import EvaluationMixin
 from .optim import create_optimizer, create_scheduler, learning_rates
+from .preemption import PreemptionGuard
 from .state import TrainerControl, TrainerState, TrainOutput
 from .stats import BOOKKEEPING_KEYS, LossAverager, Throughput, extra_losses, is_empty_batch, num_items_of
 
@@ -82,6 +83,8 @@ class Trainer(EvaluationMixin):
             model=self.model, processing_class=processing_class, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler)
         self.train_dataloader: StatefulDataLoader | None = None
+        self._preemption: PreemptionGuard | None = None
+        self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self.control = self._event("on_init_end")
 
@@ -156,11 +159,12 @@ class Trainer(EvaluationMixin):
         model = torch.compile(model) if args.torch_compile else model
         start = time.time()
         self.control = self._event("on_train_begin")
-        while self._epoch_index < epochs and not self.control.should_training_stop:
-            self.control = self._event("on_epoch_begin")
-            self._run_epoch(model, loader)
-            self.control = self._event("on_epoch_end")
-            self._maybe_log_save_evaluate()
+        with PreemptionGuard() as self._preemption:  # SIGTERM/SIGUSR1: finish the step, save, return
+            while self._epoch_index < epochs and not self.control.should_training_stop:
+                self.control = self._event("on_epoch_begin")
+                self._run_epoch(model, loader)
+                self.control = self._event("on_epoch_end")
+                self._maybe_log_save_evaluate()
         return self._finish_training(start)
 
     def _run_epoch(self, model: nn.Module, loader: StatefulDataLoader) -> None:
@@ -284,6 +288,10 @@ class Trainer(EvaluationMixin):
         steps = self._steps_in_epoch
         self.state.epoch = self._epoch_index + (self._micro_step / steps if steps else 0.0)
         self.control = self._event("on_step_end")
+        if self._preemption is not None and self._preemption.requested():
+            self.preempted = self.control.should_save = self.control.should_training_stop = True
+            warnings.warn(f"preemption signal: stopping after step {self.state.global_step} with a checkpoint; "
+                          f"resume with resume_from_checkpoint=True", stacklevel=2)
         self._maybe_log_save_evaluate()
 
     def _maybe_log_save_evaluate(self) -> None:
