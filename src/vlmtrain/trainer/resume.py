@@ -1,0 +1,61 @@
+"""Saving and loading a whole training state (model, optimizer, scheduler, RNG, data position, loop
+counters, stateful callbacks) as checkpoint-<step>/. A mixin of Trainer, kept apart so each file reads on
+its own; the file formats live in checkpoint.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+from . import checkpoint as ckpt
+from .state import TrainerState
+
+
+class CheckpointMixin:
+    """Trainer methods that write and read checkpoints (see DESIGN.md's output layout)."""
+
+    def _loop_state(self) -> dict:
+        epoch_done = self._steps_in_epoch is not None and self._micro_step == self._steps_in_epoch
+        # After an epoch cut short by should_epoch_stop the next epoch starts with a fresh loader.
+        return {"loader": None if epoch_done or self._epoch_cut else self.train_dataloader.state_dict(),
+                "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
+                "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step,
+                "skipped": dict(self._throughput.skipped_total)}
+
+    def _save_checkpoint(self) -> str:
+        out, step = self.args.output_dir, self.state.global_step
+        if self.state.best_global_step == step:
+            self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
+        self.state.stateful_callbacks = {type(cb).__name__: cb.state_dict() for cb in self.callback_handler.callbacks
+                                         if hasattr(cb, "state_dict")}
+        files = {"optimizer.pt": self.optimizer.state_dict(), "scheduler.pt": self.lr_scheduler.state_dict(),
+                 f"rng_state_{self.rank}.pth": ckpt.rng_state(), f"loop_state_{self.rank}.pt": self._loop_state()}
+        if self.rank == 0:
+            files[ckpt.STATE_NAME] = dataclasses.asdict(self.state)
+        path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
+        if self.rank == 0:
+            ckpt.rotate_checkpoints(out, self.args.save_total_limit, self.state.best_model_checkpoint)
+        return path
+
+    def _load_checkpoint(self, path: str) -> None:
+        ckpt.load_model_weights(self.model, path)
+        saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
+        if saved.max_steps != self.state.max_steps:
+            warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
+                          f"{saved.max_steps}.", stacklevel=3)
+        saved.max_steps, saved.num_train_epochs = self.state.max_steps, self.state.num_train_epochs
+        self.state = saved
+        for cb in self.callback_handler.callbacks:
+            if type(cb).__name__ in saved.stateful_callbacks and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(saved.stateful_callbacks[type(cb).__name__])
+        self.optimizer.load_state_dict(ckpt.load_torch(os.path.join(path, "optimizer.pt")))
+        self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
+        loop = ckpt.load_torch(os.path.join(path, f"loop_state_{self.rank}.pt"))
+        if loop["loader"] is not None:
+            self.train_dataloader.load_state_dict(loop["loader"])
+        self._epoch_index, self._micro_step = loop["epoch_index"], loop["micro_step"]
+        self._train_losses.load_state_dict(loop["train_losses"])
+        self._last_logged_step = loop["last_logged_step"]
+        self._throughput.skipped_total.update(loop.get("skipped", {}))
+        ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))
