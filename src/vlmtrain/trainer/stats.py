@@ -54,6 +54,12 @@ class LossAverager:
         self.sums.clear()
         self.weights.clear()
 
+    def merge(self, other: LossAverager, keys: tuple[str, ...] | None = None) -> None:
+        """Add ``other``'s sums and weights (only ``keys`` if given) to this one."""
+        for key in other.sums if keys is None else [k for k in keys if k in other.sums]:
+            self.sums[key] = self.sums[key] + other.sums[key] if key in self.sums else other.sums[key]
+            self.weights[key] = self.weights[key] + other.weights[key] if key in self.weights else other.weights[key]
+
     def state_dict(self) -> dict:
         return {"sums": {k: float(v) for k, v in self.sums.items()},
                 "weights": {k: float(v) for k, v in self.weights.items()}}

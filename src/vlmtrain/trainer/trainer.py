@@ -236,8 +236,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             weight = n.to(loss.device)
             (loss * weight).backward()
         self._window_weight = weight if self._window_weight is None else self._window_weight + weight
-        self._train_losses.add({"loss": loss, **extras}, weight)
-        self._run_loss.add({"loss": loss}, weight)
+        self._step_losses.add({"loss": loss, **extras}, weight)  # joins the log averages if the step is finite
         return loss.detach()
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
@@ -277,8 +276,16 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         else:
             self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
         self.control = self._event("on_pre_optimizer_step")
-        self.optimizer.step()
-        self.control = self._event("on_optimizer_step")
+        # DDP: gradients (and so their norm) are already identical on every rank: all skip alike.
+        if self._grad_norm is None or bool(torch.isfinite(self._grad_norm)):
+            self.optimizer.step()
+            self.control = self._event("on_optimizer_step")
+            self._train_losses.merge(self._step_losses)
+            self._run_loss.merge(self._step_losses, keys=("loss",))
+            self._nonfinite_run = 0
+        else:
+            self._skip_nonfinite_step()
+        self._step_losses.reset()
         self._last_lrs = learning_rates(self.optimizer)
         self.lr_scheduler.step()
         model.zero_grad(set_to_none=True)
@@ -293,10 +300,26 @@ class Trainer(CheckpointMixin, EvaluationMixin):
                           f"resume with resume_from_checkpoint=True", stacklevel=2)
         self._maybe_log_save_evaluate()
 
+    def _skip_nonfinite_step(self) -> None:
+        """No update for a step with NaN/Inf loss or gradients; too many in a row end training."""
+        self._nonfinite_run += 1
+        self._nonfinite_window += 1
+        self._nonfinite_total += 1
+        step, limit = self.state.global_step + 1, self.args.max_consecutive_nonfinite_steps
+        warnings.warn(f"step {step}: non-finite loss or gradients (grad norm {float(self._grad_norm)}); "
+                      f"the update is skipped", stacklevel=3)
+        if limit and self._nonfinite_run >= limit:
+            raise RuntimeError(f"steps {step - limit + 1}..{step}: {limit} consecutive steps had a non-finite loss or "
+                               f"gradients (max_consecutive_nonfinite_steps={limit}). Lower the learning rate, check "
+                               f"the data of those steps, or resume from the last checkpoint.")
+
     def _maybe_log_save_evaluate(self) -> None:
         if self.control.should_log and self.state.global_step > self._last_logged_step:
             logs = self._train_losses.compute()
             self._train_losses.reset()
+            if self._nonfinite_window:
+                logs["nonfinite_steps"] = self._nonfinite_window
+                self._nonfinite_window = 0
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs.update(self._last_lrs or learning_rates(self.optimizer))
@@ -365,6 +388,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self._window_weight = self._grad_norm = self._last_lrs = None
         self._epoch_cut = False
         self._train_losses, self._run_loss, self._throughput = LossAverager(), LossAverager(), Throughput()
+        self._step_losses = LossAverager()
+        self._nonfinite_run = self._nonfinite_window = self._nonfinite_total = 0
         self.model.zero_grad(set_to_none=True)
         return epochs
 
@@ -379,6 +404,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         steps = self.state.global_step
         metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
                    "train_steps_per_second": round(steps / max(runtime, 1e-9), 3)}
+        if self._nonfinite_total:
+            metrics["train_nonfinite_steps"] = self._nonfinite_total
         skipped = self._throughput.skipped_total
         if skipped:  # bad samples the collator dropped, by reason, over the whole run (resumes included)
             metrics.update({f"train_skipped_{reason}": n for reason, n in sorted(skipped.items())})
