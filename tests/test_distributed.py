@@ -85,3 +85,53 @@ def test_two_processes_match_one_process_with_the_global_batch(tmp_path, kind):
         assert all(torch.equal(wr[k], wb[k]) for k in wb)
         assert [_losses(resumed)[s] for s in range(steps // 2 + 1, steps + 1)] == \
                [b[s] for s in range(steps // 2 + 1, steps + 1)]
+
+
+def test_a_killed_rank_ends_the_job_with_a_message_naming_it(tmp_path):
+    """kill -9 of one rank mid-run: the job exits non-zero within seconds, naming the lost rank (no hang)."""
+    import signal
+    import time
+
+    cfg = json.loads(json.dumps(LM))
+    cfg["train"].update(max_steps=100000, save_strategy="no")
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "vlmtrain", "train", "--config", str(path), "--nproc", "2",
+                             "--train.output_dir", str(tmp_path / "run")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "run" / "metrics.jsonl").is_file():
+        time.sleep(0.2)
+    workers = []  # vlmtrain train --nproc -> torchrun -> 2 workers (LOCAL_RANK in their environment)
+    for pid in _descendants(proc.pid):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"LOCAL_RANK=1" in environ:
+            workers.append(pid)
+    assert len(workers) == 1, workers
+    killed = time.time()
+    os.kill(workers[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - killed < 60
+    assert "local_rank: 1" in out and "SIGKILL" in out, out[-2000:]
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found += children.get(pid, [])
+        todo += children.get(pid, [])
+    return found

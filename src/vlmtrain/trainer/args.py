@@ -81,6 +81,9 @@ class TrainingArguments:
     """Evaluate every N steps (eval_strategy='steps'); defaults to logging_steps."""
     max_eval_batches: int | None = None
     """Evaluate on at most this many batches per eval set (None: all)."""
+    ddp_timeout: int = 1800
+    """Seconds a collective may wait for the other ranks before failing (torch.distributed's timeout): how
+    long a run hangs when a rank or node is lost without its process dying."""
     max_consecutive_nonfinite_steps: int = 10
     """A step whose loss or gradients are NaN/Inf is skipped on every rank (no update; counted as
     nonfinite_steps in the log); this many in a row stop training with an error. 0 = never stop."""
@@ -181,6 +184,8 @@ class TrainingArguments:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
+        if self.ddp_timeout < 1:
+            raise ConfigError(f"ddp_timeout must be >= 1 second, got {self.ddp_timeout}.")
         if self.max_consecutive_nonfinite_steps < 0:
             raise ConfigError("max_consecutive_nonfinite_steps must be >= 0 (0: never stop).")
         if not 0 < self.max_bad_sample_fraction <= 1:

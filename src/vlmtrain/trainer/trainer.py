@@ -65,7 +65,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         if self.args.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass "
                              "Trainer(eval_dataset=...) or set eval_strategy='no'.")
-        dist.init_from_env()  # under torchrun: join the process group (gloo on CPU, NCCL on GPUs)
+        dist.init_from_env(self.args.ddp_timeout)  # under torchrun: join the process group (gloo / NCCL)
         self.device = dist.default_device()
         self.model = model.to(self.device)
         self.rank, self.world_size = dist.rank(), dist.world_size()
