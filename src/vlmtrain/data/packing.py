@@ -65,16 +65,19 @@ def pack_lengths(lengths: Sequence[int], capacity: int, images: Sequence[int] | 
 
 
 def pack_items(items: Sequence[dict[str, Any]], pack_length: int, pad_token_id: int,
-               max_images_per_pack: int | None = None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+               max_images_per_pack: int | None = None,
+               bins: list[list[int]] | None = None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     """Pack processed items (``input_ids``, ``labels``; ``num_images`` optional) into [rows, pack_length].
 
     Returns the tensors (``input_ids``, ``labels``, ``position_ids``) and each row's items in the order
     they appear (read row by row, the order their images must follow). Padding at the end of a row is
-    its own run of positions (so it forms its own block) with labels -100.
+    its own run of positions (so it forms its own block) with labels -100. ``bins``: a placement already
+    computed by :func:`pack_lengths` for these items.
     """
     lengths = [int(len(it["input_ids"])) for it in items]
-    images = [int(it.get("num_images", 0) or 0) for it in items]
-    bins = pack_lengths(lengths, pack_length, images, max_images_per_pack)
+    if bins is None:
+        images = [int(it.get("num_images", 0) or 0) for it in items]
+        bins = pack_lengths(lengths, pack_length, images, max_images_per_pack)
     rows = len(bins)
     input_ids = torch.full((rows, pack_length), pad_token_id, dtype=torch.long)
     labels = torch.full((rows, pack_length), IGNORE_INDEX, dtype=torch.long)

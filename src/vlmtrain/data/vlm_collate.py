@@ -94,27 +94,22 @@ class VLMCollator:
         skipped: Counter[str] = Counter()
         keys: list[str] = []
         items = [it for it in (self._process(s, skipped, keys) for s in samples) if it is not None]
-        if not items:  # nothing for the model: the Trainer counts the drops and moves on to the next batch
-            return {"skipped": dict(skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         cap = self.max_images_per_pack
-        if self.pack_length is not None and cap is not None:  # tiles can take a sample past the pack's cap
-            over = [it for it in items if it["pixel_values"].shape[0] > cap]
-            for _ in over:
-                self.skipped["too_many_images"] += 1
-                skipped["too_many_images"] += 1
+        if items and self.pack_length is not None and cap is not None:  # tiles can take a sample past the cap
+            over = sum(it["pixel_values"].shape[0] > cap for it in items)
+            self.skipped["too_many_images"] += over
+            skipped["too_many_images"] += over
             items = [it for it in items if it["pixel_values"].shape[0] <= cap]
-            if not items:
-                return {"skipped": dict(skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
+        if not items:  # nothing for the model: the Trainer counts the drops and moves on to the next batch
+            return {"skipped": dict(+skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         prompts = [torch.as_tensor(it["prompt_input_ids"], dtype=torch.long) for it in items]
         batch: dict[str, Any] = {}
         lengths = [len(it["input_ids"]) for it in items]
         # Views (tiles) are what occupy image-token runs, so they are what a pack's image cap counts.
         views = [it["pixel_values"].shape[0] for it in items]
-        if self.pack_length is not None and worth_packing(
-                lengths, len(pack_lengths(lengths, self.pack_length, views, self.max_images_per_pack)),
-                self.pack_length, self.min_fill_gain):
-            batch, bins = pack_items([{**it, "num_images": n} for it, n in zip(items, views)], self.pack_length,
-                                     self.pad_token_id, self.max_images_per_pack)
+        bins = pack_lengths(lengths, self.pack_length, views, self.max_images_per_pack) if self.pack_length else []
+        if self.pack_length is not None and worth_packing(lengths, len(bins), self.pack_length, self.min_fill_gain):
+            batch, bins = pack_items(items, self.pack_length, self.pad_token_id, bins=bins)
             order = [i for members in bins for i in members]
             rows, width = batch["input_ids"].shape
         else:
@@ -133,7 +128,7 @@ class VLMCollator:
             "prompt_input_ids": pad_sequences(prompts, self.pad_token_id, side="left"),
             "prompt_attention_mask": pad_sequences([torch.ones_like(t) for t in prompts], 0, side="left"),
             "prompt_pixel_values": prompt_pixels,
-            "skipped": dict(skipped),
+            "skipped": dict(+skipped),  # (+: without zero counts)
             "skipped_keys": keys[:5],
             "pack_stats": pack_stats(len(items), sum(lengths), rows, width, n_images),
         }
