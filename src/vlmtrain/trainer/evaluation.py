@@ -171,3 +171,17 @@ class EvaluationMixin:
         if kwargs.get("pad_token_id") is not None:
             new = new.masked_fill(new == kwargs["pad_token_id"], -100)
         return new
+
+    def _update_best(self, metrics: dict[str, float]) -> bool:
+        name = self.args.metric_for_best_model
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={name!r}: evaluation returned no {key!r} "
+                           f"(it returned {sorted(metrics)}).")
+        value, best = metrics[key], self.state.best_metric
+        if best is None or (value > best if self.args.greater_is_better else value < best):
+            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
+            return True
+        return False

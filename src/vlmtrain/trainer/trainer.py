@@ -345,20 +345,6 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self._event("on_log", logs=logs)
 
-    def _update_best(self, metrics: dict[str, float]) -> bool:
-        name = self.args.metric_for_best_model
-        if name is None:
-            return False
-        key = name if name.startswith("eval_") else f"eval_{name}"
-        if key not in metrics:
-            raise KeyError(f"metric_for_best_model={name!r}: evaluation returned no {key!r} "
-                           f"(it returned {sorted(metrics)}).")
-        value, best = metrics[key], self.state.best_metric
-        if best is None or (value > best if self.args.greater_is_better else value < best):
-            self.state.best_metric, self.state.best_global_step = value, self.state.global_step
-            return True
-        return False
-
     # -- setup, checkpoints, end -------------------------------------------------------------------------
     def _setup_training(self, loader: StatefulDataLoader) -> int:
         """Work out max_steps / epochs, reset the state, build optimizer and scheduler. Returns the epoch count."""
