@@ -28,9 +28,9 @@ class SignalAt(TrainerCallback):
 
 
 def _args(out, **kw):
-    return TrainingArguments(output_dir=str(out), max_steps=12, per_device_train_batch_size=4, learning_rate=1e-3,
-                             logging_steps=1, save_strategy="steps", save_steps=100, disable_tqdm=True,
-                             report_to="none", seed=0, **kw)
+    return TrainingArguments(**{"output_dir": str(out), "max_steps": 12, "per_device_train_batch_size": 4,
+                                "learning_rate": 1e-3, "logging_steps": 1, "save_strategy": "steps",
+                                "save_steps": 100, "disable_tqdm": True, "report_to": "none", "seed": 0, **kw})
 
 
 def test_sigterm_saves_the_current_step_and_resume_matches_a_straight_run(tmp_path):
@@ -74,3 +74,31 @@ def test_cli_exits_0_with_a_checkpoint_on_sigterm(tmp_path):
     logged = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
     assert max(logged) == step and 0 < step < 100000
     assert (checkpoints[0] / "model.safetensors").is_file() and (checkpoints[0] / "trainer_state.json").is_file()
+
+
+def test_a_full_disk_during_a_save_is_a_clear_error_and_older_checkpoints_resume(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    data = token_samples(64, seed=1)
+    args = _args(tmp_path / "run", save_steps=4)
+    straight = Trainer(tiny_llama(), _args(tmp_path / "straight"), train_dataset=data)
+    straight.train()
+    real_save = torch.save
+
+    def full_disk(obj, path, *a, **kw):
+        if "checkpoint-8" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(RuntimeError, match=r"could not write checkpoint-8 .*No space left on device.*untouched "
+                                           r"\(checkpoint-4\)"):
+        Trainer(tiny_llama(), args, train_dataset=data).train()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if "checkpoint" in p.name) == ["checkpoint-4"]
+    monkeypatch.setattr(torch, "save", real_save)
+    resumed = Trainer(tiny_llama(seed=5), args, train_dataset=data)
+    resumed.train(resume_from_checkpoint=True)  # picks checkpoint-4 and finishes like a straight run
+    a, b = straight.model.state_dict(), resumed.model.state_dict()
+    assert resumed.state.global_step == 12 and all(torch.equal(a[k], b[k]) for k in a)

@@ -146,18 +146,25 @@ def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_mo
     model (write_model(dir)) into output_dir/checkpoint-<step>, atomically."""
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
     tmp = os.path.join(output_dir, f"{TMP_PREFIX}{step}")
-    if rank == 0:
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            write_model(tmp)
+        barrier()  # every rank writes its own files into the directory rank 0 just made
+        for name, obj in files.items():
+            path = os.path.join(tmp, name)
+            if name.endswith(".json"):
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(obj, f, indent=2, sort_keys=True)
+            else:
+                torch.save(obj, path)
+    except (OSError, RuntimeError) as err:  # e.g. the disk filled up: the partial directory is never renamed
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        write_model(tmp)
-    barrier()  # every rank writes its own files into the directory rank 0 just made
-    for name, obj in files.items():
-        path = os.path.join(tmp, name)
-        if name.endswith(".json"):
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(obj, f, indent=2, sort_keys=True)
-        else:
-            torch.save(obj, path)
+        older = list_checkpoints(output_dir)
+        raise RuntimeError(f"could not write {PREFIX}-{step} in {output_dir}: {err}. Nothing was replaced; "
+                           f"older checkpoints are untouched ({', '.join(os.path.basename(c) for c in older) or 'none'})"
+                           f" and resume_from_checkpoint=True picks the newest. Free space and resume.") from err
     barrier()  # ... and all of them are on disk before the rename makes the checkpoint visible
     if rank == 0:
         _fsync_dir(tmp)
