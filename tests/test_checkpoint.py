@@ -142,7 +142,7 @@ def test_crash_during_save_leaves_no_checkpoint(tmp_path, monkeypatch, crash):
         with pytest.raises(OSError, match="No space left"):
             Trainer(tiny_llama(0), make_args(out, max_steps=6), train_dataset=data).train()
     assert checkpoints(out) == ["checkpoint-2"]
-    assert os.path.isdir(out / f"{ckpt.TMP_PREFIX}4")  # the half-written save is left in a hidden temp dir
+    assert not os.path.exists(out / f"{ckpt.TMP_PREFIX}4")  # the failed save's partial directory is removed
     assert ckpt.latest_checkpoint(str(out)) == str(out / "checkpoint-2")
 
     recorder = Recorder()
@@ -159,10 +159,9 @@ def test_crash_during_save_leaves_no_checkpoint(tmp_path, monkeypatch, crash):
 
 def test_train_without_resume_cleans_leftover_temp_dir(tmp_path, monkeypatch):
     out, data = tmp_path / "out", token_samples(16)
-    with monkeypatch.context() as m:
-        crash_in_torch_save(m, step=2)
-        with pytest.raises(OSError):
-            Trainer(tiny_llama(0), make_args(out), train_dataset=data).train()
+    # What a process killed mid-save (kill -9: no exception handler runs) leaves behind.
+    os.makedirs(out / f"{ckpt.TMP_PREFIX}2")
+    (out / f"{ckpt.TMP_PREFIX}2" / ckpt.MODEL_NAME).write_bytes(b"\x00" * 100)
     assert checkpoints(out) == [] and os.path.isdir(out / f"{ckpt.TMP_PREFIX}2")
     recorder = Recorder()
     Trainer(tiny_llama(0), make_args(out), train_dataset=data, callbacks=[recorder]).train()

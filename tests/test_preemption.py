@@ -93,8 +93,8 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_older_checkpoints_resume
         return real_save(obj, path, *a, **kw)
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(RuntimeError, match=r"could not write checkpoint-8 .*No space left on device.*untouched "
-                                           r"\(checkpoint-4\)"):
+    with pytest.raises(OSError, match=r"could not write checkpoint-8 .*No space left on device.*untouched "
+                                      r"\(checkpoint-4\)"):
         Trainer(tiny_llama(), args, train_dataset=data).train()
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if "checkpoint" in p.name) == ["checkpoint-4"]
     monkeypatch.setattr(torch, "save", real_save)

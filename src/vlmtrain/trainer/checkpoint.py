@@ -159,12 +159,12 @@ def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_mo
                     json.dump(obj, f, indent=2, sort_keys=True)
             else:
                 torch.save(obj, path)
-    except (OSError, RuntimeError) as err:  # e.g. the disk filled up: the partial directory is never renamed
+    except OSError as err:  # e.g. the disk filled up: the partial directory is removed, never renamed
         shutil.rmtree(tmp, ignore_errors=True)
-        older = list_checkpoints(output_dir)
-        raise RuntimeError(f"could not write {PREFIX}-{step} in {output_dir}: {err}. Nothing was replaced; "
-                           f"older checkpoints are untouched ({', '.join(os.path.basename(c) for c in older) or 'none'})"
-                           f" and resume_from_checkpoint=True picks the newest. Free space and resume.") from err
+        older = ", ".join(os.path.basename(c) for c in list_checkpoints(output_dir)) or "none"
+        raise OSError(err.errno, f"could not write {PREFIX}-{step} in {output_dir}: {err.strerror or err}. Nothing "
+                                 f"was replaced; older checkpoints are untouched ({older}) and resume_from_checkpoint"
+                                 f"=True picks the newest. Free space and resume.") from err
     barrier()  # ... and all of them are on disk before the rename makes the checkpoint visible
     if rank == 0:
         _fsync_dir(tmp)
