@@ -150,6 +150,7 @@ def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:
         evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
         return train, evals
     from vlmtrain.data.cauldron import read_cauldron_jsonl
+    from vlmtrain.data.sources import apply_filters
     from vlmtrain.data.streams import build_stream, config_filters
 
     try:
@@ -161,19 +162,10 @@ def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:
         raise ConfigError(str(err)) from None
     # Images stay paths: the processor opens them, skipping (and counting) missing or corrupt ones.
     train = read_cauldron_jsonl(d.train_file, load_images=False)
-    kept = [s for s in (_apply(filters, s) for s in train) if s is not None]
+    kept = [s for s, reason in (apply_filters(filters, s) for s in train) if reason is None]
     if len(kept) < len(train):
         logger.warning("data filters dropped %d of %d training samples", len(train) - len(kept), len(train))
     return kept, evals
-
-
-def _apply(filters: list[Any], sample: dict[str, Any]) -> dict[str, Any] | None:
-    for f in filters:
-        kept = f(sample)
-        if kept is None or kept is False:
-            return None
-        sample = kept if isinstance(kept, dict) else sample
-    return sample
 
 
 def resume_arg(value: str | None) -> str | bool | None:

@@ -16,7 +16,6 @@ JSON) and samples a filter rejects are not yielded; their counts ride on the nex
 from __future__ import annotations
 
 import glob
-import io
 import json
 import os
 import re
@@ -261,13 +260,8 @@ class StreamingDataset(IterableDataset):
         dropped: Counter[str] = Counter()
         for sample in (self._single() if len(self._readers) == 1 else self._mixture()):
             reason = sample.get("__bad__")
-            for f in [] if reason else self.filters:
-                kept = f(sample)
-                if kept is None or kept is False:
-                    reason = f"filtered_{getattr(f, '__name__', 'filter')}"
-                    break
-                if isinstance(kept, dict):
-                    sample = kept
+            if not reason:
+                sample, reason = apply_filters(self.filters, sample)
             if reason:
                 dropped[reason] += 1
                 continue
@@ -314,13 +308,18 @@ class StreamingDataset(IterableDataset):
         self._readers = None
 
 
+def apply_filters(filters: Sequence[Callable[[dict], Any]], sample: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """Run ``filters`` on a raw sample: (the sample, possibly changed; None) or (it, ``filtered_<name>``) when one
+    returns False/None. A filter returning a dict replaces the sample."""
+    for f in filters:
+        kept = f(sample)
+        if kept is None or kept is False:
+            return sample, f"filtered_{getattr(f, '__name__', 'filter')}"
+        if isinstance(kept, dict):
+            sample = kept
+    return sample, None
+
+
 def drop_counts(sample: Any) -> dict[str, int]:
     """The ``__dropped__`` counts a stream attached to this sample (what it skipped just before it)."""
     return sample.get(DROPPED, {}) if isinstance(sample, dict) else {}
-
-
-def open_image_bytes(data: bytes) -> Any:
-    """PIL image from bytes (for callers outside the processor, e.g. ``vlmtrain data inspect``)."""
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data))
