@@ -135,3 +135,32 @@ def _descendants(root: int) -> list[int]:
         found += children.get(pid, [])
         todo += children.get(pid, [])
     return found
+
+
+def test_a_full_disk_on_one_rank_fails_every_rank_at_once_and_keeps_older_checkpoints(tmp_path):
+    """Rank 1 cannot write checkpoint-4 (ENOSPC): both ranks raise within seconds (not after ddp_timeout), the
+    error names the failing rank, no partial directory is left, and checkpoint-2 resumes to the normal end."""
+    import time
+
+    cfg = json.loads(json.dumps(LM))
+    cfg["train"].update(save_steps=2, ddp_timeout=600)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "FAULT": "diskfull:1:4"}
+    start = time.time()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests" / "dist_fault_worker.py"), "train", "--config", str(path),
+                           "--train.output_dir", str(tmp_path / "run"), "--train.per_device_train_batch_size", "2"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert time.time() - start < 120, "the healthy rank waited for the collective timeout"
+    assert "could not write checkpoint-4" in out and "failed on rank(s) [1]" in out, out[-3000:]
+    assert out.count("could not write checkpoint-4") >= 2  # raised on both ranks
+    assert not any(n.startswith(".tmp") for n in os.listdir(tmp_path / "run")), os.listdir(tmp_path / "run")
+    assert (tmp_path / "run" / "checkpoint-2").is_dir() and not (tmp_path / "run" / "checkpoint-4").exists()
+    resumed = _run(tmp_path, cfg, "run", 2, 2, "--train.resume_from_checkpoint", "true")
+    straight = _run(tmp_path, cfg, "straight", 2, 2)
+    steps = cfg["train"]["max_steps"]
+    wr, ws = _weights(resumed, steps), _weights(straight, steps)
+    assert all(torch.equal(wr[k], ws[k]) for k in ws)

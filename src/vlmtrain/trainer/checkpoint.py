@@ -6,6 +6,7 @@ every file is on disk, so a crash mid-save never leaves a directory that resume 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -19,7 +20,9 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from .distributed import barrier
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .distributed import barrier, failed_ranks
 
 PREFIX = "checkpoint"
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -141,17 +144,40 @@ def set_rng_state(state: dict) -> None:
 
 
 # -- the whole checkpoint -------------------------------------------------------------------------------
-def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_model, rank: int = 0) -> str:
+def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_model, rank: int = 0,
+                     write_sharded=None) -> str:
     """Write `files` ({name: object for torch.save, or str/dict for JSON if name ends in .json}) plus the
-    model (write_model(dir)) into output_dir/checkpoint-<step>, atomically."""
+    model (write_model(dir), rank 0) and sharded state (write_sharded(dir), every rank together) into
+    output_dir/checkpoint-<step>, atomically. A write that fails on any rank (e.g. a full disk) fails on all."""
     final = os.path.join(output_dir, f"{PREFIX}-{step}")
     tmp = os.path.join(output_dir, f"{TMP_PREFIX}{step}")
-    try:
+
+    def attempt(work) -> None:
+        error = None
+        try:
+            work()
+        except (OSError, CheckpointException) as err:
+            error = err
+        failed = failed_ranks(error is not None)
+        if failed:  # the partial directory is removed, never renamed; every rank raises
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            older = ", ".join(os.path.basename(c) for c in list_checkpoints(output_dir)) or "none"
+            reason = (getattr(error, "strerror", None) or str(error)) if error is not None else "see that rank's log"
+            raise OSError(getattr(error, "errno", None) or errno.EIO,
+                          f"could not write {PREFIX}-{step} in {output_dir} (failed on rank(s) {failed}: {reason}). "
+                          f"Nothing was replaced; older checkpoints are untouched ({older}) and "
+                          f"resume_from_checkpoint=True picks the newest. Free space and resume.") from error
+
+    def first() -> None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
             write_model(tmp)
-        barrier()  # every rank writes its own files into the directory rank 0 just made
+
+    def rest() -> None:  # every rank writes its own files into the directory rank 0 made
+        if write_sharded is not None:
+            write_sharded(tmp)
         for name, obj in files.items():
             path = os.path.join(tmp, name)
             if name.endswith(".json"):
@@ -159,13 +185,9 @@ def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_mo
                     json.dump(obj, f, indent=2, sort_keys=True)
             else:
                 torch.save(obj, path)
-    except OSError as err:  # e.g. the disk filled up: the partial directory is removed, never renamed
-        shutil.rmtree(tmp, ignore_errors=True)
-        older = ", ".join(os.path.basename(c) for c in list_checkpoints(output_dir)) or "none"
-        raise OSError(err.errno, f"could not write {PREFIX}-{step} in {output_dir}: {err.strerror or err}. Nothing "
-                                 f"was replaced; older checkpoints are untouched ({older}) and resume_from_checkpoint"
-                                 f"=True picks the newest. Free space and resume.") from err
-    barrier()  # ... and all of them are on disk before the rename makes the checkpoint visible
+
+    attempt(first)
+    attempt(rest)  # (its agreement also means every file is on disk before the rename makes it visible)
     if rank == 0:
         _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap, then drop the old one
@@ -176,6 +198,7 @@ def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_mo
         else:
             os.replace(tmp, final)
         _fsync_dir(output_dir)
+    barrier()  # no rank goes on (e.g. to rotate or resume) before the checkpoint is visible
     return final
 
 

@@ -71,6 +71,16 @@ def reduce_cpu(values: list[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 
+def failed_ranks(failed: bool) -> list[int]:
+    """The ranks that report ``failed``: a collective every rank calls, so one rank's error (e.g. a full disk)
+    reaches all of them at once instead of leaving the others waiting out ddp_timeout at the next barrier."""
+    if not is_distributed():
+        return [0] if failed else []
+    flags = [0.0] * world_size()
+    flags[rank()] = float(failed)
+    return [r for r, flag in enumerate(reduce_cpu(flags)) if flag]
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

@@ -1,0 +1,34 @@
+"""Run under torchrun by tests/test_distributed.py: `vlmtrain train ...` with a fault injected on one rank.
+
+FAULT=diskfull:<rank>:<step> makes every torch.save on that rank raise ENOSPC once the run reaches that step.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+import torch
+
+from vlmtrain import cli
+
+
+def _inject_disk_full(rank: int, step: int) -> None:
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if f"checkpoint-{step}" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
+if __name__ == "__main__":
+    kind, *params = os.environ["FAULT"].split(":")
+    if kind == "diskfull":
+        _inject_disk_full(int(params[0]), int(params[1]))
+    sys.exit(cli.main(sys.argv[1:]))
