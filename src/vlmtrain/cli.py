@@ -17,6 +17,8 @@ COMMANDS = {
     "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
                 "--prompt TEXT",
     "demo": "Train a tiny VLM on shapes-VQA on CPU in under 10 minutes: vlmtrain demo [--config C] [--output-dir DIR]",
+    "export": "Write a sharded (train.fsdp) checkpoint as one model.safetensors: vlmtrain export --checkpoint DIR "
+              "[--output-dir OUT]",
     "data": "Data tools: vlmtrain data to-wds SRC OUT [--shard-size N] | vlmtrain data inspect SRC [--limit N]",
 }
 _CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
@@ -24,7 +26,7 @@ _CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its 
 
 
 def _usage() -> str:
-    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,data} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
+    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
     lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -144,6 +146,29 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _export(argv: list[str]) -> int:
+    import jsonargparse
+
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain export", description=COMMANDS["export"],
+                                         exit_on_error=False, allow_abbrev=False)
+    parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP)
+    parser.add_argument("--output-dir", "--output_dir", type=str | None, default=None,
+                        help="Where to write model.safetensors, config and tokenizer (default: the checkpoint).")
+    try:
+        ns = parser.parse_args(argv)
+    except jsonargparse.ArgumentError as e:
+        raise ConfigError(f"{e}. See vlmtrain export --help.") from None
+    from vlmtrain import run
+    from vlmtrain.trainer.fsdp import export_checkpoint
+
+    ckpt = run.resolve_checkpoint(ns.checkpoint, ns.checkpoint)
+    try:
+        print(f"wrote {export_checkpoint(ckpt, ns.output_dir)}")
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    return 0
+
+
 def _data(argv: list[str]) -> int:
     import jsonargparse
 
@@ -180,7 +205,7 @@ def _data(argv: list[str]) -> int:
 
 
 _HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _generate, "demo": _demo,
-             "data": _data}
+             "export": _export, "data": _data}
 
 
 def _shutdown_distributed() -> None:

@@ -182,7 +182,8 @@ def resolve_checkpoint(path: str, output_dir: str) -> str:
     run_dir = output_dir if path == "latest" else path
     if not os.path.isdir(run_dir):
         raise ConfigError(f"checkpoint {path!r} does not exist (or is not a directory).")
-    if os.path.isfile(os.path.join(run_dir, "model.safetensors")):
+    if os.path.isfile(os.path.join(run_dir, "model.safetensors")) or \
+            os.path.isfile(os.path.join(run_dir, "dcp", ".metadata")):  # (an FSDP checkpoint)
         return run_dir
     latest = latest_checkpoint(run_dir)
     if latest is None:
@@ -247,6 +248,8 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ckpt = resolve_checkpoint(checkpoint, checkpoint)
+    if not os.path.isfile(os.path.join(ckpt, "model.safetensors")):
+        raise ConfigError(f"{ckpt} holds FSDP shards: run `vlmtrain export --checkpoint {ckpt}` first.")
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     with open(os.path.join(ckpt, "config.json")) as f:
         model_type = json.load(f).get("model_type")

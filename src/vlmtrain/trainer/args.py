@@ -84,6 +84,11 @@ class TrainingArguments:
     ddp_timeout: int = 1800
     """Seconds a collective may wait for the other ranks before failing (torch.distributed's timeout): how
     long a run hangs when a rank or node is lost without its process dying."""
+    fsdp: bool = False
+    """Under torchrun: shard parameters, gradients and optimizer state over the ranks with FSDP2 (fully_shard
+    per transformer block) instead of replicating the model with DDP, for models that do not fit one device.
+    With bf16: bfloat16 compute from float32 master weights, float32 gradient reduction. Checkpoints hold DCP
+    shards (dcp/); `vlmtrain export` writes them as one model.safetensors. A single process trains unsharded."""
     max_consecutive_nonfinite_steps: int = 10
     """A step whose loss or gradients are NaN/Inf is skipped on every rank (no update; counted as
     nonfinite_steps in the log); this many in a row stop training with an error. 0 = never stop."""

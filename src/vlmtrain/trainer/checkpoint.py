@@ -19,10 +19,10 @@ import numpy as np
 import safetensors.torch
 import torch
 from torch import nn
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .distributed import barrier, failed_ranks
+from .fsdp import DCP_DIR, has_sharded_weights, read_model_weights
 
 PREFIX = "checkpoint"
 TMP_PREFIX = ".tmp-checkpoint-"
@@ -61,7 +61,11 @@ def latest_checkpoint(output_dir: str) -> str | None:
 def check_complete(path: str, rank: int = 0) -> None:
     if not os.path.isdir(path):
         raise CheckpointError(f"resume_from_checkpoint={path!r} does not exist (or is not a directory).")
-    required = (*REQUIRED, f"rng_state_{rank}.pth", f"loop_state_{rank}.pt")
+    if os.path.isdir(os.path.join(path, DCP_DIR)):  # FSDP: model and optimizer shards in DCP format
+        required = (STATE_NAME, "scheduler.pt", os.path.join(DCP_DIR, ".metadata"))
+    else:
+        required = REQUIRED
+    required = (*required, f"rng_state_{rank}.pth", f"loop_state_{rank}.pt")
     missing = [f for f in required if not os.path.isfile(os.path.join(path, f))]
     if missing:
         raise CheckpointError(f"Checkpoint {path!r} is incomplete: missing {missing}. Resume from another "
@@ -107,9 +111,12 @@ def save_model_files(model: nn.Module, directory: str, processing_class: Any = N
 def load_model_weights(model: nn.Module, directory: str) -> None:
     """Load `model.safetensors` into model in place; tied weights missing from the file are fine."""
     path = os.path.join(directory, MODEL_NAME)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{directory!r} has no {MODEL_NAME}.")
-    state = safetensors.torch.load_file(path)
+    if os.path.isfile(path):
+        state = safetensors.torch.load_file(path)
+    elif has_sharded_weights(directory):  # an FSDP checkpoint: gather its shards in this process
+        state = read_model_weights(directory)
+    else:
+        raise CheckpointError(f"{directory!r} has no {MODEL_NAME} (nor FSDP shards in {DCP_DIR}/).")
     missing, unexpected = model.load_state_dict(state, strict=False)
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = {n for n in missing if n in params and any(params[n] is params[s] for s in state if s in params)}
@@ -205,7 +212,9 @@ def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_mo
 def _fsync_dir(path: str) -> None:
     for name in os.listdir(path):
         p = os.path.join(path, name)
-        if os.path.isfile(p):
+        if os.path.isdir(p):
+            _fsync_dir(p)
+        elif os.path.isfile(p):
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     fd = os.open(path, os.O_RDONLY)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from datetime import timedelta
 
 import torch
@@ -90,6 +91,18 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def wrap_model(model: nn.Module, device: torch.device, fsdp: bool = False, bf16: bool = False) -> nn.Module:
+    """The module the training loop calls: with several processes, sharded in place with FSDP2 (``fsdp``) or
+    wrapped in DDP; else the model itself."""
+    if fsdp and world_size() > 1:
+        from .fsdp import is_sharded, shard_model
+
+        return model if is_sharded(model) else shard_model(model, bf16)
+    if fsdp:
+        warnings.warn("train.fsdp needs several processes (torchrun): training unsharded.", stacklevel=3)
+    return wrap_ddp(model, device)
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:

@@ -9,6 +9,7 @@ import os
 import warnings
 
 from . import checkpoint as ckpt
+from . import fsdp
 from .state import TrainerState
 
 
@@ -29,17 +30,39 @@ class CheckpointMixin:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
         self.state.stateful_callbacks = {type(cb).__name__: cb.state_dict() for cb in self.callback_handler.callbacks
                                          if hasattr(cb, "state_dict")}
-        files = {"optimizer.pt": self.optimizer.state_dict(), "scheduler.pt": self.lr_scheduler.state_dict(),
-                 f"rng_state_{self.rank}.pth": ckpt.rng_state(), f"loop_state_{self.rank}.pt": self._loop_state()}
+        files = {"scheduler.pt": self.lr_scheduler.state_dict(), f"rng_state_{self.rank}.pth": ckpt.rng_state(),
+                 f"loop_state_{self.rank}.pt": self._loop_state()}
         if self.rank == 0:
             files[ckpt.STATE_NAME] = dataclasses.asdict(self.state)
-        path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
+        if fsdp.is_sharded(self.model):  # each rank writes its shards of model and optimizer (DCP)
+            path = ckpt.write_checkpoint(out, step, files, self._save_model_config, rank=self.rank,
+                                         write_sharded=lambda d: fsdp.save_sharded(self.model, self.optimizer, d))
+        else:
+            files["optimizer.pt"] = self.optimizer.state_dict()
+            path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
         if self.rank == 0:
             ckpt.rotate_checkpoints(out, self.args.save_total_limit, self.state.best_model_checkpoint)
         return path
 
+    def _save_model_config(self, directory: str) -> None:
+        """What from_pretrained needs besides the weights (config.json, tokenizer/processor files)."""
+        config = getattr(self.model, "config", None)
+        if hasattr(config, "save_pretrained"):
+            config.save_pretrained(directory)
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(directory)
+
     def _load_checkpoint(self, path: str) -> None:
-        ckpt.load_model_weights(self.model, path)
+        sharded = fsdp.has_sharded_weights(path)
+        if sharded != fsdp.is_sharded(self.model):
+            raise ckpt.CheckpointError(
+                f"{path!r} was written {'with' if sharded else 'without'} train.fsdp; resume it with train.fsdp="
+                f"{sharded} under torchrun" + (", or export it (vlmtrain export) to start a new run from its "
+                                               "weights." if sharded else "."))
+        if sharded:
+            fsdp.load_sharded(self.model, self.optimizer, path)
+        else:
+            ckpt.load_model_weights(self.model, path)
         saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
         if saved.max_steps != self.state.max_steps:
             warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
@@ -49,7 +72,8 @@ class CheckpointMixin:
         for cb in self.callback_handler.callbacks:
             if type(cb).__name__ in saved.stateful_callbacks and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(saved.stateful_callbacks[type(cb).__name__])
-        self.optimizer.load_state_dict(ckpt.load_torch(os.path.join(path, "optimizer.pt")))
+        if not sharded:
+            self.optimizer.load_state_dict(ckpt.load_torch(os.path.join(path, "optimizer.pt")))
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
         loop = ckpt.load_torch(os.path.join(path, f"loop_state_{self.rank}.pt"))
         if loop["loader"] is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -161,3 +162,27 @@ class Throughput:
                        images_per_pack=round(self.layout["images"] / self.layout["rows"], 3))
         out.update({f"skipped_{reason}": n for reason, n in sorted(self.skipped.items())})
         return out
+
+
+class NonfiniteSteps:
+    """Counts steps skipped for a NaN/Inf loss or gradient: in a row (to stop), per logging window, in all."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.run, self.window, self.total = limit, 0, 0, 0
+
+    def ok(self) -> None:
+        self.run = 0
+
+    def skipped(self, step: int, grad_norm: float) -> None:
+        """Step `step` had no update; raises once `limit` steps in a row had none."""
+        self.run, self.window, self.total = self.run + 1, self.window + 1, self.total + 1
+        warnings.warn(f"step {step}: non-finite loss or gradients (grad norm {grad_norm}); the update is skipped",
+                      stacklevel=4)
+        if self.limit and self.run >= self.limit:
+            raise RuntimeError(f"steps {step - self.limit + 1}..{step}: {self.limit} consecutive steps had a "
+                               f"non-finite loss or gradients (max_consecutive_nonfinite_steps={self.limit}). Lower "
+                               f"the learning rate, check the data of those steps, or resume from the last checkpoint.")
+
+    def pop_window(self) -> int:
+        window, self.window = self.window, 0
+        return window

@@ -27,6 +27,7 @@ from ..data.collate import DefaultCollator
 from ..logging.writers import default_writers
 from . import checkpoint as ckpt
 from . import distributed as dist
+from . import fsdp
 from .args import TrainingArguments
 from .callbacks import (
     CallbackHandler,
@@ -40,7 +41,15 @@ from .optim import create_optimizer, create_scheduler, learning_rates
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
 from .state import TrainerControl, TrainerState, TrainOutput
-from .stats import BOOKKEEPING_KEYS, LossAverager, Throughput, extra_losses, is_empty_batch, num_items_of
+from .stats import (
+    BOOKKEEPING_KEYS,
+    LossAverager,
+    NonfiniteSteps,
+    Throughput,
+    extra_losses,
+    is_empty_batch,
+    num_items_of,
+)
 
 
 def set_seed(seed: int) -> None:
@@ -151,11 +160,14 @@ class Trainer(CheckpointMixin, EvaluationMixin):
                                      else resume_from_checkpoint, args.output_dir, self.rank)
         ckpt.prepare_output_dir(args.output_dir, self.rank)
         self.train_dataloader = loader = self.get_train_dataloader()
+        if args.fsdp and self.optimizer is not None and self.world_size > 1:
+            raise ValueError("train.fsdp shards the model's parameters: let the Trainer build the optimizer (do "
+                             "not pass optimizers=), or shard the model yourself before building it.")
+        model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16)  # before the optimizer: FSDP
+        model = torch.compile(model) if args.torch_compile else model  # replaces the parameters
         epochs = self._setup_training(loader)
         if resume is not None:
             self._load_checkpoint(resume)
-        model = dist.wrap_ddp(self.model, self.device)  # DDP when torchrun started several processes
-        model = torch.compile(model) if args.torch_compile else model
         start = time.time()
         self.control = self._event("on_train_begin")
         with PreemptionGuard() as self._preemption:  # SIGTERM/SIGUSR1: finish the step, save, return
@@ -191,7 +203,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             ends_window = (self._micro_step + 1) % accum == 0 or self._micro_step + 1 == steps_in_epoch
             with dist.maybe_no_sync(model, sync=ends_window):  # DDP all-reduces once per window
                 self.training_step(model, batch)
-            self._unsynced = not ends_window and self.world_size > 1
+            self._unsynced = not ends_window and hasattr(model, "no_sync")
             self._micro_step += 1
             if self._micro_step % accum == 0 or self._micro_step == steps_in_epoch:
                 self._optimizer_step(model)
@@ -275,6 +287,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
         else:
             self._grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
+        if hasattr(self._grad_norm, "full_tensor"):  # FSDP: a DTensor, already reduced over the shards
+            self._grad_norm = self._grad_norm.full_tensor()
         self.control = self._event("on_pre_optimizer_step")
         # DDP: gradients (and so their norm) are already identical on every rank: all skip alike.
         if self._grad_norm is None or bool(torch.isfinite(self._grad_norm)):
@@ -282,9 +296,9 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             self.control = self._event("on_optimizer_step")
             self._train_losses.merge(self._step_losses)
             self._run_loss.merge(self._step_losses, keys=("loss",))
-            self._nonfinite_run = 0
+            self._nonfinite.ok()
         else:
-            self._skip_nonfinite_step()
+            self._nonfinite.skipped(self.state.global_step + 1, float(self._grad_norm))
         self._step_losses.reset()
         self._last_lrs = learning_rates(self.optimizer)
         self.lr_scheduler.step()
@@ -300,26 +314,13 @@ class Trainer(CheckpointMixin, EvaluationMixin):
                           f"resume with resume_from_checkpoint=True", stacklevel=2)
         self._maybe_log_save_evaluate()
 
-    def _skip_nonfinite_step(self) -> None:
-        """No update for a step with NaN/Inf loss or gradients; too many in a row end training."""
-        self._nonfinite_run += 1
-        self._nonfinite_window += 1
-        self._nonfinite_total += 1
-        step, limit = self.state.global_step + 1, self.args.max_consecutive_nonfinite_steps
-        warnings.warn(f"step {step}: non-finite loss or gradients (grad norm {float(self._grad_norm)}); "
-                      f"the update is skipped", stacklevel=3)
-        if limit and self._nonfinite_run >= limit:
-            raise RuntimeError(f"steps {step - limit + 1}..{step}: {limit} consecutive steps had a non-finite loss or "
-                               f"gradients (max_consecutive_nonfinite_steps={limit}). Lower the learning rate, check "
-                               f"the data of those steps, or resume from the last checkpoint.")
-
     def _maybe_log_save_evaluate(self) -> None:
         if self.control.should_log and self.state.global_step > self._last_logged_step:
             logs = self._train_losses.compute()
             self._train_losses.reset()
-            if self._nonfinite_window:
-                logs["nonfinite_steps"] = self._nonfinite_window
-                self._nonfinite_window = 0
+            nonfinite = self._nonfinite.pop_window()
+            if nonfinite:
+                logs["nonfinite_steps"] = nonfinite
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs.update(self._last_lrs or learning_rates(self.optimizer))
@@ -375,13 +376,16 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self._epoch_cut = False
         self._train_losses, self._run_loss, self._throughput = LossAverager(), LossAverager(), Throughput()
         self._step_losses = LossAverager()
-        self._nonfinite_run = self._nonfinite_window = self._nonfinite_total = 0
+        self._nonfinite = NonfiniteSteps(args.max_consecutive_nonfinite_steps)
         self.model.zero_grad(set_to_none=True)
         return epochs
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir."""
-        if self.rank == 0:
+        """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).
+        Under FSDP every rank must call it: the shards are gathered first."""
+        if fsdp.is_sharded(self.model):
+            fsdp.save_full_model(self.model, output_dir or self.args.output_dir, self.processing_class, self.rank)
+        elif self.rank == 0:
             ckpt.save_model_files(self.model, output_dir or self.args.output_dir, self.processing_class)
 
     def _finish_training(self, start: float) -> TrainOutput:
@@ -390,8 +394,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         steps = self.state.global_step
         metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
                    "train_steps_per_second": round(steps / max(runtime, 1e-9), 3)}
-        if self._nonfinite_total:
-            metrics["train_nonfinite_steps"] = self._nonfinite_total
+        if self._nonfinite.total:
+            metrics["train_nonfinite_steps"] = self._nonfinite.total
         skipped = self._throughput.skipped_total
         if skipped:  # bad samples the collator dropped, by reason, over the whole run (resumes included)
             metrics.update({f"train_skipped_{reason}": n for reason, n in sorted(skipped.items())})
