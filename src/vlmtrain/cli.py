@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -101,8 +102,9 @@ def _predict(argv: list[str]) -> int:
     cfg, ns = _parse("predict", argv, checkpoint="required")
     from vlmtrain import run
 
-    for text in run.predict(cfg, checkpoint=ns.checkpoint):
-        print(text)
+    texts = run.predict(cfg, checkpoint=ns.checkpoint)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        print("\n".join(texts))
     return 0
 
 

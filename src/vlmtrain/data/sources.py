@@ -208,6 +208,8 @@ class StreamingDataset(IterableDataset):
     shard, in-shard position and the mixture's draw count; resuming seeks straight there.
     """
 
+    splits_by_rank = True  # each rank reads its own share (evaluation gathers the ranks' results)
+
     def __init__(self, sources: Sequence[Any], weights: Sequence[float] | None = None, seed: int = 0,
                  shuffle: bool = True, filters: Sequence[Callable[[dict], bool]] = (), rank: int | None = None,
                  world_size: int | None = None) -> None:

@@ -72,6 +72,15 @@ def reduce_cpu(values: list[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 
+def all_gather_objects(obj: object) -> list[object]:
+    """Every rank's ``obj`` (picklable), in rank order, through the gloo metrics group."""
+    if not is_distributed():
+        return [obj]
+    out: list[object] = [None] * world_size()
+    dist.all_gather_object(out, obj, group=metrics_group())
+    return out
+
+
 def failed_ranks(failed: bool) -> list[int]:
     """The ranks that report ``failed``: a collective every rank calls, so one rank's error (e.g. a full disk)
     reaches all of them at once instead of leaving the others waiting out ddp_timeout at the next barrier."""

@@ -11,8 +11,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from . import distributed as dist
+from . import fsdp
 from .state import EvalPrediction, PredictionOutput
 from .stats import LossAverager, extra_losses, is_empty_batch, num_items_of, skipped_counts
 
@@ -25,6 +27,31 @@ def _pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
     padded = [torch.nn.functional.pad(c, (0, 0) * (c.ndim - 2) + (0, longest - c.shape[1]), value=pad)
               for c in chunks]
     return torch.cat(padded).numpy()
+
+
+def _gather_shards(losses: LossAverager, preds: list, labels: list, samples: int, skipped: Counter,
+                   interleave: bool) -> tuple[LossAverager, list, list, int, Counter]:
+    """Every rank's evaluation results, combined on every rank. Rows come back in dataset order: rank r
+    evaluated samples r, r + W, r + 2W, ... (interleave), or in rank order for a stream."""
+    rows = [[row for chunk in chunks for row in chunk] for chunks in (preds, labels)]
+    mine = {"losses": losses.state_dict(), "preds": rows[0], "labels": rows[1], "samples": samples,
+            "skipped": dict(skipped)}
+    everyone = dist.all_gather_objects(mine)
+    total = LossAverager()
+    for part in everyone:
+        shard = LossAverager()
+        shard.load_state_dict(part["losses"])
+        total.merge(shard)
+    merged = []
+    for key in ("preds", "labels"):
+        per_rank = [part[key] for part in everyone]
+        if interleave:
+            ordered = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
+        else:
+            ordered = [row for rank_rows in per_rank for row in rank_rows]
+        merged.append([row[None] for row in ordered])
+    return (total, merged[0], merged[1], sum(p["samples"] for p in everyone),
+            sum((Counter(p["skipped"]) for p in everyone), Counter()))
 
 
 _NOT_AVERAGED = ("runtime", "samples_per_second", "samples")
@@ -84,9 +111,38 @@ class EvaluationMixin:
         self.control = self._event("on_predict", metrics=output.metrics)
         return output
 
+    def get_eval_dataloader(self, eval_dataset: Dataset | None = None) -> DataLoader:
+        """Batches of the eval set, never packed. Under DDP each rank reads its share (every world_size-th
+        sample) and evaluation_loop gathers the results; under FSDP every rank reads the whole set, in step."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
+        sampler = None
+        if self._eval_sharding(dataset) == "strided":
+            sampler = range(self.rank, len(dataset), self.world_size)
+        unpacked = getattr(self.data_collator, "without_packing", None)  # predictions line up with samples
+        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
+                          collate_fn=unpacked() if unpacked else self.data_collator,
+                          num_workers=self.args.dataloader_num_workers,
+                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
+
+    def _eval_sharding(self, dataset: Any) -> str | None:
+        """'strided' (we split a map-style set), 'stream' (the dataset splits itself per rank) or None."""
+        if self.world_size <= 1:
+            return None
+        if getattr(dataset, "splits_by_rank", False):
+            if fsdp.is_sharded(self.model):
+                raise ValueError("Under train.fsdp every rank must run the same eval batches: give evaluation a "
+                                 "map-style dataset (e.g. JSONL), not a stream that splits across ranks.")
+            return "stream"
+        if isinstance(dataset, IterableDataset) or fsdp.is_sharded(self.model):
+            return None
+        return "strided"
+
     def evaluation_loop(self, dataloader: DataLoader, prediction_loss_only: bool = False,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> PredictionOutput:
         self.callback_handler.refs["eval_dataloader"] = dataloader
+        sharding = self._eval_sharding(dataloader.dataset)
         model, start = self.model, time.time()
         model.eval()
         losses, preds, labels, samples, skipped = LossAverager(), [], [], 0, Counter()
@@ -108,10 +164,13 @@ class EvaluationMixin:
             if label is not None:
                 labels.append(label.detach().cpu())
             self.control = self._event("on_prediction_step")
+        if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
+            losses, preds, labels, samples, skipped = _gather_shards(losses, preds, labels, samples, skipped,
+                                                                     interleave=sharding == "strided")
         runtime = time.time() - start
         predictions = _pad_concat(preds) if preds else None
         label_ids = _pad_concat(labels) if labels else None
-        metrics = dict(losses.compute())
+        metrics = dict(losses.compute(across_ranks=not sharding))
         if self.compute_metrics is not None and predictions is not None:
             metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
         metrics.update(runtime=round(runtime, 4), samples_per_second=round(samples / max(runtime, 1e-9), 3),
@@ -140,7 +199,7 @@ class EvaluationMixin:
                 if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
                     loss = outputs["loss"].detach().float()
                     extras = extra_losses(outputs)
-                    n = num_items_of(outputs)
+                    n = num_items_of(outputs, self.model, inputs)
                     if n is not None:
                         extras["num_items"] = n
         if prediction_loss_only:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from typing import Any
 
 import torch
@@ -91,7 +92,9 @@ def read_model_weights(directory: str) -> dict[str, torch.Tensor]:
                        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}}
     if not state["model"]:
         raise FileNotFoundError(f"{path} holds no model weights.")
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
     return state["model"]
 
 

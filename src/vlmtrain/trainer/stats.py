@@ -23,9 +23,15 @@ def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return found
 
 
-def num_items_of(outputs: Mapping[str, Any]) -> torch.Tensor | None:
+def num_items_of(outputs: Mapping[str, Any], model: Any = None,
+                 inputs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
+    """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else, for a
+    transformers causal LM (which averages over its shifted labels), those labels counted; else None."""
     n = outputs.get("num_items", outputs.get("num_tokens")) if isinstance(outputs, Mapping) else None
     if n is None:
+        labels = (inputs or {}).get("labels")
+        if getattr(model, "loss_type", None) == "ForCausalLM" and isinstance(labels, torch.Tensor):
+            return (labels[..., 1:] != -100).sum().float()
         return None
     return n.detach().reshape(()).float() if isinstance(n, torch.Tensor) else torch.tensor(float(n))
 
@@ -43,11 +49,12 @@ class LossAverager:
             self.sums[key] = self.sums[key] + v if key in self.sums else v
             self.weights[key] = self.weights[key] + weight if key in self.weights else weight
 
-    def compute(self) -> dict[str, float]:
-        """Weighted means; under torch.distributed, over every rank's sums (through the gloo metrics group:
-        every rank must call it, with the same keys)."""
+    def compute(self, across_ranks: bool = True) -> dict[str, float]:
+        """Weighted means; under torch.distributed (unless across_ranks=False), over every rank's sums (through
+        the gloo metrics group: every rank must call it, with the same keys)."""
         keys = sorted(self.sums)
-        totals = reduce_cpu([float(self.sums[k]) for k in keys] + [float(self.weights[k]) for k in keys])
+        totals = [float(self.sums[k]) for k in keys] + [float(self.weights[k]) for k in keys]
+        totals = reduce_cpu(totals) if across_ranks else totals
         n = len(keys)
         return {k: totals[i] / totals[n + i] if totals[n + i] > 0 else math.nan for i, k in enumerate(keys)}
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import Dataset, IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
@@ -125,16 +125,6 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
             generator=torch.Generator().manual_seed(seed))
 
-    def get_eval_dataloader(self, eval_dataset: Dataset | None = None) -> DataLoader:
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
-        # Never packed: predictions and labels must line up with samples, one row each.
-        unpacked = getattr(self.data_collator, "without_packing", None)
-        return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, shuffle=False,
-                          collate_fn=unpacked() if unpacked else self.data_collator, num_workers=self.args.dataloader_num_workers,
-                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
-
     def _prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Move tensors to the device. `prompt_*` keys (generation only) and the collator's bookkeeping
         (`skipped` samples, `pack_stats`) stay out of forward."""
@@ -235,11 +225,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             inputs.setdefault("use_cache", False)  # a KV cache is wasted work in training
         with self.autocast():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        n, extras = num_items_of(outputs), extra_losses(outputs)
-        if n is None and getattr(self.model, "loss_type", None) == "ForCausalLM" and "labels" in inputs:
-            # A transformers causal LM averages over its shifted targets: count them, so micro-batches and
-            # ranks are weighted by targets (1 x batch 4 == 2 x batch 2), as for models returning num_items.
-            n = (inputs["labels"][..., 1:] != -100).sum().float()
+        # Weighted by targets, so that 1 x batch 4 == 2 x batch 2 (micro-batches and ranks alike).
+        n, extras = num_items_of(outputs, self.model, inputs), extra_losses(outputs)
         del outputs  # free logits before backward
         if n is None:  # plain mean loss: weight 1 per micro-batch, no tensor work
             weight = 1.0
