@@ -261,3 +261,21 @@ def test_fsdp_trains_evaluates_and_exports_the_vlm(tmp_path):
     assert done.returncode == 0 and f"checkpoint-{steps}" in done.stdout, done.stderr[-3000:]
     model = VisionLanguageModel.from_pretrained(run / f"checkpoint-{steps}")
     assert model.config.image_token_length > 0
+
+
+def test_ranks_whose_streams_run_dry_at_different_times_end_each_epoch_together(tmp_path):
+    """A 9-sample JSONL stream over 2 ranks: rank 0 reads 5 samples (3 batches of 2), rank 1 reads 4 (2 batches).
+    Each epoch ends for both when rank 1 runs dry, so an epoch is 2 steps everywhere and the run neither hangs
+    nor lets rank 0 drift a batch ahead."""
+    from vlmtrain.data.cauldron import write_cauldron_jsonl
+    from vlmtrain.data.synthetic import ShapesVQA
+
+    write_cauldron_jsonl(ShapesVQA("train", 9, seed=12), str(tmp_path / "jsonl"))
+    cfg = _vlm()
+    cfg["data"] = {**cfg["data"], "source": "stream", "num_eval": 0,
+                   "sources": [{"kind": "jsonl", "path": str(tmp_path / "jsonl" / "data.jsonl")}]}
+    cfg["train"].update(max_steps=5, save_strategy="no", gradient_accumulation_steps=1)
+    run = _run(tmp_path, cfg, "run", nproc=2, batch=2)
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    epochs = {r["step"]: r["epoch"] for r in rows if "loss" in r and "train_runtime" not in r}
+    assert epochs == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2}, epochs
