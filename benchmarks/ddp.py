@@ -1,4 +1,4 @@
-"""Scaling of 1 vs 2 DDP processes (gloo, CPU) on the same global batch, through `vlmtrain train --nproc`.
+"""Scaling of 1 vs 2 DDP (and FSDP2) processes (gloo, CPU) on the same global batch, through `vlmtrain train --nproc`.
 
 Trains the tiny addition LM (configs/addition-tiny.yaml, its model and data) for --steps steps at a global batch
 of --global-batch samples, once with 1 process (batch B, --threads threads) and once with 2 processes (batch
@@ -27,13 +27,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(nproc: int, args: argparse.Namespace, out: str) -> float:
+def run(nproc: int, args: argparse.Namespace, out: str, *extra: str) -> float:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc)), "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "vlmtrain", "train", "--config", str(ROOT / "configs" / "addition-tiny.yaml"),
            "--nproc", str(nproc), "--train.output_dir", out, "--train.max_steps", str(args.steps),
            "--train.per_device_train_batch_size", str(args.global_batch // nproc), "--train.logging_steps", "10",
            "--train.eval_strategy", "no", "--train.save_strategy", "no", "--train.disable_tqdm", "true",
-           "--data.num_eval", "8"]
+           "--data.num_eval", "8", *extra]
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rates = [r["samples_per_second"] for r in rows if "samples_per_second" in r and "loss" in r]
@@ -49,9 +49,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         one = run(1, args, os.path.join(tmp, "one"))
         two = run(2, args, os.path.join(tmp, "two"))
+        fsdp = run(2, args, os.path.join(tmp, "fsdp"), "--train.fsdp", "true")
     print(f"tiny addition LM, global batch {args.global_batch}, {args.steps} steps, {args.threads} threads in all")
     print(f"  1 process:   {one:9.0f} samples/s")
-    print(f"  2 processes: {two:9.0f} samples/s   ({two / one:.2f}x)")
+    print(f"  2 processes: {two:9.0f} samples/s   ({two / one:.2f}x)  DDP")
+    print(f"  2 processes: {fsdp:9.0f} samples/s   ({fsdp / one:.2f}x)  FSDP2 (all-gathers and reduce-scatters "
+          "every block: the price of not holding the whole model)")
 
 
 if __name__ == "__main__":
