@@ -279,3 +279,35 @@ def test_ranks_whose_streams_run_dry_at_different_times_end_each_epoch_together(
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     epochs = {r["step"]: r["epoch"] for r in rows if "loss" in r and "train_runtime" not in r}
     assert epochs == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2}, epochs
+
+
+SAVE_MODEL_SCRIPT = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from vlmtrain import Trainer, TrainingArguments
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True))
+data = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.randint(0, 64, (8,))} for _ in range(16)]
+args = TrainingArguments(output_dir=sys.argv[1], max_steps=2, fsdp=True, save_strategy="no", disable_tqdm=True,
+                         per_device_train_batch_size=2)
+trainer = Trainer(model, args, train_dataset=data)
+trainer.train()
+trainer.save_model(sys.argv[1] + "/final")  # every rank calls it: the shards are gathered to rank 0
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_save_model_under_fsdp_gathers_a_loadable_model(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    script = tmp_path / "save.py"
+    script.write_text(SAVE_MODEL_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "out" / "final")
+    weights = load_file(str(tmp_path / "out" / "final" / "model.safetensors"))
+    assert all(not torch.equal(weights[k], torch.zeros_like(weights[k])) for k in weights)
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (32, 32)

@@ -88,9 +88,10 @@ def remove_stale_tmp(output_dir: str) -> None:
 
 
 # -- model weights ----------------------------------------------------------------------------------
-def save_model_files(model: nn.Module, directory: str, processing_class: Any = None) -> None:
+def save_model_files(model: nn.Module, directory: str, processing_class: Any = None,
+                     state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """`model.safetensors` (+ `config.json` for transformers models) and the tokenizer/processor files,
-    loadable by the model's from_pretrained."""
+    loadable by the model's from_pretrained; `state_dict` instead of the model's own (e.g. gathered shards)."""
     os.makedirs(directory, exist_ok=True)
     if hasattr(model, "save_pretrained"):
         from transformers.utils import logging as hf_logging
@@ -98,10 +99,17 @@ def save_model_files(model: nn.Module, directory: str, processing_class: Any = N
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # its per-shard bar would break our training progress bar
         try:
-            model.save_pretrained(directory)
+            model.save_pretrained(directory, state_dict=state_dict)
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
+    elif state_dict is not None:
+        seen, unique = set(), {}
+        for key, value in state_dict.items():  # tied weights are one tensor: keep its first name
+            if value.data_ptr() not in seen:
+                seen.add(value.data_ptr())
+                unique[key] = value.contiguous()
+        safetensors.torch.save_file(unique, os.path.join(directory, MODEL_NAME), metadata={"format": "pt"})
     else:
         safetensors.torch.save_model(model, os.path.join(directory, MODEL_NAME), metadata={"format": "pt"})
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):

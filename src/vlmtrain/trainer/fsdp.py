@@ -122,21 +122,8 @@ def export_checkpoint(checkpoint: str, output_dir: str | None = None) -> str:
 
 def save_full_model(model: nn.Module, directory: str, processing_class: Any, rank: int) -> None:
     """Gather the sharded model and write it like an unsharded one (rank 0 writes; every rank must call)."""
-    state = full_state_dict(model)
-    if rank != 0:
-        return
-    os.makedirs(directory, exist_ok=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(directory, state_dict=state)
-    else:
-        from safetensors.torch import save_file
+    from .checkpoint import save_model_files
 
-        seen: set[int] = set()
-        unique = {}
-        for key, value in state.items():  # tied weights are one tensor: keep its first name
-            if value.data_ptr() not in seen:
-                seen.add(value.data_ptr())
-                unique[key] = value.contiguous()
-        save_file(unique, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-        processing_class.save_pretrained(directory)
+    state = full_state_dict(model)
+    if rank == 0:
+        save_model_files(model, directory, processing_class, state_dict=state)
