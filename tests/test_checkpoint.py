@@ -283,3 +283,13 @@ def test_model_without_loss_names_output_keys(tmp_path):
     with pytest.raises(ValueError, match="no 'loss'") as err:
         trainer.train()
     assert "logits" in str(err.value) and "labels" in str(err.value)
+
+
+def test_export_of_an_unsharded_checkpoint_says_it_is_already_whole(tmp_path, capsys):
+    from vlmtrain import cli
+
+    ckpt = tmp_path / "checkpoint-1"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"")
+    assert cli.main(["export", "--checkpoint", str(ckpt)]) == 2
+    assert "not a sharded checkpoint" in capsys.readouterr().err
