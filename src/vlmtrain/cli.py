@@ -46,10 +46,13 @@ def _parse(command: str, argv: list[str], checkpoint: str | None = None) -> tupl
     return cfg, ns
 
 
-def _print_metrics(metrics: dict[str, Any]) -> None:
-    import os
+def _is_rank_zero() -> bool:
+    """Whether this process prints results: always, except on ranks other than 0 under torchrun."""
+    return os.environ.get("RANK", "0") == "0"
 
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+
+def _print_metrics(metrics: dict[str, Any]) -> None:
+    if _is_rank_zero():
         print(json.dumps(metrics, indent=2, default=str))
 
 
@@ -74,7 +77,6 @@ def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
 def _train(argv: list[str]) -> int:
     nproc, argv = _pop_nproc(argv)
     if nproc > 1:  # one node, N processes: the same command under torchrun
-        import os
         import subprocess
 
         _parse("train", argv)  # a bad config fails here, once, not in N processes
@@ -103,7 +105,7 @@ def _predict(argv: list[str]) -> int:
     from vlmtrain import run
 
     texts = run.predict(cfg, checkpoint=ns.checkpoint)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+    if _is_rank_zero():
         print("\n".join(texts))
     return 0
 

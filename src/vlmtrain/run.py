@@ -178,12 +178,12 @@ def resume_arg(value: str | None) -> str | bool | None:
 def resolve_checkpoint(path: str, output_dir: str) -> str:
     """A checkpoint dir; 'latest' or a run dir (holding checkpoint-N/) means its newest complete checkpoint."""
     from vlmtrain.trainer.checkpoint import latest_checkpoint
+    from vlmtrain.trainer.fsdp import has_sharded_weights
 
     run_dir = output_dir if path == "latest" else path
     if not os.path.isdir(run_dir):
         raise ConfigError(f"checkpoint {path!r} does not exist (or is not a directory).")
-    if os.path.isfile(os.path.join(run_dir, "model.safetensors")) or \
-            os.path.isfile(os.path.join(run_dir, "dcp", ".metadata")):  # (an FSDP checkpoint)
+    if os.path.isfile(os.path.join(run_dir, "model.safetensors")) or has_sharded_weights(run_dir):
         return run_dir
     latest = latest_checkpoint(run_dir)
     if latest is None:

@@ -13,7 +13,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from .distributed import reduce_cpu, world_size
+from .distributed import reduce_cpu
 
 SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s is not None)
 
@@ -45,5 +45,4 @@ class PreemptionGuard:
 
     def requested(self) -> bool:
         """Whether any rank received a preemption signal (a collective under torch.distributed)."""
-        flag = float(self.signal_received is not None)
-        return bool(reduce_cpu([flag], "max")[0]) if world_size() > 1 else bool(flag)
+        return bool(reduce_cpu([float(self.signal_received is not None)], "max")[0])
