@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +66,17 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
     assert isinstance(answer, str)
     with pytest.raises(ConfigError, match="missing_image"):
         run.generate(str(tmp_path / "run"), "What color?", images=[str(tmp_path / "nope.png")])
+
+    # scripts/shapes_lookup.py reads the same checkpoint: every head's attention is split over the four groups.
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "shapes_lookup.py"), str(tmp_path / "run" / "checkpoint-2"),
+                          "--samples", "4", "--json"], capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert set(report) == {"color", "shape", "position"}
+    for r in report.values():
+        assert 0.0 <= r["accuracy"] <= 1.0
+        for head in (h for layer in r["attention"] for h in layer):
+            assert set(head) == {"named", "other_objects", "background", "text"}
+            assert sum(head.values()) == pytest.approx(1.0, abs=5e-3) and head["named"] > 0.0
 
 
 def test_demo_report_for_a_shapes_config(tmp_path, capsys):
