@@ -47,12 +47,13 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
     model = VisionLanguageModel.from_pretrained(checkpoint).eval()
     model.decoder.set_attn_implementation("eager")  # SDPA returns no attention weights
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    pre = getattr(model.config, "preprocessing", None) or {}
-    processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
-                             image_token_length=model.config.image_token_length,
-                             mean=pre.get("image_mean", (0.5,) * 3), std=pre.get("image_std", (0.5,) * 3))
+    processor = VLMProcessor.for_checkpoint(tokenizer, model.config)
     grid = math.isqrt(model.config.image_token_length)
     cell = model.config.image_size / grid
+
+    def token(o: tuple) -> int:  # the image token an object's centre falls in (row-major grid)
+        return int(o[3] // cell) * grid + int(o[2] // cell)
+
     report: dict[str, Any] = {}
     for qtype in QTYPES:
         data = ShapesVQA("test", samples, seed=seed, image_size=model.config.image_size, qtypes=[qtype])
@@ -71,9 +72,8 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
             correct += int(out.logits[i, answer_pos].argmax()) == int(batch["labels"][i, first])
             image_pos = (batch["input_ids"][i] == model.config.image_token_id).nonzero()[:, 0]
             scene = sample["scene"][0]
-            token_of = {id(o): int(o[3] // cell) * grid + int(o[2] // cell) for o in scene}
-            named = {token_of[id(o)] for o in named_objects(qtype, sample["texts"][0]["user"], scene)}
-            others = set(token_of.values()) - named
+            named = {token(o) for o in named_objects(qtype, sample["texts"][0]["user"], scene)}
+            others = {token(o) for o in scene} - named
             for layer, attn in enumerate(out.attentions):
                 row = attn[i, :, answer_pos]  # [heads, seq]
                 on_image = row[:, image_pos]

@@ -258,11 +258,7 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
         from vlmtrain.models.vlm import VisionLanguageModel
 
         model = VisionLanguageModel.from_pretrained(ckpt)
-        pre = getattr(model.config, "preprocessing", None) or {}
-        processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
-                                 image_token_length=model.config.image_token_length, max_images=len(images or []),
-                                 split_large_images=pre.get("split_large_images", False),
-                                 mean=pre.get("image_mean", (0.5, 0.5, 0.5)), std=pre.get("image_std", (0.5, 0.5, 0.5)))
+        processor = VLMProcessor.for_checkpoint(tokenizer, model.config, max_images=len(images or []))
         try:  # the template needs an answer to build the sample; generation starts before it
             sample = processor.process({"images": list(images or []), "texts": [{"user": prompt, "assistant": "-"}]})
         except SkipSample as e:

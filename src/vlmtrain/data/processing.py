@@ -179,6 +179,15 @@ class VLMProcessor:
         self._assistant_start = self._encode(f"{IM_END}\n{IM_START}assistant\n", split_special=False)
         self._turn_end = self._encode("\n", split_special=False)
 
+    @classmethod
+    def for_checkpoint(cls, tokenizer: PreTrainedTokenizerBase, model_config: Any, **kwargs: Any) -> VLMProcessor:
+        """The processor a saved VLM was trained with: image size and tokens per image from its config, image
+        normalisation and splitting from the ``preprocessing`` entry the training run saved there."""
+        pre = getattr(model_config, "preprocessing", None) or {}
+        return cls(tokenizer, image_size=model_config.image_size, image_token_length=model_config.image_token_length,
+                   split_large_images=pre.get("split_large_images", False),
+                   mean=pre.get("image_mean", (0.5, 0.5, 0.5)), std=pre.get("image_std", (0.5, 0.5, 0.5)), **kwargs)
+
     def _single_token_id(self, token: str) -> int:
         ids = self.tokenizer.encode(token, add_special_tokens=False)
         if len(ids) != 1 or ids[0] == self.tokenizer.unk_token_id:
