@@ -3,8 +3,8 @@
     python scripts/shapes_lookup.py runs/shapes-tiny/checkpoint-4000 [--samples 200] [--json]
 
 For held-out single-image questions of each type that names an object (color: "What color is the
-circle?", shape: "What shape is the red object?", position: "Is the circle left or right of the
-square?"): how often the first answer token is right (greedy), and, for every decoder layer and head,
+circle?", shape: "What shape is the red object?", position: "Relative to the square, is the circle left
+or right?", side: "Is the circle left or right?"): how often the first answer token is right (greedy), and, for every decoder layer and head,
 where the answer position's attention goes: the image token(s) of the named object(s), the image
 tokens of the other objects, the empty image tokens, and the text. A type the model answers by looking
 the named object up has a head with most of its mass on it; the demo's colour questions show ~0.9 on
@@ -30,7 +30,7 @@ from vlmtrain.data.synthetic import ShapesVQA
 from vlmtrain.data.vlm_collate import VLMCollator
 from vlmtrain.models.vlm import VisionLanguageModel
 
-QTYPES = ("color", "shape", "position")
+QTYPES = ("color", "shape", "position", "side")
 GROUPS = ("named", "other_objects", "background", "text")
 
 

@@ -144,6 +144,18 @@ def test_training_arguments_error_comes_through_unchanged(tmp_path):
     assert str(e.value) == "load_best_model_at_end=True needs eval_strategy 'steps' or 'epoch'."
 
 
+def test_step_keyed_warmup_needs_main_process_loading(tmp_path):
+    doc = load_run_config(str(ROOT / "configs" / "shapes-tiny.yaml"))
+    assert doc.data.side_warmup_steps > 0 and doc.train.dataloader_num_workers == 0
+    raw = yaml.safe_load((ROOT / "configs" / "shapes-tiny.yaml").read_text())
+    raw["train"]["dataloader_num_workers"] = 2
+    with pytest.raises(ConfigError, match="side_warmup_steps needs train.dataloader_num_workers: 0"):
+        load_run_config(write(tmp_path, raw))
+    raw["train"]["dataloader_num_workers"], raw["data"]["side_fraction"] = 0, 1.5
+    with pytest.raises(ConfigError, match="side_fraction must be in"):
+        load_run_config(write(tmp_path, raw))
+
+
 @pytest.mark.parametrize("path", SHIPPED or [None], ids=lambda p: p.name if p else "tiny-in-tmp")
 def test_config_loads_and_round_trips(tmp_path, path):
     path = path or write(tmp_path, TINY)  # no shipped configs yet: still check a minimal one end to end

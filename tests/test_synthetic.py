@@ -14,6 +14,7 @@ from vlmtrain.data.cauldron import read_cauldron_jsonl, write_cauldron_jsonl
 from vlmtrain.data.synthetic import (
     ANSWERS,
     COLORS,
+    DEFAULT_QTYPES,
     MULTI_IMAGE_QTYPES,
     PLURALS,
     QTYPES,
@@ -52,11 +53,15 @@ def _oracle(qtype: str, question: str, scenes: list[list[tuple]]) -> str:
             return str(len(scenes[0]))
         return str(sum(o[0] == SINGULAR[m[1]] for o in scenes[0]))
     if qtype == "position":
-        m = re.fullmatch(r"Is the (\w+) left or right of the (\w+)\?", question)
-        (a,) = [o for o in scenes[0] if o[0] == m[1]]  # each named shape must be unique in the scene
-        (b,) = [o for o in scenes[0] if o[0] == m[2]]
+        m = re.fullmatch(r"Relative to the (\w+), is the (\w+) left or right\?", question)
+        (a,) = [o for o in scenes[0] if o[0] == m[2]]  # each named shape must be unique in the scene
+        (b,) = [o for o in scenes[0] if o[0] == m[1]]
         assert abs(a[2] - b[2]) >= 64 / 6, "position pairs must be clearly separated"
         return "left" if a[2] < b[2] else "right"
+    if qtype == "side":
+        (a,) = [o for o in scenes[0] if o[0] == re.fullmatch(r"Is the (\w+) left or right\?", question)[1]]
+        assert a[2] < 32 - 4 or a[2] > 32 + 4, "objects never straddle the middle"
+        return "left" if a[2] < 32 else "right"
     if qtype == "multi_count":
         shape = SINGULAR[re.fullmatch(r"Which image has more (\w+)\?", question)[1]]
         c1, c2 = (sum(o[0] == shape for o in s) for s in scenes)
@@ -123,11 +128,11 @@ def test_splits_never_share_an_image(train_items: list[dict]) -> None:
 
 def test_qtype_fractions(train_items: list[dict]) -> None:
     counts = Counter(it["qtype"] for it in train_items)
-    assert set(counts) == set(QTYPES)
+    assert set(counts) == set(DEFAULT_QTYPES)  # side questions only when asked for
     n = len(train_items)
     multi = sum(counts[q] for q in MULTI_IMAGE_QTYPES) / n
     assert 0.21 < multi < 0.29
-    for q in QTYPES:
+    for q in DEFAULT_QTYPES:
         expected = 0.25 / 2 if is_multi_image(q) else 0.75 / 4
         assert abs(counts[q] / n - expected) < 0.04, (q, counts[q])
     only = ShapesVQA("val", 100, qtypes=["position", "multi_color"], multi_image_fraction=0.5)
@@ -137,8 +142,10 @@ def test_qtype_fractions(train_items: list[dict]) -> None:
 
 
 def test_answer_balance(train_items: list[dict]) -> None:
+    side = ShapesVQA("train", 300, seed=0, qtypes=["side"])
+    items = train_items + [side[i] for i in range(len(side))]
     for qtype in QTYPES:
-        answers = Counter(it["texts"][0]["assistant"] for it in train_items if it["qtype"] == qtype)
+        answers = Counter(it["texts"][0]["assistant"] for it in items if it["qtype"] == qtype)
         total = sum(answers.values())
         assert set(answers) == set(ANSWERS[qtype]), qtype
         uniform = 1 / len(ANSWERS[qtype])
@@ -161,7 +168,45 @@ def test_multi_question_samples() -> None:
             assert is_multi_image(qtype) == is_multi_image(b["qtype"])
             assert _oracle(qtype, turn["user"], b["scene"]) == turn["assistant"], (b["id"], turn)
         turn_types.update(b["turn_qtypes"][1:])
-    assert set(turn_types) == set(QTYPES)  # every type shows up as an extra turn
+    assert set(turn_types) == set(DEFAULT_QTYPES)  # every type shows up as an extra turn
+
+
+def test_side_questions_and_their_warmup() -> None:
+    """Side questions are right and balanced; side_fraction of the position questions become side questions
+    (all of them during the warm-up, which follows set_step), and extra turns ask them too."""
+    side = ShapesVQA("val", 300, seed=1, qtypes=["side"])
+    lone = 0
+    for it in (side[i] for i in range(len(side))):
+        assert it["qtype"] == "side" and len(it["images"]) == 1
+        assert _oracle("side", it["texts"][0]["user"], it["scene"]) == it["texts"][0]["assistant"], it["id"]
+        lone += len(it["scene"][0]) == 1
+    assert 0.4 < lone / len(side) < 0.6  # half of them ask about a lone object
+
+    ds = ShapesVQA("train", 800, seed=3, multi_image_fraction=0.0, side_fraction=0.25, side_warmup_steps=10,
+                   questions_per_sample=3)
+    plain = ShapesVQA("train", 800, seed=3, multi_image_fraction=0.0, questions_per_sample=3)
+
+    def first_types() -> Counter:
+        return Counter(ds[i]["qtype"] for i in range(len(ds)))
+
+    warm = first_types()
+    assert warm["position"] == 0 and 0.2 < warm["side"] / len(ds) < 0.3
+    ds.set_step(9)
+    assert first_types() == warm  # still warming up
+    ds.set_step(10)
+    after, extra = first_types(), Counter()
+    assert 0.25 * 0.15 < after["side"] / len(ds) < 0.25 * 0.35
+    assert abs(after["side"] + after["position"] - warm["side"]) < 0.05 * len(ds)
+    for i in range(len(ds)):
+        it = ds[i]
+        if it["qtype"] not in ("side", "position"):  # the same draw as without side questions
+            assert it["texts"][0] == plain[i]["texts"][0] and it["scene"] == plain[i]["scene"]
+        for qtype, turn in zip(it["turn_qtypes"], it["texts"]):
+            assert _oracle(qtype, turn["user"], it["scene"]) == turn["assistant"], (it["id"], turn)
+        extra.update(it["turn_qtypes"][1:])
+    assert extra["side"] > 0.05 * len(ds)
+    with pytest.raises(ValueError, match="side_fraction"):
+        ShapesVQA(side_fraction=1.5)
 
 
 def test_image_size_and_bad_arguments() -> None:

@@ -274,6 +274,8 @@ def test_random_init_tower_gets_2d_sincos_positions(vision):
     quarter = table.shape[1] // 4  # patch (0, 0): sin(0) = 0 and cos(0) = 1 for x, then for y
     origin = torch.cat([torch.zeros(quarter), torch.ones(quarter)]).repeat(2)
     assert table.abs().max() <= 1.0 and torch.allclose(table[0], origin)
+    scaled = build_vlm(vision, TEXT, 2, vision_position_scale=3.0).vision_encoder.embeddings.position_embedding
+    assert torch.allclose(scaled.weight.detach(), 3.0 * table)
 
 
 def test_siglip2_vision_tower():

@@ -71,7 +71,7 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "shapes_lookup.py"), str(tmp_path / "run" / "checkpoint-2"),
                           "--samples", "4", "--json"], capture_output=True, text=True, check=True)
     report = json.loads(out.stdout)
-    assert set(report) == {"color", "shape", "position"}
+    assert set(report) == {"color", "shape", "position", "side"}
     for r in report.values():
         assert 0.0 <= r["accuracy"] <= 1.0
         for head in (h for layer in r["attention"] for h in layer):

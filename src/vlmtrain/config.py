@@ -47,6 +47,10 @@ class ModelConfig:
     """(vlm) Pixel-shuffle factor of the projector: image tokens = patches / factor^2."""
     projector_type: Literal["linear", "mlp"] = "linear"
     """(vlm) Projector after the pixel shuffle: linear or a 2-layer GELU MLP."""
+    vision_position_scale: float = 1.0
+    """(vlm, random init) Scale of the 2D sin-cos values written into the vision tower's position table: larger
+    makes where a patch is weigh more against what it shows (3 in the shapes demo, where relative-position
+    questions need it)."""
     load_backbone: bool = False
     """(vlm) Load pretrained weights for vision/text given as Hub names or dirs; False: their configs only,
     random init."""
@@ -76,6 +80,12 @@ class DataConfig:
     questions_per_sample: int = 1
     """(shapes) Training samples ask up to this many questions about their image(s), as one multi-turn
     conversation (evaluation stays one question per sample)."""
+    side_fraction: float = 0.0
+    """(shapes) Fraction of position questions asked as absolute side questions ("Is the circle left or
+    right?"); extra turns then draw from side questions too. A stepping stone to relative position."""
+    side_warmup_steps: int = 0
+    """(shapes) For this many first training steps every position question is a side question (needs
+    train.dataloader_num_workers 0: the dataset follows the step in the main process)."""
     train_file: str | None = None
     """(jsonl) Training JSONL file."""
     eval_file: str | None = None
@@ -124,14 +134,15 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("num_train", 1), ("num_eval", 0), ("num_digits", 1), ("max_length", 1),
-                          ("questions_per_sample", 1),
+                          ("questions_per_sample", 1), ("side_warmup_steps", 0),
                           ("max_images", 0), ("tokenizer_vocab_size", 32)):
             if getattr(self, name) < low:
                 raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ConfigError("data.image_mean and data.image_std need 3 values (RGB), the std ones > 0.")
-        if not 0 <= self.multi_image_fraction <= 1:
-            raise ConfigError(f"data.multi_image_fraction must be in [0, 1], got {self.multi_image_fraction}.")
+        for name in ("multi_image_fraction", "side_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"data.{name} must be in [0, 1], got {getattr(self, name)}.")
         for name in ("pack_length", "max_images_per_pack", "pack_window"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}.")
@@ -166,6 +177,9 @@ class RunConfig:
         if self.model.kind != wants:
             raise ConfigError(f"data.source={self.data.source!r} needs model.kind={wants!r} "
                               f"(got {self.model.kind!r}).")
+        if self.data.side_warmup_steps and self.train.dataloader_num_workers:
+            raise ConfigError("data.side_warmup_steps needs train.dataloader_num_workers: 0 (the warm-up follows "
+                              "the training step, which worker processes would not see).")
         if self.model.kind == "vlm" and (self.model.vision is None or self.model.text is None):
             raise ConfigError("model.kind='vlm' needs model.vision and model.text (Hub names, dirs or config "
                               "dicts with model_type).")

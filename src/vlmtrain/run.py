@@ -32,12 +32,14 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
 
         load_model_weights(parts["model"], checkpoint)
 
-    from vlmtrain.trainer import Trainer
+    from vlmtrain.trainer import DatasetStepCallback, Trainer
 
+    step_keyed = hasattr(parts["train_dataset"], "set_step")  # e.g. shapes' side warm-up
     return Trainer(parts["model"], cfg.train, data_collator=parts["data_collator"],
                    train_dataset=parts["train_dataset"],
                    eval_dataset=parts["eval_dataset"] if cfg.data.num_eval > 0 else None,
-                   processing_class=parts["tokenizer"], compute_metrics=parts["compute_metrics"])
+                   processing_class=parts["tokenizer"], compute_metrics=parts["compute_metrics"],
+                   callbacks=[DatasetStepCallback()] if step_keyed else None)
 
 
 def _build_addition(cfg: RunConfig) -> dict[str, Any]:
@@ -90,7 +92,8 @@ def _build_vqa(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
         tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
     torch.manual_seed(cfg.train.seed)
     model = build_vlm(m.vision, m.text, pixel_shuffle_factor=m.pixel_shuffle_factor,
-                      projector_type=m.projector_type, tokenizer=tokenizer, load_backbone=m.load_backbone)
+                      projector_type=m.projector_type, tokenizer=tokenizer, load_backbone=m.load_backbone,
+                      vision_position_scale=m.vision_position_scale)
     processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
                              image_token_length=model.config.image_token_length, max_length=d.max_length,
                              max_images=d.max_images, split_large_images=d.split_large_images,
@@ -146,7 +149,8 @@ def _vqa_datasets(cfg: RunConfig) -> tuple[Any, Any]:
         from vlmtrain.data.synthetic import QTYPES, ShapesVQA
 
         train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
-                          questions_per_sample=d.questions_per_sample)
+                          questions_per_sample=d.questions_per_sample, side_fraction=d.side_fraction,
+                          side_warmup_steps=d.side_warmup_steps)
         evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
         return train, evals
     from vlmtrain.data.cauldron import read_cauldron_jsonl
@@ -345,17 +349,18 @@ def _blank_image_metrics(trainer: Any) -> dict[str, float]:
 
 
 def _shapes_table(metrics: dict[str, Any], blank: dict[str, Any]) -> str:
-    from vlmtrain.data.synthetic import CHANCE, MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
+    from vlmtrain.data.synthetic import CHANCE, MULTI_IMAGE_QTYPES, QTYPES, SINGLE_IMAGE_QTYPES
+
+    def row(name: str, key: str, chance: float) -> str:
+        return (f"  {name:<22}{metrics.get(f'eval_{key}_exact_match', float('nan')):>8.3f}"
+                f"{blank.get(f'blank_{key}_exact_match', float('nan')):>14.3f}{chance:>8.3f}")
 
     rows = [f"  {'held-out exact match':<22}{'model':>8}{'blank images':>14}{'chance':>8}"]
     for group, qtypes in (("single_image", SINGLE_IMAGE_QTYPES), ("multi_image", MULTI_IMAGE_QTYPES)):
-        for q in qtypes:
-            rows.append(f"  {q:<22}{metrics.get(f'eval_{q}_exact_match', float('nan')):>8.3f}"
-                        f"{blank.get(f'blank_{q}_exact_match', float('nan')):>14.3f}{CHANCE[q]:>8.3f}")
-        chance = sum(CHANCE[q] for q in qtypes) / len(qtypes)
-        rows.append(f"  {group.replace('_', '-') + ' (mean)':<22}"
-                    f"{metrics.get(f'eval_{group}_exact_match', float('nan')):>8.3f}"
-                    f"{blank.get(f'blank_{group}_exact_match', float('nan')):>14.3f}{chance:>8.3f}")
+        rows += [row(q, q, CHANCE[q]) for q in qtypes]
+        rows.append(row(group.replace("_", "-") + " (mean)", group, sum(CHANCE[q] for q in qtypes) / len(qtypes)))
+    rows += [row(f"{q} (not in a mean)", q, CHANCE[q]) for q in QTYPES
+             if q not in SINGLE_IMAGE_QTYPES + MULTI_IMAGE_QTYPES and f"eval_{q}_exact_match" in metrics]
     return "\n".join(rows)
 
 

@@ -34,7 +34,10 @@ COLORS = {
 BACKGROUND = (240, 240, 240)
 SINGLE_IMAGE_QTYPES = ("color", "shape", "count", "position")
 MULTI_IMAGE_QTYPES = ("multi_count", "multi_color")
-QTYPES = SINGLE_IMAGE_QTYPES + MULTI_IMAGE_QTYPES
+# "side" ("Is the circle left or right?": which half of the image) is absolute position: a stepping stone
+# to relative position, asked only in place of some position questions (ShapesVQA's side_fraction) or alone.
+QTYPES = SINGLE_IMAGE_QTYPES + MULTI_IMAGE_QTYPES + ("side",)
+DEFAULT_QTYPES = SINGLE_IMAGE_QTYPES + MULTI_IMAGE_QTYPES
 MAX_OBJECTS = 4
 GRID = 4  # objects sit in cells of a GRID x GRID grid (see _Generator)
 ANSWERS: dict[str, tuple[str, ...]] = {
@@ -42,6 +45,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "shape": SHAPES,
     "count": ("1", "2", "3", "4"),
     "position": ("left", "right"),
+    "side": ("left", "right"),
     "multi_count": ("first", "second"),
     "multi_color": ("first", "second", "both", "neither"),
 }
@@ -60,7 +64,9 @@ QUESTION = {
     "shape": "What shape is the {color} object?",
     "count_all": "How many shapes are there?",
     "count": "How many {shapes} are there?",
-    "position": "Is the {a} left or right of the {b}?",
+    # The named object first where the side question has it, so that its side lookup carries over.
+    "position": "Relative to the {b}, is the {a} left or right?",
+    "side": "Is the {a} left or right?",
     "multi_count": "Which image has more {shapes}?",
     "multi_color": "Which image has {article} {color} shape?",
 }
@@ -185,6 +191,21 @@ class _Generator:
             a, b = b, a
         return [scene], QUESTION["position"].format(a=a[0], b=b[0]), answer
 
+    def half(self, obj: Obj) -> str:
+        """Which half of the image an object's centre is in (objects never straddle the middle)."""
+        return "left" if obj[2] < self.size / 2 else "right"
+
+    def side(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+        answer = rng.choice(ANSWERS["side"])
+        n = 1 if rng.random() < 0.5 else rng.randint(2, MAX_OBJECTS)  # half of them: a lone object
+        while True:
+            scene = self.layout(rng, self.attrs(rng, n))
+            counts = Counter(o[0] for o in scene)
+            named = [o for o in scene if counts[o[0]] == 1 and self.half(o) == answer]
+            if named:
+                break
+        return [scene], QUESTION["side"].format(a=rng.choice(named)[0]), answer
+
     def multi_count(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         target = rng.choice(SHAPES)
         others = [s for s in SHAPES if s != target]
@@ -218,14 +239,14 @@ class _Generator:
         return scenes, _multi_color_question(color), answer
 
 
-def scene_questions(qtype: str, scenes: list[Scene], margin: float) -> list[tuple[str, str]]:
+def scene_questions(qtype: str, scenes: list[Scene], image_size: int = 64) -> list[tuple[str, str]]:
     """Every (question, answer) of type ``qtype`` that has one right answer for these scenes.
 
     What the extra turns of a multi-question sample are drawn from: single-image types look at
     ``scenes[0]``, multi-image types compare ``scenes[0]`` and ``scenes[1]``; position questions need
-    the two objects' centres ``margin`` pixels apart in x.
+    the two objects' centres ``image_size / 6`` pixels apart in x.
     """
-    scene = scenes[0]
+    scene, margin = scenes[0], image_size / 6
     shapes, colors = Counter(o[0] for o in scene), Counter(o[1] for o in scene)
     if qtype == "color":
         return [(QUESTION["color"].format(shape=o[0]), o[1]) for o in scene if shapes[o[0]] == 1]
@@ -238,6 +259,9 @@ def scene_questions(qtype: str, scenes: list[Scene], margin: float) -> list[tupl
         unique = [o for o in scene if shapes[o[0]] == 1]
         return [(QUESTION["position"].format(a=a[0], b=b[0]), "left" if a[2] < b[2] else "right")
                 for a in unique for b in unique if abs(a[2] - b[2]) >= margin]
+    if qtype == "side":
+        return [(QUESTION["side"].format(a=o[0]), "left" if o[2] < image_size / 2 else "right")
+                for o in scene if shapes[o[0]] == 1]
     if qtype == "multi_count":
         c1, c2 = (Counter(o[0] for o in s) for s in scenes)
         return [(QUESTION["multi_count"].format(shapes=PLURALS[shape]), "first" if c1[shape] > c2[shape] else "second")
@@ -265,6 +289,14 @@ class ShapesVQA(Dataset):
     (single or multi image) that the scene answers unambiguously (:func:`scene_questions`), no
     question twice. More answers per rendered image train a small model faster; keep evaluation sets
     at 1. ``qtype`` is the first question's type; ``turn_qtypes`` lists every turn's.
+
+    ``side_fraction`` of the position questions are asked as absolute ``side`` questions instead ("Is
+    the circle left or right?"), and extra turns draw from side questions too; for the first
+    ``side_warmup_steps`` training steps every position question is a side one. A small model trained
+    from scratch learns relative position only after it learned to read one named object's x this way.
+    The warm-up makes an item depend on the training step too: :meth:`set_step` tells the dataset
+    which step it is feeding (the CLI's runs do it with a callback; it needs dataloader_num_workers 0,
+    since worker processes hold their own copy of the dataset).
     """
 
     def __init__(
@@ -276,6 +308,8 @@ class ShapesVQA(Dataset):
         multi_image_fraction: float = 0.25,
         qtypes: list[str] | None = None,
         questions_per_sample: int = 1,
+        side_fraction: float = 0.0,
+        side_warmup_steps: int = 0,
     ) -> None:
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -287,7 +321,10 @@ class ShapesVQA(Dataset):
             raise ValueError(f"multi_image_fraction must be in [0, 1], got {multi_image_fraction}")
         if questions_per_sample < 1:
             raise ValueError(f"questions_per_sample must be >= 1, got {questions_per_sample}")
-        qtypes = list(QTYPES) if qtypes is None else list(qtypes)
+        if not 0.0 <= side_fraction <= 1.0 or side_warmup_steps < 0:
+            raise ValueError(f"side_fraction must be in [0, 1] and side_warmup_steps >= 0, got {side_fraction} "
+                             f"and {side_warmup_steps}")
+        qtypes = list(DEFAULT_QTYPES) if qtypes is None else list(qtypes)
         unknown = [q for q in qtypes if q not in QTYPES]
         if unknown or not qtypes:
             raise ValueError(f"qtypes must be a non-empty subset of {list(QTYPES)}, got {qtypes}")
@@ -296,7 +333,12 @@ class ShapesVQA(Dataset):
         self.qtypes, self.questions_per_sample = qtypes, questions_per_sample
         self._single = [q for q in QTYPES if q in qtypes and not is_multi_image(q)]
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
+        self.side_fraction, self.side_warmup_steps, self.step = side_fraction, side_warmup_steps, 0
         self._gen = _Generator(split, image_size)
+
+    def set_step(self, step: int) -> None:
+        """The number of optimizer steps taken so far: items fetched from now on belong to the next one."""
+        self.step = step
 
     def __len__(self) -> int:
         return self.num_samples
@@ -313,12 +355,18 @@ class ShapesVQA(Dataset):
         multi = rng.random() < self.multi_image_fraction
         group = (self._multi if multi else self._single) or self._single or self._multi
         qtype = rng.choice(group)
+        sides = "position" in group and (self.side_fraction > 0 or self.side_warmup_steps > 0)
+        if sides and qtype == "position":
+            warmup = self.step < self.side_warmup_steps
+            qtype = "side" if rng.random() < (1.0 if warmup else self.side_fraction) else qtype
         scenes, question, answer = getattr(self._gen, qtype)(rng)
         turns, turn_qtypes = [{"user": question, "assistant": answer}], [qtype]
         if self.questions_per_sample > 1:
             # A type first (uniformly among those with questions left), then one of its questions: types with
             # many candidate questions (multi_color has one per colour) do not crowd out the rest.
-            extra = {q: [qa for qa in scene_questions(q, scenes, self._gen.margin) if qa[0] != question] for q in group}
+            group = group + ["side"] if sides and "side" not in group else group
+            extra = {q: [qa for qa in scene_questions(q, scenes, self.image_size) if qa[0] != question]
+                     for q in group}
             for _ in range(self.questions_per_sample - 1):
                 left = [q for q in group if extra[q]]
                 if not left:

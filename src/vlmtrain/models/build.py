@@ -43,7 +43,7 @@ def resolve_config(spec: str | dict[str, Any], key: str, causal: bool) -> Pretra
 def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_shuffle_factor: int,
               projector_type: str = "linear", tokenizer: PreTrainedTokenizerBase | None = None,
               load_backbone: bool = False, image_token: str = "<image>",
-              dtype: torch.dtype = torch.float32) -> VisionLanguageModel:
+              dtype: torch.dtype = torch.float32, vision_position_scale: float = 1.0) -> VisionLanguageModel:
     """Build a :class:`VisionLanguageModel`.
 
     ``vision`` / ``text`` are Hub names or local dirs (``load_backbone=True`` loads their pretrained weights,
@@ -51,7 +51,8 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
     SigLIP's pooling head is dropped (``vision_use_head=False``) unless a dict asks for it: the VLM uses
     the patch embeddings only, and unused parameters break DDP. With ``tokenizer``: the image token is
     added as a special token if missing, the decoder vocab follows ``len(tokenizer)`` and
-    ``image_token_id`` is set.
+    ``image_token_id`` is set. A randomly initialized vision tower gets 2D sin-cos positions
+    (:func:`sincos_position_embeddings`, times ``vision_position_scale``).
     """
     if load_backbone and not (isinstance(vision, str) and isinstance(text, str)):
         raise ConfigError("load_backbone=True needs vision and text as Hub names or local directories.")
@@ -83,7 +84,7 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
         decoder = AutoModelForCausalLM.from_pretrained(text, config=config.text_config, dtype=dtype)
     model = VisionLanguageModel(config, vision_encoder=vision_encoder, decoder=decoder).to(dtype)
     if not load_backbone:
-        sincos_position_embeddings(model.vision_encoder)
+        sincos_position_embeddings(model.vision_encoder, scale=vision_position_scale)
     if tokenizer is not None and load_backbone:
         if model.get_input_embeddings().num_embeddings < len(tokenizer):
             model.decoder.resize_token_embeddings(len(tokenizer))
@@ -93,13 +94,15 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
     return model
 
 
-def sincos_position_embeddings(vision_encoder: nn.Module) -> bool:
+def sincos_position_embeddings(vision_encoder: nn.Module, scale: float = 1.0) -> bool:
     """Set a randomly initialized ViT's learned position table to 2D sin-cos values (as MAE does).
 
     Random position vectors carry no notion of left/right: a from-scratch model must first learn an
     ordering of the columns before it can answer "is A left of B?". Sin-cos rows give every patch its
     (x, y) from the start; they stay trainable. Applies to towers whose ``embeddings.position_embedding``
     is an ``nn.Embedding`` over a square patch grid (SigLIP, SigLIP2); returns whether it applied.
+    ``scale`` multiplies the values: at 1 (MAE's unit scale) a patch's position is a small part of its
+    embedding next to what it shows, which a small model trained from scratch can learn to ignore.
     """
     embeddings = getattr(getattr(vision_encoder, "vision_model", vision_encoder), "embeddings", None)
     table = getattr(embeddings, "position_embedding", None)
@@ -117,5 +120,5 @@ def sincos_position_embeddings(vision_encoder: nn.Module) -> bool:
         angles = coord[:, None] * freqs[None, :]
         parts += [angles.sin(), angles.cos()]
     with torch.no_grad():  # unit scale as in MAE: a random init's ~1/sqrt(width) drowns under the pixel content
-        table.weight.copy_(torch.cat(parts, dim=1).to(table.weight.dtype))
+        table.weight.copy_((scale * torch.cat(parts, dim=1)).to(table.weight.dtype))
     return True

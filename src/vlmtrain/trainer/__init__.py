@@ -3,6 +3,7 @@
 from .args import ConfigError, TrainingArguments
 from .callbacks import (
     CallbackHandler,
+    DatasetStepCallback,
     DefaultFlowCallback,
     EarlyStoppingCallback,
     PrinterCallback,
@@ -14,7 +15,7 @@ from .state import EvalPrediction, PredictionOutput, TrainerControl, TrainerStat
 from .trainer import Trainer, set_seed
 
 __all__ = [
-    "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
+    "CallbackHandler", "CheckpointError", "ConfigError", "DatasetStepCallback", "DefaultFlowCallback", "EarlyStoppingCallback",
     "EvalPrediction", "PredictionOutput", "PrinterCallback", "ProgressCallback", "Trainer", "TrainerCallback",
     "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "set_seed",
 ]
