@@ -197,7 +197,10 @@ class _Generator:
 
     def side(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         answer = rng.choice(ANSWERS["side"])
-        n = 1 if rng.random() < 0.5 else rng.randint(2, MAX_OBJECTS)  # half of them: a lone object
+        # Half about a lone object (the x of the whole image is the answer: an easy start). A knife edge in the
+        # demo: with a quarter its seed never learned side questions; with half, seed 1 never learned to look
+        # named shapes up (colour 0.7), and learned both with a quarter.
+        n = 1 if rng.random() < 0.5 else rng.randint(2, MAX_OBJECTS)
         while True:
             scene = self.layout(rng, self.attrs(rng, n))
             counts = Counter(o[0] for o in scene)
