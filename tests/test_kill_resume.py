@@ -43,6 +43,19 @@ def _wait_for_training(out: Path, proc: subprocess.Popen, since: float) -> bool:
     return False
 
 
+def _wait_for_steps(out: Path, proc: subprocess.Popen, steps: int) -> bool:
+    """Until `steps` more steps are logged (logging_steps 1); False if the run ended first. Counting steps, not
+    seconds: a process's first checkpoint write is slow (~0.35 s vs ~0.15 s), and a wall-clock window sized for
+    one machine kept killing every resumed run before its first save on another."""
+    metrics = out / "metrics.jsonl"
+    target = len(metrics.read_text().splitlines()) + steps
+    while proc.poll() is None:
+        if len(metrics.read_text().splitlines()) >= target:
+            return True
+        time.sleep(0.002)
+    return False
+
+
 def _wait_for_checkpoint_write(out: Path, proc: subprocess.Popen) -> bool:
     while proc.poll() is None:
         if any(n.startswith(".tmp-checkpoint-") for n in os.listdir(out)):
@@ -73,9 +86,10 @@ def test_kill_9_at_ten_random_moments_then_resume_ends_like_an_uninterrupted_run
         during_write = len(kills) % 2 == 1  # every other kill lands inside a checkpoint write
         if during_write:
             hit = _wait_for_checkpoint_write(out, proc)
-        else:
-            time.sleep(rng.uniform(0.0, 0.6))
-            hit = proc.poll() is None
+        else:  # 0-4 more steps, then anywhere inside a step or a save
+            hit = _wait_for_steps(out, proc, rng.randint(0, 4))
+            time.sleep(rng.uniform(0.0, 0.1))
+            hit = hit and proc.poll() is None
         if not hit:  # the run finished before the chosen moment
             assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
             break
