@@ -72,6 +72,16 @@ QUESTION = {
 }
 
 
+def position_margin(image_size: int) -> float:
+    """Position questions name two objects whose centres are at least this many pixels apart in x."""
+    return image_size / 6
+
+
+def half(obj: Obj, image_size: int) -> str:
+    """Which half of the image an object's centre is in (objects never straddle the middle): a side answer."""
+    return "left" if obj[2] < image_size / 2 else "right"
+
+
 def _multi_color_question(color: str) -> str:
     return QUESTION["multi_color"].format(article="an" if color[0] in "aeiou" else "a", color=color)
 
@@ -127,7 +137,7 @@ class _Generator:
         self.size = image_size
         self.cell = image_size // GRID
         self.min_size, self.max_size = round(0.75 * self.cell), self.cell - 2
-        self.margin = image_size / 6  # position questions: centres at least this far apart in x
+        self.margin = position_margin(image_size)
 
     def layout(self, rng: random.Random, attrs: list[tuple[str, str]]) -> Scene:
         """Place objects with these (shape, color) in random distinct cells, re-drawn until in-split."""
@@ -191,10 +201,6 @@ class _Generator:
             a, b = b, a
         return [scene], QUESTION["position"].format(a=a[0], b=b[0]), answer
 
-    def half(self, obj: Obj) -> str:
-        """Which half of the image an object's centre is in (objects never straddle the middle)."""
-        return "left" if obj[2] < self.size / 2 else "right"
-
     def side(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         answer = rng.choice(ANSWERS["side"])
         # Half about a lone object (the x of the whole image is the answer: an easy start). A knife edge in the
@@ -204,7 +210,7 @@ class _Generator:
         while True:
             scene = self.layout(rng, self.attrs(rng, n))
             counts = Counter(o[0] for o in scene)
-            named = [o for o in scene if counts[o[0]] == 1 and self.half(o) == answer]
+            named = [o for o in scene if counts[o[0]] == 1 and half(o, self.size) == answer]
             if named:
                 break
         return [scene], QUESTION["side"].format(a=rng.choice(named)[0]), answer
@@ -247,9 +253,9 @@ def scene_questions(qtype: str, scenes: list[Scene], image_size: int = 64) -> li
 
     What the extra turns of a multi-question sample are drawn from: single-image types look at
     ``scenes[0]``, multi-image types compare ``scenes[0]`` and ``scenes[1]``; position questions need
-    the two objects' centres ``image_size / 6`` pixels apart in x.
+    the two objects' centres :func:`position_margin` apart in x.
     """
-    scene, margin = scenes[0], image_size / 6
+    scene, margin = scenes[0], position_margin(image_size)
     shapes, colors = Counter(o[0] for o in scene), Counter(o[1] for o in scene)
     if qtype == "color":
         return [(QUESTION["color"].format(shape=o[0]), o[1]) for o in scene if shapes[o[0]] == 1]
@@ -263,8 +269,7 @@ def scene_questions(qtype: str, scenes: list[Scene], image_size: int = 64) -> li
         return [(QUESTION["position"].format(a=a[0], b=b[0]), "left" if a[2] < b[2] else "right")
                 for a in unique for b in unique if abs(a[2] - b[2]) >= margin]
     if qtype == "side":
-        return [(QUESTION["side"].format(a=o[0]), "left" if o[2] < image_size / 2 else "right")
-                for o in scene if shapes[o[0]] == 1]
+        return [(QUESTION["side"].format(a=o[0]), half(o, image_size)) for o in scene if shapes[o[0]] == 1]
     if qtype == "multi_count":
         c1, c2 = (Counter(o[0] for o in s) for s in scenes)
         return [(QUESTION["multi_count"].format(shapes=PLURALS[shape]), "first" if c1[shape] > c2[shape] else "second")
