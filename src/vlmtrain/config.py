@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
-from vlmtrain.trainer.args import ConfigError, TrainingArguments
+from vlmtrain.errors import ConfigError
+from vlmtrain.trainer.args import TrainingArguments
 
 
 @dataclass

@@ -13,7 +13,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..trainer.args import ConfigError
+from ..errors import ConfigError
 from .vlm import VisionLanguageModel, VLMConfig, unknown_type_message
 
 

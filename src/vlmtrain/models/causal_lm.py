@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ..trainer.args import ConfigError
+from ..errors import ConfigError
 
 
 def check_model_type(config: dict[str, Any]) -> str:

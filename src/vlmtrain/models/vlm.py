@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from ..trainer.args import ConfigError
+from ..errors import ConfigError
 from .projector import PROJECTOR_TYPES, ModalityProjector
 
 IGNORE_INDEX = -100

@@ -1,6 +1,7 @@
 """The training engine: transformers' Trainer API in a small core."""
 
-from .args import ConfigError, TrainingArguments
+from ..errors import ConfigError
+from .args import TrainingArguments
 from .callbacks import (
     CallbackHandler,
     DatasetStepCallback,

@@ -8,15 +8,13 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..errors import ConfigError
+
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 REPORTERS = ("none", "jsonl", "tensorboard", "all")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message says which key and what to change."""
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

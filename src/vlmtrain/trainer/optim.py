@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-from .args import ConfigError, TrainingArguments
+from ..errors import ConfigError
+from .args import TrainingArguments
 
 DEFAULT_GROUP = "default"
 
