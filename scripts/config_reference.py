@@ -15,10 +15,12 @@ from vlmtrain.config import SECTIONS
 
 def table(section: str) -> str:
     cls = SECTIONS[section]
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    docs = {node.target.id: " ".join(nxt.value.value.split())
-            for node, nxt in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # (data: sources' options)
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        docs.update({node.target.id: " ".join(nxt.value.value.split())
+                     for node, nxt in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
+                     and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)})
     rows = ["| key | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

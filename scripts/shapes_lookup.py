@@ -27,7 +27,7 @@ import torch
 from transformers import AutoTokenizer
 
 from vlmtrain.data.processing import VLMProcessor
-from vlmtrain.data.synthetic import ShapesVQA
+from vlmtrain.tasks.shapes import ShapesVQA
 from vlmtrain.data.vlm_collate import VLMCollator
 from vlmtrain.models.vlm import VisionLanguageModel
 

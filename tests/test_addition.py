@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from vlmtrain.data.addition import (
+from vlmtrain.tasks.addition import (
     ADDITION_CHARS,
     AdditionCollator,
     AdditionDataset,

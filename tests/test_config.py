@@ -84,7 +84,7 @@ def test_unknown_key_on_command_line(tmp_path, argv, match):
     ("train", "max_steps", None, "int"),
     ("train", "bf16", "maybe", "bool"),
     ("data", "num_train", 2.5, "int"),
-    ("model", "kind", "vit", "one of 'causal_lm', 'vlm'"),
+    ("model", "kind", "vit", "one of 'causal_lm', 'vlm', 'hub_vlm'"),
     ("model", "config", 5, "dict[str, Any]"),
 ])
 def test_wrong_type_in_yaml_names_key_and_type(tmp_path, section, key, value, expected):
@@ -201,7 +201,7 @@ def test_python_m_vlmtrain_bad_config(tmp_path):
 
 def test_unknown_model_type_fails_before_data_is_built(tmp_path, monkeypatch):
     from vlmtrain import run
-    from vlmtrain.data import addition
+    from vlmtrain.tasks import addition
 
     def never(*a, **k):
         raise AssertionError("data was built before the model config was checked")

@@ -268,7 +268,7 @@ def test_ranks_whose_streams_run_dry_at_different_times_end_each_epoch_together(
     Each epoch ends for both when rank 1 runs dry, so an epoch is 2 steps everywhere and the run neither hangs
     nor lets rank 0 drift a batch ahead."""
     from vlmtrain.data.cauldron import write_cauldron_jsonl
-    from vlmtrain.data.synthetic import ShapesVQA
+    from vlmtrain.tasks.shapes import ShapesVQA
 
     write_cauldron_jsonl(ShapesVQA("train", 9, seed=12), str(tmp_path / "jsonl"))
     cfg = _vlm()

@@ -70,7 +70,7 @@ def test_vlm_demo_learns_shapes_vqa_from_the_images(tmp_path, capsys):
     are blanked: the answers come from the pixels.
 
     Measured: single 0.927 (position 0.725), multi 0.935; blank 0.247 / 0.390."""
-    from vlmtrain.data.synthetic import CHANCE, MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
+    from vlmtrain.tasks.shapes import CHANCE, MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
 
     metrics = run.demo(output_dir=str(tmp_path))
     assert metrics["eval_single_image_exact_match"] >= 0.90, metrics

@@ -237,7 +237,7 @@ def test_pickles_for_dataloader_workers(proc):
 def test_exact_match_scores_the_last_answer_of_a_conversation(proc, tok):
     from types import SimpleNamespace
 
-    from vlmtrain.data.addition import exact_match_metric
+    from vlmtrain.tasks.addition import exact_match_metric
 
     turns = (("What color is the square?", "Red."), ("How many circles are there?", "Two."))
     labels = proc.process(sample(1, turns=turns))["labels"][None].numpy()

@@ -18,7 +18,7 @@ from vlmtrain.data.sources import (
     WebDatasetSource,
     expand_paths,
 )
-from vlmtrain.data.synthetic import ShapesVQA
+from vlmtrain.tasks.shapes import ShapesVQA
 from vlmtrain.data.tools import inspect_source, write_webdataset
 
 N = 60

@@ -13,7 +13,7 @@ from vlmtrain import run
 from vlmtrain.config import ConfigError
 from vlmtrain.data.cauldron import write_cauldron_jsonl
 from vlmtrain.data.streams import min_ratings_filter
-from vlmtrain.data.synthetic import ShapesVQA
+from vlmtrain.tasks.shapes import ShapesVQA
 from vlmtrain.data.tools import write_webdataset
 
 

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from vlmtrain.data.cauldron import read_cauldron_jsonl, write_cauldron_jsonl
-from vlmtrain.data.synthetic import (
+from vlmtrain.tasks.shapes import (
     ANSWERS,
     COLORS,
     DEFAULT_QTYPES,

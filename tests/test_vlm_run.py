@@ -14,7 +14,7 @@ import yaml
 from vlmtrain import run
 from vlmtrain.config import ConfigError, load_run_config
 from vlmtrain.data.cauldron import write_cauldron_jsonl
-from vlmtrain.data.synthetic import QTYPES, ShapesVQA
+from vlmtrain.tasks.shapes import QTYPES, ShapesVQA
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,7 +140,7 @@ def test_inconsistent_sections_fail_at_load(tmp_path, sections, message):
 
 
 def test_unknown_vision_type_fails_before_data_is_built(tmp_path, monkeypatch):
-    import vlmtrain.data.synthetic as synthetic
+    import vlmtrain.tasks.shapes as synthetic
 
     monkeypatch.setattr(synthetic, "ShapesVQA", lambda *a, **k: pytest.fail("data built before the model check"))
     cfg = _config(tmp_path, model={"vision": {"model_type": "siglip_vision", "image_size": 64}})

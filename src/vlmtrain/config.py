@@ -19,26 +19,43 @@ from typing import Any, Literal
 
 import yaml
 
+from vlmtrain.data.registry import SOURCES, all_sources
 from vlmtrain.errors import ConfigError
+from vlmtrain.models.kinds import KINDS, get_kind
 from vlmtrain.trainer.args import TrainingArguments
+
+KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
+SourceName = Literal[tuple(SOURCES)]  # type: ignore[valid-type]
 
 
 @dataclass
 class ModelConfig:
     """What model to train."""
 
-    kind: Literal["causal_lm", "vlm"] = "causal_lm"
-    """Model family: causal_lm (any transformers AutoModelForCausalLM) or vlm (vision encoder + pixel-shuffle
-    projector + causal LM decoder)."""
+    kind: KindName = "causal_lm"
+    """Model kind: causal_lm (any transformers AutoModelForCausalLM), vlm (vlmtrain's own: vision encoder +
+    pixel-shuffle projector + causal LM decoder) or hub_vlm (a transformers VLM such as Qwen3-VL, SmolVLM,
+    LLaVA-OneVision or Gemma 3, loaded from model.pretrained)."""
     pretrained: str | None = None
-    """(causal_lm) Hub name or local directory to load weights from; None builds a randomly initialized model
-    from config."""
+    """(causal_lm, hub_vlm) Hub name or local directory (what save_pretrained wrote) to load weights from;
+    None (causal_lm only) builds a randomly initialized model from config."""
+    torch_dtype: Literal["float32", "bfloat16"] = "float32"
+    """(hub_vlm) dtype of the loaded weights (bfloat16 halves memory; heads and LoRA adapters stay float32)."""
+    attn_implementation: str | None = None
+    """(hub_vlm) transformers attention implementation: eager, sdpa, flash_attention_2, ...; None: its
+    default."""
+    heads: dict[str, dict[str, Any]] | None = None
+    """(hub_vlm) Score heads on the last non-pad token: {name: {type: classification|regression,
+    num_outputs, loss: ce|bce|mse|huber, weight}}; labels come from each sample's `labels: {name: value}`."""
+    lora: dict[str, Any] | None = None
+    """(hub_vlm) LoRA adapters through peft: {r, alpha, dropout, target_modules}; target_modules default:
+    the language model's linear layers. Checkpoints then hold the adapter and heads only."""
     config: dict[str, Any] = field(default_factory=dict)
     """(causal_lm) transformers config kwargs incl. model_type (e.g. {model_type: llama, hidden_size: 64}); used
     when pretrained is None, otherwise its entries override the pretrained config."""
     tokenizer: str | None = None
-    """Hub name or local directory of the tokenizer; None uses the data source's own tokenizer (vlm: one
-    trained locally on the training texts)."""
+    """Hub name or local directory of the tokenizer; None: the data source's own (addition), model.pretrained's
+    (causal_lm on text data) or, for vlm, a BPE trained locally on the training texts."""
     vision: str | dict[str, Any] | None = None
     """(vlm) Vision tower: a Hub name or local dir, or a transformers vision config dict with model_type
     (e.g. {model_type: siglip_vision_model, image_size: 64, patch_size: 8, ...})."""
@@ -57,14 +74,11 @@ class ModelConfig:
     random init."""
 
 
-SOURCE_KINDS = ("jsonl", "wds", "hf", "shapes")
-
-
 @dataclass
-class DataConfig:
-    """What data to train and evaluate on."""
+class DataCore:
+    """The `data.*` keys every source shares (sources add their own: see DataConfig)."""
 
-    source: Literal["addition", "shapes", "jsonl", "stream"] = "addition"
+    source: SourceName = "addition"
     """Data source: addition (synthetic 'a+b=' -> 'c' for a causal LM), shapes (synthetic shapes VQA, one or
     two images per question), jsonl (one the_cauldron-schema JSONL file, image paths relative to the file) or
     stream (the `sources` below, read as a resumable stream split across ranks and workers)."""
@@ -72,21 +86,8 @@ class DataConfig:
     """Number of training samples (addition, shapes)."""
     num_eval: int = 500
     """Number of held-out evaluation samples (addition; shapes: per question type)."""
-    num_digits: int = 2
-    """Digits per operand (addition)."""
     seed: int = 0
     """Seed for generating the data and its train/eval split."""
-    multi_image_fraction: float = 0.25
-    """(shapes) Fraction of training questions about two images."""
-    questions_per_sample: int = 1
-    """(shapes) Training samples ask up to this many questions about their image(s), as one multi-turn
-    conversation (evaluation stays one question per sample)."""
-    side_fraction: float = 0.0
-    """(shapes) Fraction of position questions asked as absolute side questions ("Is the circle left or
-    right?"); extra turns then draw from side questions too. A stepping stone to relative position."""
-    side_warmup_steps: int = 0
-    """(shapes) For this many first training steps every position question is a side question (needs
-    train.dataloader_num_workers 0: the dataset follows the step in the main process)."""
     train_file: str | None = None
     """(jsonl) Training JSONL file."""
     eval_file: str | None = None
@@ -133,32 +134,33 @@ class DataConfig:
     """(vlm) Vocabulary size of the byte-level BPE trained on the training texts when model.tokenizer is null
     (>= ~400: below that its 263 base symbols leave no room for merges and answers are spelled out)."""
 
+
+_OPTIONS = tuple(src.options for src in reversed(all_sources()) if src.options is not None)
+
+
+@dataclass
+class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
+    """What data to train and evaluate on: the shared keys, then each source's own options (addition:
+    num_digits; shapes: multi_image_fraction, questions_per_sample, side_fraction, side_warmup_steps)."""
+
     def __post_init__(self) -> None:
-        for name, low in (("num_train", 1), ("num_eval", 0), ("num_digits", 1), ("max_length", 1),
-                          ("questions_per_sample", 1), ("side_warmup_steps", 0),
+        for source in all_sources():
+            if source.check_options is not None:
+                source.check_options(self)
+        for name, low in (("num_train", 1), ("num_eval", 0), ("max_length", 1),
                           ("max_images", 0), ("tokenizer_vocab_size", 32)):
             if getattr(self, name) < low:
                 raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ConfigError("data.image_mean and data.image_std need 3 values (RGB), the std ones > 0.")
-        for name in ("multi_image_fraction", "side_fraction"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ConfigError(f"data.{name} must be in [0, 1], got {getattr(self, name)}.")
         for name in ("pack_length", "max_images_per_pack", "pack_window"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}.")
         if self.pack_length is not None and self.source != "addition" and self.pack_length < self.max_length:
             raise ConfigError(f"data.pack_length={self.pack_length} is below data.max_length={self.max_length}: "
                               f"every sample that fits max_length must fit a pack.")
-        if self.source == "stream" and not self.sources:
-            raise ConfigError("data.source='stream' needs data.sources, e.g. [{kind: wds, path: 'shards/{000..009}.tar'}].")
-        for i, spec in enumerate(self.sources or []):
-            if not isinstance(spec, dict) or spec.get("kind") not in SOURCE_KINDS:
-                raise ConfigError(f"data.sources[{i}] needs kind: one of {list(SOURCE_KINDS)}, got {spec!r}.")
         if self.filter is not None and ":" not in self.filter:
             raise ConfigError(f"data.filter={self.filter!r} must be 'package.module:function'.")
-        if self.source == "jsonl" and not self.train_file:
-            raise ConfigError("data.source='jsonl' needs data.train_file (a the_cauldron-schema JSONL file).")
 
 
 @dataclass
@@ -170,20 +172,19 @@ class RunConfig:
     train: TrainingArguments = field(default_factory=TrainingArguments)
 
     def __post_init__(self) -> None:
-        # Cross-section checks, so a mismatch fails before anything is built.
-        if self.data.source == "addition" and self.model.tokenizer is not None:
-            raise ConfigError("model.tokenizer must be unset (null) with data.source='addition': that source "
-                              "builds and uses its own tokenizer.")
-        wants = "causal_lm" if self.data.source == "addition" else "vlm"
-        if self.model.kind != wants:
-            raise ConfigError(f"data.source={self.data.source!r} needs model.kind={wants!r} "
+        # Cross-section checks (the source's, then the kind's), so a mismatch fails before anything is built.
+        from vlmtrain.data.registry import get_source
+
+        source = get_source(self.data.source)
+        if self.model.kind not in source.kinds:
+            wants = " or ".join(repr(k) for k in source.kinds)
+            raise ConfigError(f"data.source={self.data.source!r} needs model.kind={wants} "
                               f"(got {self.model.kind!r}).")
-        if self.data.side_warmup_steps and self.train.dataloader_num_workers:
-            raise ConfigError("data.side_warmup_steps needs train.dataloader_num_workers: 0 (the warm-up follows "
-                              "the training step, which worker processes would not see).")
-        if self.model.kind == "vlm" and (self.model.vision is None or self.model.text is None):
-            raise ConfigError("model.kind='vlm' needs model.vision and model.text (Hub names, dirs or config "
-                              "dicts with model_type).")
+        if source.check is not None:
+            source.check(self)
+        kind = get_kind(self.model.kind)
+        if kind.check is not None:
+            kind.check(self)
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainingArguments}

@@ -37,7 +37,7 @@ CHATML_TEMPLATE = (
     "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SKIP_REASONS = ("empty_conversation", "malformed_text", "malformed_json", "missing_image", "corrupt_image",
-                "too_many_images", "too_long")
+                "too_many_images", "too_long", "placeholder_mismatch", "bad_head_label", "images_for_text_model")
 
 
 class SkipSample(Exception):

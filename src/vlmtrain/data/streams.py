@@ -75,7 +75,7 @@ def make_source(spec: dict[str, Any], seed: int = 0) -> Any:
 
         return hf_source(spec)
     if kind == "shapes":
-        from vlmtrain.data.synthetic import ShapesVQA
+        from vlmtrain.tasks.shapes import ShapesVQA
 
         data = ShapesVQA("train", int(spec.get("num_samples", 10000)), seed=int(spec.get("seed", seed)),
                          multi_image_fraction=float(spec.get("multi_image_fraction", 0.25)),

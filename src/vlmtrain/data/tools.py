@@ -19,7 +19,7 @@ def open_source(spec: str) -> Any:
     """A source from a command-line spec: ``shapes[:N]``, a ``.jsonl`` path/glob, ``.tar`` shards
     (path, glob or brace range), or an HF ``load_from_disk`` directory."""
     if spec.startswith("shapes"):
-        from vlmtrain.data.synthetic import ShapesVQA
+        from vlmtrain.tasks.shapes import ShapesVQA
 
         n = int(spec.split(":", 1)[1]) if ":" in spec else 1000
         return IndexedSource(ShapesVQA("train", n, multi_image_fraction=0.4), name="shapes")

@@ -1,0 +1,55 @@
+"""The record a Hub VLM family provides: what vlmtrain needs to know that the model's own code does not say.
+
+The model's processor and code do token expansion and pixel handling; a family only adds a training chat
+template (with ``{% generation %}`` markers), how each processor output is batched, which parameter names
+make up the ``vision`` / ``projector`` / ``text`` groups, and a builder of a tiny random-init checkpoint for
+offline tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+# How one processor output key is batched over samples:
+#   "pad"        [L] per sample -> [B, L_max], padded like input_ids (value from Family.pad_values, default 0)
+#   "concat"     [N_i, ...] per sample -> [sum N_i, ...], concatenated in sample (= placeholder) order
+#   "pad_images" [N_i, ...] per sample -> [B, max N_i, ...], zero-padded per sample
+#   "stack"      [...] per sample -> [B, ...]
+#   a callable   list of per-sample tensors -> the batched tensor (for layouts none of the above fits)
+Layout = Literal["pad", "concat", "pad_images", "stack"] | Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hub VLM family (e.g. Qwen3-VL): the record vlmtrain keeps per family, one module per family."""
+
+    name: str
+    """Short name, e.g. 'qwen3_vl'."""
+    model_types: tuple[str, ...]
+    """config.json model_type values this family handles."""
+    training_template: str
+    """The checkpoint's chat template with {% generation %}...{% endgeneration %} around each assistant
+    reply (and its end-of-turn token); markers removed it must render byte-identically to the original."""
+    end_of_turn: str
+    """The token that ends an assistant turn (a stop token for generation), e.g. '<|im_end|>'."""
+    batch_layout: Mapping[str, Layout]
+    """Processor output key -> how it is batched (see Layout). input_ids, attention_mask and labels are
+    always 'pad' and need not be listed."""
+    module_groups: Mapping[str, tuple[str, ...]]
+    """'vision' / 'projector' / 'text' -> parameter-name prefixes in the transformers model."""
+    text_module: str
+    """Dotted name of the language model inside the transformers model (LoRA's default targets live here)."""
+    load_processor: Callable[[str], Any]
+    """Hub id or directory -> an image-only processor (image processor + tokenizer + chat template; never a
+    video processor, so torchvision is not needed)."""
+    build_tiny: Callable[..., str]
+    """build_tiny(out_dir, seed=0) -> out_dir: writes a tiny random-init model and its processor with
+    save_pretrained, offline (tests, the demo, benchmarks)."""
+    pad_values: Mapping[str, int | float] = field(default_factory=dict)
+    """Padding value per 'pad' key (input_ids: the tokenizer's pad id is used; labels: -100; others 0)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Anything else a family needs to say (documented in its module)."""

@@ -1,0 +1,85 @@
+"""Model kinds by name (`model.kind`): one module per kind, defining KIND; one registry line each.
+
+A kind turns a RunConfig (and what the data source built) into the model, its processing class, the
+collator and the metrics; run.py composes these and never asks which kind it has.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vlmtrain.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# model.kind -> module that defines KIND
+KINDS: dict[str, str] = {
+    "causal_lm": "vlmtrain.models.kinds.causal_lm",
+    "vlm": "vlmtrain.models.kinds.vlm",
+    "hub_vlm": "vlmtrain.models.kinds.hub_vlm",
+}
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    """The functions that build each part of a run for one kind of model (torchtitan's TrainSpec idea)."""
+
+    name: str
+    build: Callable[[Any, dict[str, Any], str | None], dict[str, Any]]
+    """build(cfg, source_parts, checkpoint) -> parts: model, tokenizer (the processing class),
+    data_collator, compute_metrics, and for window packing padded_collator + process. With checkpoint, the
+    model's weights (and saved tokenizer/processor) come from that checkpoint directory."""
+    check: Callable[[Any], None] | None = None
+    """check(cfg): config checks that need no model or data (raise ConfigError); run on every config."""
+    validate: Callable[[Any], None] | None = None
+    """validate(cfg): checks that may import transformers, run before any data is built."""
+    owns_checkpoint: Callable[[dict[str, Any]], bool] | None = None
+    """owns_checkpoint(config.json contents) -> True if this kind's generate() loads such a checkpoint."""
+    generate: Callable[..., str] | None = None
+    """generate(checkpoint, prompt, images, max_new_tokens) -> the answer text."""
+
+
+def get_kind(name: str) -> ModelKind:
+    if name not in KINDS:
+        raise ConfigError(f"model.kind={name!r} is not one of {sorted(KINDS)}.")
+    return importlib.import_module(KINDS[name]).KIND
+
+
+def kind_of_checkpoint(checkpoint: str) -> ModelKind:
+    """The kind whose generate() loads this checkpoint (by its config.json)."""
+    path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{checkpoint} has no config.json: not a model checkpoint.")
+    with open(path) as f:
+        config = json.load(f)
+    for name in KINDS:
+        kind = get_kind(name)
+        if kind.owns_checkpoint is not None and kind.owns_checkpoint(config):
+            return kind
+    return get_kind("causal_lm")
+
+
+def choose_collator(cfg: Any, model: Any, vocab_size: int, padded: Any, packed: Callable[[int], Any],
+                    default_pack_length: int) -> Any:
+    """The packing collator (``packed(pack_length)``) if data.packing allows it and the model passes
+    :func:`check_packing`, else the padding one."""
+    from vlmtrain.data.packing import check_packing
+
+    d = cfg.data
+    if d.packing is False:
+        return padded
+    error = check_packing(model, vocab_size)
+    if error > 1e-4:
+        message = (f"{type(model).__name__} does not keep packed samples apart (logits differ by {error:.2g} "
+                   f"from unpacked runs): its attention ignores restarting position_ids.")
+        if d.packing:
+            raise ConfigError(f"data.packing=true but {message} Set data.packing: false.")
+        logger.warning("%s Training with padding instead of packing.", message)
+        return padded
+    return packed(d.pack_length or default_pack_length)

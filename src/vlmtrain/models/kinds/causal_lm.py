@@ -1,0 +1,86 @@
+"""model.kind: causal_lm — any transformers AutoModelForCausalLM, random init from model.config or loaded
+from model.pretrained, on a tokenized source (addition) or any text source (jsonl / stream)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vlmtrain.errors import ConfigError
+from vlmtrain.models.kinds import ModelKind, choose_collator
+
+
+def _tokenized(sample: dict[str, Any]) -> dict[str, Any]:
+    return sample  # tokenized sources (a module-level function: it goes to DataLoader workers)
+
+
+def validate(cfg: Any) -> None:
+    from vlmtrain.models.causal_lm import check_model_type
+
+    if cfg.model.pretrained is None:
+        check_model_type(cfg.model.config)  # a bad model_type fails before any data is built
+
+
+def _tokenizer(cfg: Any, checkpoint: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    saved = checkpoint if checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json")) else None
+    name = saved or cfg.model.tokenizer or cfg.model.pretrained
+    if name is None:
+        raise ConfigError(f"model.kind='causal_lm' on data.source={cfg.data.source!r} needs a tokenizer: set "
+                          f"model.tokenizer or model.pretrained.")
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token is None:  # many causal LMs ship none: pad with eos (padding is masked anyway)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
+    from vlmtrain.data.packing import PackingCollator
+    from vlmtrain.models.causal_lm import build_causal_lm
+
+    parts = dict(source)
+    if "tokenizer" not in parts:  # raw text samples: tokenized by the model's tokenizer
+        from vlmtrain.data.metrics import exact_match_metric
+        from vlmtrain.data.text import TextChatProcessor, TextCollator
+
+        tokenizer = _tokenizer(cfg, checkpoint)
+        processor = TextChatProcessor(tokenizer, max_length=cfg.data.max_length)
+        padded = TextCollator(processor)
+        parts.update(tokenizer=tokenizer, data_collator=padded, compute_metrics=exact_match_metric(tokenizer),
+                     process=processor.process, packed=lambda n: TextCollator(processor, n))
+    else:
+        pad_id = parts["tokenizer"].pad_token_id
+        padded = parts["data_collator"]
+        parts.update(process=_tokenized,
+                     packed=lambda n: PackingCollator(n, pad_id, padding_collator=padded))
+    tokenizer = parts["tokenizer"]
+    parts["model"] = build_causal_lm(config=cfg.model.config or None, pretrained=cfg.model.pretrained,
+                                     tokenizer=tokenizer, seed=cfg.train.seed)
+    default_length = 64 if "tokenizer" in source else cfg.data.max_length  # (tokenized: short samples)
+    parts["data_collator"] = choose_collator(cfg, parts["model"], len(tokenizer), padded, parts.pop("packed"),
+                                             default_length)
+    parts["padded_collator"] = padded
+    return parts
+
+
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if images:
+        raise ConfigError(f"{checkpoint} holds a text-only model: --image cannot be used with it.")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if tokenizer.bos_token_id is not None:
+        ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+KIND = ModelKind("causal_lm", build=build, validate=validate, generate=generate)

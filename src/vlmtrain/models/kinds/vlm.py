@@ -1,0 +1,98 @@
+"""model.kind: vlm — vlmtrain's own nanoVLM-style VisionLanguageModel (vision encoder + pixel-shuffle
+projector + causal LM decoder), on any the_cauldron-schema source."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any
+
+from vlmtrain.errors import ConfigError
+from vlmtrain.models.kinds import ModelKind, choose_collator
+
+
+def check(cfg: Any) -> None:
+    if cfg.model.vision is None or cfg.model.text is None:
+        raise ConfigError("model.kind='vlm' needs model.vision and model.text (Hub names, dirs or config "
+                          "dicts with model_type).")
+
+
+def validate(cfg: Any) -> None:
+    from vlmtrain.models.build import resolve_config
+
+    m = cfg.model
+    for key, spec, causal in (("model.vision", m.vision, False), ("model.text", m.text, True)):
+        if isinstance(spec, dict):
+            resolve_config(spec, key, causal)  # unknown model types fail before any data is built
+
+
+def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
+    """Tokenizer (the checkpoint's, model.tokenizer, or a BPE trained on the first training texts), model,
+    processor, collator and the exact-match metric of generated answers."""
+    import torch
+
+    from vlmtrain.data.metrics import exact_match_metric
+    from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
+    from vlmtrain.data.vlm_collate import VLMCollator
+    from vlmtrain.models.build import build_vlm
+
+    m, d = cfg.model, cfg.data
+    train = source["train_dataset"]
+    saved = checkpoint if checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json")) else None
+    if m.tokenizer is not None or saved:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(saved or m.tokenizer)
+    else:
+        first = itertools.islice(iter(train), 2000)  # (a stream has no len: its first samples)
+        texts = [v for sample in first for t in (sample.get("texts") or [])
+                 if isinstance(t, dict) for v in t.values() if isinstance(v, str)]
+        tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
+    torch.manual_seed(cfg.train.seed)
+    model = build_vlm(m.vision, m.text, pixel_shuffle_factor=m.pixel_shuffle_factor,
+                      projector_type=m.projector_type, tokenizer=tokenizer, load_backbone=m.load_backbone,
+                      vision_position_scale=m.vision_position_scale)
+    processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
+                             image_token_length=model.config.image_token_length, max_length=d.max_length,
+                             max_images=d.max_images, split_large_images=d.split_large_images,
+                             mean=d.image_mean, std=d.image_std)
+    # Saved with the weights (config.json), so `vlmtrain generate` preprocesses images as training did.
+    model.config.preprocessing = {"image_mean": list(d.image_mean), "image_std": list(d.image_std),
+                                  "split_large_images": d.split_large_images}
+    padded = VLMCollator(processor)
+    collator = choose_collator(cfg, model, len(tokenizer), padded,
+                               lambda n: VLMCollator(processor, n, d.max_images_per_pack), d.max_length)
+    return {**source, "model": model, "tokenizer": tokenizer, "data_collator": collator,
+            "compute_metrics": exact_match_metric(tokenizer), "padded_collator": padded,
+            "process": processor.process}
+
+
+def owns_checkpoint(config: dict[str, Any]) -> bool:
+    return config.get("model_type") == "vlmtrain_vlm"
+
+
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
+    import torch
+    from transformers import AutoTokenizer
+
+    from vlmtrain.data.processing import SkipSample, VLMProcessor
+    from vlmtrain.models.vlm import VisionLanguageModel
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = VisionLanguageModel.from_pretrained(checkpoint)
+    processor = VLMProcessor.for_checkpoint(tokenizer, model.config, max_images=len(images or []))
+    try:  # the template needs an answer to build the sample; generation starts before it
+        sample = processor.process({"images": list(images or []), "texts": [{"user": prompt, "assistant": "-"}]})
+    except SkipSample as e:
+        raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
+    ids = sample["prompt_input_ids"][None]
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, pixel_values=sample["pixel_values"], attention_mask=torch.ones_like(ids),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+KIND = ModelKind("vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
+                 generate=generate)

@@ -1,0 +1,118 @@
+"""data.source: shapes — synthetic shapes-VQA (one or two rendered images per question), with the demo's
+per-question-type evaluation, its single/multi-image summary and its report against blank images."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vlmtrain.data.registry import DataSource
+from vlmtrain.errors import ConfigError
+
+
+@dataclass
+class ShapesOptions:
+    """The shapes task's own `data.*` keys."""
+
+    multi_image_fraction: float = 0.25
+    """(shapes) Fraction of training questions about two images."""
+    questions_per_sample: int = 1
+    """(shapes) Training samples ask up to this many questions about their image(s), as one multi-turn
+    conversation (evaluation stays one question per sample)."""
+    side_fraction: float = 0.0
+    """(shapes) Fraction of position questions asked as absolute side questions ("Is the circle left or
+    right?"); extra turns then draw from side questions too. A stepping stone to relative position."""
+    side_warmup_steps: int = 0
+    """(shapes) For this many first training steps every position question is a side question (needs
+    train.dataloader_num_workers 0: the dataset follows the step in the main process)."""
+
+
+def check_options(data: Any) -> None:
+    for name, low in (("questions_per_sample", 1), ("side_warmup_steps", 0)):
+        if getattr(data, name) < low:
+            raise ConfigError(f"data.{name} must be >= {low}, got {getattr(data, name)}.")
+    for name in ("multi_image_fraction", "side_fraction"):
+        if not 0 <= getattr(data, name) <= 1:
+            raise ConfigError(f"data.{name} must be in [0, 1], got {getattr(data, name)}.")
+
+
+def check(cfg: Any) -> None:
+    if cfg.data.side_warmup_steps and cfg.train.dataloader_num_workers:
+        raise ConfigError("data.side_warmup_steps needs train.dataloader_num_workers: 0 (the warm-up follows "
+                          "the training step, which worker processes would not see).")
+
+
+def build(cfg: Any) -> dict[str, Any]:
+    """Training questions, and one eval set per question type (eval_<type>_exact_match)."""
+    from vlmtrain.tasks.shapes import QTYPES, ShapesVQA
+
+    d = cfg.data
+    train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
+                      questions_per_sample=d.questions_per_sample, side_fraction=d.side_fraction,
+                      side_warmup_steps=d.side_warmup_steps)
+    evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
+    return {"train_dataset": train, "eval_dataset": evals}
+
+
+def summary(metrics: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
+    """Single- and multi-image exact match of a shapes-VQA evaluation: the mean over the question types of
+    each group (every type has the same number of eval samples)."""
+    from vlmtrain.tasks.shapes import MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
+
+    out = {}
+    for group, qtypes in (("single_image", SINGLE_IMAGE_QTYPES), ("multi_image", MULTI_IMAGE_QTYPES)):
+        values = [metrics.get(f"{prefix}_{q}_exact_match") for q in qtypes]
+        if all(v is not None for v in values):
+            out[f"{prefix}_{group}_exact_match"] = sum(values) / len(values)
+    return out
+
+
+def demo_report(trainer: Any, metrics: dict[str, Any]) -> str:
+    """Per-type exact match next to blank images and chance (blank_* keys are added to metrics), then one
+    held-out question per type with the model's answer."""
+    if not isinstance(trainer.eval_dataset, dict):
+        return ""
+    blank = _blank_image_metrics(trainer)
+    metrics.update(blank)
+    return _table(metrics, blank) + "\n" + _examples(trainer)
+
+
+def _blank_image_metrics(trainer: Any) -> dict[str, float]:
+    """Exact match on the same eval questions with empty images (keys blank_<type>_exact_match, ...)."""
+    from vlmtrain.tasks.shapes import BlankImages
+
+    metrics = trainer.evaluate({q: BlankImages(ds) for q, ds in trainer.eval_dataset.items()},
+                               metric_key_prefix="blank")
+    return {**metrics, **summary(metrics, "blank")}
+
+
+def _table(metrics: dict[str, Any], blank: dict[str, Any]) -> str:
+    from vlmtrain.tasks.shapes import CHANCE, MULTI_IMAGE_QTYPES, QTYPES, SINGLE_IMAGE_QTYPES
+
+    def row(name: str, key: str, chance: float) -> str:
+        return (f"  {name:<22}{metrics.get(f'eval_{key}_exact_match', float('nan')):>8.3f}"
+                f"{blank.get(f'blank_{key}_exact_match', float('nan')):>14.3f}{chance:>8.3f}")
+
+    rows = [f"  {'held-out exact match':<22}{'model':>8}{'blank images':>14}{'chance':>8}"]
+    for group, qtypes in (("single_image", SINGLE_IMAGE_QTYPES), ("multi_image", MULTI_IMAGE_QTYPES)):
+        rows += [row(q, q, CHANCE[q]) for q in qtypes]
+        rows.append(row(group.replace("_", "-") + " (mean)", group, sum(CHANCE[q] for q in qtypes) / len(qtypes)))
+    rows += [row(f"{q} (not in a mean)", q, CHANCE[q]) for q in QTYPES
+             if q not in SINGLE_IMAGE_QTYPES + MULTI_IMAGE_QTYPES and f"eval_{q}_exact_match" in metrics]
+    return "\n".join(rows)
+
+
+def _examples(trainer: Any) -> str:
+    """One held-out question per type with the model's generated answer and the truth."""
+    names = list(trainer.eval_dataset)
+    samples = [trainer.eval_dataset[q][0] for q in names]
+    texts = trainer.predict(samples).texts or [""] * len(samples)
+    lines = ["  held-out examples (Trainer.predict):"]
+    for q, sample, answer in zip(names, samples, texts):
+        turn = sample["texts"][-1]
+        lines.append(f"    [{q}] {turn['user']} -> {answer!r} (truth {turn['assistant']!r})")
+    return "\n".join(lines)
+
+
+SOURCE = DataSource("shapes", kinds=("vlm", "hub_vlm"), build=build, options=ShapesOptions,
+                    check_options=check_options, check=check, summary=summary, demo_report=demo_report)
