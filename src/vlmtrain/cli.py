@@ -158,6 +158,9 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP)
     parser.add_argument("--output-dir", "--output_dir", type=str | None, default=None,
                         help="Where to write model.safetensors, config and tokenizer (default: the checkpoint).")
+    parser.add_argument("--merge", action="store_true",
+                        help="For a LoRA checkpoint: merge the adapter into the base model's weights and write the "
+                             "full model (default output: <checkpoint>-merged).")
     try:
         ns = parser.parse_args(argv)
     except jsonargparse.ArgumentError as e:
@@ -167,9 +170,15 @@ def _export(argv: list[str]) -> int:
 
     ckpt = run.resolve_checkpoint(ns.checkpoint, ns.checkpoint)
     try:
-        print(f"wrote {export_checkpoint(ckpt, ns.output_dir)}")
+        if ns.merge:
+            from vlmtrain.models.lora import export_merged
+
+            out = ns.output_dir or os.path.normpath(ckpt) + "-merged"
+            print(f"wrote {export_merged(ckpt, out)}")
+        else:
+            print(f"wrote {export_checkpoint(ckpt, ns.output_dir)}")
     except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(str(e) + (" (--merge is for LoRA checkpoints.)" if ns.merge else "")) from None
     return 0
 
 

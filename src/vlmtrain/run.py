@@ -7,6 +7,7 @@ bad config fails in the time it takes to read YAML.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -71,12 +72,12 @@ def resume_arg(value: str | None) -> str | bool | None:
 def resolve_checkpoint(path: str, output_dir: str) -> str:
     """A checkpoint dir; 'latest' or a run dir (holding checkpoint-N/) means its newest complete checkpoint."""
     from vlmtrain.trainer.checkpoint import latest_checkpoint
-    from vlmtrain.trainer.fsdp import has_sharded_weights
+    from vlmtrain.trainer.model_files import has_model_files
 
     run_dir = output_dir if path == "latest" else path
     if not os.path.isdir(run_dir):
         raise ConfigError(f"checkpoint {path!r} does not exist (or is not a directory).")
-    if os.path.isfile(os.path.join(run_dir, "model.safetensors")) or has_sharded_weights(run_dir):
+    if has_model_files(run_dir):  # full (one file or sharded), LoRA adapter, or FSDP shards
         return run_dir
     latest = latest_checkpoint(run_dir)
     if latest is None:
@@ -119,17 +120,60 @@ def evaluate(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
 
 
 def predict(cfg: RunConfig, checkpoint: str) -> list[str]:
-    """Generate answers for the eval set with a checkpoint's weights; return the decoded texts."""
+    """Predictions for the eval set with a checkpoint's weights: the generated answers, or for a model with
+    score heads one JSON object per sample (each head's output: class and probabilities, or value), also
+    written to <train.output_dir>/predictions.jsonl."""
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir)
-    args = dataclasses.replace(cfg.train, predict_with_generate=True)  # predict means generate here
+    heads = bool(getattr(cfg.model, "heads", None))
+    args = dataclasses.replace(cfg.train, predict_with_generate=not heads)  # predict means generate, or heads
     trainer = build(dataclasses.replace(cfg, train=args), checkpoint=ckpt)
     if trainer.eval_dataset is None:
-        raise ConfigError("predict needs an eval set: set data.num_eval > 0.")
-    out = trainer.predict(trainer.eval_dataset)
-    if out.texts is not None:
-        return list(out.texts)
-    ids = [[int(t) for t in row if t >= 0] for row in out.predictions]  # drop -100 padding
-    return trainer.processing_class.batch_decode(ids, skip_special_tokens=True)
+        raise ConfigError("predict needs an eval set: set data.num_eval > 0 (or data.eval_file).")
+    datasets = trainer.eval_dataset if isinstance(trainer.eval_dataset, dict) else {None: trainer.eval_dataset}
+    lines: list[str] = []
+    for name, dataset in datasets.items():
+        out = trainer.predict(dataset)
+        if heads:
+            lines += [json.dumps({**({"eval_set": name} if name else {}), "index": i, **row})
+                      for i, row in enumerate(_head_rows(trainer.model, out.heads or {}))]
+        elif out.texts is not None:
+            lines += list(out.texts)
+        else:
+            ids = [[int(t) for t in row if t >= 0] for row in out.predictions]  # drop -100 padding
+            lines += trainer.processing_class.batch_decode(ids, skip_special_tokens=True)
+    if heads and trainer.rank == 0:
+        os.makedirs(cfg.train.output_dir, exist_ok=True)
+        path = os.path.join(cfg.train.output_dir, "predictions.jsonl")
+        with open(path, "w") as f:
+            f.writelines(line + "\n" for line in lines)
+        logger.info("wrote %d head predictions to %s", len(lines), path)
+    return lines
+
+
+def _head_rows(model: Any, outputs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per sample, each head's output: classification -> class index and probabilities (sigmoid for bce),
+    regression -> the value (a list when num_outputs > 1)."""
+    import numpy as np
+
+    configs = getattr(model, "head_configs", {})
+    rows: list[dict[str, Any]] = []
+    for name, logits in outputs.items():
+        head = name[len("logits_"):] if name.startswith("logits_") else name
+        config, values = configs.get(head), np.asarray(logits, dtype=np.float64)
+        for i, v in enumerate(values):
+            if len(rows) <= i:
+                rows.append({})
+            if config is not None and config.type == "classification":
+                if config.loss == "bce":
+                    probs = 1 / (1 + np.exp(-v))
+                    rows[i][head] = [int(x) for x in probs > 0.5]
+                else:
+                    probs = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
+                    rows[i][head] = int(np.argmax(v))
+                rows[i][f"{head}_probs"] = [round(float(x), 6) for x in probs]
+            else:
+                rows[i][head] = float(v[0]) if v.size == 1 else [float(x) for x in v]
+    return rows
 
 
 def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
@@ -137,7 +181,9 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     from vlmtrain.models.kinds import kind_of_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint, checkpoint)
-    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+    from vlmtrain.trainer.fsdp import has_sharded_weights
+
+    if has_sharded_weights(ckpt):
         raise ConfigError(f"{ckpt} holds FSDP shards: run `vlmtrain export --checkpoint {ckpt}` first.")
     return kind_of_checkpoint(ckpt).generate(ckpt, prompt, images, max_new_tokens)
 

@@ -11,15 +11,17 @@ from transformers import PreTrainedTokenizerBase
 IGNORE_INDEX = -100
 
 
-def exact_match_metric(tokenizer: PreTrainedTokenizerBase) -> Callable[[Any], dict[str, float]]:
+def exact_match_metric(tokenizer: PreTrainedTokenizerBase,
+                       eos_token_id: int | None = None) -> Callable[[Any], dict[str, float]]:
     """compute_metrics for generated answers: fraction whose decoded text equals the label text.
 
     ``p.predictions`` holds generated new-token ids ([N, T], right-padded with -100); each is cut
-    at its first eos. ``p.label_ids`` holds the training labels; the tokens != -100 (minus specials)
-    of the LAST answer (labels split at eos) are the reference: generation answers a multi-turn
+    at its first eos (``eos_token_id`` when given, else the tokenizer's). ``p.label_ids`` holds the training
+    labels; the tokens != -100 (minus specials) of the LAST answer (labels split at eos) are the reference:
+    generation answers a multi-turn
     conversation's last question, so only that answer is scored.
     """
-    eos_id = tokenizer.eos_token_id
+    eos_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id  # (a Hub VLM's end of turn)
     drop = {IGNORE_INDEX, tokenizer.pad_token_id}
 
     def decode(row: Sequence[int], stop_at_eos: bool) -> str:

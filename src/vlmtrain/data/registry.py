@@ -15,6 +15,7 @@ from typing import Any
 SOURCES: dict[str, str] = {
     "addition": "vlmtrain.tasks.addition_source",
     "shapes": "vlmtrain.tasks.shapes_source",
+    "shapes_scores": "vlmtrain.tasks.shapes_scores",
     "jsonl": "vlmtrain.data.jsonl_source",
     "stream": "vlmtrain.data.stream_source",
 }

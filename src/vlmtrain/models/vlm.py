@@ -97,6 +97,8 @@ class VisionLanguageModel(PreTrainedModel):
 
     config_class = VLMConfig
     base_model_prefix = "vlm"
+    # module_learning_rates aliases (trainer/optim.py's MODULE_GROUPS_ATTR), the same for every family
+    vlmtrain_module_groups = {"vision": ("vision_encoder",), "projector": ("projector",), "text": ("decoder",)}
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     _supports_sdpa = True

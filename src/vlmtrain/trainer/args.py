@@ -5,16 +5,26 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigError
+from .args_compat import TransformersOnlyArguments, check_transformers_only
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 REPORTERS = ("none", "jsonl", "tensorboard", "all")
+# transformers' report_to names that vlmtrain has no writer for yet (tracker integrations are a later issue).
+UNIMPLEMENTED_REPORTERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "kubeflow",
+                           "mlflow", "neptune", "swanlab", "trackio", "wandb")
+FSDP_OPTIONS = {"full_shard": None, "auto_wrap": None,  # what vlmtrain's FSDP2 does: shard per transformer block
+                "shard_grad_op": "vlmtrain's FSDP2 always reshards parameters after forward (full_shard)",
+                "hybrid_shard": "vlmtrain's FSDP2 shards over all ranks (full_shard)",
+                "hybrid_shard_zero2": "vlmtrain's FSDP2 shards over all ranks (full_shard)",
+                "no_shard": "leave fsdp off to replicate the model with DDP",
+                "offload": "CPU offload is not supported; use more ranks or activation_checkpointing"}
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -26,11 +36,12 @@ def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 @dataclass
-class TrainingArguments:
-    """Everything about how to train; field names and defaults follow transformers' TrainingArguments."""
+class ImplementedArguments:
+    """The arguments vlmtrain implements; names and defaults follow transformers' TrainingArguments where it has
+    them. The fields of :class:`TrainingArguments` (these, then the transformers-only ones)."""
 
-    output_dir: str = "runs/default"
-    """Where checkpoints, metrics.jsonl and the resolved config are written."""
+    output_dir: str | None = "runs/default"
+    """Where checkpoints, metrics.jsonl and the resolved config are written (None: runs/default)."""
     num_train_epochs: float = 3.0
     """Epochs to train when max_steps is not set (fractions allowed)."""
     max_steps: int = -1
@@ -79,14 +90,42 @@ class TrainingArguments:
     """Evaluate every N steps (eval_strategy='steps'); defaults to logging_steps."""
     max_eval_batches: int | None = None
     """Evaluate on at most this many batches per eval set (None: all)."""
+    eval_on_start: bool = False
+    """Evaluate once before the first training step (logged at step 0), as a sanity check of the eval setup."""
+    label_names: list[str] | None = None
+    """Keys of the batch that hold labels (e.g. [score_labels, type_labels]): evaluation hands these arrays to
+    compute_metrics as label_ids (a tuple when there are several). None: the batch's 'labels'."""
+    include_for_metrics: list[str] = field(default_factory=list)
+    """transformers' 'inputs' / 'loss' extras for compute_metrics: not implemented yet, only [] is accepted."""
     ddp_timeout: int = 1800
     """Seconds a collective may wait for the other ranks before failing (torch.distributed's timeout): how
     long a run hangs when a rank or node is lost without its process dying."""
-    fsdp: bool = False
+    ddp_find_unused_parameters: bool | None = None
+    """DDP's find_unused_parameters: True when some parameters get no gradient in a step (e.g. a head that
+    only some batches use). None: False, DDP's own default (transformers' None means True unless activation
+    checkpointing is on)."""
+    ddp_bucket_cap_mb: int | None = None
+    """DDP's bucket_cap_mb (gradient all-reduce bucket size); None: DDP's default (25)."""
+    ddp_broadcast_buffers: bool | None = None
+    """DDP's broadcast_buffers (copy buffers from rank 0 at every forward); None: DDP's default (True)."""
+    ddp_static_graph: bool | None = None
+    """DDP's static_graph (the set of used parameters never changes between steps); None: DDP's default."""
+    fsdp: bool | str | list[str] | None = False
     """Under torchrun: shard parameters, gradients and optimizer state over the ranks with FSDP2 (fully_shard
     per transformer block) instead of replicating the model with DDP, for models that do not fit one device.
     With bf16: bfloat16 compute from float32 master weights, float32 gradient reduction. Checkpoints hold DCP
-    shards (dcp/); `vlmtrain export` writes them as one model.safetensors. A single process trains unsharded."""
+    shards (dcp/); `vlmtrain export` writes them as one model.safetensors. A single process trains unsharded.
+    transformers' values 'full_shard' and 'auto_wrap' (a string or list) mean true; other options are refused."""
+    activation_checkpointing: bool | None = None
+    """Recompute each transformer block's activations in backward instead of keeping them (less memory, ~20%
+    slower), through the model's activation_checkpointing_enable() (transformers models). None: false."""
+    activation_checkpointing_kwargs: dict[str, Any] | None = None
+    """Arguments of activation_checkpointing_enable(): every_n_layers, offload; other keys (e.g. use_reentrant)
+    go to torch.utils.checkpoint. None: {use_reentrant: false}."""
+    gradient_checkpointing: bool | None = None
+    """transformers' older name of activation_checkpointing (used when that is unset; then mirrors it)."""
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    """transformers' older name of activation_checkpointing_kwargs (used when that is unset; then mirrors it)."""
     max_consecutive_nonfinite_steps: int = 10
     """A step whose loss or gradients are NaN/Inf is skipped on every rank (no update; counted as
     nonfinite_steps in the log); this many in a row stop training with an error. 0 = never stop."""
@@ -111,37 +150,59 @@ class TrainingArguments:
     """Seed for the data order only; defaults to seed."""
     bf16: bool = False
     """Run forward passes under bfloat16 autocast."""
+    tf32: bool | None = None
+    """On CUDA: allow (true) or forbid (false) TF32 matmuls and convolutions; None leaves torch's setting. Ignored
+    with a warning on a machine without a GPU."""
     dataloader_num_workers: int = 0
     """Worker processes of the data loaders."""
     dataloader_pin_memory: bool = True
     """Pin host memory for faster copies to the accelerator (ignored on CPU)."""
     dataloader_drop_last: bool = False
     """Drop the last incomplete training batch of each epoch."""
-    report_to: str | list[str] = "none"
-    """Extra log writers besides metrics.jsonl (always written): none, tensorboard or all."""
+    dataloader_persistent_workers: bool = False
+    """Keep the training loader's worker processes alive between epochs (with dataloader_num_workers > 0)."""
+    dataloader_prefetch_factor: int | None = None
+    """Batches each training worker loads ahead (needs dataloader_num_workers > 0); None: torch's default (2)."""
+    dataloader_multiprocessing_context: str | None = None
+    """Start method of the training loader's workers: fork, spawn or forkserver; None: the platform's default."""
+    remove_unused_columns: bool = True
+    """Accepted for transformers' scripts, either value: vlmtrain never drops columns. The data collator decides
+    what a batch holds, and every key of the batch reaches the model's forward."""
+    report_to: str | list[str] | None = "none"
+    """Extra log writers besides metrics.jsonl (always written): none, tensorboard or all. transformers' tracker
+    names (wandb, mlflow, trackio, ...) are refused with a message until vlmtrain has writers for them."""
     run_name: str | None = None
     """Name of the run for log writers; defaults to output_dir's basename."""
-    disable_tqdm: bool = False
-    """Hide progress bars."""
+    disable_tqdm: bool | None = False
+    """Hide progress bars (None: false)."""
     resume_from_checkpoint: str | None = None
     """Checkpoint dir to resume from, or 'true'/'latest' for the newest complete one in output_dir."""
     torch_compile: bool = False
     """Compile the model with torch.compile before training."""
+    torch_compile_backend: str | None = None
+    """torch.compile's backend (e.g. inductor, aot_eager); setting it turns torch_compile on."""
+    torch_compile_mode: str | None = None
+    """torch.compile's mode (e.g. default, reduce-overhead, max-autotune); setting it turns torch_compile on."""
     predict_with_generate: bool = False
     """Evaluation/prediction generate from the batch's `prompt_*` inputs and return the generated ids."""
     generation_max_new_tokens: int = 32
     """Maximum new tokens per generated answer (predict_with_generate)."""
 
+
+@dataclass
+class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
+    """Everything about how to train. Every transformers 5.23 TrainingArguments name is accepted: the ones
+    vlmtrain implements behave as there; the rest (args_compat.py) take their default, and any other value is a
+    ConfigError that says what vlmtrain does instead. Invalid combinations fail here, at construction."""
+
     def __post_init__(self) -> None:
+        check_transformers_only(self)
+        self._resolve_transformers_names()
         _choice("optim", self.optim, OPTIMIZERS)
         _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
         _choice("logging_strategy", self.logging_strategy, INTERVALS)
         _choice("eval_strategy", self.eval_strategy, INTERVALS)
         _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
-        reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        for r in reporters:
-            _choice("report_to", r, REPORTERS)
-        self.report_to = reporters
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                      "logging_steps", "save_steps"):
             if getattr(self, name) < 1:
@@ -195,8 +256,38 @@ class TrainingArguments:
             raise ConfigError(f"max_bad_sample_fraction must be in (0, 1], got {self.max_bad_sample_fraction}.")
         if self.dataloader_num_workers < 0:
             raise ConfigError("dataloader_num_workers must be >= 0.")
+        if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
+            raise ConfigError("dataloader_prefetch_factor needs dataloader_num_workers > 0 (batches are loaded ahead "
+                              "by worker processes); unset it or add workers.")
         if self.run_name is None:
             self.run_name = os.path.basename(os.path.normpath(self.output_dir))
+
+    def _resolve_transformers_names(self) -> None:
+        """transformers' aliases and value forms -> the one form the Trainer reads (idempotent)."""
+        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            if getattr(self, new) is None and getattr(self, old) is not None:
+                setattr(self, new, getattr(self, old))
+            setattr(self, old, getattr(self, new))
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing = False
+        self.output_dir = "runs/default" if self.output_dir is None else self.output_dir
+        self.disable_tqdm = bool(self.disable_tqdm)
+        self.fsdp = _fsdp_flag(self.fsdp)
+        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            self.torch_compile = True
+        reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
+        for r in reporters:
+            if r in UNIMPLEMENTED_REPORTERS:
+                raise ConfigError(f"report_to={r!r} is not implemented by vlmtrain yet; implemented: "
+                                  f"{', '.join(REPORTERS)} (metrics.jsonl is always written).")
+            _choice("report_to", r, REPORTERS + UNIMPLEMENTED_REPORTERS)
+        self.report_to = reporters or ["none"]
+        for extra in self.include_for_metrics:
+            _choice("include_for_metrics", extra, ("inputs", "loss"))
+        if self.include_for_metrics:
+            raise ConfigError(f"include_for_metrics={self.include_for_metrics!r} is not supported by vlmtrain yet; "
+                              "compute_metrics receives predictions and label_ids (see label_names).")
 
     # -- derived values -------------------------------------------------------------------
     @property
@@ -211,6 +302,26 @@ class TrainingArguments:
             return int(self.warmup_steps)
         return math.ceil(self.warmup_ratio * num_training_steps)
 
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """DistributedDataParallel's keyword arguments from the ddp_* fields that are set."""
+        values = {"find_unused_parameters": self.ddp_find_unused_parameters, "bucket_cap_mb": self.ddp_bucket_cap_mb,
+                  "broadcast_buffers": self.ddp_broadcast_buffers, "static_graph": self.ddp_static_graph}
+        return {k: v for k, v in values.items() if v is not None}
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _fsdp_flag(value: bool | str | list[str] | None) -> bool:
+    """transformers' fsdp values (a bool, 'full_shard auto_wrap', ['full_shard', ...], '' or None) -> on/off."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    items = value.split() if isinstance(value, str) else list(value)
+    for item in items:
+        if item not in FSDP_OPTIONS:
+            raise ConfigError(f"fsdp={value!r}: unknown option {item!r}; use true/false (or transformers' "
+                              f"'full_shard auto_wrap').")
+        if FSDP_OPTIONS[item] is not None:
+            raise ConfigError(f"fsdp={value!r}: {item!r} is not supported by vlmtrain; {FSDP_OPTIONS[item]}.")
+    return bool(items)
 

@@ -16,24 +16,24 @@ import warnings
 from typing import Any
 
 import numpy as np
-import safetensors.torch
 import torch
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .distributed import barrier, failed_ranks
-from .fsdp import DCP_DIR, has_sharded_weights, read_model_weights
+from .fsdp import DCP_DIR
+from .model_files import (  # noqa: F401  (the model files' formats; re-exported for callers of this module)
+    MODEL_NAME,
+    CheckpointError,
+    load_model_weights,
+    missing_weight_files,
+    save_model_files,
+)
 
 PREFIX = "checkpoint"
 TMP_PREFIX = ".tmp-checkpoint-"
 STATE_NAME = "trainer_state.json"
-MODEL_NAME = "model.safetensors"
-REQUIRED = (STATE_NAME, MODEL_NAME, "optimizer.pt", "scheduler.pt")
+REQUIRED = (STATE_NAME, "optimizer.pt", "scheduler.pt")  # plus the model's files: see missing_weight_files
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing or incomplete; the message names the directory and what is missing."""
 
 
 def checkpoint_step(path: str) -> int | None:
@@ -66,7 +66,7 @@ def check_complete(path: str, rank: int = 0) -> None:
     else:
         required = REQUIRED
     required = (*required, f"rng_state_{rank}.pth", f"loop_state_{rank}.pt")
-    missing = [f for f in required if not os.path.isfile(os.path.join(path, f))]
+    missing = [f for f in required if not os.path.isfile(os.path.join(path, f))] + missing_weight_files(path)
     if missing:
         raise CheckpointError(f"Checkpoint {path!r} is incomplete: missing {missing}. Resume from another "
                               f"checkpoint or pass resume_from_checkpoint=True to pick the newest complete one.")
@@ -85,53 +85,6 @@ def remove_stale_tmp(output_dir: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.replace(path, path[:-4])
-
-
-# -- model weights ----------------------------------------------------------------------------------
-def save_model_files(model: nn.Module, directory: str, processing_class: Any = None,
-                     state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """`model.safetensors` (+ `config.json` for transformers models) and the tokenizer/processor files,
-    loadable by the model's from_pretrained; `state_dict` instead of the model's own (e.g. gathered shards)."""
-    os.makedirs(directory, exist_ok=True)
-    if hasattr(model, "save_pretrained"):
-        from transformers.utils import logging as hf_logging
-
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # its per-shard bar would break our training progress bar
-        try:
-            model.save_pretrained(directory, state_dict=state_dict)
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
-    elif state_dict is not None:
-        seen, unique = set(), {}
-        for key, value in state_dict.items():  # tied weights are one tensor: keep its first name
-            if value.data_ptr() not in seen:
-                seen.add(value.data_ptr())
-                unique[key] = value.contiguous()
-        safetensors.torch.save_file(unique, os.path.join(directory, MODEL_NAME), metadata={"format": "pt"})
-    else:
-        safetensors.torch.save_model(model, os.path.join(directory, MODEL_NAME), metadata={"format": "pt"})
-    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-        processing_class.save_pretrained(directory)
-
-
-def load_model_weights(model: nn.Module, directory: str) -> None:
-    """Load `model.safetensors` into model in place; tied weights missing from the file are fine."""
-    path = os.path.join(directory, MODEL_NAME)
-    if os.path.isfile(path):
-        state = safetensors.torch.load_file(path)
-    elif has_sharded_weights(directory):  # an FSDP checkpoint: gather its shards in this process
-        state = read_model_weights(directory)
-    else:
-        raise CheckpointError(f"{directory!r} has no {MODEL_NAME} (nor FSDP shards in {DCP_DIR}/).")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tied = {n for n in missing if n in params and any(params[n] is params[s] for s in state if s in params)}
-    bad_missing = [n for n in missing if n not in tied and n in dict(model.state_dict())]
-    if unexpected or bad_missing:
-        raise CheckpointError(f"Weights in {path!r} do not fit {type(model).__name__}: missing {bad_missing[:5]}, "
-                              f"unexpected {unexpected[:5]}.")
 
 
 # -- RNG ----------------------------------------------------------------------------------------------

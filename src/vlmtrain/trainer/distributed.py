@@ -11,6 +11,7 @@ import contextlib
 import os
 import warnings
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -102,26 +103,28 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def wrap_model(model: nn.Module, device: torch.device, fsdp: bool = False, bf16: bool = False) -> nn.Module:
+def wrap_model(model: nn.Module, device: torch.device, fsdp: bool = False, bf16: bool = False,
+               ddp_kwargs: dict[str, Any] | None = None) -> nn.Module:
     """The module the training loop calls: with several processes, sharded in place with FSDP2 (``fsdp``) or
-    wrapped in DDP; else the model itself."""
+    wrapped in DDP (with ``ddp_kwargs``, e.g. find_unused_parameters); else the model itself."""
     if fsdp and world_size() > 1:
         from .fsdp import is_sharded, shard_model
 
         return model if is_sharded(model) else shard_model(model, bf16)
     if fsdp:
         warnings.warn("train.fsdp needs several processes (torchrun): training unsharded.", stacklevel=3)
-    return wrap_ddp(model, device)
+    return wrap_ddp(model, device, **(ddp_kwargs or {}))
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    """DistributedDataParallel over ``model`` when several processes train, else the model itself."""
+def wrap_ddp(model: nn.Module, device: torch.device, **ddp_kwargs: Any) -> nn.Module:
+    """DistributedDataParallel over ``model`` when several processes train, else the model itself. ``ddp_kwargs``
+    go to DDP (TrainingArguments.ddp_kwargs(): find_unused_parameters, bucket_cap_mb, ...)."""
     if world_size() <= 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    return DistributedDataParallel(model, device_ids=ids, **ddp_kwargs)
 
 
 def maybe_no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:

@@ -8,33 +8,23 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist
 from . import fsdp
+from .predictions import Collected, plain_numbers, select_outputs
 from .state import EvalPrediction, PredictionOutput
-from .stats import LossAverager, extra_losses, is_empty_batch, num_items_of, skipped_counts
+from .stats import LossAverager, extra_losses, is_empty_batch, item_counts, num_items_of, skipped_counts
 
 
-def _pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
-    """Concatenate along dim 0, padding dim 1 (sequence) to the longest chunk with `pad`."""
-    if chunks[0].ndim < 2:
-        return torch.cat(chunks).numpy()
-    longest = max(c.shape[1] for c in chunks)
-    padded = [torch.nn.functional.pad(c, (0, 0) * (c.ndim - 2) + (0, longest - c.shape[1]), value=pad)
-              for c in chunks]
-    return torch.cat(padded).numpy()
-
-
-def _gather_shards(losses: LossAverager, preds: list, labels: list, samples: int, skipped: Counter,
-                   interleave: bool) -> tuple[LossAverager, list, list, int, Counter]:
-    """Every rank's evaluation results, combined on every rank. Rows come back in dataset order: rank r
-    evaluated samples r, r + W, r + 2W, ... (interleave), or in rank order for a stream."""
-    rows = [[row for chunk in chunks for row in chunk] for chunks in (preds, labels)]
-    mine = {"losses": losses.state_dict(), "preds": rows[0], "labels": rows[1], "samples": samples,
+def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, samples: int, skipped: Counter,
+                   interleave: bool) -> tuple[LossAverager, int, Counter]:
+    """Every rank's evaluation results, combined on every rank (``preds`` and ``labels`` in place). Rows come
+    back in dataset order: rank r evaluated samples r, r + W, r + 2W, ... (interleave), or in rank order for a
+    stream."""
+    mine = {"losses": losses.state_dict(), "preds": preds.rows(), "labels": labels.rows(), "samples": samples,
             "skipped": dict(skipped)}
     everyone = dist.all_gather_objects(mine)
     total = LossAverager()
@@ -42,16 +32,9 @@ def _gather_shards(losses: LossAverager, preds: list, labels: list, samples: int
         shard = LossAverager()
         shard.load_state_dict(part["losses"])
         total.merge(shard)
-    merged = []
-    for key in ("preds", "labels"):
-        per_rank = [part[key] for part in everyone]
-        if interleave:
-            ordered = [per_rank[i % len(per_rank)][i // len(per_rank)] for i in range(sum(map(len, per_rank)))]
-        else:
-            ordered = [row for rank_rows in per_rank for row in rank_rows]
-        merged.append([row[None] for row in ordered])
-    return (total, merged[0], merged[1], sum(p["samples"] for p in everyone),
-            sum((Counter(p["skipped"]) for p in everyone), Counter()))
+    preds.set_rows([part["preds"] for part in everyone], interleave)
+    labels.set_rows([part["labels"] for part in everyone], interleave)
+    return total, sum(p["samples"] for p in everyone), sum((Counter(p["skipped"]) for p in everyone), Counter())
 
 
 _NOT_AVERAGED = ("runtime", "samples_per_second", "samples")
@@ -95,7 +78,8 @@ class EvaluationMixin:
                 metrics.update(overall)
             return metrics
         dataloader = self.get_eval_dataloader(dataset)
-        output = self.evaluation_loop(dataloader, prediction_loss_only=self.compute_metrics is None,
+        head_metrics = callable(getattr(self.model, "head_metrics", None))  # score heads: metrics with no code
+        output = self.evaluation_loop(dataloader, prediction_loss_only=self.compute_metrics is None and not head_metrics,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         self.log(output.metrics)
         self.control = self._event("on_evaluate", metrics=output.metrics)
@@ -104,7 +88,8 @@ class EvaluationMixin:
     def predict(self, test_dataset: Dataset, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits, or generated token ids with predict_with_generate; then also `texts`), labels
-        and metrics for a dataset."""
+        and metrics for a dataset. For a model with score heads (`logits_<name>` outputs), predictions are the
+        heads' outputs and `heads` holds them per head name, one row per sample."""
         dataloader = self.get_eval_dataloader(test_dataset)
         output = self.evaluation_loop(dataloader, prediction_loss_only=False, ignore_keys=ignore_keys,
                                       metric_key_prefix=metric_key_prefix)
@@ -145,7 +130,7 @@ class EvaluationMixin:
         sharding = self._eval_sharding(dataloader.dataset)
         model, start = self.model, time.time()
         model.eval()
-        losses, preds, labels, samples, skipped = LossAverager(), [], [], 0, Counter()
+        losses, preds, labels, samples, skipped = LossAverager(), Collected(), Collected(), 0, Counter()
         for i, batch in enumerate(dataloader):
             if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
                 break
@@ -157,22 +142,23 @@ class EvaluationMixin:
             samples += size
             skipped.update(skipped_counts(batch))
             weight = extras.pop("num_items", None)
+            counts = {f"loss_{k[len('num_items_'):]}": extras.pop(k) for k in list(extras) if k.startswith("num_items_")}
             if loss is not None:
-                losses.add({"loss": loss, **extras}, weight if weight is not None else float(size))
-            if pred is not None:
-                preds.append(pred.detach().cpu())
-            if label is not None:
-                labels.append(label.detach().cpu())
+                losses.add({"loss": loss, **extras}, weight if weight is not None else float(size), counts)
+            preds.add(pred)
+            labels.add(label)
             self.control = self._event("on_prediction_step")
         if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
-            losses, preds, labels, samples, skipped = _gather_shards(losses, preds, labels, samples, skipped,
-                                                                     interleave=sharding == "strided")
+            losses, samples, skipped = _gather_shards(losses, preds, labels, samples, skipped,
+                                                      interleave=sharding == "strided")
         runtime = time.time() - start
-        predictions = _pad_concat(preds) if preds else None
-        label_ids = _pad_concat(labels) if labels else None
+        predictions, label_ids = preds.result(), labels.result()
         metrics = dict(losses.compute(across_ranks=not sharding))
+        head_outputs = preds.named("logits_") or None
+        if head_outputs and callable(getattr(self.model, "head_metrics", None)):
+            metrics.update(self.model.head_metrics(head_outputs, labels.named("labels_")))
         if self.compute_metrics is not None and predictions is not None:
-            metrics.update(self.compute_metrics(EvalPrediction(predictions, label_ids)))
+            metrics.update(plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids))))
         metrics.update(runtime=round(runtime, 4), samples_per_second=round(samples / max(runtime, 1e-9), 3),
                        samples=samples)
         metrics.update({f"skipped_{reason}": n for reason, n in sorted(skipped.items())})
@@ -182,12 +168,14 @@ class EvaluationMixin:
         if self.args.predict_with_generate and predictions is not None and hasattr(self.processing_class, "decode"):
             texts = [self.processing_class.decode([t for t in row if t >= 0], skip_special_tokens=True)
                      for row in predictions.tolist()]
-        return PredictionOutput(predictions, label_ids, metrics, texts)
+        return PredictionOutput(predictions, label_ids, metrics, texts, head_outputs)
 
     def prediction_step(self, model: nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple:
-        """Returns (loss, predictions, labels, extras) where extras holds `loss_*` and `num_items`.
-        Predictions are logits, or generated ids when predict_with_generate is on."""
+        """Returns (loss, predictions, labels, extras) where extras holds `loss_*`, `num_items` and each
+        `num_items_<name>` (the item count of `loss_<name>`). Predictions are logits, generated ids when
+        predict_with_generate is on, or several named outputs (see trainer/predictions.py: head outputs, or
+        transformers' convention when `args.label_names` is set)."""
         prompt = {k[len("prompt_"):]: v.to(self.device) for k, v in inputs.items()
                   if k.startswith("prompt_") and isinstance(v, torch.Tensor)}
         inputs = self._prepare_inputs(inputs)
@@ -202,6 +190,7 @@ class EvaluationMixin:
                     n = num_items_of(outputs, self.model, inputs)
                     if n is not None:
                         extras["num_items"] = n
+                    extras.update({f"num_items_{k[len('loss_'):]}": v for k, v in item_counts(outputs).items()})
         if prediction_loss_only:
             return loss, None, None, extras
         if self.args.predict_with_generate:
@@ -209,18 +198,13 @@ class EvaluationMixin:
                 raise ValueError("predict_with_generate needs `prompt_input_ids` (and prompt_attention_mask) in "
                                  "each batch: have the data collator add the left-padded prompts.")
             return loss, self.generate(prompt), labels, extras
-        logits = None
-        if isinstance(outputs, Mapping):
-            logits = outputs.get("logits")
-            if logits is None:
-                kept = [v for k, v in outputs.items() if k not in (ignore_keys or []) and not k.startswith("loss")
-                        and isinstance(v, torch.Tensor) and v.ndim > 0]
-                logits = kept[0] if kept else None
-        return loss, logits, labels, extras
+        predictions, labels = select_outputs(self.model, outputs, inputs, getattr(self.args, "label_names", None),
+                                             ignore_keys)
+        return loss, predictions, labels, extras
 
     def generate(self, prompt: dict[str, torch.Tensor]) -> torch.Tensor:
         """Greedy generation from the batch's `prompt_*` inputs; returns only the new tokens."""
-        tok = self.processing_class
+        tok = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor's tokenizer
         kwargs = {"max_new_tokens": self.args.generation_max_new_tokens, "do_sample": False}
         if tok is not None and getattr(tok, "pad_token_id", None) is not None:
             kwargs["pad_token_id"] = tok.pad_token_id

@@ -14,16 +14,43 @@ from .args import TrainingArguments
 DEFAULT_GROUP = "default"
 
 
-def _module_key(name: str, keys: list[str]) -> str | None:
-    """The longest key that names a module on `name`'s path ('vision' matches 'vision.x.w' and 'm.vision.w')."""
+MODULE_GROUPS_ATTR = "vlmtrain_module_groups"
+"""A model (or a class) may carry {alias: (parameter-name prefixes, ...)} under this attribute, e.g. a Hub VLM
+{'vision': ('model.visual.blocks', ...), 'projector': (...), 'text': ('model.language_model', 'lm_head')}: the
+model kind sets it from the family record, so module_learning_rates accept the family-independent aliases
+``vision`` / ``projector`` / ``text``. Found through wrappers (score heads, peft)."""
+
+
+def module_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The {alias: prefixes} of `model` or of the first submodule that declares them ({} when none does)."""
+    for module in model.modules():
+        groups = getattr(module, MODULE_GROUPS_ATTR, None)
+        if groups:
+            return {alias: (prefixes,) if isinstance(prefixes, str) else tuple(prefixes)
+                    for alias, prefixes in groups.items()}
+    return {}
+
+
+def _on_path(parts: list[str], pattern: str) -> bool:
+    kp = pattern.split(".")
+    return any(parts[i:i + len(kp)] == kp for i in range(len(parts) - len(kp) + 1))
+
+
+def _module_key(name: str, patterns: list[tuple[str, str]]) -> str | None:
+    """The key whose pattern names the longest module on `name`'s path ('vision' matches 'vision.x.w' and
+    'm.vision.w'); patterns are (pattern, key) pairs, an alias key having one pair per prefix. On a tie the
+    earlier pair wins (explicit keys come before aliases)."""
     parts = name.split(".")
-    best = None
-    for key in keys:
-        kp = key.split(".")
-        hit = any(parts[i:i + len(kp)] == kp for i in range(len(parts) - len(kp) + 1))
-        if hit and (best is None or len(key) > len(best)):
-            best = key
-    return best
+    best: tuple[str, str] | None = None
+    for pattern, key in patterns:
+        if _on_path(parts, pattern) and (best is None or len(pattern) > len(best[0])):
+            best = (pattern, key)
+    return best[1] if best else None
+
+
+def _patterns(keys: list[str], groups: dict[str, tuple[str, ...]]) -> list[tuple[str, str]]:
+    explicit = [(k, k) for k in keys if k not in groups]
+    return explicit + [(prefix, k) for k in keys if k in groups for prefix in groups[k]]
 
 
 def _no_decay_names(model: nn.Module) -> set[str]:
@@ -40,14 +67,18 @@ def _no_decay_names(model: nn.Module) -> set[str]:
 
 def build_param_groups(model: nn.Module, args: TrainingArguments) -> list[dict]:
     """One group per (module learning rate, decay or not). Parameters whose learning rate is 0 are frozen:
-    requires_grad is set to False and they stay out of the optimizer."""
+    requires_grad is set to False and they stay out of the optimizer. Keys are module names or the aliases of
+    :func:`module_groups`; under score heads or peft, names gain `base.` / `base_model.model.` prefixes, which
+    matching ignores. Parameters already frozen (requires_grad=False, e.g. a LoRA base) stay frozen."""
     lrs = dict(args.module_learning_rates or {})
     keys = list(lrs)
+    groups_of = module_groups(model) if keys else {}
+    patterns = _patterns(keys, groups_of)
     no_decay = _no_decay_names(model)
     groups: dict[tuple[str, bool], dict] = {}
     used = set()
     for name, p in model.named_parameters():
-        key = _module_key(name, keys)
+        key = _module_key(name, patterns)
         if key is not None:
             used.add(key)
         lr = lrs[key] if key is not None else args.learning_rate
@@ -65,8 +96,9 @@ def build_param_groups(model: nn.Module, args: TrainingArguments) -> list[dict]:
     unused = [k for k in keys if k not in used]
     if unused:
         top = sorted({n.split(".")[0] for n, _ in model.named_parameters()})
+        aliases = f"; aliases: {sorted(groups_of)}" if groups_of else ""
         raise ConfigError(f"module_learning_rates keys {unused} match no parameter of {type(model).__name__}; "
-                          f"its top-level modules are {top}.")
+                          f"its top-level modules are {top}{aliases}.")
     if not groups:
         raise ConfigError("No trainable parameters: every parameter is frozen (learning rate 0 or "
                           "requires_grad=False).")

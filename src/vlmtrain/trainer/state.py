@@ -77,14 +77,19 @@ class TrainOutput(NamedTuple):
 
 
 class EvalPrediction(NamedTuple):
-    predictions: np.ndarray | None
-    label_ids: np.ndarray | None
+    """What compute_metrics gets: one array each, or tuples when the model returned several outputs (score
+    heads, or `args.label_names`: label_ids in that order)."""
+
+    predictions: np.ndarray | tuple[np.ndarray, ...] | None
+    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
     inputs: np.ndarray | None = None
 
 
 class PredictionOutput(NamedTuple):
-    predictions: np.ndarray | None
-    label_ids: np.ndarray | None
+    predictions: np.ndarray | tuple[np.ndarray, ...] | None
+    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
     metrics: dict[str, float]
     texts: list[str] | None = None
     """Decoded generations when predict_with_generate is on and a tokenizer is known."""
+    heads: dict[str, np.ndarray] | None = None
+    """Score-head outputs (`logits_<name>`) by head name, one row per sample, when the model has heads."""

@@ -23,17 +23,39 @@ def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return found
 
 
+def item_counts(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Per-loss item counts: `loss_<name>` -> the output's `num_items_<name>` (how many items, e.g. samples of a
+    score head, that loss averaged over), for the extra losses that report one."""
+    found = {}
+    for key, value in outputs.items():
+        loss_key = "loss_" + key[len("num_items_"):]
+        if key.startswith("num_items_") and loss_key in outputs and value is not None:
+            n = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value)
+            found[loss_key] = n.reshape(()).float()
+    return found
+
+
 def num_items_of(outputs: Mapping[str, Any], model: Any = None,
                  inputs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
     """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else, for a
-    transformers causal LM (which averages over its shifted labels), those labels counted; else None."""
+    transformers model whose loss is the causal-LM one (causal LMs, and VLMs such as Qwen3-VL whose loss_type
+    is ForConditionalGeneration: both average over the shifted labels), those labels counted; else None."""
     n = outputs.get("num_items", outputs.get("num_tokens")) if isinstance(outputs, Mapping) else None
     if n is None:
         labels = (inputs or {}).get("labels")
-        if getattr(model, "loss_type", None) == "ForCausalLM" and isinstance(labels, torch.Tensor):
+        if _causal_lm_loss(model) and isinstance(labels, torch.Tensor):
             return (labels[..., 1:] != -100).sum().float()
         return None
     return n.detach().reshape(()).float() if isinstance(n, torch.Tensor) else torch.tensor(float(n))
+
+
+def _causal_lm_loss(model: Any) -> bool:
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is None:
+        return False
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return loss_type in LOSS_MAPPING and LOSS_MAPPING[loss_type] is LOSS_MAPPING["ForCausalLM"]
 
 
 class LossAverager:
@@ -43,11 +65,19 @@ class LossAverager:
         self.sums: dict[str, Any] = {}
         self.weights: dict[str, Any] = {}
 
-    def add(self, values: Mapping[str, torch.Tensor], weight: torch.Tensor | float) -> None:
+    def add(self, values: Mapping[str, torch.Tensor], weight: torch.Tensor | float,
+            own_weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Add each value times its weight: ``own_weights[key]`` (a per-loss item count; a value with a count of
+        0 adds nothing, even if it is NaN) if given for that key, else ``weight``."""
         for key, value in values.items():
-            v = value.detach().float() * weight
+            w = weight
+            if own_weights is not None and key in own_weights:
+                w = own_weights[key].to(value.device)
+                v = torch.where(w > 0, value.detach().float() * w, torch.zeros((), device=value.device))
+            else:
+                v = value.detach().float() * w
             self.sums[key] = self.sums[key] + v if key in self.sums else v
-            self.weights[key] = self.weights[key] + weight if key in self.weights else weight
+            self.weights[key] = self.weights[key] + w if key in self.weights else w
 
     def compute(self, across_ranks: bool = True) -> dict[str, float]:
         """Weighted means; under torch.distributed (unless across_ranks=False), over every rank's sums (through

@@ -37,6 +37,7 @@ from .callbacks import (
     TrainerCallback,
 )
 from .evaluation import EvaluationMixin
+from .model_prep import enable_activation_checkpointing, set_tf32
 from .optim import create_optimizer, create_scheduler, learning_rates
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
@@ -48,6 +49,7 @@ from .stats import (
     Throughput,
     extra_losses,
     is_empty_batch,
+    item_counts,
     num_items_of,
 )
 
@@ -74,9 +76,14 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         if self.args.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass "
                              "Trainer(eval_dataset=...) or set eval_strategy='no'.")
+        if self.args.eval_on_start and eval_dataset is None:
+            raise ValueError("eval_on_start=True needs an eval_dataset: pass Trainer(eval_dataset=...).")
         dist.init_from_env(self.args.ddp_timeout)  # under torchrun: join the process group (gloo / NCCL)
         self.device = dist.default_device()
+        set_tf32(self.args.tf32, self.device)
         self.model = model.to(self.device)
+        if self.args.activation_checkpointing:  # before DDP/FSDP wrap the model (in train())
+            enable_activation_checkpointing(self.model, self.args.activation_checkpointing_kwargs)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         pad_id = getattr(processing_class, "pad_token_id", None) or 0
         self.data_collator = data_collator if data_collator is not None else DefaultCollator(pad_id)
@@ -119,11 +126,16 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         if not isinstance(self.train_dataset, IterableDataset):
             sampler = StatefulDistributedSampler(self.train_dataset, num_replicas=self.world_size, rank=self.rank,
                                                  shuffle=True, seed=seed, drop_last=False)
+        workers: dict[str, Any] = {}
+        if args.dataloader_num_workers > 0:  # torch refuses these options without worker processes
+            workers = {"persistent_workers": args.dataloader_persistent_workers,
+                       "prefetch_factor": args.dataloader_prefetch_factor,
+                       "multiprocessing_context": args.dataloader_multiprocessing_context}
         return StatefulDataLoader(
             self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
             collate_fn=self.data_collator, num_workers=args.dataloader_num_workers, drop_last=args.dataloader_drop_last,
             pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed))
+            generator=torch.Generator().manual_seed(seed), **workers)
 
     def _prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Move tensors to the device. `prompt_*` keys (generation only) and the collator's bookkeeping
@@ -153,13 +165,19 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         if args.fsdp and self.optimizer is not None and self.world_size > 1:
             raise ValueError("train.fsdp shards the model's parameters: let the Trainer build the optimizer (do "
                              "not pass optimizers=), or shard the model yourself before building it.")
-        model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16)  # before the optimizer: FSDP
-        model = torch.compile(model) if args.torch_compile else model  # replaces the parameters
+        # Before the optimizer: FSDP replaces the parameters.
+        model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs())
+        if args.torch_compile:
+            model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
         epochs = self._setup_training(loader)
         if resume is not None:
             self._load_checkpoint(resume)
         start = time.time()
         self.control = self._event("on_train_begin")
+        if args.eval_on_start:  # a sanity check of the eval setup, logged at the current step (0 unless resumed)
+            paused = time.perf_counter()
+            self.evaluate()
+            self._throughput.exclude(time.perf_counter() - paused)
         with PreemptionGuard() as self._preemption:  # SIGTERM/SIGUSR1: finish the step, save, return
             while self._epoch_index < epochs and not self.control.should_training_stop:
                 self.control = self._event("on_epoch_begin")
@@ -227,6 +245,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
         # Weighted by targets, so that 1 x batch 4 == 2 x batch 2 (micro-batches and ranks alike).
         n, extras = num_items_of(outputs, self.model, inputs), extra_losses(outputs)
+        counts = item_counts(outputs)  # loss_<name> with its own num_items_<name>: averaged over those
         del outputs  # free logits before backward
         if n is None:  # plain mean loss: weight 1 per micro-batch, no tensor work
             weight = 1.0
@@ -235,7 +254,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             weight = n.to(loss.device)
             (loss * weight).backward()
         self._window_weight = weight if self._window_weight is None else self._window_weight + weight
-        self._step_losses.add({"loss": loss, **extras}, weight)  # joins the log averages if the step is finite
+        self._step_losses.add({"loss": loss, **extras}, weight, counts)  # joins the log averages if the step is finite
         return loss.detach()
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

@@ -54,10 +54,22 @@ def get_kind(name: str) -> ModelKind:
 def kind_of_checkpoint(checkpoint: str) -> ModelKind:
     """The kind whose generate() loads this checkpoint (by its config.json)."""
     path = os.path.join(checkpoint, "config.json")
+    adapter = os.path.join(checkpoint, "adapter_config.json")
+    if not os.path.isfile(path) and os.path.isfile(adapter):  # LoRA: the adapter names its base model
+        with open(adapter) as f:
+            base = json.load(f).get("base_model_name_or_path") or ""
+        path = os.path.join(base, "config.json")
+        if not os.path.isfile(path):  # a Hub id: only transformers can tell its model_type
+            from transformers import AutoConfig
+
+            return _kind_of_config(AutoConfig.from_pretrained(base).to_dict())
     if not os.path.isfile(path):
         raise ConfigError(f"{checkpoint} has no config.json: not a model checkpoint.")
     with open(path) as f:
-        config = json.load(f)
+        return _kind_of_config(json.load(f))
+
+
+def _kind_of_config(config: dict[str, Any]) -> ModelKind:
     for name in KINDS:
         kind = get_kind(name)
         if kind.owns_checkpoint is not None and kind.owns_checkpoint(config):

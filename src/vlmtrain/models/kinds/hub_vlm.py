@@ -1,22 +1,117 @@
 """model.kind: hub_vlm — a transformers VLM (Qwen3-VL, Qwen2.5-VL, SmolVLM/Idefics3, LLaVA-OneVision,
-Gemma 3) loaded from model.pretrained, processed by its own processor, with optional score heads and LoRA."""
+Gemma 3) loaded from model.pretrained, processed by its own processor (with the family's training template,
+checked against the checkpoint's at load), with optional score heads (model.heads) and LoRA (model.lora)."""
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.kinds import ModelKind
 
+DTYPES = ("float32", "bfloat16")
+
 
 def check(cfg: Any) -> None:
-    if not cfg.model.pretrained:
+    m = cfg.model
+    if not m.pretrained:
         raise ConfigError("model.kind='hub_vlm' needs model.pretrained: a Hub id (e.g. Qwen/Qwen3-VL-8B-Instruct) "
                           "or a local directory written by save_pretrained.")
+    if cfg.data.packing:
+        raise ConfigError("data.packing=true: Hub VLM batches are padded, never packed (their position ids and "
+                          "image splicing assume one sample per row). Set data.packing: null or false.")
+    if m.heads is not None:
+        from vlmtrain.models.heads import parse_heads
+
+        parse_heads(m.heads)  # an unknown head type or loss fails before anything is loaded
+
+
+def validate(cfg: Any) -> None:
+    from vlmtrain.models.families import family_of
+
+    family_of(cfg.model.pretrained)  # an unsupported model_type names the supported ones
+
+
+def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None) -> Any:
+    """The transformers VLM of a Hub id or directory (AutoModelForImageTextToText), with the family's module
+    groups attached (module_learning_rates / LoRA aliases vision, projector, text)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from vlmtrain.models.families import family_of
+    from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
+
+    family = family_of(pretrained)
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForImageTextToText.from_pretrained(pretrained, **kwargs)
+    setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
+    stop = family.end_of_turn and _token_id(family.load_processor, pretrained, family.end_of_turn)
+    if stop is not None and model.generation_config is not None:  # generation stops at the end of the turn
+        eos = model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        model.generation_config.eos_token_id = [stop, *[e for e in eos if e != stop]]
+    return model
+
+
+@functools.lru_cache(maxsize=8)
+def _processor(load: Any, path: str) -> Any:
+    return load(path)
+
+
+def _token_id(load: Any, path: str, token: str) -> int | None:
+    tokenizer = getattr(_processor(load, path), "tokenizer", None)
+    ids = tokenizer.convert_tokens_to_ids([token]) if tokenizer is not None else [None]
+    return ids[0] if ids and ids[0] != getattr(tokenizer, "unk_token_id", None) else None
 
 
 def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
-    raise NotImplementedError("hub_vlm is being wired in (issue 13)")
+    """The model (+ heads, + LoRA), the family's processor (the checkpoint's own when it holds one), the
+    collator and the metrics. Head metrics come from the model (WithHeads.head_metrics) with no user code;
+    with predict_with_generate, generated answers are scored by exact match, cut at the end-of-turn token."""
+    import torch
+
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor, check_training_template
+    from vlmtrain.data.metrics import exact_match_metric
+    from vlmtrain.models.families import family_of
+
+    m, d = cfg.model, cfg.data
+    family = family_of(m.pretrained)
+    has_processor = checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
+    processor = family.load_processor(checkpoint if has_processor else m.pretrained)
+    check_training_template(processor, family)  # a mismatch is an error, never an all-zero loss mask
+    torch.manual_seed(cfg.train.seed)  # heads and adapters initialize under the run's seed
+    model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation)
+    heads = {}
+    if m.heads:
+        from vlmtrain.models.heads import WithHeads, check_head_labels, head_label_tensors
+
+        model = WithHeads(model, m.heads)
+        heads = model.head_configs
+    if m.lora:
+        from vlmtrain.models.lora import apply_lora
+
+        model = apply_lora(model, m.lora, family.text_module, dict(family.module_groups))
+    hub_processor = HubVLMProcessor(
+        processor, family, max_length=d.max_length, max_images=d.max_images,
+        label_check=functools.partial(check_head_labels, heads) if heads else None)
+    # Without heads a sample's `labels` dict is not for the model: collated to nothing.
+    collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
+                              if heads else _no_head_labels)
+    tokenizer = processor.tokenizer
+    metrics = None
+    if cfg.train.predict_with_generate:
+        metrics = exact_match_metric(tokenizer, eos_token_id=tokenizer.convert_tokens_to_ids(family.end_of_turn))
+    return {**source, "model": model, "tokenizer": processor, "data_collator": collator,
+            "compute_metrics": metrics, "padded_collator": collator, "process": hub_processor.process}
+
+
+def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
+    return {}
 
 
 def owns_checkpoint(config: dict[str, Any]) -> bool:
@@ -25,4 +120,71 @@ def owns_checkpoint(config: dict[str, Any]) -> bool:
     return config.get("model_type") in REGISTRY
 
 
-KIND = ModelKind("hub_vlm", build=build, check=check, owns_checkpoint=owns_checkpoint)
+def base_of_checkpoint(checkpoint: str) -> str:
+    """Where a checkpoint's full weights are: itself, or for a LoRA checkpoint (adapter only) the base model
+    its adapter_config.json names."""
+    import json
+
+    path = os.path.join(checkpoint, "adapter_config.json")
+    if not os.path.isfile(path):
+        return checkpoint
+    with open(path) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{path} names no base_model_name_or_path: cannot tell which model the adapter is for.")
+    return base
+
+
+def load_checkpoint(checkpoint: str, torch_dtype: str = "float32") -> Any:
+    """A Hub VLM checkpoint as vlmtrain wrote it: full weights or base + LoRA adapter, plus its score heads
+    (heads.json / heads.safetensors) when it has them."""
+    from vlmtrain.trainer.checkpoint import load_model_weights
+
+    model = load_model(base_of_checkpoint(checkpoint), torch_dtype)
+    if os.path.isfile(os.path.join(checkpoint, "heads.json")):
+        from vlmtrain.models.heads import WithHeads, read_head_configs
+
+        model = WithHeads(model, read_head_configs(checkpoint))
+    if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
+        from peft import PeftModel
+
+        if hasattr(model, "heads"):
+            model.base = PeftModel.from_pretrained(model.base, checkpoint)
+        else:
+            model = PeftModel.from_pretrained(model, checkpoint)
+    if hasattr(model, "heads"):
+        load_model_weights(model, checkpoint)  # the heads (the base was loaded above)
+    return model
+
+
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
+    """Greedy answer to one prompt (with images) from a Hub VLM checkpoint (LoRA ones included), stopping at
+    the family's end-of-turn token."""
+    import torch
+
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.data.processing import SkipSample
+    from vlmtrain.models.families import family_of
+
+    base = base_of_checkpoint(checkpoint)
+    family = family_of(base)
+    has_processor = os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
+    processor = family.load_processor(checkpoint if has_processor else base)
+    hub = HubVLMProcessor(processor, family, max_length=1 << 20, max_images=len(images or []))
+    try:
+        item = hub.process({"images": list(images or []), "texts": [{"user": prompt}]})
+    except SkipSample as e:
+        raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
+    batch = HubVLMCollator(hub)([item])
+    inputs = {k[len("prompt_"):]: v for k, v in batch.items() if k.startswith("prompt_")}
+    model = load_checkpoint(checkpoint)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=processor.tokenizer.pad_token_id)
+    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
+                 generate=generate)

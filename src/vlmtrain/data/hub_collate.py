@@ -1,0 +1,144 @@
+"""Hub VLM collation: raw the_cauldron samples -> one batch laid out as the family's model expects.
+
+Per-sample tensors come from :class:`~vlmtrain.data.hub_processing.HubVLMProcessor`; how each key is batched
+comes from the family's ``batch_layout`` (see :mod:`vlmtrain.models.families.base`). No packing: the
+models' own code (M-RoPE positions, image splicing) assumes one sample per row.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from vlmtrain.data.collate import pad_sequences
+from vlmtrain.data.hub_processing import HubVLMProcessor
+from vlmtrain.data.packing import pack_stats
+from vlmtrain.data.processing import IGNORE_INDEX, SkipSample
+from vlmtrain.data.sources import KEY, drop_counts
+
+logger = logging.getLogger(__name__)
+_PASS_THROUGH = ("num_images", "head_labels")
+
+
+class HubVLMCollator:
+    """Processes and batches a list of raw samples for a Hub VLM; bad samples are skipped and counted.
+
+    * ``input_ids`` / ``attention_mask`` / ``labels`` and every ``pad``-layout key (Qwen's
+      ``mm_token_type_ids``, Gemma 3's ``token_type_ids``): right-padded with the pad id / 0 / -100 /
+      ``family.pad_values`` (default 0);
+    * ``concat`` keys (Qwen's ``pixel_values``, ``image_grid_thw``): concatenated in sample order, which is
+      placeholder order; ``pad_images`` keys: [B, max images, ...], zero-padded per sample; ``stack`` keys:
+      stacked; a callable layout gets the list of per-sample tensors. A key only some samples have (a sample
+      without images has no pixels) is built from those that have it (``pad_images``: zeros for the others);
+    * ``prompt_*``: the generation prompts with the same layout, but LEFT-padded so new tokens follow directly;
+    * ``head_labels``: a list with each sample's ``labels`` dict (None where it has none), absent when no
+      sample has one; with ``label_collate`` its output (a dict of tensors) is merged into the batch instead.
+
+    Bookkeeping as :class:`~vlmtrain.data.vlm_collate.VLMCollator`: ``skipped`` (this batch's counts by
+    reason), ``skipped_keys`` (up to 5), ``pack_stats`` (never packed: rows = samples); ``self.skipped`` is the
+    running total. Already-processed items (dicts with ``input_ids``) pass through. If every sample is bad the
+    batch holds only the bookkeeping keys.
+    """
+
+    def __init__(self, hub_processor: HubVLMProcessor,
+                 label_collate: Callable[[list[dict[str, Any] | None]], dict[str, torch.Tensor]] | None = None) -> None:
+        pad = hub_processor.tokenizer.pad_token_id
+        if pad is None:
+            raise ValueError(f"HubVLMCollator needs a tokenizer with a pad token ({hub_processor.family.name})")
+        self.processor = hub_processor
+        self.family = hub_processor.family
+        self.label_collate = label_collate
+        self.pad_token_id = int(pad)
+        self.skipped: Counter[str] = Counter()
+
+    def without_packing(self) -> HubVLMCollator:
+        """This collator (Hub VLM batches are never packed); what evaluation and prediction use."""
+        return self
+
+    def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
+        for reason, n in drop_counts(sample).items():  # what a stream dropped before this sample
+            self.skipped[reason] += n
+            skipped[reason] += n
+        if isinstance(sample, Mapping) and "input_ids" in sample:
+            return dict(sample)
+        try:
+            return self.processor.process(sample)
+        except SkipSample as err:
+            key = sample.get(KEY, sample.get("id", "?")) if isinstance(sample, Mapping) else "?"
+            if not self.skipped[err.reason]:  # warn once per reason, then only count
+                logger.warning("skipping bad sample %s (%s); further ones are only counted", key, err)
+            self.skipped[err.reason] += 1
+            skipped[err.reason] += 1
+            keys.append(f"{key} ({err.reason})")
+            return None
+
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
+        if not samples:
+            raise ValueError("Cannot collate an empty list of samples.")
+        skipped: Counter[str] = Counter()
+        keys: list[str] = []
+        items = [it for it in (self._process(s, skipped, keys) for s in samples) if it is not None]
+        if not items:  # nothing for the model: the Trainer counts the drops and moves on to the next batch
+            return {"skipped": dict(+skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
+        batch = self.collate_items(items, side="right")
+        if any("prompt_input_ids" in it for it in items):
+            prompts = [{k[len("prompt_"):]: v for k, v in it.items() if k.startswith("prompt_")} for it in items]
+            batch.update({f"prompt_{k}": v for k, v in self.collate_items(prompts, side="left").items()})
+        heads = [it.get("head_labels") for it in items]
+        if self.label_collate is not None:
+            batch.update(self.label_collate(heads))
+        elif any(h is not None for h in heads):
+            batch["head_labels"] = heads
+        rows, width = batch["input_ids"].shape
+        n_images = sum(int(it.get("num_images", 0)) for it in items)
+        lengths = sum(int(len(it["input_ids"])) for it in items)
+        return {**batch, "skipped": dict(+skipped), "skipped_keys": keys[:5],
+                "pack_stats": pack_stats(len(items), lengths, rows, width, n_images)}
+
+    def collate_items(self, items: list[dict[str, Any]], side: str = "right") -> dict[str, Any]:
+        """Batch per-sample tensors by the family's layout (``side``: where 'pad' keys are padded)."""
+        layout = self.family.batch_layout
+        pad_values = {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX,
+                      **self.family.pad_values}
+        names = [k for k in dict.fromkeys(k for it in items for k in it)
+                 if not k.startswith("prompt_") and k not in _PASS_THROUGH]
+        batch: dict[str, Any] = {}
+        for key in names:
+            values = [it.get(key) for it in items]
+            present = [torch.as_tensor(v) for v in values if v is not None]
+            how = "pad" if key in ("input_ids", "attention_mask", "labels") else layout.get(key)
+            if how is None:  # undeclared: per-token if as long as input_ids, else stacked
+                same = all(v is not None and v.ndim >= 1 and len(v) == len(it["input_ids"])
+                           for v, it in zip(values, items))
+                how = "pad" if same else "stack"
+            if callable(how):
+                batch[key] = how(present)
+            elif how == "concat":
+                batch[key] = torch.cat(present)
+            elif how == "pad":
+                if len(present) != len(items):
+                    raise ValueError(f"per-token key {key!r} is missing from some samples")
+                batch[key] = pad_sequences(present, pad_values.get(key, 0), side=side)
+            elif how == "pad_images":
+                batch[key] = _pad_images(values, present[0])
+            elif how == "stack":
+                if len(present) != len(items):
+                    raise ValueError(f"key {key!r} (layout 'stack') is missing from some samples")
+                batch[key] = torch.stack(present)
+            else:
+                raise ValueError(f"family {self.family.name!r}: unknown batch layout {how!r} for key {key!r}")
+        return batch
+
+
+def _pad_images(values: list[Any], like: torch.Tensor) -> torch.Tensor:
+    """[N_i, ...] per sample (None: no images) -> [B, max N_i, ...], zero-padded."""
+    most = max((len(v) for v in values if v is not None), default=0)
+    out = like.new_zeros((len(values), most, *like.shape[1:]))
+    for i, v in enumerate(values):
+        if v is not None and len(v):
+            out[i, : len(v)] = torch.as_tensor(v)
+    return out

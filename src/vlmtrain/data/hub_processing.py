@@ -1,0 +1,235 @@
+"""Processing for Hub VLMs through the model's own processor: chat template, token expansion, pixels, labels.
+
+vlmtrain renders a the_cauldron sample as content-block messages (all images in the first user turn, in
+order) and calls ``processor.apply_chat_template`` with the family's training template (the checkpoint's
+template plus ``{% generation %}`` markers); the processor expands image placeholders and makes the pixel
+tensors. Labels are ``input_ids`` where the assistant mask is 1 (assistant text + end-of-turn token), -100
+elsewhere. :func:`check_training_template` proves at load time that the training template renders exactly
+like the checkpoint's own and that its mask is not all zeros.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from PIL import Image
+
+from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, load_image
+from vlmtrain.errors import ConfigError
+
+_MARKER = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
+
+
+def strip_generation_markers(template: str) -> str:
+    """``template`` with its ``{% generation %}`` / ``{% endgeneration %}`` tags removed."""
+    return _MARKER.sub("", template)
+
+
+def _text_block(text: str) -> dict[str, str]:
+    return {"type": "text", "text": text}
+
+
+def build_messages(turns: list[tuple[str, str | None]], images: list[Any]) -> list[dict[str, Any]]:
+    """Content-block messages: each turn a user message (the first one starts with every image, in order)
+    and, when its assistant text is not None, an assistant message."""
+    messages: list[dict[str, Any]] = []
+    for i, (user, assistant) in enumerate(turns):
+        blocks = [{"type": "image", "image": img} for img in images] if i == 0 else []
+        messages.append({"role": "user", "content": [*blocks, _text_block(user)]})
+        if assistant is not None:
+            messages.append({"role": "assistant", "content": [_text_block(assistant)]})
+    return messages
+
+
+class HubVLMProcessor:
+    """Turns the_cauldron samples into per-sample tensors with a Hub VLM's own processor.
+
+    ``process(sample)`` returns ``input_ids`` / ``attention_mask`` / ``labels`` ([L]), the processor's other
+    outputs (per-token keys such as ``mm_token_type_ids`` as [L]; ``concat``-layout keys such as Qwen's
+    ``pixel_values`` / ``image_grid_thw`` as the processor returns them; other keys without the batch
+    dimension of 1, except callable layouts, which get the processor's tensor unchanged), the same for the
+    generation prompt under ``prompt_*`` (conversation up to the last user turn plus the generation prompt),
+    ``num_images``, and ``head_labels`` (the sample's ``labels`` dict, untouched) when the sample has one.
+
+    A last turn without assistant text (missing, None or "") is rendered without an assistant message: with
+    no assistant turn at all the sample is score-only (every label -100). Bad samples raise
+    :class:`~vlmtrain.data.processing.SkipSample`; an over-long one (> ``max_length`` tokens, image tokens
+    included) is dropped, never truncated.
+    """
+
+    def __init__(self, processor: Any, family: Any, max_length: int = 2048, max_images: int = 8,
+                 label_check: Callable[[dict[str, Any]], Any] | None = None, prompts: bool = True) -> None:
+        if max_length < 1 or max_images < 0:
+            raise ValueError(f"max_length must be >= 1 and max_images >= 0, got {max_length}, {max_images}")
+        self.processor, self.family = processor, family
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.max_length, self.max_images = max_length, max_images
+        self.label_check, self.prompts = label_check, prompts
+        self.image_token = getattr(processor, "image_token", None)
+
+    # -- input checks -----------------------------------------------------------------------------
+    def _turns(self, texts: Any) -> list[tuple[str, str | None]]:
+        if texts is None or (isinstance(texts, (list, tuple)) and not texts):
+            raise SkipSample("empty_conversation", "no texts")
+        if isinstance(texts, dict):
+            texts = [texts]
+        if not isinstance(texts, (list, tuple)):
+            raise SkipSample("malformed_text", f"texts is a {type(texts).__name__}, expected a list")
+        turns: list[tuple[str, str | None]] = []
+        for i, turn in enumerate(texts):
+            if not isinstance(turn, dict):
+                raise SkipSample("malformed_text", f"turn {i} is a {type(turn).__name__}, expected a dict")
+            user, assistant = turn.get("user"), turn.get("assistant")
+            if not isinstance(user, str) or not user.strip():
+                raise SkipSample("malformed_text", f"turn {i}: 'user' must be a non-empty string")
+            if assistant is not None and not isinstance(assistant, str):
+                raise SkipSample("malformed_text", f"turn {i}: 'assistant' must be a string")
+            if not (assistant or "").strip():
+                if i != len(texts) - 1:
+                    raise SkipSample("malformed_text", f"turn {i}: empty assistant text before the last turn")
+                assistant = None
+            for text in (user, assistant or ""):
+                if self.image_token and self.image_token in text:
+                    raise SkipSample("placeholder_mismatch", f"turn {i}: text contains the image token "
+                                     f"{self.image_token!r}; images are placed by vlmtrain")
+            turns.append((user, assistant))
+        return turns
+
+    def _images(self, images: Any) -> list[Image.Image]:
+        if images is None:
+            return []
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if len(images) > self.max_images:
+            raise SkipSample("too_many_images", f"{len(images)} > max_images={self.max_images}")
+        return [load_image(img) for img in images]
+
+    # -- processor calls --------------------------------------------------------------------------
+    def _call(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, torch.Tensor]:
+        try:
+            out = self.processor.apply_chat_template(
+                messages, chat_template=self.family.training_template, tokenize=True, return_dict=True,
+                return_tensors="pt", **kwargs)
+        except (ValueError, IndexError) as err:  # e.g. image tokens that do not match the images
+            raise SkipSample("placeholder_mismatch", str(err)[:200]) from err
+        return dict(out)
+
+    def _unbatch(self, out: Mapping[str, torch.Tensor], length: int) -> dict[str, Any]:
+        layout = self.family.batch_layout
+        item: dict[str, Any] = {}
+        for key, value in out.items():
+            if not isinstance(value, torch.Tensor):
+                value = torch.as_tensor(value)
+            how = layout.get(key, "pad" if value.ndim == 2 and value.shape == (1, length) else "stack")
+            if how == "concat" or callable(how):
+                item[key] = value
+            elif value.ndim >= 1 and value.shape[0] == 1:
+                item[key] = value[0]
+            else:
+                raise ValueError(f"processor output {key!r} has shape {tuple(value.shape)} for one sample; "
+                                 f"expected a leading batch dimension of 1 (or declare it 'concat' in the "
+                                 f"{self.family.name} family's batch_layout)")
+        return item
+
+    def process(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """One sample -> per-sample tensors (see the class docstring); raises SkipSample for a bad one."""
+        if not isinstance(sample, dict):
+            raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
+        if sample.get("__bad__"):
+            raise SkipSample(str(sample["__bad__"]), "unreadable record")
+        turns = self._turns(sample.get("texts"))
+        head_labels = sample.get("labels")
+        if head_labels is not None:
+            if not isinstance(head_labels, dict):
+                raise SkipSample("bad_head_label", f"'labels' is a {type(head_labels).__name__}, expected a "
+                                 f"dict {{head: value}}")
+            if self.label_check is not None:
+                self.label_check(head_labels)
+        images = self._images(sample.get("images"))
+
+        out = self._call(build_messages(turns, images), return_assistant_tokens_mask=True)
+        mask = torch.as_tensor(out.pop("assistant_masks"))
+        length = int(out["input_ids"].shape[-1])
+        if length > self.max_length:
+            raise SkipSample("too_long", f"{length} tokens > max_length={self.max_length}")
+        item = self._unbatch(out, length)
+        item["labels"] = torch.where(mask.reshape(-1).bool(), item["input_ids"], IGNORE_INDEX)
+        if self.prompts:
+            prompt_turns = turns if turns[-1][1] is None else [*turns[:-1], (turns[-1][0], None)]
+            prompt = self._call(build_messages(prompt_turns, images), add_generation_prompt=True)
+            p_len = int(prompt["input_ids"].shape[-1])
+            item.update({f"prompt_{k}": v for k, v in self._unbatch(prompt, p_len).items()})
+        item["num_images"] = len(images)
+        if head_labels is not None:
+            item["head_labels"] = head_labels
+        return item
+
+    __call__ = process
+
+
+# -- the load-time template check ---------------------------------------------------------------
+def _probes(image: Image.Image) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(name, messages) probe conversations: 1 and 2 images, multi-turn, text only."""
+    return [
+        ("one image, one turn", build_messages([("Describe the image.", "A red square.")], [image])),
+        ("two images, two turns", build_messages([("Compare them.", "Both are red."),
+                                                  ("Which is larger?", "The first one.")], [image, image])),
+        ("text only, three turns", build_messages([("Hi", "Hello!"), ("2+2?", "4"), ("Thanks", "You're welcome.")],
+                                                  [])),
+    ]
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def check_training_template(processor: Any, family: Any) -> None:
+    """Raise ConfigError unless ``family.training_template`` is fit for training with this checkpoint.
+
+    On probe conversations (1 and 2 images, multi-turn, text only; with and without a generation prompt)
+    the training template with its generation markers removed must render byte-identically to the
+    processor's own chat template, and the assistant mask it yields (text-only probe) must cover exactly
+    the assistant texts and end-of-turn tokens (never all zeros).
+    """
+    name = getattr(family, "name", "?")
+    training = family.training_template
+    if not _MARKER.search(training or ""):
+        raise ConfigError(f"family {name!r}: the training template has no {{% generation %}} markers; "
+                          f"its assistant mask would be all zeros (nothing to train on).")
+    own = getattr(processor, "chat_template", None)
+    if isinstance(own, dict):
+        own = own.get("default")
+    if not own:
+        raise ConfigError(f"family {name!r}: the checkpoint's processor has no chat template to check the "
+                          f"training template against.")
+    stripped = strip_generation_markers(training)
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    for probe, messages in _probes(image):
+        for gen in (False, True):
+            msgs = messages[:-1] if gen else messages  # the generation prompt follows a user turn
+            want = processor.apply_chat_template(msgs, chat_template=own, add_generation_prompt=gen)
+            got = processor.apply_chat_template(msgs, chat_template=stripped, add_generation_prompt=gen)
+            if got != want:
+                i = _first_difference(got, want)
+                raise ConfigError(
+                    f"family {name!r}: the training template (markers removed) renders differently from the "
+                    f"checkpoint's chat template on probe {probe!r} (add_generation_prompt={gen}) at "
+                    f"character {i}: training {got[max(0, i - 40):i + 40]!r} vs checkpoint "
+                    f"{want[max(0, i - 40):i + 40]!r}. Update the family's training template.")
+    probe, messages = _probes(image)[-1]
+    out = processor.apply_chat_template(messages, chat_template=training, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True, return_tensors="pt")
+    ids, mask = out["input_ids"].reshape(-1), torch.as_tensor(out["assistant_masks"]).reshape(-1).bool()
+    if not mask.any():
+        raise ConfigError(f"family {name!r}: the training template's assistant mask is all zeros on probe "
+                          f"{probe!r}; its {{% generation %}} markers must enclose the assistant replies.")
+    tokenizer = getattr(processor, "tokenizer", processor)
+    got = "".join(tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False).split())
+    want = "".join("".join(m["content"][0]["text"] + family.end_of_turn
+                           for m in messages if m["role"] == "assistant").split())
+    if got != want:
+        raise ConfigError(f"family {name!r}: the training template's assistant mask covers {got!r} on probe "
+                          f"{probe!r}; expected the assistant texts each followed by {family.end_of_turn!r}: "
+                          f"{want!r}.")

@@ -1,0 +1,147 @@
+"""What Qwen3-VL and Qwen2.5-VL share: tokens, the image-only processor, the tiny tokenizer and builder.
+
+Both families use ChatML with ``<|vision_start|><|image_pad|><|vision_end|>`` per image; the processor
+expands ``<|image_pad|>`` to one token per merged patch and returns ``pixel_values`` (all patches of all
+images, concatenated), ``image_grid_thw`` ([n_images, 3]) and ``mm_token_type_ids`` (1 on image tokens).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+VISION_PAD, VIDEO_PAD = "<|vision_pad|>", "<|video_pad|>"
+# Order fixes the ids after the 256 byte-level tokens: <|endoftext|> = 256, ...
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, VISION_PAD, IMAGE_PAD, VIDEO_PAD)
+TINY_VOCAB = 256 + len(SPECIAL_TOKENS) + 8  # a little slack, as real checkpoints have
+
+# Batch layout shared by both: pixels of every image concatenated in placeholder order, one grid row per image,
+# the multimodal token types padded like input_ids.
+QWEN_BATCH_LAYOUT = {"pixel_values": "concat", "image_grid_thw": "concat", "mm_token_type_ids": "pad"}
+
+def special_token_ids() -> dict[str, int]:
+    """Token -> id in the tiny tokenizer (:func:`build_tiny_tokenizer`)."""
+    return {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
+
+
+def build_tiny_tokenizer(chat_template: str) -> Any:
+    """A byte-level tokenizer (256 byte tokens, no merges) plus Qwen's special tokens, built offline.
+
+    Like Qwen's own: pad ``<|endoftext|>``, eos ``<|im_end|>``, no bos, ``image_token`` ``<|image_pad|>``.
+    """
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    # bytes_to_unicode order is irrelevant for a tiny model; sort so ids are deterministic.
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=ENDOFTEXT, eos_token=IM_END, bos_token=None, unk_token=None,
+        extra_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD,
+                              "vision_start_token": VISION_START, "vision_end_token": VISION_END},
+        padding_side="right", clean_up_tokenization_spaces=False, model_max_length=32768,
+    )
+    tokenizer.chat_template = chat_template
+    ids = special_token_ids()
+    assert all(tokenizer.convert_tokens_to_ids(t) == i for t, i in ids.items()), "special token ids moved"
+    return tokenizer
+
+
+def image_only_processor_class(base: type) -> type:
+    """A subclass of a Qwen processor class that takes no video processor (which would need torchvision)."""
+
+    class ImageOnlyProcessor(base):  # type: ignore[misc, valid-type]
+        __doc__ = f"{base.__name__} with an image processor and a tokenizer only (no video processor)."
+
+        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{base.__name__}"
+    return ImageOnlyProcessor
+
+
+def load_image_only_processor(path: str, processor_class: type) -> Any:
+    """Image processor (PIL backend, never torchvision) + tokenizer + the checkpoint's chat template.
+
+    ``path`` is a Hub id or a local directory; AutoProcessor is not used (on a checkpoint without a video
+    processor it returns a bare tokenizer, and with one it needs torchvision).
+    """
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # The processor's own template file first (what the model card uses), then the tokenizer's.
+    template = _processor_chat_template(path) or getattr(tokenizer, "chat_template", None)
+    if template is None:
+        from ...errors import ConfigError
+
+        raise ConfigError(f"{path}: no chat template found (tokenizer_config.json / chat_template.jinja / "
+                          f"chat_template.json); a Hub VLM checkpoint needs its chat template.")
+    return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+
+
+def _processor_chat_template(path: str) -> str | None:
+    """The chat template a processor saved on its own (chat_template.jinja or chat_template.json)."""
+    import json
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        local = os.path.join(path, name)
+        if not os.path.isdir(path):
+            try:
+                from huggingface_hub import hf_hub_download
+
+                local = hf_hub_download(path, name)
+            except Exception:  # noqa: BLE001 - the file is optional on the Hub
+                continue
+        if os.path.isfile(local):
+            with open(local) as f:
+                text = f.read()
+            return json.loads(text)["chat_template"] if name.endswith(".json") else text
+    return None
+
+
+def save_tiny(out_dir: str, model_class: type, config: Any, processor: Any, seed: int) -> str:
+    """Random-init ``model_class(config)`` with ``seed``, then save model and processor to ``out_dir``."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    processor.image_processor.save_pretrained(out_dir)
+    processor.tokenizer.save_pretrained(out_dir)
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
+        f.write(processor.tokenizer.chat_template)
+    return out_dir
+
+
+def tiny_image_processor(patch_size: int, merge_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> Any:
+    """A PIL Qwen image processor for tiny images: a 32 px image -> (32 / patch)^2 / merge^2 tokens."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    factor = patch_size * merge_size
+    return Qwen2VLImageProcessorPil(
+        patch_size=patch_size, merge_size=merge_size, temporal_patch_size=2, image_mean=list(mean),
+        image_std=list(std), size={"shortest_edge": factor * factor, "longest_edge": 4 * factor * factor * 4},
+    )
+
+
+def text_ids(vocab_size: int = TINY_VOCAB) -> dict[str, int]:
+    """The special-token ids every tiny Qwen config sets explicitly (so no real-model id leaks in)."""
+    ids = special_token_ids()
+    return {"image_token_id": ids[IMAGE_PAD], "video_token_id": ids[VIDEO_PAD],
+            "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
+            "pad_token_id": ids[ENDOFTEXT], "eos_token_id": ids[IM_END], "bos_token_id": ids[ENDOFTEXT],
+            "vocab_size": vocab_size}
+
+
+TinyBuilder = Callable[..., str]

@@ -1,0 +1,333 @@
+"""Score heads on a base model's last non-pad token, and the multi-loss output contract they feed.
+
+`WithHeads(base, heads)` wraps any transformers LM / VLM (or a peft model around one). Its forward takes the
+batch plus one label tensor per head (`labels_<name>`, built by :func:`head_label_tensors` from the samples'
+`labels: {<name>: value}`) and returns `loss` = LM loss (if the batch has `labels`) + sum(weight * loss_<name>),
+with `loss_<name>` / `num_items_<name>` per head (each head averages over the samples that have its label) and
+`logits_<name>`, so the Trainer logs every loss averaged over its own items and evaluation gets head metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ConfigError
+from .head_metrics import compute_head_metrics, head_metrics
+
+__all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_tensors",
+           "head_metrics", "load_heads", "parse_heads", "pool_last_token", "read_head_configs", "save_heads"]
+
+HEAD_TYPES = ("classification", "regression")
+HEAD_LOSSES = {"classification": ("ce", "bce"), "regression": ("mse", "huber")}
+HEADS_WEIGHTS = "heads.safetensors"
+HEADS_CONFIG = "heads.json"
+
+
+@dataclass
+class HeadConfig:
+    """One score head: a linear layer on the pooled last-token hidden state."""
+
+    type: str = "classification"
+    """`classification` (labels: a class index for `ce`, a 0/1 list of num_outputs for `bce`) or `regression`."""
+    num_outputs: int = 1
+    """Classes (ce), independent labels (bce) or regressed values."""
+    loss: str = ""
+    """ce | bce (classification), mse | huber (regression); empty: ce / mse."""
+    weight: float = 1.0
+    """Factor of this head's loss in the total `loss`."""
+
+
+def parse_heads(spec: Mapping[str, Any] | None) -> dict[str, HeadConfig]:
+    """`model.heads` ({name: {type, num_outputs, loss, weight}}) as HeadConfigs, with defaults filled in;
+    a ConfigError names the bad key (`model.heads.<name>.<key>`) and what was expected."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise ConfigError(f"model.heads: expected a mapping of head name -> options, got {type(spec).__name__}")
+    fields = [f.name for f in dataclasses.fields(HeadConfig)]
+    heads = {}
+    for name, options in spec.items():
+        where = f"model.heads.{name}"
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError(f"{where}: a head name must be an identifier (it becomes loss_<name>, labels_<name>)")
+        if isinstance(options, HeadConfig):
+            options = dataclasses.asdict(options)
+        if not isinstance(options, Mapping):
+            raise ConfigError(f"{where}: expected a mapping with keys {fields}, got {type(options).__name__}")
+        for key in options:
+            if key not in fields:
+                raise ConfigError(f"{where}.{key}: unknown key; expected one of {fields}")
+        kind = options.get("type", "classification")
+        if kind not in HEAD_TYPES:
+            raise ConfigError(f"{where}.type: {kind!r} is not a head type; expected one of {list(HEAD_TYPES)}")
+        loss = options.get("loss") or HEAD_LOSSES[kind][0]
+        if loss not in HEAD_LOSSES[kind]:
+            raise ConfigError(f"{where}.loss: {loss!r} is not a loss for a {kind} head; expected one of "
+                              f"{list(HEAD_LOSSES[kind])}")
+        default_outputs = 1 if kind == "regression" else None
+        num = options.get("num_outputs", default_outputs)
+        if num is None:
+            raise ConfigError(f"{where}.num_outputs: a classification head needs its number of classes")
+        if isinstance(num, bool) or not isinstance(num, int) or num < 1 or (loss == "ce" and num < 2):
+            raise ConfigError(f"{where}.num_outputs: expected an integer >= {2 if loss == 'ce' else 1}, got {num!r}")
+        weight = options.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ConfigError(f"{where}.weight: expected a finite number, got {weight!r}")
+        heads[name] = HeadConfig(type=kind, num_outputs=num, loss=loss, weight=float(weight))
+    return heads
+
+
+def pool_last_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, L, H] -> [B, H]: each row's last position whose attention mask is 1 (left or right padding alike;
+    never decided by pad id). Without a mask: the last position."""
+    if attention_mask is None:
+        return hidden[:, -1]
+    mask = attention_mask.to(hidden.device).bool()
+    positions = torch.arange(1, mask.shape[-1] + 1, device=hidden.device)
+    last = (mask * positions).argmax(dim=-1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+class ScoreHeads(nn.Module):
+    """One nn.Linear(hidden, num_outputs) per head; parameters stay float32 (also after `.to(bfloat16)`) and
+    run outside autocast."""
+
+    def __init__(self, hidden_size: int, head_configs: Mapping[str, HeadConfig]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({name: nn.Linear(hidden_size, c.num_outputs)
+                                     for name, c in head_configs.items()})
+
+    def _apply(self, fn: Any, recurse: bool = True) -> ScoreHeads:
+        def keep_fp32(t: torch.Tensor) -> torch.Tensor:
+            t = fn(t)
+            return t.float() if t.is_floating_point() else t
+
+        return super()._apply(keep_fp32, recurse)
+
+    def forward(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
+        with torch.autocast(pooled.device.type, enabled=False):
+            return {name: layer(pooled.float()) for name, layer in self.layers.items()}
+
+
+def head_loss(config: HeadConfig, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss over the samples that have a label, their count). Missing: -100 (ce) or NaN (others).
+    With no labelled sample the loss is 0 (still part of the graph) and the count 0."""
+    if config.loss == "ce":
+        labels = labels.to(logits.device).long().reshape(-1)
+        valid = labels != -100
+        total = F.cross_entropy(logits, labels.masked_fill(~valid, 0), reduction="none")
+    else:
+        labels = labels.to(logits.device).float().reshape(logits.shape[0], -1)
+        valid_cells = ~torch.isnan(labels)
+        valid = valid_cells.all(dim=-1)
+        target = torch.where(valid_cells, labels, torch.zeros_like(labels))
+        if config.loss == "bce":
+            cells = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        elif config.loss == "mse":
+            cells = F.mse_loss(logits, target, reduction="none")
+        else:
+            cells = F.huber_loss(logits, target, reduction="none")
+        total = cells.mean(dim=-1)
+    count = valid.sum()
+    loss = torch.where(valid, total, torch.zeros_like(total)).sum() / count.clamp(min=1)
+    return loss, count
+
+
+def _inner_model(base: nn.Module) -> nn.Module:
+    getter = getattr(base, "get_base_model", None)  # a peft PeftModel
+    return getter() if callable(getter) else base
+
+
+class WithHeads(nn.Module):
+    """A base model (transformers LM/VLM, or a peft model around one) plus score heads on its last non-pad
+    token's final hidden state.
+
+    forward(**batch): the base gets the batch without the head labels (`labels_<name>`), with
+    `output_hidden_states=True`. Returned dict: `loss`, `num_items` (the LM target count if the batch has LM
+    targets, else the batch size: the Trainer weights micro-batches by it), `loss_lm`/`num_items_lm` (when the
+    batch has `labels`), per head `loss_<name>` and `num_items_<name>` (only when the batch has `labels_<name>`)
+    and `logits_<name>` [B, num_outputs], and `logits` (the base's LM logits; only the last position when the
+    batch has no LM labels and the base accepts `logits_to_keep`).
+    """
+
+    def __init__(self, base: nn.Module, heads: Mapping[str, Any], hidden_size: int | None = None) -> None:
+        super().__init__()
+        self.base = base
+        self.head_configs = parse_heads({k: dataclasses.asdict(v) if isinstance(v, HeadConfig) else v
+                                         for k, v in heads.items()})
+        if not self.head_configs:
+            raise ConfigError("model.heads: WithHeads needs at least one head")
+        if hidden_size is None:
+            config = getattr(base, "config", None)
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            hidden_size = getattr(text, "hidden_size", None)
+            if hidden_size is None:
+                raise ValueError(f"WithHeads: cannot read hidden_size from {type(base).__name__}'s config; "
+                                 "pass hidden_size=")
+        self.hidden_size = hidden_size
+        self.heads = ScoreHeads(hidden_size, self.head_configs)
+        accepted = inspect.signature(_inner_model(base).forward).parameters
+        self._base_accepts = set(accepted)
+
+    @property
+    def config(self) -> Any:
+        return getattr(self.base, "config", None)
+
+    def forward(self, **batch: Any) -> dict[str, torch.Tensor]:
+        head_labels = {name: batch.pop(f"labels_{name}") for name in self.head_configs if f"labels_{name}" in batch}
+        lm_labels = batch.pop("labels", None)
+        if "use_cache" in self._base_accepts:
+            batch.setdefault("use_cache", False)
+        if lm_labels is None and "logits_to_keep" in self._base_accepts:
+            batch.setdefault("logits_to_keep", 1)  # score-only: no full-vocabulary logits for every position
+        out = self.base(**batch, output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        pooled = pool_last_token(hidden, batch.get("attention_mask"))
+        result: dict[str, torch.Tensor] = {"logits": out.logits}
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        num_items = torch.tensor(float(hidden.shape[0]), device=hidden.device)
+        if lm_labels is not None:
+            loss_lm, n_lm = self.lm_loss(out.logits, lm_labels)
+            result.update(loss_lm=loss_lm, num_items_lm=n_lm)
+            loss = loss + loss_lm
+            num_items = torch.where(n_lm > 0, n_lm, num_items)
+        for name, logits in self.heads(pooled).items():
+            result[f"logits_{name}"] = logits
+            if name in head_labels:
+                config = self.head_configs[name]
+                value, count = head_loss(config, logits, head_labels[name])
+                result[f"loss_{name}"], result[f"num_items_{name}"] = value, count.float()
+                loss = loss + config.weight * value
+        result.update(loss=loss, num_items=num_items)
+        return result
+
+    @staticmethod
+    def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean next-token cross-entropy over the shifted targets (labels != -100), and their count; 0 and 0
+        for a batch without targets (score-only samples), never NaN."""
+        labels = labels.to(logits.device)[:, 1:]
+        logits = logits[:, :-1].float()
+        valid = labels != -100
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.masked_fill(~valid, 0).reshape(-1),
+                                reduction="none")
+        count = valid.sum().float()
+        return (total * valid.reshape(-1)).sum() / count.clamp(min=1), count
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The base model's generate (heads take no part)."""
+        return self.base.generate(*args, **kwargs)
+
+    def head_metrics(self, predictions: Mapping[str, np.ndarray],
+                     labels: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """Evaluation metrics per head, `<name>_<metric>` (see :func:`compute_head_metrics`); the Trainer's
+        evaluation calls this for models that have it, with `logits_<name>` / `labels_<name>` arrays by name."""
+        return compute_head_metrics(self.head_configs, predictions, labels)
+
+
+def head_label_tensors(head_configs: Mapping[str, HeadConfig],
+                       raw: list[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
+    """`labels_<name>` tensors for a batch from each sample's `labels` dict (None: no labels). Missing values
+    are -100 (ce, long [B]) or NaN (bce: float [B, num_outputs]; regression: float [B], or [B, num_outputs]).
+    Values are assumed checked by :func:`check_head_labels`."""
+    out = {}
+    for name, c in head_configs.items():
+        values = [(r or {}).get(name) for r in raw]
+        if c.loss == "ce":
+            out[f"labels_{name}"] = torch.tensor([-100 if v is None else int(v) for v in values], dtype=torch.long)
+            continue
+        rows = []
+        for v in values:
+            if v is None:
+                rows.append([math.nan] * c.num_outputs)
+            else:
+                rows.append([float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * c.num_outputs)
+        t = torch.tensor(rows, dtype=torch.float32).reshape(len(raw), c.num_outputs)
+        out[f"labels_{name}"] = t[:, 0] if c.type == "regression" and c.num_outputs == 1 else t
+    return out
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_head_labels(head_configs: Mapping[str, HeadConfig], raw: Mapping[str, Any] | None) -> None:
+    """Raise SkipSample('bad_head_label') for a sample whose `labels` has a value of the wrong type or out of
+    range for its head. None (or a missing name) is a missing label, which that head skips; names that are not
+    heads are ignored (data may carry more labels than a model uses)."""
+    from ..data.processing import SkipSample
+
+    if raw is None:
+        return
+    if not isinstance(raw, Mapping):
+        raise SkipSample("bad_head_label", f"`labels` must be a mapping {{head: value}}, got {type(raw).__name__}")
+    for name, c in head_configs.items():
+        v = raw.get(name)
+        if v is None:
+            continue
+        bad = f"labels.{name}={v!r}"
+        if c.loss == "ce":
+            if not _number(v) or not float(v).is_integer() or not 0 <= v < c.num_outputs:
+                raise SkipSample("bad_head_label", f"{bad}: expected a class index in 0..{c.num_outputs - 1}")
+        elif c.loss == "bce":
+            cells = v if isinstance(v, (list, tuple)) else [v] if c.num_outputs == 1 else None
+            if cells is None or len(cells) != c.num_outputs or not all(_number(x) and 0 <= x <= 1 for x in cells):
+                raise SkipSample("bad_head_label", f"{bad}: expected {c.num_outputs} value(s) in [0, 1]")
+        else:
+            cells = v if isinstance(v, (list, tuple)) else [v] if c.num_outputs == 1 else None
+            if cells is None or len(cells) != c.num_outputs or not all(_number(x) and math.isfinite(x) for x in cells):
+                raise SkipSample("bad_head_label", f"{bad}: expected {c.num_outputs} finite number(s)")
+
+
+def _heads_of(model: nn.Module) -> WithHeads:
+    model = getattr(model, "module", model)  # DDP
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    if not isinstance(model, WithHeads):
+        raise TypeError(f"expected a WithHeads model, got {type(model).__name__}")
+    return model
+
+
+def save_heads(model: nn.Module, directory: str) -> None:
+    """Write the heads' weights (`heads.safetensors`) and configs (`heads.json`) into `directory`, next to the
+    base model's own files."""
+    model = _heads_of(model)
+    os.makedirs(directory, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.heads.layers.state_dict().items()}
+    safetensors.torch.save_file(tensors, os.path.join(directory, HEADS_WEIGHTS), metadata={"format": "pt"})
+    meta = {"hidden_size": model.hidden_size,
+            "heads": {name: dataclasses.asdict(c) for name, c in model.head_configs.items()}}
+    with open(os.path.join(directory, HEADS_CONFIG), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+        f.write("\n")
+
+
+def read_head_configs(directory: str) -> dict[str, HeadConfig]:
+    """The head configs saved in `directory` (by :func:`save_heads`), e.g. to build WithHeads before loading."""
+    path = os.path.join(directory, HEADS_CONFIG)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no {HEADS_CONFIG} (this checkpoint has no score heads)")
+    with open(path, encoding="utf-8") as f:
+        return parse_heads(json.load(f)["heads"])
+
+
+def load_heads(model: nn.Module, directory: str) -> None:
+    """Load the heads' weights saved by :func:`save_heads`; the saved heads must match the model's."""
+    model = _heads_of(model)
+    saved = read_head_configs(directory)
+    if saved != model.head_configs:
+        raise ValueError(f"{os.path.join(directory, HEADS_CONFIG)}: saved heads {saved} differ from the model's "
+                         f"{model.head_configs}")
+    state = safetensors.torch.load_file(os.path.join(directory, HEADS_WEIGHTS))
+    model.heads.layers.load_state_dict(state, strict=True)

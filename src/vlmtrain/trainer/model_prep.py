@@ -1,0 +1,59 @@
+"""What the Trainer does to a model before training, for TrainingArguments' tf32 and activation_checkpointing."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+
+
+def set_tf32(tf32: bool | None, device: torch.device) -> None:
+    """TrainingArguments.tf32 on CUDA: allow (True) or forbid (False) TF32 matmuls and convolutions."""
+    if tf32 is None:
+        return
+    if device.type != "cuda":
+        if tf32:
+            warnings.warn("tf32=True has no effect without a CUDA device: ignored.", stacklevel=3)
+        return
+    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "tf32" if tf32 else "ieee"
+
+
+def _checkpointable(model: nn.Module) -> list[nn.Module]:
+    """The model itself if it offers activation checkpointing, else its outermost submodules that do (e.g. the
+    transformers model inside a wrapper that adds heads)."""
+    def offers(m: nn.Module) -> bool:
+        return hasattr(m, "activation_checkpointing_enable") or hasattr(m, "gradient_checkpointing_enable")
+
+    if offers(model):
+        return [model]
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if offers(module) and not any(name.startswith(f"{outer}.") for outer in found):
+            found[name] = module
+    return list(found.values())
+
+
+def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any] | None) -> None:
+    """transformers' activation_checkpointing_enable() (or its older name gradient_checkpointing_enable) on the
+    model, or on the transformers models inside it, with TrainingArguments.activation_checkpointing_kwargs split
+    as transformers' Trainer splits them (every_n_layers, offload; the rest go to torch.utils.checkpoint)."""
+    kwargs = dict(kwargs or {})
+    options = {"every_n_layers": kwargs.pop("every_n_layers", 1), "offload": kwargs.pop("offload", False)}
+    targets = _checkpointable(model)
+    if not targets:
+        raise ConfigError(f"activation_checkpointing (gradient_checkpointing) needs a model with "
+                          f"activation_checkpointing_enable(), as transformers models have; {type(model).__name__} "
+                          f"has none and holds none. Turn it off, or use torch.utils.checkpoint in the model.")
+    for target in targets:
+        try:
+            if hasattr(target, "activation_checkpointing_enable"):
+                target.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None, **options)
+            else:  # a model outside transformers that has only the older name
+                target.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None, **options)
+        except ValueError as e:  # transformers: "<class> does not support activation checkpointing."
+            raise ConfigError(f"activation_checkpointing (gradient_checkpointing): {e} Turn it off for this "
+                              f"model.") from e

@@ -1,0 +1,87 @@
+"""hub_vlm through the CLI: train with score heads + LoRA, then eval / predict / generate from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from PIL import Image
+
+from vlmtrain import cli
+from vlmtrain.config import ConfigError, load_run_config
+from vlmtrain.models.families import get_family
+
+COLORS = [(220, 40, 40), (40, 160, 40), (40, 40, 220)]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    return get_family("qwen3_vl").build_tiny(str(tmp_path_factory.mktemp("qwen3_vl")))
+
+
+def _jsonl(tmp_path, n):
+    rows = []
+    for i in range(n):
+        c = i % len(COLORS)
+        Image.new("RGB", (32, 32), COLORS[c]).save(tmp_path / f"{i}.png")
+        texts = [{"user": "Which colour?", "assistant": "rgb"[c]}] if i % 2 else [{"user": "Which colour?"}]
+        rows.append({"images": [f"{i}.png"], "texts": texts, "labels": {"color": c, "level": float(c)}})
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _config(tmp_path, pretrained, **model):
+    data = _jsonl(tmp_path, 8)
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": pretrained,
+                     "heads": {"color": {"type": "classification", "num_outputs": 3},
+                               "level": {"type": "regression", "loss": "huber", "weight": 0.5}}, **model},
+           "data": {"source": "jsonl", "train_file": data, "eval_file": data, "max_length": 64},
+           "train": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "per_device_train_batch_size": 4,
+                     "per_device_eval_batch_size": 4, "logging_steps": 1, "save_steps": 2,
+                     "learning_rate": 1e-3, "disable_tqdm": True}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_heads_and_lora_train_eval_predict_generate(tiny_qwen, tmp_path, one_thread, capsys):
+    config = _config(tmp_path, tiny_qwen, lora={"r": 4})
+    assert cli.main(["train", "--config", config]) == 0
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    assert (ckpt / "adapter_model.safetensors").is_file() and (ckpt / "heads.safetensors").is_file()
+    assert not (ckpt / "model.safetensors").exists()  # the frozen base is not copied into checkpoints
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r and "eval_loss" not in r]
+    assert all({"loss_color", "loss_level", "loss_lm"} <= set(r) for r in train_rows)
+    capsys.readouterr()
+    assert cli.main(["eval", "--config", config, "--checkpoint", str(ckpt)]) == 0
+    out = capsys.readouterr().out  # (log lines, then the metrics as indented JSON)
+    metrics = json.loads(out[out.rindex("\n{\n") + 1:] if not out.startswith("{\n") else out)
+    for key in ("eval_loss_color", "eval_loss_level", "eval_color_accuracy", "eval_color_f1", "eval_level_mae",
+                "eval_level_rmse", "eval_level_pearson", "eval_level_spearman"):
+        assert key in metrics, key
+    assert cli.main(["predict", "--config", config, "--checkpoint", str(tmp_path / "run")]) == 0
+    predictions = [json.loads(line) for line in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
+    assert [p["index"] for p in predictions] == list(range(8))
+    assert all(p["color"] in (0, 1, 2) and len(p["color_probs"]) == 3 and isinstance(p["level"], float)
+               for p in predictions)
+    capsys.readouterr()
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--image", str(tmp_path / "0.png"),
+                     "--prompt", "Which colour?", "--max-new-tokens", "3"]) == 0
+    assert isinstance(capsys.readouterr().out, str)
+
+
+def test_bad_hub_configs_fail_before_any_work(tiny_qwen, tmp_path):
+    config = _config(tmp_path, tiny_qwen)
+    with pytest.raises(ConfigError, match="model.heads.color"):
+        load_run_config(config, {"model.heads": {"color": {"type": "classification", "loss": "dice"}}})
+    with pytest.raises(ConfigError, match="Hub VLM batches are padded, never packed"):
+        load_run_config(config, {"data.packing": True})
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    from vlmtrain import run
+
+    with pytest.raises(ConfigError, match="'bert' is not a supported Hub VLM family; supported: gemma3"):
+        run.build(load_run_config(config, {"model.pretrained": str(tmp_path / "other")}))
