@@ -18,11 +18,11 @@ without warmup, gradient clipping at 1.0, no accumulation and dataloader_num_wor
 
 The script first checks that the two collators produce the same batch, key by key (so the losses are
 comparable), and times each collator alone on the training batches (ms per batch, outside any training).
-Timing: a timestamp at the end of every optimizer step; steps/s is measured over steps --warmup+1 .. --steps
-(model loading, setup and the first steps left out). Contenders run interleaved for --repeats rounds, the
+Timing: a timestamp (wall-clock and process CPU time) at the end of every optimizer step (after a CUDA sync);
+steps/s is measured over steps --warmup+1 .. --steps (model loading, setup and the first steps left out). Contenders run interleaved for --repeats rounds, the
 order rotating; the table gives medians. Peak memory per run: on CUDA torch.cuda.max_memory_allocated (model,
 optimizer state, activations; reset before each run); on CPU the peak resident set size (RSS, sampled every
-2 ms by a thread, psutil) minus the RSS at the start of the run, after gc and malloc_trim: it includes the
+5 ms by a thread, psutil) minus the RSS at the start of the run, after gc and malloc_trim: it includes the
 model load and allocator caching, and is only good to a few MB. Losses: the last logged training loss (a
 logging window's average: transformers averages the per-step means, vlmtrain weights each step by its target
 tokens, so they differ a little when steps have different token counts) and the loss of each trained model on
@@ -145,7 +145,7 @@ class PeakMemory:
         self._stop = threading.Event()
 
     def _sample(self, proc: psutil.Process) -> None:
-        while not self._stop.wait(0.002):
+        while not self._stop.wait(0.005):
             self.peak = max(self.peak, proc.memory_info().rss)
 
     def __enter__(self) -> PeakMemory:
@@ -187,10 +187,11 @@ def autocast(opts: argparse.Namespace) -> contextlib.AbstractContextManager:
     return torch.autocast(opts.device.type, dtype=torch.bfloat16) if opts.bf16 else contextlib.nullcontext()
 
 
-def stamp(opts: argparse.Namespace) -> float:
+def stamp(opts: argparse.Namespace) -> tuple[float, float]:
+    """(wall-clock, process CPU time) now; on CUDA after the queued kernels have finished."""
     if opts.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter()
+    return time.perf_counter(), time.process_time()
 
 
 def _last_loss(log_history: list[dict]) -> float:
@@ -198,7 +199,7 @@ def _last_loss(log_history: list[dict]) -> float:
 
 
 # -- the contenders: each returns (timestamps at each optimizer step's end, last logged loss, model) --------------
-Run = tuple[list[float], float, torch.nn.Module]
+Run = tuple[list[tuple[float, float]], float, torch.nn.Module]
 
 
 def run_bare(opts: argparse.Namespace, data: dict[str, Any], out_dir: str) -> Run:
@@ -284,8 +285,8 @@ def timed_run(name: str, opts: argparse.Namespace, data: dict[str, Any]) -> dict
     if len(stamps) != opts.steps:
         raise RuntimeError(f"{name}: {len(stamps)} optimizer steps recorded, expected {opts.steps}.")
     w = opts.warmup
-    rate = (opts.steps - w) / (stamps[-1] - stamps[w - 1])
-    result = {"steps_s": rate, "mem_mb": mem.delta_mb, "last_loss": last_loss,
+    wall, cpu = ((opts.steps - w) / (stamps[-1][i] - stamps[w - 1][i]) for i in (0, 1))
+    result = {"steps_s": wall, "cpu_steps_s": cpu, "mem_mb": mem.delta_mb, "last_loss": last_loss,
               "probe_loss": probe_loss(model, data["probe"], opts)}
     del model
     return result
@@ -329,14 +330,18 @@ def report(results: dict[str, list[dict]], opts: argparse.Namespace) -> bool:
     med = {c: {k: statistics.median(r[k] for r in results[c]) for k in results[c][0]} for c in CONTENDERS}
     ref = med["transformers"]["steps_s"]
     print(f"\nper contender, median over {opts.repeats} round(s); steps/s over steps {opts.warmup + 1}..{opts.steps}")
-    print(f"  {'contender':<14}{'steps/s':>9}{'x transformers':>16}{'peak MB':>9}{'last logged loss':>18}"
-          f"{'probe loss':>12}")
+    cpu_ref = med["transformers"]["cpu_steps_s"]
+    print(f"  {'contender':<14}{'steps/s':>9}{'x transformers':>16}{'CPU-time steps/s':>18}{'x transformers':>16}"
+          f"{'peak MB':>9}{'last logged loss':>18}{'probe loss':>12}")
     for c in CONTENDERS:
         m = med[c]
-        print(f"  {c:<14}{m['steps_s']:>9.2f}{m['steps_s'] / ref:>16.2f}{m['mem_mb']:>9.1f}"
-              f"{results[c][-1]['last_loss']:>18.5f}{results[c][-1]['probe_loss']:>12.5f}")
-    print(f"  (peak MB: {clock}; steps/s per round: "
-          + "; ".join(f"{c} " + " ".join(f"{r['steps_s']:.2f}" for r in results[c]) for c in CONTENDERS) + ")")
+        print(f"  {c:<14}{m['steps_s']:>9.2f}{m['steps_s'] / ref:>16.2f}{m['cpu_steps_s']:>18.2f}"
+              f"{m['cpu_steps_s'] / cpu_ref:>16.2f}{m['mem_mb']:>9.1f}{results[c][-1]['last_loss']:>18.5f}"
+              f"{results[c][-1]['probe_loss']:>12.5f}")
+    print(f"  steps/s: wall-clock; CPU-time steps/s: per second of process CPU time (less disturbed by other "
+          f"processes on a shared CPU machine; not meaningful on CUDA). peak MB: {clock}.")
+    print("  wall steps/s per round: "
+          + "; ".join(f"{c} " + " ".join(f"{r['steps_s']:.2f}" for r in results[c]) for c in CONTENDERS))
     probes = [r["probe_loss"] for c in CONTENDERS for r in results[c]]
     ok = max(probes) - min(probes) <= 1e-3 * abs(min(probes)) * (20 if opts.bf16 else 1)
     print(f"same-work check, probe losses of all {len(probes)} trained models within "
@@ -349,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     p.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
-    p.add_argument("--repeats", type=int, default=2, help="interleaved rounds (each runs every contender once)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds (each runs every contender once)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=64, help="shapes image side (64 px -> 16 image tokens)")
-    p.add_argument("--logging-steps", type=int, default=10)
+    p.add_argument("--logging-steps", type=int, default=10, help="keep steps a multiple of it (last logged loss)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for every contender")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast in every contender (fp32 weights)")
@@ -367,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     torch.set_num_threads(opts.threads)
     family = get_family("qwen3_vl")
     with tempfile.TemporaryDirectory(prefix="hub-vlm-model-") as model_dir:

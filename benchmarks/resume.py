@@ -30,8 +30,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vlmtrain.data.cauldron import write_cauldron_jsonl
 from vlmtrain.data.sources import KEY, JsonlSource, StreamingDataset, WebDatasetSource
-from vlmtrain.tasks.shapes import ShapesVQA
 from vlmtrain.data.tools import write_webdataset
+from vlmtrain.tasks.shapes import ShapesVQA
 
 
 class Replay(IterableDataset):

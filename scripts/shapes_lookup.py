@@ -27,9 +27,9 @@ import torch
 from transformers import AutoTokenizer
 
 from vlmtrain.data.processing import VLMProcessor
-from vlmtrain.tasks.shapes import ShapesVQA
 from vlmtrain.data.vlm_collate import VLMCollator
 from vlmtrain.models.vlm import VisionLanguageModel
+from vlmtrain.tasks.shapes import ShapesVQA
 
 QTYPES = ("color", "shape", "position", "side")
 GROUPS = ("named", "other_objects", "background", "text")

@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from vlmtrain.data.tokenizers import build_char_tokenizer
+from vlmtrain.models.causal_lm import build_causal_lm
 from vlmtrain.tasks.addition import (
     ADDITION_CHARS,
     AdditionCollator,
@@ -18,8 +20,6 @@ from vlmtrain.tasks.addition import (
     exact_match_metric,
     split_pairs,
 )
-from vlmtrain.data.tokenizers import build_char_tokenizer
-from vlmtrain.models.causal_lm import build_causal_lm
 
 TINY_LLAMA = {
     "model_type": "llama",

@@ -160,12 +160,12 @@ def test_loss_is_weighted_sum_missing_labels_skipped_and_counted(one_thread):
     assert out["loss_cls"] == 0 and out["num_items_cls"] == 0
     torch.testing.assert_close(out["loss"], 2.0 * out["loss_reg"])
     out["loss"].backward()
-    assert model.heads.layers.reg.weight.grad.abs().sum() > 0
+    assert model.heads.layer("reg").weight.grad.abs().sum() > 0
 
 
 def test_heads_stay_fp32_outside_autocast(one_thread):
     model = heads_model().to(torch.bfloat16)
-    assert model.heads.layers.cls.weight.dtype == torch.float32
+    assert model.heads.layer("cls").weight.dtype == torch.float32
     assert model.base.model.embed_tokens.weight.dtype == torch.bfloat16
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(**Collate(model.head_configs)(samples(2)))
@@ -177,7 +177,7 @@ def test_save_and_load_heads(tmp_path, one_thread):
     save_heads(model, str(tmp_path))
     assert read_head_configs(str(tmp_path)) == model.head_configs
     other = heads_model(seed=2)
-    assert not torch.equal(other.heads.layers.cls.weight, model.heads.layers.cls.weight)
+    assert not torch.equal(other.heads.layer("cls").weight, model.heads.layer("cls").weight)
     load_heads(other, str(tmp_path))
     for key, value in model.heads.state_dict().items():
         assert torch.equal(other.heads.state_dict()[key], value)
@@ -191,7 +191,7 @@ def test_with_heads_around_peft_model(one_thread):
     model = WithHeads(base, HEADS)
     out = model(**Collate(model.head_configs)(samples(4)))
     out["loss"].backward()
-    assert model.heads.layers.cls.weight.grad is not None
+    assert model.heads.layer("cls").weight.grad is not None
     assert all(p.grad is None for n, p in model.base.named_parameters() if "lora" not in n)
 
 
@@ -286,6 +286,7 @@ def test_automatic_head_metrics_and_predict_outputs(tmp_path, one_thread):
     np.testing.assert_allclose(out.heads["cls"], logits_cls, atol=1e-5)
     np.testing.assert_allclose(out.heads["reg"][:, 0], logits_reg, atol=1e-5)
     (p_cls, p_reg), (l_cls, l_reg) = seen[0].predictions, seen[0].label_ids
+    np.testing.assert_allclose(p_reg, out.heads["reg"])
     np.testing.assert_allclose(p_cls, logits_cls, atol=1e-5)
     assert l_cls[has_cls].tolist() == truth_cls.tolist() and (l_cls[~has_cls] == -100).all()
     np.testing.assert_allclose(l_reg[has_reg], truth_reg, rtol=1e-6)
@@ -356,3 +357,21 @@ def test_seed_000_client_runs_unchanged(tmp_path, one_thread):
     np.testing.assert_allclose(p.label_ids[0], [s["score_labels"] for s in val], rtol=1e-6)
     assert p.label_ids[1].tolist() == [s["type_labels"] for s in val]
     assert evals[-1]["eval_seed_loss_1"] == pytest.approx(evals[-1]["eval_loss_1"], rel=1e-5)
+
+
+def test_named_outputs_gathered_from_ranks_in_dataset_order():
+    """Under DDP rank r evaluated samples r, r + 2, ...: every named output comes back in dataset order."""
+    from vlmtrain.trainer.predictions import Collected
+
+    parts = []
+    for rank in (0, 1):
+        c = Collected()
+        rows = torch.arange(rank, 5, 2)  # rank 0: samples 0 2 4; rank 1: 1 3
+        for chunk in rows.split(2):
+            c.add({"logits_a": chunk[:, None].float().expand(-1, 3), "logits_b": chunk, "loss_1": chunk.sum()})
+        parts.append(c.rows())
+    merged = Collected()
+    merged.set_rows(parts, interleave=True)
+    assert merged.result()[0].tolist() == [[float(i)] * 3 for i in range(5)]
+    assert merged.named("logits_")["b"].tolist() == [0, 1, 2, 3, 4]
+    assert sorted(merged.named("loss_")["1"].tolist()) == [2, 4, 4]  # one value per batch: [0 2] [4] | [1 3]

@@ -179,6 +179,21 @@ def test_lora_on_a_bfloat16_base_trains_float32_adapters(tiny_dir):
     assert all(g.abs().sum() > 0 for n, g in grads.items() if "lora_A" in n or n.startswith("heads."))
 
 
+def test_trainer_trains_lora_on_a_bfloat16_base_with_gradient_checkpointing(tiny_dir, tmp_path):
+    from vlmtrain.trainer import Trainer
+
+    model = apply_lora(WithHeads(load_tiny(tiny_dir, dtype=torch.bfloat16), HEADS), {"r": 4}, FAMILY.text_module)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
+                             logging_steps=1, save_strategy="no", disable_tqdm=True, gradient_checkpointing=True)
+    trainer = Trainer(model, args, data_collator=collate_heads, train_dataset=vlm_samples(model.base.config, 4))
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in trainer.state.log_history if "loss" in e)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {n for n, p in model.named_parameters() if p.requires_grad}  # adapters, heads: all moved
+    assert all(".lora_" in n or n.startswith("heads.") for n in changed)
+
+
 # -- module-group aliases ----------------------------------------------------------------------------------------
 def groups_by_name(model: nn.Module, lrs: dict[str, float], **kw) -> dict[str, tuple[float, set[str]]]:
     args = TrainingArguments(output_dir="unused", learning_rate=1e-4, module_learning_rates=lrs, **kw)

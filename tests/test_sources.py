@@ -18,8 +18,8 @@ from vlmtrain.data.sources import (
     WebDatasetSource,
     expand_paths,
 )
-from vlmtrain.tasks.shapes import ShapesVQA
 from vlmtrain.data.tools import inspect_source, write_webdataset
+from vlmtrain.tasks.shapes import ShapesVQA
 
 N = 60
 

@@ -13,8 +13,8 @@ from vlmtrain import run
 from vlmtrain.config import ConfigError
 from vlmtrain.data.cauldron import write_cauldron_jsonl
 from vlmtrain.data.streams import min_ratings_filter
-from vlmtrain.tasks.shapes import ShapesVQA
 from vlmtrain.data.tools import write_webdataset
+from vlmtrain.tasks.shapes import ShapesVQA
 
 
 @pytest.fixture(scope="module")

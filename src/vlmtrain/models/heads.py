@@ -107,8 +107,13 @@ class ScoreHeads(nn.Module):
 
     def __init__(self, hidden_size: int, head_configs: Mapping[str, HeadConfig]) -> None:
         super().__init__()
-        self.layers = nn.ModuleDict({name: nn.Linear(hidden_size, c.num_outputs)
+        # Keys are prefixed: a head may be called like a Module attribute ('type', 'train', ...).
+        self.layers = nn.ModuleDict({f"head_{name}": nn.Linear(hidden_size, c.num_outputs)
                                      for name, c in head_configs.items()})
+
+    def layer(self, name: str) -> nn.Linear:
+        """The linear layer of head `name`."""
+        return self.layers[f"head_{name}"]
 
     def _apply(self, fn: Any, recurse: bool = True) -> ScoreHeads:
         def keep_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -118,8 +123,10 @@ class ScoreHeads(nn.Module):
         return super()._apply(keep_fp32, recurse)
 
     def forward(self, pooled: torch.Tensor) -> dict[str, torch.Tensor]:
+        # .float() on the weights too: a mixed-precision wrapper (FSDP's param_dtype) may hand them in bf16
         with torch.autocast(pooled.device.type, enabled=False):
-            return {name: layer(pooled.float()) for name, layer in self.layers.items()}
+            return {key[len("head_"):]: F.linear(pooled.float(), layer.weight.float(), layer.bias.float())
+                    for key, layer in self.layers.items()}
 
 
 def head_loss(config: HeadConfig, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ the vision tower's and the merger's). A model wrapped with score heads (an objec
   - a list of module names (``[q_proj, v_proj]``): those layers, under the language model only;
   - ``all-linear`` or any other string: handed to peft as is (a string is a regex over module names there).
 ``modules_to_save`` (optional) lists modules trained in full next to the adapters (saved with them); the
-aliases ``vision`` / ``projector`` / ``text`` name the family's module groups.
+aliases ``vision`` / ``projector`` / ``text`` name the family's module groups (``module_groups``, else those the
+model kind attached: trainer/optim.py's MODULE_GROUPS_ATTR).
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections import Counter
@@ -86,7 +85,8 @@ class LossAverager:
         totals = [float(self.sums[k]) for k in keys] + [float(self.weights[k]) for k in keys]
         totals = reduce_cpu(totals) if across_ranks else totals
         n = len(keys)
-        return {k: totals[i] / totals[n + i] if totals[n + i] > 0 else math.nan for i, k in enumerate(keys)}
+        # A loss with no items in the window (e.g. loss_lm of score-only samples) is left out, not logged as NaN.
+        return {k: totals[i] / totals[n + i] for i, k in enumerate(keys) if totals[n + i] > 0}
 
     def reset(self) -> None:
         self.sums.clear()
