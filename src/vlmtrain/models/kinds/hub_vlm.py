@@ -96,9 +96,11 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
         from vlmtrain.models.lora import apply_lora
 
         model = apply_lora(model, m.lora, family.text_module, dict(family.module_groups))
+    # Generation prompts cost a second processor call per sample: only when evaluation generates.
     hub_processor = HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,
-        label_check=functools.partial(check_head_labels, heads) if heads else None)
+        label_check=functools.partial(check_head_labels, heads) if heads else None,
+        prompts=cfg.train.predict_with_generate)
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
                               if heads else _no_head_labels)
