@@ -7,9 +7,8 @@ models' own code (M-RoPE positions, image splicing) assumes one sample per row.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,10 +16,8 @@ import torch
 from vlmtrain.data.collate import pad_sequences
 from vlmtrain.data.hub_processing import HubVLMProcessor
 from vlmtrain.data.packing import pack_stats
-from vlmtrain.data.processing import IGNORE_INDEX, SkipSample
-from vlmtrain.data.sources import KEY, drop_counts
+from vlmtrain.data.processing import IGNORE_INDEX, process_or_skip
 
-logger = logging.getLogger(__name__)
 _PASS_THROUGH = ("num_images", "head_labels")
 
 
@@ -60,21 +57,7 @@ class HubVLMCollator:
         return self
 
     def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
-        for reason, n in drop_counts(sample).items():  # what a stream dropped before this sample
-            self.skipped[reason] += n
-            skipped[reason] += n
-        if isinstance(sample, Mapping) and "input_ids" in sample:
-            return dict(sample)
-        try:
-            return self.processor.process(sample)
-        except SkipSample as err:
-            key = sample.get(KEY, sample.get("id", "?")) if isinstance(sample, Mapping) else "?"
-            if not self.skipped[err.reason]:  # warn once per reason, then only count
-                logger.warning("skipping bad sample %s (%s); further ones are only counted", key, err)
-            self.skipped[err.reason] += 1
-            skipped[err.reason] += 1
-            keys.append(f"{key} ({err.reason})")
-            return None
+        return process_or_skip(self.processor.process, sample, self.skipped, skipped, keys)
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         if not samples:

@@ -13,9 +13,11 @@ bytes or PIL images. :class:`VLMProcessor` turns one into ``input_ids`` / ``labe
 from __future__ import annotations
 
 import io
+import logging
 import math
 import string
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from tokenizers.models import BPE, WordLevel
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 IGNORE_INDEX = -100
+logger = logging.getLogger(__name__)
 IM_START, IM_END, IMAGE_TOKEN = "<|im_start|>", "<|im_end|>", "<image>"
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # Order fixes the ids: <pad>=0 so zero-filled buffers are padding.
@@ -52,6 +55,31 @@ class SkipSample(Exception):
 
     def __reduce__(self) -> tuple:  # survives pickling (worker processes), unlike the default args tuple
         return type(self), (self.reason, self.detail)
+
+
+def process_or_skip(process: Callable[[Any], dict[str, Any]], sample: Any, totals: Counter[str],
+                    skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
+    """What every collator does with one raw sample: count what a stream dropped before it, pass an already
+    processed item (a dict with ``input_ids``) through, else ``process`` it; a :class:`SkipSample` is counted
+    by reason in ``totals`` (the collator's running total; warned once per reason) and ``skipped`` (this
+    batch's), its key added to ``keys``, and None returned."""
+    from vlmtrain.data.sources import KEY, drop_counts
+
+    for reason, n in drop_counts(sample).items():  # what a stream dropped before this sample
+        totals[reason] += n
+        skipped[reason] += n
+    if isinstance(sample, Mapping) and "input_ids" in sample:
+        return dict(sample)
+    try:
+        return process(sample)
+    except SkipSample as err:
+        key = sample.get(KEY, sample.get("id", "?")) if isinstance(sample, Mapping) else "?"
+        if not totals[err.reason]:  # warn once per reason, then only count
+            logger.warning("skipping bad sample %s (%s); further ones are only counted", key, err)
+        totals[err.reason] += 1
+        skipped[err.reason] += 1
+        keys.append(f"{key} ({err.reason})")
+        return None
 
 
 def build_chat_tokenizer(texts_for_training: list[str] | None = None, vocab_size: int = 512) -> PreTrainedTokenizerFast:

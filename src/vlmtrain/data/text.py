@@ -7,7 +7,6 @@ exact whatever the tokenizer. Samples with images are skipped (counted): a text 
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -16,10 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from vlmtrain.data.collate import pad_sequences
-from vlmtrain.data.processing import IGNORE_INDEX, SkipSample
-from vlmtrain.data.sources import KEY, drop_counts
-
-logger = logging.getLogger(__name__)
+from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, process_or_skip
 
 
 class TextChatProcessor:
@@ -69,20 +65,7 @@ class TextCollator:
         return self if self.pack_length is None else TextCollator(self.processor)
 
     def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
-        for reason, n in drop_counts(sample).items():
-            skipped[reason] += n
-        if isinstance(sample, Mapping) and "input_ids" in sample:
-            return dict(sample)
-        try:
-            return self.processor.process(sample)
-        except SkipSample as err:
-            key = sample.get(KEY, sample.get("id", "?")) if isinstance(sample, Mapping) else "?"
-            if not self.skipped[err.reason]:
-                logger.warning("skipping bad sample %s (%s); further ones are only counted", key, err)
-            self.skipped[err.reason] += 1
-            skipped[err.reason] += 1
-            keys.append(f"{key} ({err.reason})")
-            return None
+        return process_or_skip(self.processor.process, sample, self.skipped, skipped, keys)
 
     def pad(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         def tensors(key: str) -> list[torch.Tensor]:

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import copy
-import logging
 from collections import Counter
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from vlmtrain.data.collate import pad_sequences
 from vlmtrain.data.packing import MIN_FILL_GAIN, pack_items, pack_lengths, pack_stats, worth_packing
-from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, VLMProcessor
-from vlmtrain.data.sources import KEY, drop_counts
-
-logger = logging.getLogger(__name__)
+from vlmtrain.data.processing import IGNORE_INDEX, VLMProcessor, process_or_skip
 
 
 class VLMCollator:
@@ -72,21 +67,7 @@ class VLMCollator:
         return other
 
     def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
-        for reason, n in drop_counts(sample).items():  # what a stream dropped before this sample
-            self.skipped[reason] += n
-            skipped[reason] += n
-        if isinstance(sample, Mapping) and "input_ids" in sample:
-            return dict(sample)
-        try:
-            return self.processor.process(sample)
-        except SkipSample as err:
-            key = sample.get(KEY, sample.get("id", "?")) if isinstance(sample, Mapping) else "?"
-            if not self.skipped[err.reason]:  # warn once per reason, then only count
-                logger.warning("skipping bad sample %s (%s); further ones are only counted", key, err)
-            self.skipped[err.reason] += 1
-            skipped[err.reason] += 1
-            keys.append(f"{key} ({err.reason})")
-            return None
+        return process_or_skip(self.processor.process, sample, self.skipped, skipped, keys)
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         if not samples:
