@@ -168,7 +168,8 @@ def _head_rows(model: Any, outputs: dict[str, Any]) -> list[dict[str, Any]]:
                     probs = 1 / (1 + np.exp(-v))
                     rows[i][head] = [int(x) for x in probs > 0.5]
                 else:
-                    probs = np.exp(v - v.max()) / np.exp(v - v.max()).sum()
+                    probs = np.exp(v - v.max())
+                    probs /= probs.sum()
                     rows[i][head] = int(np.argmax(v))
                 rows[i][f"{head}_probs"] = [round(float(x), 6) for x in probs]
             else:

@@ -34,38 +34,34 @@ def validate(cfg: Any) -> None:
     family_of(cfg.model.pretrained)  # an unsupported model_type names the supported ones
 
 
-def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None) -> Any:
+def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
+               stop_token_id: int | None = None) -> Any:
     """The transformers VLM of a Hub id or directory (AutoModelForImageTextToText), with the family's module
-    groups attached (module_learning_rates / LoRA aliases vision, projector, text)."""
+    groups attached (module_learning_rates / LoRA aliases vision, projector, text); with ``stop_token_id``
+    (the family's end of turn), generation stops there too."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
-    family = family_of(pretrained)
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForImageTextToText.from_pretrained(pretrained, **kwargs)
-    setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
-    stop = family.end_of_turn and _token_id(family.load_processor, pretrained, family.end_of_turn)
-    if stop is not None and model.generation_config is not None:  # generation stops at the end of the turn
+    setattr(model, MODULE_GROUPS_ATTR, dict(family_of(pretrained).module_groups))
+    if stop_token_id is not None and model.generation_config is not None:
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        model.generation_config.eos_token_id = [stop, *[e for e in eos if e != stop]]
+        model.generation_config.eos_token_id = [stop_token_id, *[e for e in eos if e != stop_token_id]]
     return model
 
 
-@functools.lru_cache(maxsize=8)
-def _processor(load: Any, path: str) -> Any:
-    return load(path)
-
-
-def _token_id(load: Any, path: str, token: str) -> int | None:
-    tokenizer = getattr(_processor(load, path), "tokenizer", None)
-    ids = tokenizer.convert_tokens_to_ids([token]) if tokenizer is not None else [None]
-    return ids[0] if ids and ids[0] != getattr(tokenizer, "unk_token_id", None) else None
+def end_of_turn_id(processor: Any, family: Any) -> int | None:
+    """The id of the family's end-of-turn token in the processor's tokenizer (None if it has none)."""
+    tokenizer = processor.tokenizer
+    token_id = tokenizer.convert_tokens_to_ids(family.end_of_turn)
+    return None if token_id is None or token_id == tokenizer.unk_token_id else token_id
 
 
 def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
@@ -85,7 +81,8 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     processor = family.load_processor(checkpoint if has_processor else m.pretrained)
     check_training_template(processor, family)  # a mismatch is an error, never an all-zero loss mask
     torch.manual_seed(cfg.train.seed)  # heads and adapters initialize under the run's seed
-    model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation)
+    stop = end_of_turn_id(processor, family)
+    model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation, stop_token_id=stop)
     heads = {}
     if m.heads:
         from vlmtrain.models.heads import WithHeads, check_head_labels, head_label_tensors
@@ -107,7 +104,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     tokenizer = processor.tokenizer
     metrics = None
     if cfg.train.predict_with_generate:
-        metrics = exact_match_metric(tokenizer, eos_token_id=tokenizer.convert_tokens_to_ids(family.end_of_turn))
+        metrics = exact_match_metric(tokenizer, eos_token_id=stop)
     return {**source, "model": model, "tokenizer": processor, "data_collator": collator,
             "compute_metrics": metrics, "padded_collator": collator, "process": hub_processor.process}
 
@@ -137,12 +134,12 @@ def base_of_checkpoint(checkpoint: str) -> str:
     return base
 
 
-def load_checkpoint(checkpoint: str, torch_dtype: str = "float32") -> Any:
+def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id: int | None = None) -> Any:
     """A Hub VLM checkpoint as vlmtrain wrote it: full weights or base + LoRA adapter, plus its score heads
     (heads.json / heads.safetensors) when it has them."""
     from vlmtrain.trainer.checkpoint import load_model_weights
 
-    model = load_model(base_of_checkpoint(checkpoint), torch_dtype)
+    model = load_model(base_of_checkpoint(checkpoint), torch_dtype, stop_token_id=stop_token_id)
     if os.path.isfile(os.path.join(checkpoint, "heads.json")):
         from vlmtrain.models.heads import WithHeads, read_head_configs
 
@@ -180,7 +177,7 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
         raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
     batch = HubVLMCollator(hub)([item])
     inputs = {k[len("prompt_"):]: v for k, v in batch.items() if k.startswith("prompt_")}
-    model = load_checkpoint(checkpoint)
+    model = load_checkpoint(checkpoint, stop_token_id=end_of_turn_id(processor, family))
     model.eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
