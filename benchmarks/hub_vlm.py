@@ -12,7 +12,7 @@ without warmup, gradient clipping at 1.0, no accumulation and dataloader_num_wor
                 "<|im_start|>assistant\\n" header tokens)
   vlmtrain      vlmtrain.Trainer with HubVLMProcessor + HubVLMCollator as the hub_vlm kind builds them (per-sample
                 apply_chat_template with the family's training template and return_assistant_tokens_mask;
-                generation prompts are processed too, as by default)
+                no generation prompts: the kind processes those only with train.predict_with_generate)
   bare          forward, backward, clip_grad_norm_, AdamW.step, LambdaLR.step, zero_grad over batches that
                 were collated BEFORE timing (the floor: model work only)
 
@@ -127,9 +127,11 @@ class HandWrittenCollator:
         return batch
 
 
-def vlmtrain_collator(processor: Any) -> HubVLMCollator:
-    """HubVLMProcessor + HubVLMCollator with the hub_vlm kind's settings (no heads)."""
-    return HubVLMCollator(HubVLMProcessor(processor, get_family("qwen3_vl")), label_collate=lambda heads: {})
+def vlmtrain_collator(processor: Any, prompts: bool = False) -> HubVLMCollator:
+    """HubVLMProcessor + HubVLMCollator with the hub_vlm kind's settings (no heads; generation prompts only
+    when evaluation generates, i.e. train.predict_with_generate)."""
+    return HubVLMCollator(HubVLMProcessor(processor, get_family("qwen3_vl"), prompts=prompts),
+                          label_collate=lambda heads: {})
 
 
 def batches_of(samples: list[dict[str, Any]], size: int) -> list[list[dict[str, Any]]]:
@@ -308,8 +310,7 @@ def check_same_batches(hand: dict[str, torch.Tensor], ours: dict[str, Any]) -> b
 def time_collators(data: dict[str, Any], opts: argparse.Namespace) -> None:
     collators = {"hand-written (batched processor call)": HandWrittenCollator(data["processor"]),
                  "vlmtrain HubVLMCollator (as trained)": vlmtrain_collator(data["processor"]),
-                 "vlmtrain HubVLMCollator, prompts=False": HubVLMCollator(
-                     HubVLMProcessor(data["processor"], get_family("qwen3_vl"), prompts=False))}
+                 "vlmtrain, + generation prompts": vlmtrain_collator(data["processor"], prompts=True)}
     print(f"\ncollation alone, ms per batch of {opts.batch_size} (median of {len(data['raw_batches'])} batches, "
           f"outside training)")
     base = None
