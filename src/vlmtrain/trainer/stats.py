@@ -122,6 +122,24 @@ def is_empty_batch(batch: Any) -> bool:
     return isinstance(batch, Mapping) and all(k in BOOKKEEPING_KEYS for k in batch)
 
 
+RANK_SYNC_REASON = "empty_batch_on_another_rank"
+"""Skip reason of good samples dropped because another rank's batch of the same micro-step had no usable sample
+(under DDP/FSDP every rank must run the same steps). Not bad data: max_bad_sample_fraction leaves them out."""
+
+
+def dropped_for_rank_sync(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``batch`` turned into an empty one whose own samples are counted under :data:`RANK_SYNC_REASON`."""
+    layout = batch.get("pack_stats")
+    if isinstance(layout, Mapping):
+        samples = int(layout["samples"])
+    else:
+        first = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), None)
+        samples = int(first.shape[0]) if first is not None else 0
+    skipped = Counter(skipped_counts(batch))
+    skipped[RANK_SYNC_REASON] += samples
+    return {"skipped": dict(skipped), "skipped_keys": list(batch.get("skipped_keys") or [])}
+
+
 class Throughput:
     """Samples, tokens, data-wait time and skipped samples over a logging window (skipped also in total).
 
@@ -173,7 +191,8 @@ class Throughput:
 
     def check_bad_fraction(self, limit: float) -> None:
         """Raise if more than ``limit`` of this window's samples were skipped as bad (filtered ones aside)."""
-        bad = sum(n for reason, n in self.skipped.items() if not reason.startswith("filtered"))
+        bad = sum(n for reason, n in self.skipped.items()
+                  if not reason.startswith("filtered") and reason != RANK_SYNC_REASON)
         if limit < 1 and bad and bad > limit * (bad + self.samples):
             raise RuntimeError(
                 f"{bad} of the last {bad + self.samples} training samples were bad ({dict(self.skipped)}), more "

@@ -47,6 +47,7 @@ from .stats import (
     LossAverager,
     NonfiniteSteps,
     Throughput,
+    dropped_for_rank_sync,
     extra_losses,
     is_empty_batch,
     item_counts,
@@ -197,8 +198,14 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         while True:
             fetch_start = time.perf_counter()
             batch = next(batches, None)
-            if streaming and dist.reduce_cpu([float(batch is None)], "max")[0]:
-                break  # a stream ran dry on some rank: every rank ends the epoch here, none waits forever
+            waited = time.perf_counter() - fetch_start
+            if self.world_size > 1:  # ranks agree on every micro-batch, or one waits in a collective forever:
+                ended, empty_somewhere = dist.reduce_cpu(
+                    [float(batch is None), float(batch is not None and is_empty_batch(batch))], "max")
+                if ended:
+                    break  # a stream ran dry on some rank: every rank ends the epoch here
+                if empty_somewhere and not is_empty_batch(batch):
+                    batch = dropped_for_rank_sync(batch)  # another rank has no sample: every rank skips, counted
             if batch is None:
                 break
             self._throughput.add_batch(batch, time.perf_counter() - fetch_start)
