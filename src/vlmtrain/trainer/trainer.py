@@ -194,7 +194,6 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         elif hasattr(loader.dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
             loader.dataset.set_epoch(self._epoch_index)
         batches, seen, self._epoch_cut = iter(loader), 0, False
-        streaming = self.world_size > 1 and steps_in_epoch is None
         while True:
             fetch_start = time.perf_counter()
             batch = next(batches, None)
@@ -208,7 +207,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
                     batch = dropped_for_rank_sync(batch)  # another rank has no sample: every rank skips, counted
             if batch is None:
                 break
-            self._throughput.add_batch(batch, time.perf_counter() - fetch_start)
+            self._throughput.add_batch(batch, waited)
             if is_empty_batch(batch):  # every sample was bad: counted, no step
                 self._throughput.check_bad_fraction(self.args.max_bad_sample_fraction)
                 continue
