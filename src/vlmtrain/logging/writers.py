@@ -19,10 +19,31 @@ def _clean(value):
 class JsonlLoggerCallback(TrainerCallback):
     """Appends one JSON object per log event to `<output_dir>/metrics.jsonl` (world process zero only):
     `step`, `epoch`, and every logged key (`loss`, `loss_*`, `learning_rate`, `grad_norm`, throughput,
-    `eval_*`)."""
+    `eval_*`). A run resumed from checkpoint-N first drops the rows logged after that checkpoint was taken (the
+    file is rewritten atomically), so a crash and resume leave no duplicate or stale rows."""
 
     def __init__(self, output_dir: str) -> None:
         self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.rows = 0  # rows in the file (this run's and earlier runs')
+        self._saved_rows: int | None = None  # rows when the checkpoint resumed from was taken
+
+    def state_dict(self) -> dict:
+        return {"path": os.path.abspath(self.path), "rows": self.rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        same_file = state.get("path") == os.path.abspath(self.path)
+        self._saved_rows = state.get("rows") if same_file else None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        lines = _read_lines(self.path)
+        if state.global_step > 0:  # resumed from checkpoint-<global_step>
+            kept = [line for line in lines[:self._saved_rows] if _step_of(line) <= state.global_step]
+            if kept != lines:
+                _rewrite(self.path, kept)
+            lines = kept
+        self.rows, self._saved_rows = len(lines), None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -31,14 +52,42 @@ class JsonlLoggerCallback(TrainerCallback):
         record = {"step": state.global_step, **{k: _clean(v) for k, v in logs.items()}}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        self.rows += 1
+
+
+def _read_lines(path: str) -> list[str]:
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+def _step_of(line: str) -> float:
+    """A row's step; inf for a line that is no complete row (e.g. cut short by a kill): it is dropped."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
+def _rewrite(path: str, lines: list[str]) -> None:
+    """Replace path's content with lines, atomically (a temporary file renamed over it)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class TensorBoardCallback(TrainerCallback):
-    """Writes every numeric log value as a scalar to `<output_dir>/runs/<run_name>`."""
+    """Writes every numeric log value as a scalar to `<output_dir>/runs/<run_name>`. A run resumed from
+    checkpoint-N opens its writer with purge_step N+1: TensorBoard hides what the crashed run logged after N."""
 
     def __init__(self, output_dir: str, run_name: str | None = None) -> None:
         self.log_dir = os.path.join(output_dir, "runs", run_name or "run")
         self.writer = None
+        self.purge_step: int | None = None
 
     @staticmethod
     def available() -> bool:
@@ -48,13 +97,19 @@ class TensorBoardCallback(TrainerCallback):
             return False
         return True
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self.on_train_end(args, state, control)  # a writer left open by an earlier train() in this process
+        self.purge_step = state.global_step + 1 if state.global_step > 0 else None
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(self.log_dir)
+            self.writer = SummaryWriter(self.log_dir, purge_step=self.purge_step)
         for key, value in logs.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 tag = key.replace("eval_", "eval/", 1) if key.startswith("eval_") else f"train/{key}"

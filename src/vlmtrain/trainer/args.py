@@ -138,6 +138,10 @@ class ImplementedArguments:
     """Checkpoint every N steps (save_strategy='steps')."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints; the best one is never deleted."""
+    async_checkpoint: bool = False
+    """Write checkpoints in a background thread from a CPU copy of the state, while training goes on (still
+    atomic; the next save and the end of training wait for it; a failed write raises on every rank at the next
+    step end). on_save then fires when the write starts. FSDP checkpoints stay synchronous."""
     metric_for_best_model: str | None = None
     """Metric (e.g. 'loss', 'eval_accuracy') that picks the best checkpoint; 'eval_' is prefixed when missing."""
     greater_is_better: bool | None = None

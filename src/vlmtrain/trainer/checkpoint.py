@@ -13,11 +13,11 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from .distributed import barrier, failed_ranks
 from .fsdp import DCP_DIR
@@ -112,50 +112,81 @@ def set_rng_state(state: dict) -> None:
 
 
 # -- the whole checkpoint -------------------------------------------------------------------------------
-def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_model, rank: int = 0,
-                     write_sharded=None) -> str:
-    """Write `files` ({name: object for torch.save, or str/dict for JSON if name ends in .json}) plus the
-    model (write_model(dir), rank 0) and sharded state (write_sharded(dir), every rank together) into
-    output_dir/checkpoint-<step>, atomically. A write that fails on any rank (e.g. a full disk) fails on all."""
-    final = os.path.join(output_dir, f"{PREFIX}-{step}")
-    tmp = os.path.join(output_dir, f"{TMP_PREFIX}{step}")
+# A save has three parts, each closed by an agreement of every rank (one rank's error, e.g. a full disk, fails
+# them all at once): start_checkpoint (rank 0 makes the temporary directory), write_files (each rank its own
+# files; rank 0 also the model) and publish_checkpoint (rank 0 renames the directory into place). Synchronous
+# saves run them in a row (write_checkpoint); async_checkpoint.py runs write_files in a background thread.
+def temp_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"{TMP_PREFIX}{step}")
 
-    def attempt(work) -> None:
-        error = None
-        try:
-            work()
-        except (OSError, CheckpointException) as err:
-            error = err
-        failed = failed_ranks(error is not None)
-        if failed:  # the partial directory is removed, never renamed; every rank raises
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            older = ", ".join(os.path.basename(c) for c in list_checkpoints(output_dir)) or "none"
-            reason = (getattr(error, "strerror", None) or str(error)) if error is not None else "see that rank's log"
-            raise OSError(getattr(error, "errno", None) or errno.EIO,
-                          f"could not write {PREFIX}-{step} in {output_dir} (failed on rank(s) {failed}: {reason}). "
-                          f"Nothing was replaced; older checkpoints are untouched ({older}) and "
-                          f"resume_from_checkpoint=True picks the newest. Free space and resume.") from error
 
-    def first() -> None:
+def capture(work: Callable[[], None]) -> Exception | None:
+    """Run work(); return what it raised (None if nothing) for an agreement of every rank to report."""
+    try:
+        work()
+    except Exception as err:  # noqa: BLE001  (reported on every rank by _agree, never swallowed)
+        return err
+    return None
+
+
+def _agree(output_dir: str, step: int, rank: int, error: Exception | None) -> None:
+    """Every rank learns whether any rank failed; then the partial directory is removed and every rank raises."""
+    failed = failed_ranks(error is not None)
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(temp_dir(output_dir, step), ignore_errors=True)
+    older = ", ".join(os.path.basename(c) for c in list_checkpoints(output_dir)) or "none"
+    if error is None:
+        reason = "see that rank's log"
+    elif isinstance(error, OSError) and error.strerror:
+        reason = error.strerror
+    else:
+        reason = f"{type(error).__name__}: {error}"
+    raise OSError(getattr(error, "errno", None) or errno.EIO,
+                  f"could not write {PREFIX}-{step} in {output_dir} (failed on rank(s) {failed}: {reason}). "
+                  f"Nothing was replaced; older checkpoints are untouched ({older}) and "
+                  f"resume_from_checkpoint=True picks the newest. Free space and resume.") from error
+
+
+def start_checkpoint(output_dir: str, step: int, rank: int = 0, error: Exception | None = None) -> str:
+    """Rank 0 makes an empty temporary directory for checkpoint-<step> (returned); every rank agrees, also on
+    ``error`` (something that already failed on this rank, e.g. copying the state for an async save)."""
+    tmp = temp_dir(output_dir, step)
+
+    def make() -> None:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            write_model(tmp)
 
-    def rest() -> None:  # every rank writes its own files into the directory rank 0 made
-        if write_sharded is not None:
-            write_sharded(tmp)
-        for name, obj in files.items():
-            path = os.path.join(tmp, name)
-            if name.endswith(".json"):
-                with open(path, "w", encoding="utf-8") as f:
-                    json.dump(obj, f, indent=2, sort_keys=True)
-            else:
-                torch.save(obj, path)
+    _agree(output_dir, step, rank, error or capture(make))
+    return tmp
 
-    attempt(first)
-    attempt(rest)  # (its agreement also means every file is on disk before the rename makes it visible)
+
+def write_files(directory: str, files: dict[str, Any], write_model: Callable[[str], None] | None = None) -> None:
+    """write_model(directory) if given, then `files` ({name: object for torch.save, or a dict for JSON if name
+    ends in .json}), each flushed to disk (fsync). No collective: safe in a background thread."""
+    if write_model is not None:
+        write_model(directory)
+    for name, obj in files.items():
+        path = os.path.join(directory, name)
+        if name.endswith(".json"):
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=2, sort_keys=True)
+        else:
+            torch.save(obj, path)
+    if write_model is not None:
+        _fsync_dir(directory)
+    else:
+        for name in files:
+            _fsync_file(os.path.join(directory, name))
+
+
+def publish_checkpoint(output_dir: str, step: int, rank: int = 0, error: Exception | None = None) -> str:
+    """Every rank reports whether its writes failed (``error``); if none did, rank 0 renames the temporary
+    directory to checkpoint-<step> (replacing an older one of that step) and syncs it. Returns the final path."""
+    _agree(output_dir, step, rank, error)  # also: every rank's files are on disk before the rename
+    final, tmp = os.path.join(output_dir, f"{PREFIX}-{step}"), temp_dir(output_dir, step)
     if rank == 0:
         _fsync_dir(tmp)
         if os.path.exists(final):  # re-saving a step (e.g. after a resume): swap, then drop the old one
@@ -165,19 +196,39 @@ def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_mo
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(output_dir)
+        _fsync_dir(output_dir, recursive=False)
+    return final
+
+
+def write_checkpoint(output_dir: str, step: int, files: dict[str, Any], write_model, rank: int = 0,
+                     write_sharded=None) -> str:
+    """Write `files` (see write_files; names must differ between ranks) plus the model (write_model(dir),
+    rank 0) and sharded state (write_sharded(dir), every rank together) into output_dir/checkpoint-<step>,
+    atomically. A write that fails on any rank (e.g. a full disk) fails on all."""
+    tmp = start_checkpoint(output_dir, step, rank)
+
+    def write() -> None:
+        if write_sharded is not None:  # a collective (DCP): before anything that may fail on one rank only
+            write_sharded(tmp)
+        write_files(tmp, files, write_model if rank == 0 else None)
+
+    final = publish_checkpoint(output_dir, step, rank, capture(write))
     barrier()  # no rank goes on (e.g. to rotate or resume) before the checkpoint is visible
     return final
 
 
-def _fsync_dir(path: str) -> None:
-    for name in os.listdir(path):
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str, recursive: bool = True) -> None:
+    for name in os.listdir(path) if recursive else []:
         p = os.path.join(path, name)
         if os.path.isdir(p):
             _fsync_dir(p)
         elif os.path.isfile(p):
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
+            _fsync_file(p)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

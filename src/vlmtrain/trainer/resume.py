@@ -4,12 +4,16 @@ its own; the file formats live in checkpoint.py."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 from . import checkpoint as ckpt
 from . import fsdp
+from .async_checkpoint import AsyncCheckpointer, cpu_model_copy, cpu_snapshot
 from .state import TrainerState
 
 
@@ -22,7 +26,9 @@ class CheckpointMixin:
         return {"loader": None if epoch_done or self._epoch_cut else self.train_dataloader.state_dict(),
                 "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
                 "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step,
-                "skipped": dict(self._throughput.skipped_total)}
+                "skipped": dict(self._throughput.skipped_total), "run_loss": self._run_loss.state_dict()}
+
+    _async_saver: AsyncCheckpointer | None = None  # train.async_checkpoint: the background writer
 
     def _save_checkpoint(self) -> str:
         out, step = self.args.output_dir, self.state.global_step
@@ -30,19 +36,63 @@ class CheckpointMixin:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
         self.state.stateful_callbacks = {type(cb).__name__: cb.state_dict() for cb in self.callback_handler.callbacks
                                          if hasattr(cb, "state_dict")}
-        files = {"scheduler.pt": self.lr_scheduler.state_dict(), f"rng_state_{self.rank}.pth": ckpt.rng_state(),
-                 f"loop_state_{self.rank}.pt": self._loop_state()}
-        if self.rank == 0:
-            files[ckpt.STATE_NAME] = dataclasses.asdict(self.state)
-        if fsdp.is_sharded(self.model):  # each rank writes its shards of model and optimizer (DCP)
+        sharded = fsdp.is_sharded(self.model)
+        if self.args.async_checkpoint and not sharded:  # (FSDP's DCP saves stay synchronous)
+            if self._async_saver is None:
+                self._async_saver = AsyncCheckpointer(out, self.rank, self._rotate_checkpoints)
+            return self._async_saver.save(step, self._snapshot)
+        files = self._checkpoint_files(sharded)
+        if sharded:  # each rank writes its shards of model and optimizer (DCP)
             path = ckpt.write_checkpoint(out, step, files, self._save_model_config, rank=self.rank,
                                          write_sharded=lambda d: fsdp.save_sharded(self.model, self.optimizer, d))
         else:
-            files["optimizer.pt"] = self.optimizer.state_dict()
             path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
         if self.rank == 0:
-            ckpt.rotate_checkpoints(out, self.args.save_total_limit, self.state.best_model_checkpoint)
+            self._rotate_checkpoints()
         return path
+
+    def _rotate_checkpoints(self) -> None:
+        ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _snapshot(self) -> tuple[dict[str, Any], Any]:
+        """This rank's checkpoint as CPU copies, and (rank 0) a function writing the model copy's files."""
+        files = cpu_snapshot(self._checkpoint_files(sharded=False))
+        if self.rank != 0:
+            return files, None
+        model, processing_class = cpu_model_copy(self.model), self.processing_class
+        return files, lambda d: ckpt.save_model_files(model, d, processing_class)
+
+    def _publish_written_checkpoint(self) -> None:
+        """At a step end (every rank): move a background-written checkpoint into place once it is on disk."""
+        if self._async_saver is not None:
+            self._async_saver.poll()
+
+    def _wait_for_checkpoint(self) -> None:
+        """Before training returns: the checkpoint in flight is written and in place (or its error raised)."""
+        if self._async_saver is not None:
+            self._async_saver.wait()
+
+    @contextlib.contextmanager
+    def _checkpoint_writer_joined(self) -> Iterator[None]:
+        """Training that raises lets the background writer finish first: no thread outlives train()."""
+        try:
+            yield
+        except BaseException:
+            if self._async_saver is not None:
+                self._async_saver.abandon()
+            raise
+
+    def _checkpoint_files(self, sharded: bool) -> dict[str, Any]:
+        """This rank's files of a checkpoint, no two ranks naming the same one: RNG and loop state per rank;
+        rank 0 alone the trainer state, the scheduler and (unless FSDP shards it) the optimizer, which DDP keeps
+        identical on every rank."""
+        files = {f"rng_state_{self.rank}.pth": ckpt.rng_state(), f"loop_state_{self.rank}.pt": self._loop_state()}
+        if self.rank == 0:
+            files.update({ckpt.STATE_NAME: dataclasses.asdict(self.state),
+                          "scheduler.pt": self.lr_scheduler.state_dict()})
+            if not sharded:
+                files["optimizer.pt"] = self.optimizer.state_dict()
+        return files
 
     def _save_model_config(self, directory: str) -> None:
         """What from_pretrained needs besides the weights (config.json, tokenizer/processor files)."""
@@ -68,6 +118,8 @@ class CheckpointMixin:
             warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
                           f"{saved.max_steps}.", stacklevel=3)
         saved.max_steps, saved.num_train_epochs = self.state.max_steps, self.state.num_train_epochs
+        # (rank 0 wrote the file: without this every rank would take itself for process zero and log)
+        saved.is_world_process_zero = saved.is_local_process_zero = self.rank == 0
         self.state = saved
         for cb in self.callback_handler.callbacks:
             if type(cb).__name__ in saved.stateful_callbacks and hasattr(cb, "load_state_dict"):
@@ -80,6 +132,8 @@ class CheckpointMixin:
             self.train_dataloader.load_state_dict(loop["loader"])
         self._epoch_index, self._micro_step = loop["epoch_index"], loop["micro_step"]
         self._train_losses.load_state_dict(loop["train_losses"])
+        if "run_loss" in loop:  # the whole run's mean loss (TrainOutput.train_loss) goes on across resumes
+            self._run_loss.load_state_dict(loop["run_loss"])
         self._last_logged_step = loop["last_logged_step"]
         self._throughput.skipped_total.update(loop.get("skipped", {}))
         ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))

@@ -175,11 +175,14 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             self._load_checkpoint(resume)
         start = time.time()
         self.control = self._event("on_train_begin")
+        if self.state.global_step >= self.state.max_steps:  # resumed from the run's final checkpoint: done
+            self.control.should_training_stop = True
         if args.eval_on_start:  # a sanity check of the eval setup, logged at the current step (0 unless resumed)
             paused = time.perf_counter()
             self.evaluate()
             self._throughput.exclude(time.perf_counter() - paused)
-        with PreemptionGuard() as self._preemption:  # SIGTERM/SIGUSR1: finish the step, save, return
+        # SIGTERM/SIGUSR1: finish the step, save, return. An error waits for a checkpoint being written.
+        with PreemptionGuard() as self._preemption, self._checkpoint_writer_joined():
             while self._epoch_index < epochs and not self.control.should_training_stop:
                 self.control = self._event("on_epoch_begin")
                 self._run_epoch(model, loader)
@@ -327,6 +330,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self._maybe_log_save_evaluate()
 
     def _maybe_log_save_evaluate(self) -> None:
+        self._publish_written_checkpoint()  # (async_checkpoint) the previous save, once every rank wrote it
         if self.control.should_log and self.state.global_step > self._last_logged_step:
             logs = self._train_losses.compute()
             self._train_losses.reset()
@@ -401,6 +405,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             ckpt.save_model_files(self.model, output_dir or self.args.output_dir, self.processing_class)
 
     def _finish_training(self, start: float) -> TrainOutput:
+        self._wait_for_checkpoint()  # (async_checkpoint) the last save is complete before train() returns
         runtime = time.time() - start
         train_loss = self._run_loss.compute().get("loss", math.nan)
         steps = self.state.global_step

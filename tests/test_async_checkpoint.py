@@ -1,0 +1,184 @@
+"""train.async_checkpoint: training goes on while a checkpoint is written from a CPU copy; the checkpoints are the
+ones a synchronous run writes, resume from them is exact, a failed write raises (on every rank) instead of leaving
+a checkpoint silently missing, and no writer thread outlives train()."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from tiny import tiny_llama, token_samples
+
+from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments
+from vlmtrain.trainer import checkpoint as ckpt
+from vlmtrain.trainer.async_checkpoint import cpu_model_copy
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _args(out, **kw) -> TrainingArguments:
+    kw = {"max_steps": 6, "per_device_train_batch_size": 4, "learning_rate": 1e-2, "logging_steps": 1,
+          "save_steps": 2, "disable_tqdm": True, **kw}
+    return TrainingArguments(output_dir=str(out), **kw)
+
+
+def _slow_saves(monkeypatch, seconds: float) -> None:
+    real_save = torch.save
+
+    def save(*args, **kwargs):
+        time.sleep(seconds)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def _writers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("vlmtrain-checkpoint")]
+
+
+class WatchWrites(TrainerCallback):
+    """Records, at each step begin, which checkpoint directories exist (complete and temporary)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, list[str]]] = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        names = sorted(n for n in os.listdir(args.output_dir) if "checkpoint-" in n)
+        self.seen.append((state.global_step, names))
+
+
+def _same_checkpoint(a: Path, b: Path) -> None:
+    wa, wb = load_file(str(a / ckpt.MODEL_NAME)), load_file(str(b / ckpt.MODEL_NAME))
+    assert set(wa) == set(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
+    oa, ob = (torch.load(d / "optimizer.pt", weights_only=True) for d in (a, b))
+    assert oa["param_groups"] == ob["param_groups"]
+    assert all(torch.equal(oa["state"][i][k], ob["state"][i][k]) for i in oa["state"] for k in oa["state"][i]
+               if isinstance(oa["state"][i][k], torch.Tensor))
+    for name in ("scheduler.pt", "rng_state_0.pth", "loop_state_0.pt"):
+        assert str(torch.load(a / name, weights_only=True)) == str(torch.load(b / name, weights_only=True)), name
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+
+
+def test_async_saves_equal_sync_saves_while_steps_go_on(tmp_path, monkeypatch):
+    data = token_samples(32)
+    Trainer(tiny_llama(0), _args(tmp_path / "sync"), train_dataset=data).train()
+    _slow_saves(monkeypatch, 0.15)  # each save takes ~0.5 s in the background; a step takes a few ms
+    watch = WatchWrites()
+    out = Trainer(tiny_llama(0), _args(tmp_path / "async", async_checkpoint=True), train_dataset=data,
+                  callbacks=[watch]).train()
+    assert out.global_step == 6 and not _writers()
+    # Steps 3 (and 5) began while checkpoint-2 (-4) was still being written: the save did not block them.
+    assert (2, [f"{ckpt.TMP_PREFIX}2"]) in watch.seen, watch.seen
+    for step in (2, 4, 6):  # written from copies: later steps did not leak into them
+        _same_checkpoint(tmp_path / "sync" / f"checkpoint-{step}", tmp_path / "async" / f"checkpoint-{step}")
+    assert not [n for n in os.listdir(tmp_path / "async") if n.startswith(".")]
+
+
+def test_resume_from_an_async_checkpoint_is_exact(tmp_path):
+    data = token_samples(32)
+    straight = Trainer(tiny_llama(0), _args(tmp_path / "a", async_checkpoint=True), train_dataset=data).train()
+    resumed_trainer = Trainer(tiny_llama(1), _args(tmp_path / "b", async_checkpoint=True), train_dataset=data)
+    resumed = resumed_trainer.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    wa, wb = (load_file(str(tmp_path / r / "checkpoint-6" / ckpt.MODEL_NAME)) for r in ("a", "b"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert resumed.training_loss == straight.training_loss
+
+
+def test_rotation_keeps_the_limit_and_never_touches_the_save_in_flight(tmp_path, monkeypatch):
+    _slow_saves(monkeypatch, 0.05)
+    watch = WatchWrites()
+    Trainer(tiny_llama(0), _args(tmp_path, max_steps=10, save_total_limit=2, async_checkpoint=True),
+            train_dataset=token_samples(48), callbacks=[watch]).train()
+    assert sorted(n for n in os.listdir(tmp_path) if "checkpoint" in n) == ["checkpoint-10", "checkpoint-8"]
+    assert all(len([n for n in names if n.startswith("checkpoint-")]) <= 2 for _, names in watch.seen)
+
+
+def test_a_failed_background_write_raises_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if f"{ckpt.TMP_PREFIX}4" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    trainer = Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(32))
+    with pytest.raises(OSError, match=r"could not write checkpoint-4 .*No space left on device.*checkpoint-2"):
+        trainer.train()
+    assert not _writers()
+    assert sorted(n for n in os.listdir(tmp_path) if "checkpoint" in n) == ["checkpoint-2"]
+    assert trainer.state.global_step <= 6  # raised at a step end after step 4, not silently at the end
+
+
+def test_an_error_in_training_waits_for_the_writer(tmp_path, monkeypatch):
+    class Boom(Exception):
+        pass
+
+    class FailAfterSave(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise Boom()
+
+    _slow_saves(monkeypatch, 0.1)
+    with pytest.raises(Boom):
+        Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(32),
+                callbacks=[FailAfterSave()]).train()
+    assert not _writers()  # joined before the error left train()
+    # checkpoint-2 was written but never published (that happens at a step end): a leftover the next start removes
+    assert sorted(n for n in os.listdir(tmp_path) if "checkpoint" in n) == [f"{ckpt.TMP_PREFIX}2"]
+    monkeypatch.undo()
+    resumed = Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(32))
+    with pytest.warns(UserWarning, match="no complete checkpoint"):
+        assert resumed.train(resume_from_checkpoint=True).global_step == 6
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+
+
+def test_cpu_model_copy_keeps_ties_and_shares_frozen_weights():
+    model = tiny_llama(0, tie_word_embeddings=True)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    copy = cpu_model_copy(model)
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight
+    assert copy.model.embed_tokens.weight is not model.model.embed_tokens.weight
+    assert copy.model.layers[0].mlp.up_proj.weight is model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    assert not torch.equal(copy.model.norm.weight, model.model.norm.weight)
+
+
+@pytest.mark.slow
+def test_a_failed_async_write_on_one_rank_fails_every_rank(tmp_path):
+    """Rank 1 cannot write checkpoint-4 in the background: both ranks raise within seconds naming rank 1, no
+    partial directory is left, checkpoint-2 stays, and resume from it ends like an uninterrupted run."""
+    from tests.test_distributed import LM, _run, _weights
+
+    cfg = json.loads(json.dumps(LM))
+    cfg["train"].update(save_steps=2, ddp_timeout=600, async_checkpoint=True, predict_with_generate=False)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "FAULT": "diskfull:1:4"}
+    start = time.time()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests" / "dist_fault_worker.py"), "train", "--config", str(path),
+                           "--train.output_dir", str(tmp_path / "run"), "--train.per_device_train_batch_size", "2"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert time.time() - start < 120, "the healthy rank waited for the collective timeout"
+    assert out.count("could not write checkpoint-4") >= 2 and "failed on rank(s) [1]" in out, out[-3000:]
+    assert not any(n.startswith(".tmp") for n in os.listdir(tmp_path / "run")), os.listdir(tmp_path / "run")
+    assert (tmp_path / "run" / "checkpoint-2").is_dir() and not (tmp_path / "run" / "checkpoint-4").exists()
+    resumed = _run(tmp_path, cfg, "run", 2, 2, "--train.resume_from_checkpoint", "true")
+    straight = _run(tmp_path, cfg, "straight", 2, 2, "--train.async_checkpoint", "false")
+    steps = cfg["train"]["max_steps"]
+    wr, ws = _weights(resumed, steps), _weights(straight, steps)
+    assert all(torch.equal(wr[k], ws[k]) for k in ws)

@@ -1,0 +1,116 @@
+"""Under DDP no two ranks write one checkpoint file: the optimizer and scheduler (identical on every rank) are
+written by rank 0 alone, each rank writes its own RNG and loop state; resume from such a checkpoint is bitwise.
+
+Run under torchrun as a script, this file is the worker: `vlmtrain train` with every file write recorded (torch.save,
+safetensors, and Python's open/os.open in a writing mode) into WRITES_LOG/rank<RANK>.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _record_writes(log_path: str) -> None:
+    """Append the absolute path of every file this process opens for writing to log_path."""
+    import safetensors.torch
+    import transformers.modeling_utils
+
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+
+    def note(path) -> None:
+        if isinstance(path, (str, os.PathLike)):
+            os.write(fd, (os.path.abspath(os.fspath(path)) + "\n").encode())
+
+    def audit(event: str, args: tuple) -> None:  # builtins.open, io.open and os.open
+        if event == "open" and args and (
+                (isinstance(args[1], str) and any(c in args[1] for c in "wax+"))
+                or (isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))):
+            if os.fspath(args[0]) != log_path:
+                note(args[0])
+
+    def wrap(func):
+        def recorded(obj, path, *args, **kwargs):
+            note(path)
+            return func(obj, path, *args, **kwargs)
+        return recorded
+
+    torch.save = wrap(torch.save)  # its C++ writer opens the file outside Python's open
+    safetensors.torch.save_file = wrap(safetensors.torch.save_file)
+    safetensors.torch.save_model = wrap(safetensors.torch.save_model)
+    transformers.modeling_utils.safe_save_file = wrap(transformers.modeling_utils.safe_save_file)
+    sys.addaudithook(audit)
+
+
+def _train(tmp_path: Path, out: str, *extra: str) -> dict[int, list[str]]:
+    """A 2-rank DDP run (6 steps, checkpoints at 3 and 6); returns each rank's written paths, relative to the
+    run's directory, with the temporary checkpoint directory named as the checkpoint it becomes."""
+    from tests.test_distributed import LM
+
+    cfg = json.loads(json.dumps(LM))
+    cfg["train"].update(predict_with_generate=False)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    logs = tmp_path / f"{out}-writes"
+    logs.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "WRITES_LOG": str(logs)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           __file__, "train", "--config", str(tmp_path / "cfg.yaml"), "--train.output_dir",
+                           str(tmp_path / out), "--train.per_device_train_batch_size", "2", *extra],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = str(tmp_path / out) + os.sep
+    writes = {}
+    for rank in (0, 1):
+        paths = (logs / f"rank{rank}.txt").read_text().split()
+        writes[rank] = [p[len(run):].replace(".tmp-checkpoint-", "checkpoint-") for p in paths if p.startswith(run)]
+    return writes
+
+
+def _train_loss(run: Path) -> float:
+    return next(r["train_loss"] for r in map(json.loads, open(run / "metrics.jsonl")) if "train_loss" in r)
+
+
+@pytest.mark.slow
+def test_ranks_never_write_one_path_and_resume_is_bitwise(tmp_path):
+    straight = _train(tmp_path, "straight")
+    resumed = _train(tmp_path, "resumed", "--train.resume_from_checkpoint", str(tmp_path / "straight" / "checkpoint-3"))
+    for writes, steps in ((straight, (3, 6)), (resumed, (6,))):
+        shared = set(writes[0]) & set(writes[1])
+        assert not shared, f"written by both ranks: {sorted(shared)}"
+        for rank in (0, 1):
+            files = [p for p in writes[rank] if p.startswith("checkpoint-")]
+            assert len(files) == len(set(files)), f"rank {rank} wrote a checkpoint file twice: {files}"
+        for step in steps:
+            d = f"checkpoint-{step}/"
+            assert {d + "optimizer.pt", d + "scheduler.pt", d + "trainer_state.json", d + "model.safetensors",
+                    d + "rng_state_0.pth", d + "loop_state_0.pt"} <= set(writes[0]), writes[0]
+            assert {n for n in writes[1] if n.startswith(d)} == {d + "rng_state_1.pth", d + "loop_state_1.pt"}
+        assert "metrics.jsonl" in writes[0] and "metrics.jsonl" not in writes[1]
+
+    final = [load_file(str(tmp_path / run / "checkpoint-6" / "model.safetensors")) for run in ("straight", "resumed")]
+    assert set(final[0]) == set(final[1]) and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    opt, sched = ([torch.load(tmp_path / run / "checkpoint-6" / name, weights_only=True) for run in ("straight", "resumed")]
+                  for name in ("optimizer.pt", "scheduler.pt"))  # and so is what rank 0 alone wrote
+    assert sched[0] == sched[1] and opt[0]["param_groups"] == opt[1]["param_groups"]
+    assert all(torch.equal(opt[0]["state"][i][k], opt[1]["state"][i][k]) for i in opt[0]["state"]
+               for k in opt[0]["state"][i])
+    # TrainOutput.train_loss covers the whole run: the resumed run's includes steps 1-3 it did not train.
+    assert _train_loss(tmp_path / "resumed") == _train_loss(tmp_path / "straight")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "src"))
+    _record_writes(os.path.join(os.environ["WRITES_LOG"], f"rank{os.environ.get('RANK', '0')}.txt"))
+    from vlmtrain import cli
+
+    sys.exit(cli.main(sys.argv[1:]))
