@@ -40,10 +40,13 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     from vlmtrain.trainer import DatasetStepCallback, Trainer
 
     step_keyed = hasattr(parts["train_dataset"], "set_step")  # e.g. shapes' side warm-up
+    # The kinds' and sources' metrics score generated answers (exact match). Without generation evaluation
+    # keeps only the losses (and head outputs): never the B x L x vocab logits of the whole eval set.
+    metrics = parts["compute_metrics"] if cfg.train.predict_with_generate else None
     return Trainer(parts["model"], cfg.train, data_collator=parts["data_collator"],
                    train_dataset=parts["train_dataset"],
                    eval_dataset=parts["eval_dataset"] if cfg.data.num_eval > 0 else None,
-                   processing_class=parts["tokenizer"], compute_metrics=parts["compute_metrics"],
+                   processing_class=parts["tokenizer"], compute_metrics=metrics,
                    callbacks=[DatasetStepCallback()] if step_keyed else None)
 
 

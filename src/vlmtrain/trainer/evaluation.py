@@ -4,6 +4,7 @@ and compute_metrics. A mixin of Trainer, kept apart so each file reads on its ow
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -23,8 +24,8 @@ def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, sa
                    interleave: bool) -> tuple[LossAverager, int, Counter]:
     """Every rank's evaluation results, combined on every rank (``preds`` and ``labels`` in place). Rows come
     back in dataset order: rank r evaluated samples r, r + W, r + 2W, ... (interleave), or in rank order for a
-    stream."""
-    mine = {"losses": losses.state_dict(), "preds": preds.rows(), "labels": labels.rows(), "samples": samples,
+    stream. Counts and tensor layouts go as small pickles; predictions and labels as tensors (all_gather)."""
+    mine = {"losses": losses.state_dict(), "preds": preds.layout(), "labels": labels.layout(), "samples": samples,
             "skipped": dict(skipped)}
     everyone = dist.all_gather_objects(mine)
     total = LossAverager()
@@ -32,12 +33,13 @@ def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, sa
         shard = LossAverager()
         shard.load_state_dict(part["losses"])
         total.merge(shard)
-    preds.set_rows([part["preds"] for part in everyone], interleave)
-    labels.set_rows([part["labels"] for part in everyone], interleave)
+    preds.gather([part["preds"] for part in everyone], interleave)
+    labels.gather([part["labels"] for part in everyone], interleave)
     return total, sum(p["samples"] for p in everyone), sum((Counter(p["skipped"]) for p in everyone), Counter())
 
 
 _NOT_AVERAGED = ("runtime", "samples_per_second", "samples")
+_LARGE_VOCAB = 4096  # a last dim this long on 3-d predictions: LM logits over a vocabulary
 
 
 def combine_eval_metrics(metrics: Mapping[str, float], prefixes: list[str], prefix: str) -> dict[str, float]:
@@ -138,6 +140,7 @@ class EvaluationMixin:
                 skipped.update(skipped_counts(batch))
                 continue
             loss, pred, label, extras = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
+            pred = self._reduce_for_metrics(pred, label)
             size = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), 1)
             samples += size
             skipped.update(skipped_counts(batch))
@@ -169,6 +172,23 @@ class EvaluationMixin:
             texts = [self.processing_class.decode([t for t in row if t >= 0], skip_special_tokens=True)
                      for row in predictions.tolist()]
         return PredictionOutput(predictions, label_ids, metrics, texts, head_outputs)
+
+    def _reduce_for_metrics(self, pred: Any, label: Any) -> Any:
+        """What evaluation keeps of one batch's predictions: ``preprocess_logits_for_metrics(pred, labels)``
+        when the Trainer has one (e.g. argmax ids: B x L instead of B x L x vocab), else ``pred`` itself, as
+        transformers does. Kept whole, LM logits of a large vocabulary grow with the eval set: warned once."""
+        if pred is None:
+            return None
+        if self.preprocess_logits_for_metrics is not None:
+            return self.preprocess_logits_for_metrics(pred, label)
+        tensors = pred.values() if isinstance(pred, Mapping) else pred if isinstance(pred, (tuple, list)) else [pred]
+        vocab = max((t.shape[-1] for t in tensors if isinstance(t, torch.Tensor) and t.ndim == 3), default=0)
+        if vocab >= _LARGE_VOCAB and not getattr(self, "_warned_full_logits", False):
+            self._warned_full_logits = True
+            warnings.warn(f"evaluation keeps the full logits (batch x length x {vocab}) of every eval batch for "
+                          "compute_metrics; pass Trainer(preprocess_logits_for_metrics=...) to keep less, e.g. "
+                          "`lambda logits, labels: logits.argmax(-1)`.", stacklevel=3)
+        return pred
 
     def prediction_step(self, model: nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple:

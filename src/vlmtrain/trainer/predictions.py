@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import distributed as dist
+
 
 def _is_count(key: str) -> bool:
     return key in ("num_items", "num_tokens") or key.startswith("num_items_")
@@ -66,14 +68,19 @@ def plain_numbers(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
+def pad_cat(chunks: list[torch.Tensor], pad: int = -100) -> torch.Tensor:
     """Concatenate along dim 0, padding dim 1 (sequence) to the longest chunk with `pad`."""
     if chunks[0].ndim < 2:
-        return torch.cat(chunks).numpy()
+        return torch.cat(chunks)
     longest = max(c.shape[1] for c in chunks)
-    padded = [torch.nn.functional.pad(c, (0, 0) * (c.ndim - 2) + (0, longest - c.shape[1]), value=pad)
-              for c in chunks]
-    return torch.cat(padded).numpy()
+    return torch.cat([c if c.shape[1] == longest else  # (no copy of what needs no padding)
+                      torch.nn.functional.pad(c, (0, 0) * (c.ndim - 2) + (0, longest - c.shape[1]), value=pad)
+                      for c in chunks])
+
+
+def pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
+    """:func:`pad_cat` as a numpy array."""
+    return pad_cat(chunks, pad).numpy()
 
 
 class Collected:
@@ -98,9 +105,27 @@ class Collected:
             if isinstance(tensor, torch.Tensor):
                 self.chunks.setdefault(key, []).append(torch.atleast_1d(tensor.detach().cpu()))
 
+    def layout(self) -> dict[str, Any]:
+        """What the other ranks need to gather this rank's :meth:`rows` as tensors: the kind and, per key,
+        the dtype and the shape of a row (small: this goes through pickling, the rows do not)."""
+        return {"kind": self.kind, "keys": {k: (c[0].dtype, tuple(c[0].shape[1:])) for k, c in self.chunks.items()
+                                            if c}}
+
     def rows(self) -> dict[str, Any]:
-        """This rank's rows, per key (to gather across ranks)."""
-        return {"kind": self.kind, "rows": {k: [row for c in chunks for row in c] for k, chunks in self.chunks.items()}}
+        """This rank's rows: the kind and one tensor per key (its batches concatenated, padded along dim 1)."""
+        return {"kind": self.kind, "rows": {k: pad_cat(c) for k, c in self.chunks.items() if c}}
+
+    def gather(self, layouts: list[dict[str, Any]], interleave: bool) -> None:
+        """Every rank's rows, put together on every rank (see :meth:`set_rows`) through one padded tensor
+        all_gather per key. Every rank calls it, with every rank's :meth:`layout` in rank order."""
+        mine, parts = self.rows()["rows"], [{"kind": lay["kind"], "rows": {}} for lay in layouts]
+        for key in dict.fromkeys(k for lay in layouts for k in lay["keys"]):
+            dtype, row_shape = next(lay["keys"][key] for lay in layouts if key in lay["keys"])
+            tensor = mine.get(key, torch.empty((0, *row_shape), dtype=dtype))
+            for part, lay, theirs in zip(parts, layouts, dist.all_gather_padded(tensor)):
+                if key in lay["keys"]:
+                    part["rows"][key] = theirs
+        self.set_rows(parts, interleave)
 
     def set_rows(self, parts: list[dict[str, Any]], interleave: bool) -> None:
         """Every rank's :meth:`rows` put together: round-robin over ranks (rank r evaluated samples r, r + W,
@@ -109,12 +134,14 @@ class Collected:
         keys = list(dict.fromkeys(k for p in parts for k in p["rows"]))
         self.chunks, self._arrays = {}, None
         for key in keys:
-            per_rank = [p["rows"].get(key, []) for p in parts]
+            per_rank = [p["rows"][key] for p in parts if key in p["rows"]]
+            counts = [len(t) for t in per_rank]
+            starts = [sum(counts[:r]) for r in range(len(counts))]
             if interleave:
-                ordered = [rows[i] for i in range(max(map(len, per_rank))) for rows in per_rank if i < len(rows)]
+                order = [starts[r] + i for i in range(max(counts)) for r in range(len(counts)) if i < counts[r]]
             else:
-                ordered = [row for rows in per_rank for row in rows]
-            self.chunks[key] = [row[None] for row in ordered]
+                order = list(range(sum(counts)))
+            self.chunks[key] = [pad_cat(per_rank)[order]]
 
     def arrays(self) -> dict[Any, np.ndarray]:
         if self._arrays is None:

@@ -69,7 +69,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
                  data_collator: Any = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class: Any = None,
                  compute_metrics: Any = None, callbacks: list[TrainerCallback] | None = None,
-                 optimizers: tuple[Any, Any] = (None, None)) -> None:
+                 optimizers: tuple[Any, Any] = (None, None),
+                 preprocess_logits_for_metrics: Any = None) -> None:
         if model is None:
             raise ValueError("Trainer needs a model: Trainer(model=..., args=...).")
         self.args = args if args is not None else TrainingArguments()
@@ -90,6 +91,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self.data_collator = data_collator if data_collator is not None else DefaultCollator(pad_id)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class, self.compute_metrics = processing_class, compute_metrics
+        # (logits, labels) -> what evaluation keeps of each batch for compute_metrics, e.g. argmax ids
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.state, self.control = TrainerState(), TrainerControl()
         self.state.is_world_process_zero = self.state.is_local_process_zero = self.rank == 0
