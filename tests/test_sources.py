@@ -17,6 +17,7 @@ from vlmtrain.data.sources import (
     StreamingDataset,
     WebDatasetSource,
     expand_paths,
+    is_counts_only,
 )
 from vlmtrain.data.tools import inspect_source, write_webdataset
 from vlmtrain.tasks.shapes import ShapesVQA
@@ -176,12 +177,13 @@ def test_filters_and_malformed_lines_are_dropped_and_counted(jsonl, tmp_path):
         return sample.get("rating", 5) >= 3
 
     samples = list(StreamingDataset([JsonlSource(jsonl)], shuffle=False, filters=[min_rating]))
-    assert len(samples) == N
+    assert len(samples) == N + 1
     dropped = Counter()
     for s in samples:
         dropped.update(s.get("__dropped__", {}))
-    # the two bad lines come last: nothing follows them to carry their counts
-    assert sum(dropped.values()) == 0
+    # the two bad lines come last: a counts-only sample at the end of the stream carries their counts
+    assert dropped == {"malformed_json": 1, "filtered_min_rating": 1}
+    assert is_counts_only(samples[-1]) and not any(is_counts_only(s) for s in samples[:-1])
     ds = StreamingDataset([JsonlSource(jsonl), JsonlSource(jsonl)], weights=[1, 1], seed=0, filters=[min_rating])
     dropped = Counter()
     for _, s in zip(range(200), ds):

@@ -23,7 +23,7 @@ from torch.utils.data import IterableDataset
 
 from vlmtrain.data.packing import pack_items, pack_stats
 from vlmtrain.data.processing import SkipSample
-from vlmtrain.data.sources import KEY, drop_counts
+from vlmtrain.data.sources import KEY, drop_counts, is_counts_only
 
 
 class PackedDataset(IterableDataset):
@@ -77,6 +77,8 @@ class PackedDataset(IterableDataset):
             if sample is None:
                 break
             skipped.update(drop_counts(sample))
+            if is_counts_only(sample):  # the end of a stream: its counts, no sample
+                continue
             try:
                 item = self.process(sample)
             except SkipSample as err:

@@ -40,7 +40,8 @@ CHATML_TEMPLATE = (
     "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SKIP_REASONS = ("empty_conversation", "malformed_text", "malformed_json", "missing_image", "corrupt_image",
-                "too_many_images", "too_long", "placeholder_mismatch", "bad_head_label", "images_for_text_model")
+                "too_many_images", "too_long", "placeholder_mismatch", "bad_head_label", "images_for_text_model",
+                "duplicate_image")
 
 
 class SkipSample(Exception):
@@ -63,11 +64,13 @@ def process_or_skip(process: Callable[[Any], dict[str, Any]], sample: Any, total
     processed item (a dict with ``input_ids``) through, else ``process`` it; a :class:`SkipSample` is counted
     by reason in ``totals`` (the collator's running total; warned once per reason) and ``skipped`` (this
     batch's), its key added to ``keys``, and None returned."""
-    from vlmtrain.data.sources import KEY, drop_counts
+    from vlmtrain.data.sources import KEY, drop_counts, is_counts_only
 
     for reason, n in drop_counts(sample).items():  # what a stream dropped before this sample
         totals[reason] += n
         skipped[reason] += n
+    if is_counts_only(sample):  # the end of a stream: its counts, no sample
+        return None
     if isinstance(sample, Mapping) and "input_ids" in sample:
         return dict(sample)
     try:

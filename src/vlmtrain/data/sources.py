@@ -10,7 +10,9 @@ several sources by weight, filters samples, and keeps its place in ``state_dict(
 Samples are the_cauldron dicts (DESIGN.md) plus ``__key__`` (``<source>:<shard>:<n>``), the name bad-
 sample messages and tests use. Samples a source cannot parse (a malformed JSON line, a tar group without
 JSON) and samples a filter rejects are not yielded; their counts ride on the next yielded sample's
-``__dropped__`` entry (``{reason: n}``), which the collator adds to the batch's ``skipped`` counts.
+``__dropped__`` entry (``{reason: n}``), which the collator adds to the batch's ``skipped`` counts. When
+nothing follows them (the end of a stream), a counts-only sample (:func:`is_counts_only`: no data, just
+``__dropped__``) carries them; collators count it and produce nothing from it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-KEY, DROPPED = "__key__", "__dropped__"
+KEY, DROPPED, COUNTS_ONLY = "__key__", "__dropped__", "__counts_only__"
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp")
 Position = dict[str, Any]
 
@@ -92,11 +94,15 @@ class JsonlSource:
 
 
 class WebDatasetSource:
-    """WebDataset tar shards: ``KEY.json`` (the record without images) and ``KEY.0.png``, ``KEY.1.jpg``, ...
+    """WebDataset tar shards: ``KEY.json`` (the record without images) and its images, ``KEY.0.png``,
+    ``KEY.1.jpg``, ... in index order, or for one image ``KEY.jpg`` / ``KEY.png`` / ``KEY.webp`` (image 0),
+    as webdataset's ShardWriter writes them (the key is the member name up to the first dot of its file name).
 
     Members of one key are consecutive; the position is the tar offset of the next key's first header,
     so a resumed reader opens the shard there and reads nothing before it. Image bytes are decoded later
-    (by the processor), so a corrupt image is skipped and counted there, not here.
+    (by the processor), so a corrupt image is skipped and counted there, not here. A shard cut short (a
+    writer killed mid-shard) ends with a bad record (``corrupt_image`` or ``malformed_json``: the member cut),
+    counted like any other.
     """
 
     def __init__(self, paths: str | Sequence[str], name: str = "wds") -> None:
@@ -119,7 +125,12 @@ class WebDatasetSource:
                     yield {"offset": member.offset}, self._sample(path, key, group)
                     group = []
                 key = member_key
-                group.append((ext, tar.extractfile(member).read()))
+                try:
+                    group.append((ext, tar.extractfile(member).read()))
+                except tarfile.ReadError:  # the shard ends inside this member
+                    reason = "corrupt_image" if _image_index(ext) is not None else "malformed_json"
+                    yield {"offset": os.path.getsize(path)}, {KEY: f"{path}:{key}", "__bad__": reason}
+                    return
             if key is not None:
                 yield {"offset": os.path.getsize(path)}, self._sample(path, key, group)
 
@@ -133,11 +144,22 @@ class WebDatasetSource:
             sample = None
         if not isinstance(sample, dict):
             return {KEY: name, "__bad__": "malformed_json"}
-        images = sorted((int(ext.split(".")[0]), data) for ext, data in group
-                        if re.fullmatch(r"\d+\.(" + "|".join(IMAGE_EXTENSIONS) + ")", ext.lower()))
+        images = sorted((_image_index(ext), data) for ext, data in group if _image_index(ext) is not None)
+        if len({i for i, _ in images}) < len(images):  # e.g. KEY.jpg and KEY.0.png: two images 0
+            return {KEY: name, "__bad__": "duplicate_image"}
         sample["images"] = [data for _, data in images]
         sample[KEY] = name
         return sample
+
+
+def _image_index(ext: str) -> int | None:
+    """The image index of a member's extension: ``3.png`` -> 3, ``jpg`` -> 0 (a single image), else None."""
+    index, _, kind = ext.lower().rpartition(".")
+    if kind not in IMAGE_EXTENSIONS:
+        return None
+    if not index:
+        return 0
+    return int(index) if index.isdigit() else None
 
 
 class IndexedSource:
@@ -271,6 +293,8 @@ class StreamingDataset(IterableDataset):
                 sample = {**sample, DROPPED: dict(dropped)}
                 dropped.clear()
             yield sample
+        if dropped:  # bad or filtered samples at the very end: nothing follows to carry their counts
+            yield {KEY: "end-of-stream", COUNTS_ONLY: True, DROPPED: dict(dropped)}
 
     def _single(self) -> Iterator[dict[str, Any]]:
         yield from self._readers[0]
@@ -320,6 +344,11 @@ def apply_filters(filters: Sequence[Callable[[dict], Any]], sample: dict[str, An
         if isinstance(kept, dict):
             sample = kept
     return sample, None
+
+
+def is_counts_only(sample: Any) -> bool:
+    """Whether ``sample`` only carries the ``__dropped__`` counts of the end of a stream (no data to process)."""
+    return isinstance(sample, dict) and bool(sample.get(COUNTS_ONLY))
 
 
 def drop_counts(sample: Any) -> dict[str, int]:

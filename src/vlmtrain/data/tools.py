@@ -12,7 +12,7 @@ from typing import Any
 
 from PIL import Image
 
-from vlmtrain.data.sources import KEY, IndexedSource, JsonlSource, WebDatasetSource
+from vlmtrain.data.sources import KEY, IndexedSource, JsonlSource, WebDatasetSource, is_counts_only
 
 
 def open_source(spec: str) -> Any:
@@ -76,7 +76,7 @@ def write_webdataset(samples: Iterable[dict[str, Any]], out_dir: str, shard_size
     paths: list[str] = []
     tar = None
     try:
-        for n, sample in enumerate(samples):
+        for n, sample in enumerate(s for s in samples if not is_counts_only(s)):
             if n % shard_size == 0:
                 if tar is not None:
                     tar.close()
