@@ -222,13 +222,12 @@ _HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _g
 
 
 def _shutdown_distributed() -> None:
-    """Under torchrun: wait for every rank, then tear the process group down (a process that exits with
-    gloo threads still running can abort, failing the whole job)."""
-    import torch.distributed as dist
+    """Under torchrun: wait for every rank, then tear the process groups down and free them (a process that
+    exits with gloo threads still running can abort, failing the whole job)."""
+    if "WORLD_SIZE" in os.environ:
+        from vlmtrain.trainer.distributed import shutdown
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        shutdown()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

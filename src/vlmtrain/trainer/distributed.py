@@ -7,7 +7,9 @@ so logging never allocates on a GPU or syncs an NCCL stream.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import os
 import warnings
 from datetime import timedelta
@@ -42,6 +44,7 @@ def init_from_env(timeout_s: float = 600.0) -> bool:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    atexit.register(shutdown, wait=False)  # a script that ends without shutdown() still frees its groups in time
     return True
 
 
@@ -95,6 +98,27 @@ def failed_ranks(failed: bool) -> list[int]:
 def barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def shutdown(wait: bool = True) -> None:
+    """End torch.distributed before the interpreter exits: wait for every rank (``wait``), destroy the process
+    groups, then free them. destroy_process_group() only unregisters a group; the group object (with gloo's
+    worker and transport threads) lives on while anything references it, and FSDP2's DeviceMesh stays in
+    torch's DTensor caches. Freed only during interpreter teardown, a group can release tensors on a gloo
+    thread after Python is gone: 'terminate called without an active exception', SIGABRT, a failed job after a
+    finished run. Dropping the meshes' group references here joins those threads while Python is alive."""
+    global _METRICS_GROUP
+    if is_distributed():
+        if wait:
+            dist.barrier()
+        dist.destroy_process_group()
+    _METRICS_GROUP = None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            getattr(obj, "_pg_registry", {}).clear()
+    gc.collect()
 
 
 def default_device() -> torch.device:
