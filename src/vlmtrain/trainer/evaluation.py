@@ -185,9 +185,9 @@ class EvaluationMixin:
         vocab = max((t.shape[-1] for t in tensors if isinstance(t, torch.Tensor) and t.ndim == 3), default=0)
         if vocab >= _LARGE_VOCAB and not getattr(self, "_warned_full_logits", False):
             self._warned_full_logits = True
-            warnings.warn(f"evaluation keeps the full logits (batch x length x {vocab}) of every eval batch for "
-                          "compute_metrics; pass Trainer(preprocess_logits_for_metrics=...) to keep less, e.g. "
-                          "`lambda logits, labels: logits.argmax(-1)`.", stacklevel=3)
+            warnings.warn(f"evaluation keeps the full logits (batch x length x {vocab}) of every eval batch (for "
+                          "compute_metrics or predict); pass Trainer(preprocess_logits_for_metrics=...) to keep "
+                          "less, e.g. `lambda logits, labels: logits.argmax(-1)`.", stacklevel=3)
         return pred
 
     def prediction_step(self, model: nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
