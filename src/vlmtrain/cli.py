@@ -77,14 +77,17 @@ def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
 def _train(argv: list[str]) -> int:
     nproc, argv = _pop_nproc(argv)
     if nproc > 1:  # one node, N processes: the same command under torchrun
-        import subprocess
+        from vlmtrain.trainer.preemption import run_forwarding_signals
 
-        _parse("train", argv)  # a bad config fails here, once, not in N processes
+        cfg, _ = _parse("train", argv)  # a bad config fails here, once, not in N processes
         if "WORLD_SIZE" in os.environ:
             raise ConfigError("--nproc cannot be used inside torchrun: torchrun already sets the process count.")
+        # SIGTERM/SIGUSR1 to this process reach every rank (they save and exit 0); sent to torchrun directly,
+        # they still reach the ranks, with train.preemption_grace_s to save before torchrun kills them.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "vlmtrain", "train", *argv]
-        return subprocess.call(cmd)
+               f"--shutdown-timeout={cfg.train.preemption_grace_s}",
+               "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "vlmtrain", "train", *argv]
+        return run_forwarding_signals(cmd)
     cfg, _ = _parse("train", argv)
     from vlmtrain import run
 

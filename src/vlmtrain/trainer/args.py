@@ -100,6 +100,10 @@ class ImplementedArguments:
     ddp_timeout: int = 1800
     """Seconds a collective may wait for the other ranks before failing (torch.distributed's timeout): how
     long a run hangs when a rank or node is lost without its process dying."""
+    preemption_grace_s: int = 120
+    """`vlmtrain train --nproc N`: seconds torchrun gives the ranks to save a checkpoint and exit after it is
+    itself sent SIGTERM/SIGUSR1 (its shutdown timeout, default 30), before it kills them. Set it to the lead
+    time your scheduler gives (e.g. SLURM's --signal=B:USR1@120)."""
     ddp_find_unused_parameters: bool | None = None
     """DDP's find_unused_parameters: True when some parameters get no gradient in a step (e.g. a head that
     only some batches use). None: False, DDP's own default (transformers' None means True unless activation
@@ -252,6 +256,8 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
+        if self.preemption_grace_s < 1:
+            raise ConfigError(f"preemption_grace_s must be >= 1 second, got {self.preemption_grace_s}.")
         if self.ddp_timeout < 1:
             raise ConfigError(f"ddp_timeout must be >= 1 second, got {self.ddp_timeout}.")
         if self.max_consecutive_nonfinite_steps < 0:

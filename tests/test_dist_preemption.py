@@ -1,0 +1,123 @@
+"""Preemption of a multi-process run: a signal to `vlmtrain train --nproc 2` (or, as SLURM's --signal=B:USR1
+delivers it, to the batch shell of the README's recipe) reaches both ranks, which save one checkpoint at the
+same step and exit 0; resuming it ends like an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tests.test_distributed import LM
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+
+
+def _config(tmp_path: Path) -> Path:
+    cfg = json.loads(json.dumps(LM))
+    # A constant learning rate: the interrupted run (max_steps 100000) and the straight one (max_steps N + 3)
+    # take the same steps.
+    cfg["train"].update(max_steps=100000, save_steps=100000, lr_scheduler_type="constant", eval_strategy="no",
+                        predict_with_generate=False, per_device_train_batch_size=2)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _wait_for_training(out: Path, proc: subprocess.Popen) -> None:
+    deadline = time.time() + 180
+    while time.time() < deadline and not (out / "metrics.jsonl").is_file():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)
+
+
+def _one_checkpoint_from_both_ranks(out: Path) -> int:
+    checkpoints = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+    assert len(checkpoints) == 1, os.listdir(out)
+    ckpt, step = checkpoints[0], int(checkpoints[0].name.split("-")[1])
+    assert {"model.safetensors", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "loop_state_0.pt",
+            "loop_state_1.pt"} <= set(os.listdir(ckpt)), os.listdir(ckpt)
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == step
+    logged = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert max(logged) == step and 0 < step < 100000
+    assert not any(p.name.startswith(".tmp") for p in out.iterdir())
+    return step
+
+
+def _train(cfg: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "vlmtrain", "train", "--config", str(cfg), "--nproc", "2",
+                           "--train.output_dir", str(out), *extra], env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and "train_runtime" not in r}
+
+
+def test_sigterm_to_the_launcher_saves_one_checkpoint_on_both_ranks_and_resumes_exactly(tmp_path):
+    cfg, out = _config(tmp_path), tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "vlmtrain", "train", "--config", str(cfg), "--nproc", "2",
+                             "--train.output_dir", str(out)], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    _wait_for_training(out, proc)
+    proc.send_signal(signal.SIGTERM)  # the launcher only: it hands the signal to the ranks
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert '"preempted": true' in log
+    step = _one_checkpoint_from_both_ranks(out)
+
+    end = str(step + 3)
+    _train(cfg, out, "--train.max_steps", end, "--train.save_steps", end, "--train.resume_from_checkpoint", "true")
+    straight = tmp_path / "straight"
+    _train(cfg, straight, "--train.max_steps", end, "--train.save_steps", end)
+    resumed_losses, straight_losses = _losses(out), _losses(straight)
+    assert sorted(resumed_losses) == sorted(straight_losses) == list(range(1, step + 4))
+    assert resumed_losses == straight_losses
+    a = load_file(str(out / f"checkpoint-{end}" / "model.safetensors"))
+    b = load_file(str(straight / f"checkpoint-{end}" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def _readme_sbatch_script() -> str:
+    """The README's single-node preemptible sbatch script (the bash block with --signal=B:USR1)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    scripts = [b for b in blocks if "#SBATCH" in b and "--signal=B:USR1" in b]
+    assert len(scripts) == 1, "README: expected one sbatch script with --signal=B:USR1"
+    return scripts[0]
+
+
+def test_the_readme_slurm_recipe_forwards_usr1_from_the_batch_shell_to_the_ranks(tmp_path):
+    """SLURM's --signal=B:USR1@120 signals only the batch shell; the recipe's trap hands it to the launcher."""
+    script = tmp_path / "job.sbatch"
+    script.write_text(_readme_sbatch_script())
+    out = tmp_path / "run"
+    bin_dir = tmp_path / "bin"  # `vlmtrain` on PATH runs this checkout
+    bin_dir.mkdir()
+    (bin_dir / "vlmtrain").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m vlmtrain "$@"\n')
+    (bin_dir / "vlmtrain").chmod(0o755)
+    env = {**ENV, "CONFIG": str(_config(tmp_path)), "OUTPUT_DIR": str(out), "SLURM_GPUS_ON_NODE": "2",
+           "PATH": f"{bin_dir}:{ENV['PATH']}"}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    _wait_for_training(out, proc)
+    os.kill(proc.pid, signal.SIGUSR1)  # what slurmctld does at the --signal time: the batch shell only
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log[-3000:]
+    assert '"preempted": true' in log
+    _one_checkpoint_from_both_ranks(out)
