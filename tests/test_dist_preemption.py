@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 from tests.test_distributed import LM
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
 
 
@@ -70,6 +69,25 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r and "train_runtime" not in r}
 
 
+def test_the_launcher_gives_torchrun_the_grace_period_and_sigusr1(tmp_path, monkeypatch):
+    from vlmtrain import cli
+    from vlmtrain.trainer import preemption
+
+    launched = []
+    monkeypatch.setattr(preemption, "run_forwarding_signals", lambda cmd: launched.append(cmd) or 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["train", "--config", str(_config(tmp_path)), "--nproc", "2",
+                     "--train.preemption_grace_s", "300"]) == 0
+    (cmd,) = launched
+    assert "--shutdown-timeout=300" in cmd and "--nproc_per_node=2" in cmd
+    assert "SIGUSR1" in next(a for a in cmd if a.startswith("--signals-to-handle="))
+    assert cmd[cmd.index("vlmtrain") + 1:] == ["train", "--config", str(tmp_path / "cfg.yaml"),
+                                               "--train.preemption_grace_s", "300"]
+    assert cli.main(["train", "--config", str(tmp_path / "cfg.yaml"), "--nproc", "2",
+                     "--train.preemption_grace_s", "0"]) == 2  # a config error, before any process starts
+
+
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_one_checkpoint_on_both_ranks_and_resumes_exactly(tmp_path):
     cfg, out = _config(tmp_path), tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "vlmtrain", "train", "--config", str(cfg), "--nproc", "2",
@@ -102,6 +120,7 @@ def _readme_sbatch_script() -> str:
     return scripts[0]
 
 
+@pytest.mark.slow
 def test_the_readme_slurm_recipe_forwards_usr1_from_the_batch_shell_to_the_ranks(tmp_path):
     """SLURM's --signal=B:USR1@120 signals only the batch shell; the recipe's trap hands it to the launcher."""
     script = tmp_path / "job.sbatch"
