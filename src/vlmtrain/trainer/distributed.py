@@ -44,7 +44,7 @@ def init_from_env(timeout_s: float = 600.0) -> bool:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    atexit.register(shutdown, wait=False)  # a script that ends without shutdown() still frees its groups in time
+    atexit.register(_free_at_exit)  # a script that ends without shutdown() still frees its groups in time
     return True
 
 
@@ -119,6 +119,13 @@ def shutdown(wait: bool = True) -> None:
         if isinstance(obj, DeviceMesh):
             getattr(obj, "_pg_registry", {}).clear()
     gc.collect()
+
+
+def _free_at_exit() -> None:
+    """For scripts that never call shutdown(): free destroyed groups before Python's teardown, and end gloo ones
+    still running. An NCCL group left running stays the script's (torch warns): destroying it here could block."""
+    if not is_distributed() or dist.get_backend() == "gloo":
+        shutdown(wait=False)
 
 
 def default_device() -> torch.device:
