@@ -6,11 +6,13 @@ bad config fails in the time it takes to read YAML.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,13 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     kind = get_kind(cfg.model.kind)
     if kind.validate is not None:
         kind.validate(cfg)  # e.g. an unknown model_type fails before any data is built
-    parts = kind.build(cfg, get_source(cfg.data.source).build(cfg), checkpoint)
+    data = get_source(cfg.data.source).build(cfg)
+    with _model_init(cfg, checkpoint) as sharded_build:
+        parts = kind.build(cfg, data, checkpoint)
+    if sharded_build:  # FSDP: only rank 0 built the weights; every rank gets its shard of them
+        from vlmtrain.trainer import distributed, fsdp
+
+        parts["model"] = fsdp.shard_from_rank0(parts["model"], cfg.train.bf16, distributed.default_device())
     if cfg.data.pack_window and getattr(parts["data_collator"], "pack_length", None):
         _window_packing(cfg, parts)
     if checkpoint is not None:
@@ -63,6 +71,23 @@ def _window_packing(cfg: RunConfig, parts: dict[str, Any]) -> None:
                                            parts["tokenizer"].pad_token_id, window=d.pack_window,
                                            max_images_per_pack=d.max_images_per_pack)
     parts["data_collator"] = RowCollator(parts["padded_collator"])
+
+
+@contextlib.contextmanager
+def _model_init(cfg: RunConfig, checkpoint: str | None) -> Iterator[bool]:
+    """Yields whether the model is built for sharding from rank 0 (train.fsdp under torchrun): then ranks other
+    than 0 build it on the meta device, structure without weights (see vlmtrain.models.meta)."""
+    from vlmtrain.trainer import distributed
+
+    sharded = bool(cfg.train.fsdp and checkpoint is None and distributed.init_from_env(cfg.train.ddp_timeout)
+                   and distributed.world_size() > 1)
+    from vlmtrain.models.meta import sharded_build
+
+    if not sharded:
+        yield False
+        return
+    with sharded_build(skeleton=distributed.rank() != 0):
+        yield True
 
 
 def resume_arg(value: str | None) -> str | bool | None:

@@ -14,6 +14,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from ..errors import ConfigError
+from .meta import from_pretrained
 from .vlm import VisionLanguageModel, VLMConfig, unknown_type_message
 
 
@@ -80,8 +81,8 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
                        image_token_id=image_token_id)
     vision_encoder = decoder = None
     if load_backbone:
-        vision_encoder = AutoModel.from_pretrained(vision, config=config.vision_config, dtype=dtype)
-        decoder = AutoModelForCausalLM.from_pretrained(text, config=config.text_config, dtype=dtype)
+        vision_encoder = from_pretrained(AutoModel, vision, config=config.vision_config, dtype=dtype)
+        decoder = from_pretrained(AutoModelForCausalLM, text, config=config.text_config, dtype=dtype)
     model = VisionLanguageModel(config, vision_encoder=vision_encoder, decoder=decoder).to(dtype)
     if not load_backbone:
         sincos_position_embeddings(model.vision_encoder, scale=vision_position_scale)

@@ -11,6 +11,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..errors import ConfigError
+from .meta import from_pretrained
 
 
 def check_model_type(config: dict[str, Any]) -> str:
@@ -51,7 +52,7 @@ def build_causal_lm(
     config = dict(config or {})
     if pretrained is not None:
         config.pop("model_type", None)
-        model = AutoModelForCausalLM.from_pretrained(pretrained, **config)
+        model = from_pretrained(AutoModelForCausalLM, pretrained, **config)  # (meta device: config only)
     else:
         model_type = check_model_type(config)
         rest = {k: v for k, v in config.items() if k != "model_type"}

@@ -49,6 +49,64 @@ def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
     return model
 
 
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` whose parameters and buffers are on the meta device (no data copied;
+    tied parameters stay tied)."""
+    import copy
+
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        meta = tensor.detach().to("meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def shard_from_rank0(model: nn.Module, bf16: bool, device: torch.device) -> nn.Module:
+    """Shard a model that only rank 0 holds with weights (the others built it on the meta device): every rank
+    shards a meta skeleton (:func:`shard_model`), then receives its shard of each tensor from rank 0, smallest
+    first, while rank 0 frees each full tensor once it is sent. Rank 0's peak stays one copy of the weights,
+    the others' their shard (where every rank loading the full model costs world_size copies).
+    A collective: every rank calls it."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    rank = dist.get_rank()
+    skeleton = meta_skeleton(model) if rank == 0 else model
+    shard_model(skeleton, bf16)
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied parameter is replaced everywhere it sits
+    for module in skeleton.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    params = dict(skeleton.named_parameters())
+    source = dict(model.named_parameters()) if rank == 0 else {}
+    with torch.no_grad():
+        for name in sorted(params, key=lambda n: params[n].numel()):
+            meta = params[name]
+            full = (source[name].detach().to(device) if rank == 0
+                    else torch.empty(meta.shape, dtype=meta.dtype, device=device))
+            shard = nn.Parameter(distribute_tensor(full, meta.device_mesh, meta.placements, src_data_rank=0),
+                                 meta.requires_grad)
+            for module, attr in owners[id(meta)]:
+                module._parameters[attr] = shard
+            del full
+            if rank == 0:
+                source[name].data = torch.empty(0, dtype=meta.dtype)  # rank 0's full copy of it goes
+        full_buffers = dict(model.named_buffers(remove_duplicate=False)) if rank == 0 else {}
+        received: dict[int, torch.Tensor] = {}  # a buffer shared by modules stays shared
+        for prefix, module in skeleton.named_modules(remove_duplicate=False):
+            for name, buffer in list(module._buffers.items()):
+                if buffer is None:
+                    continue
+                if id(buffer) not in received:
+                    value = (full_buffers[f"{prefix}.{name}" if prefix else name].to(device) if rank == 0
+                             else torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
+                    dist.broadcast(value, src=0)  # not sharded (e.g. rotary inv_freq, in no state dict)
+                    received[id(buffer)] = value
+                module._buffers[name] = received[id(buffer)]
+    return skeleton
+
+
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
     """Model and optimizer state into directory/dcp, every rank writing its own shards (a collective)."""
     import torch.distributed.checkpoint as dcp

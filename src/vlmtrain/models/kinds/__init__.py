@@ -82,11 +82,12 @@ def choose_collator(cfg: Any, model: Any, vocab_size: int, padded: Any, packed: 
     """The packing collator (``packed(pack_length)``) if data.packing allows it and the model passes
     :func:`check_packing`, else the padding one."""
     from vlmtrain.data.packing import check_packing
+    from vlmtrain.models.meta import from_rank0
 
     d = cfg.data
     if d.packing is False:
         return padded
-    error = check_packing(model, vocab_size)
+    error = from_rank0(lambda: check_packing(model, vocab_size))  # (FSDP: only rank 0 has the weights)
     if error > 1e-4:
         message = (f"{type(model).__name__} does not keep packed samples apart (logits differ by {error:.2g} "
                    f"from unpacked runs): its attention ignores restarting position_ids.")

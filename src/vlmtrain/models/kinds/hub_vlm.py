@@ -43,12 +43,13 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
+    from vlmtrain.models.meta import from_pretrained
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForImageTextToText.from_pretrained(pretrained, **kwargs)
+    model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
     setattr(model, MODULE_GROUPS_ATTR, dict(family_of(pretrained).module_groups))
     if stop_token_id is not None and model.generation_config is not None:
         eos = model.generation_config.eos_token_id
@@ -74,6 +75,8 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     from vlmtrain.data.hub_processing import HubVLMProcessor, check_training_template
     from vlmtrain.data.metrics import exact_match_metric
     from vlmtrain.models.families import family_of
+    from vlmtrain.models.heads import check_head_labels, head_label_tensors
+    from vlmtrain.models.meta import model_init
 
     m, d = cfg.model, cfg.data
     family = family_of(m.pretrained)
@@ -82,17 +85,18 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     check_training_template(processor, family)  # a mismatch is an error, never an all-zero loss mask
     torch.manual_seed(cfg.train.seed)  # heads and adapters initialize under the run's seed
     stop = end_of_turn_id(processor, family)
-    model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation, stop_token_id=stop)
-    heads = {}
-    if m.heads:
-        from vlmtrain.models.heads import WithHeads, check_head_labels, head_label_tensors
+    with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
+        model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation, stop_token_id=stop)
+        heads = {}
+        if m.heads:
+            from vlmtrain.models.heads import WithHeads
 
-        model = WithHeads(model, m.heads)
-        heads = model.head_configs
-    if m.lora:
-        from vlmtrain.models.lora import apply_lora
+            model = WithHeads(model, m.heads)
+            heads = model.head_configs
+        if m.lora:
+            from vlmtrain.models.lora import apply_lora
 
-        model = apply_lora(model, m.lora, family.text_module, dict(family.module_groups))
+            model = apply_lora(model, m.lora, family.text_module, dict(family.module_groups))
     # Generation prompts cost a second processor call per sample: only when evaluation generates.
     hub_processor = HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,

@@ -35,6 +35,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
     from vlmtrain.data.vlm_collate import VLMCollator
     from vlmtrain.models.build import build_vlm
+    from vlmtrain.models.meta import model_init
 
     m, d = cfg.model, cfg.data
     train = source["train_dataset"]
@@ -49,9 +50,10 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
                  if isinstance(t, dict) for v in t.values() if isinstance(v, str)]
         tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
     torch.manual_seed(cfg.train.seed)
-    model = build_vlm(m.vision, m.text, pixel_shuffle_factor=m.pixel_shuffle_factor,
-                      projector_type=m.projector_type, tokenizer=tokenizer, load_backbone=m.load_backbone,
-                      vision_position_scale=m.vision_position_scale)
+    with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
+        model = build_vlm(m.vision, m.text, pixel_shuffle_factor=m.pixel_shuffle_factor,
+                          projector_type=m.projector_type, tokenizer=tokenizer, load_backbone=m.load_backbone,
+                          vision_position_scale=m.vision_position_scale)
     processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
                              image_token_length=model.config.image_token_length, max_length=d.max_length,
                              max_images=d.max_images, split_large_images=d.split_large_images,
