@@ -4,7 +4,8 @@ Each contender is `vlmtrain.run.build(cfg)` then `trainer.train()` on a random-i
 (the addition task's tiny vocabulary, so nearly all weights sit in the blocks), as `vlmtrain train` runs it
 (2 processes under torchrun, gloo). Memory is each process's peak resident set size (Linux VmHWM, reset through
 /proc/self/clear_refs at the start of each phase) minus its RSS just before the model was built: CPU RSS here; on a GPU
-machine the same phases would be read with torch.cuda.max_memory_allocated (not done by this script).
+machine the same phases would be read with torch.cuda.max_memory_allocated (not done by this script). Every
+contender runs with MALLOC_MMAP_THRESHOLD_=65536, so that freed large blocks leave RSS (see measure()).
 
 "one copy" is the model's parameter bytes. What FSDP changes (vlmtrain.trainer.fsdp.shard_from_rank0): ranks
 other than 0 build the model on the meta device and receive only their shard from rank 0, which frees each full
@@ -89,7 +90,10 @@ def worker(args: argparse.Namespace) -> None:
 
 def measure(mode: str, args: argparse.Namespace, out: str) -> list[dict]:
     nproc, fsdp = MODES[mode]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    # A fixed mmap threshold: glibc otherwise raises it to the size of the largest freed block, after which
+    # FSDP's per-block all-gather buffers come from the heap and freed ones stay in RSS (here +0.4x the weights
+    # per rank); CUDA's max_memory_allocated counts live tensors only, and this makes RSS do the same.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "MALLOC_MMAP_THRESHOLD_": "65536"}
     script = [str(Path(__file__).resolve()), "--worker", "--out", out, "--hidden", str(args.hidden),
               "--layers", str(args.layers), "--steps", str(args.steps)] + (["--fsdp"] if fsdp else [])
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
