@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
-exec "$PY" -m pytest -q "$@"
+# Two pytest workers (pytest-xdist): the VLM demo test (~13 min on 2 cores) runs beside the rest of the suite.
+exec "$PY" -m pytest -q -n "${VLMTRAIN_TEST_WORKERS:-2}" "$@"
