@@ -15,8 +15,15 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# The longest test first: with two xdist workers (scripts/test.sh) it then runs beside the rest of the suite
+# instead of starting after a worker's share of it.
+LONGEST_FIRST = ("test_vlm_demo_learns_shapes_vqa_from_the_images",)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA (``gpu(n)``: n devices): skipped where there is none (e.g. CI)."""
+    """Tests marked ``gpu`` need CUDA (``gpu(n)``: n devices): skipped where there is none (e.g. CI). The
+    longest tests are moved to the front."""
+    items.sort(key=lambda item: item.name not in LONGEST_FIRST)  # stable: the rest keep their order
     for item in items:
         marker = item.get_closest_marker("gpu")
         if marker is None:
