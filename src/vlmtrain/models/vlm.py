@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -136,6 +137,14 @@ class VisionLanguageModel(PreTrainedModel):
         return self.decoder.resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
 
     # -- images ---------------------------------------------------------------------------------------
+    def vlmtrain_image_tokens(self, batch: Mapping[str, Any]) -> list[tuple[int, int]]:
+        """(patches the vision tower attends over, tokens the projector emits) per image of a batch: what
+        trainer/flops.py (IMAGE_TOKENS_ATTR) counts the image side of a step by."""
+        pixels = batch.get("pixel_values")
+        grid, _ = vision_grid(self.config.vision_config)
+        patches = grid * grid + ("clip" in self.config.vision_config.model_type)  # CLIP prepends a CLS token
+        return [(patches, self.config.image_token_length)] * (0 if pixels is None else int(pixels.shape[0]))
+
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, S, S] -> [N, image_token_length, decoder hidden]."""
         size = self.config.image_size

@@ -84,6 +84,9 @@ class ImplementedArguments:
     """Log every N optimizer steps (logging_strategy='steps')."""
     logging_first_step: bool = False
     """Also log after the first optimizer step."""
+    peak_tflops: float | None = None
+    """The accelerator's peak dense TFLOP/s per device in the training dtype (e.g. 989 for an H100 SXM in bf16):
+    training logs then carry mfu = tflops_per_second / peak_tflops. None: tflops_per_second only."""
     eval_strategy: str = "no"
     """When to evaluate: no, steps or epoch."""
     eval_steps: int | None = None
@@ -256,6 +259,8 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"peak_tflops must be > 0 (the device's peak TFLOP/s), or None; got {self.peak_tflops}.")
         if self.preemption_grace_s < 1:
             raise ConfigError(f"preemption_grace_s must be >= 1 second, got {self.preemption_grace_s}.")
         if self.ddp_timeout < 1:

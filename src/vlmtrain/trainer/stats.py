@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -145,17 +145,21 @@ class Throughput:
 
     A batch's ``pack_stats`` (from a collator: samples, real tokens, rows, capacity, images) gives the
     real sample/token counts of packed batches and the window's ``pack_fill`` (real tokens / row
-    capacity), ``padding_fraction`` and ``images_per_pack`` (images per row).
+    capacity), ``padding_fraction`` and ``images_per_pack`` (images per row). With ``flops`` (batch ->
+    training FLOPs, trainer/flops.py) also ``tflops_per_second`` per device, and ``mfu`` with ``peak_tflops``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, flops: Callable[[Mapping[str, Any]], float] | None = None,
+                 peak_tflops: float | None = None) -> None:
         self.skipped_total: Counter[str] = Counter()
+        self.count_flops, self.peak_tflops = flops, peak_tflops
         self.reset()
 
     def reset(self) -> None:
         self.start = time.perf_counter()
         self.samples = 0
         self.tokens = 0
+        self.flops = 0.0
         self.data_wait = 0.0
         self.excluded = 0.0
         self.skipped: Counter[str] = Counter()
@@ -168,6 +172,13 @@ class Throughput:
 
     def add_batch(self, batch: Mapping[str, Any], wait_seconds: float) -> None:
         self.data_wait += wait_seconds
+        if self.count_flops is not None and isinstance(batch, Mapping):
+            try:
+                self.flops += self.count_flops(batch)
+            except Exception as e:  # noqa: BLE001 - a metric never stops training: it stops being logged
+                warnings.warn(f"tflops_per_second is no longer logged: counting a batch's FLOPs failed ({e!r})",
+                              stacklevel=3)
+                self.count_flops = None
         skipped = skipped_counts(batch)
         self.skipped.update(skipped)
         self.skipped_total.update(skipped)
@@ -200,11 +211,12 @@ class Throughput:
                 f"data (e.g. `vlmtrain data inspect`) or raise max_bad_sample_fraction.")
 
     def compute(self) -> dict[str, float]:
-        """Rates over the window; under torch.distributed samples and tokens are summed over ranks and the
-        data-wait fraction is the mean over ranks (``data_wait_fraction_max``: the slowest rank's)."""
+        """Rates over the window; under torch.distributed samples and tokens are summed over ranks, the
+        data-wait fraction is the mean over ranks (``data_wait_fraction_max``: the slowest rank's) and so is
+        ``tflops_per_second`` (each rank's own batches over this rank's time: a per-device rate)."""
         elapsed = max(time.perf_counter() - self.start - self.excluded, 1e-9)
         wait = min(1.0, self.data_wait / elapsed)
-        samples, tokens, wait_sum = reduce_cpu([float(self.samples), float(self.tokens), wait])
+        samples, tokens, wait_sum, flops = reduce_cpu([float(self.samples), float(self.tokens), wait, self.flops])
         wait_max = reduce_cpu([wait], "max")[0]
         out = {"samples_per_second": round(samples / elapsed, 3),
                "data_wait_fraction": round(wait_sum / world_size(), 4)}
@@ -212,6 +224,11 @@ class Throughput:
             out["data_wait_fraction_max"] = round(wait_max, 4)
         if tokens:
             out["tokens_per_second"] = round(tokens / elapsed, 3)
+        if self.count_flops is not None:
+            tflops = flops / world_size() / elapsed / 1e12
+            out["tflops_per_second"] = float(f"{tflops:.4g}")
+            if self.peak_tflops:
+                out["mfu"] = float(f"{tflops / self.peak_tflops:.4g}")
         if self.layout["capacity"]:
             fill = self.layout["tokens"] / self.layout["capacity"]
             out.update(pack_fill=round(fill, 4), padding_fraction=round(1 - fill, 4),

@@ -37,6 +37,7 @@ from .callbacks import (
     TrainerCallback,
 )
 from .evaluation import EvaluationMixin
+from .flops import flop_counter
 from .model_prep import enable_activation_checkpointing, set_tf32
 from .optim import create_optimizer, create_scheduler, learning_rates
 from .preemption import PreemptionGuard
@@ -393,7 +394,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self._epoch_index, self._micro_step, self._last_logged_step = 0, 0, 0
         self._window_weight = self._grad_norm = self._last_lrs = None
         self._epoch_cut = False
-        self._train_losses, self._run_loss, self._throughput = LossAverager(), LossAverager(), Throughput()
+        self._train_losses, self._run_loss = LossAverager(), LossAverager()
+        self._throughput = Throughput(flop_counter(self.model), args.peak_tflops)  # (+ tflops_per_second, mfu)
         self._step_losses = LossAverager()
         self._nonfinite = NonfiniteSteps(args.max_consecutive_nonfinite_steps)
         self.model.zero_grad(set_to_none=True)

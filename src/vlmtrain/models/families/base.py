@@ -49,6 +49,10 @@ class Family:
     build_tiny: Callable[..., str]
     """build_tiny(out_dir, seed=0) -> out_dir: writes a tiny random-init model and its processor with
     save_pretrained, offline (tests, the demo, benchmarks)."""
+    image_tokens: Callable[[Any, Mapping[str, Any]], list[tuple[int, int]]] | None = None
+    """image_tokens(model config, batch) -> (patches the vision tower attends over, tokens the projector emits)
+    per image of the batch, for the logged tflops_per_second (trainer/flops.py). None: not counted (no tflops
+    for this family: its vision attention or projector is not a per-image full attention + per-token map)."""
     pad_values: Mapping[str, int | float] = field(default_factory=dict)
     """Padding value per 'pad' key (input_ids: the tokenizer's pad id is used; labels: -100; others 0)."""
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -14,6 +14,7 @@ from .qwen_common import (
     TINY_VOCAB,
     build_tiny_tokenizer,
     image_only_processor_class,
+    image_tokens,
     load_image_only_processor,
     save_tiny,
     text_ids,
@@ -207,4 +208,5 @@ FAMILY = Family(
     text_module="model.language_model",
     load_processor=load_processor,
     build_tiny=build_tiny,
+    image_tokens=image_tokens,
 )

@@ -24,6 +24,14 @@ TINY_VOCAB = 256 + len(SPECIAL_TOKENS) + 8  # a little slack, as real checkpoint
 # the multimodal token types padded like input_ids.
 QWEN_BATCH_LAYOUT = {"pixel_values": "concat", "image_grid_thw": "concat", "mm_token_type_ids": "pad"}
 
+
+def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
+    """(patches, image tokens) per image: t*h*w patches of ``image_grid_thw``, merged spatial_merge_size^2 to 1."""
+    grid = batch.get("image_grid_thw")
+    merge = config.vision_config.spatial_merge_size ** 2
+    return [] if grid is None else [(t * h * w, t * h * w // merge) for t, h, w in grid.tolist()]
+
+
 def special_token_ids() -> dict[str, int]:
     """Token -> id in the tiny tokenizer (:func:`build_tiny_tokenizer`)."""
     return {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}

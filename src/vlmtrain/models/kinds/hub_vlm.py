@@ -44,13 +44,17 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
 
     from vlmtrain.models.families import family_of
     from vlmtrain.models.meta import from_pretrained
+    from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
-    setattr(model, MODULE_GROUPS_ATTR, dict(family_of(pretrained).module_groups))
+    family = family_of(pretrained)
+    setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
+    if family.image_tokens is not None:  # what the logged tflops count images by (trainer/flops.py)
+        setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
     if stop_token_id is not None and model.generation_config is not None:
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

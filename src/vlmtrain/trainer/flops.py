@@ -1,0 +1,249 @@
+"""Analytic FLOPs of a training batch, for the logged ``tflops_per_second`` and ``mfu``.
+
+What is counted (model FLOPs, the MFU convention; one multiply-add = 2 FLOPs):
+
+- **Matmuls**: every ``nn.Linear`` and ``nn.Conv*`` module (LoRA adapters and a tied ``lm_head`` included,
+  embedding lookups and norms not) costs ``2 * weight.numel()`` per row it is applied to: the text model per
+  real token (image placeholders included, padding not), the vision tower per patch of each image, the
+  projector per image token it emits.
+- **Attention scores and values**: ``4 * L^2 * heads * head_dim`` per layer forward (QK^T and AV) over each
+  real sequence: a padded row's non-pad length, each document of a packed row (never the row), each image's
+  patches in the vision tower. The full L x L square (no halving for causal masks): what FlopCounterMode counts
+  for eager attention (and for CUDA SDPA kernels); a sliding window of w counts L * min(L, w).
+- **Backward**, per module, from requires_grad when training starts: forward x (1 + 1 if its input needs a
+  gradient + 1 if its weight is trainable). An input needs a gradient when a trainable parameter comes before
+  the module in forward order (stages vision -> projector -> text, then module registration order). So a
+  frozen vision tower before everything trainable costs its forward only (1x), a frozen decoder behind a
+  trainable projector forward + input gradients (2x), a trainable module 3x; attention 3x once anything
+  before it trains, else 1x.
+
+Not counted: padding, the masked cross-document blocks a packed row's attention kernel may compute anyway,
+activation-checkpointing recomputation (hardware FLOPs, not model FLOPs), elementwise ops, the loss.
+
+A model says what the counter needs: its module groups (``vision`` / ``projector`` / ``text``, see
+trainer/optim.py MODULE_GROUPS_ATTR; a model without them is all text) and, when it has a vision tower, a
+callable under :data:`IMAGE_TOKENS_ATTR` giving each image's (patches, image tokens) from a batch. A model the
+counter does not understand (no attention layers found, unknown matmul parameters, mixture-of-experts, a
+vision tower without that callable) gets no count, with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .optim import MODULE_GROUPS_ATTR, module_groups
+
+IMAGE_TOKENS_ATTR = "vlmtrain_image_tokens"
+"""A model with a vision tower carries a callable under this name: batch -> [(patches the vision tower attends
+over, tokens the projector emits), ...], one pair per image of the batch (vlmtrain's VLM defines it as a
+method; the hub_vlm kind sets it from the family record)."""
+
+STAGES = ("vision", "projector", "text")  # forward order
+_MATMULS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_UNKNOWN_TOLERANCE = 0.01  # matmul-shaped parameters the counter cannot place, as a fraction of those it can
+_IGNORE_INDEX = -100
+
+
+@dataclass
+class StageCost:
+    """Training FLOPs of one stage per unit of work."""
+
+    per_row: float = 0.0
+    """Per row (token, patch) through its matmuls, backward included."""
+    attention: dict[int | None, float] | None = None
+    """Sliding window (None: full) -> training FLOPs per query-key pair, summed over the layers with it."""
+    matmul_params: int = 0
+    unknown_params: int = 0
+    attention_layers: int = 0
+
+
+class FlopCounter:
+    """Training FLOPs (forward + backward) of a batch, from per-model constants computed once."""
+
+    def __init__(self, stages: Mapping[str, StageCost], image_tokens: Callable[[Mapping[str, Any]], Any] | None):
+        self.stages = dict(stages)
+        self.image_tokens = image_tokens
+
+    def __call__(self, batch: Mapping[str, Any]) -> float:
+        """FLOPs of one micro-batch (as the collator made it, on any device); 0 for a batch with no input_ids."""
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        if not isinstance(ids, torch.Tensor):
+            return 0.0
+        flops = _stage_flops(self.stages["text"], document_lengths(batch))
+        if self.image_tokens is not None and ("vision" in self.stages or "projector" in self.stages):
+            per_image = torch.as_tensor(self.image_tokens(batch), dtype=torch.float64).reshape(-1, 2)
+            if "vision" in self.stages:
+                flops += _stage_flops(self.stages["vision"], per_image[:, 0])
+            if "projector" in self.stages:
+                flops += _stage_flops(self.stages["projector"], per_image[:, 1])
+        return flops
+
+
+def _stage_flops(cost: StageCost, lengths: torch.Tensor) -> float:
+    """A stage's FLOPs over sequences of these lengths (each one its own attention span)."""
+    lengths = lengths.double()
+    flops = cost.per_row * float(lengths.sum())
+    for window, per_pair in (cost.attention or {}).items():
+        keys = lengths if window is None else lengths.clamp(max=window)
+        flops += per_pair * float((lengths * keys).sum())
+    return flops
+
+
+def document_lengths(batch: Mapping[str, Any]) -> torch.Tensor:
+    """The real sequences of a text batch: each row's non-pad length (attention_mask), else each document of a
+    packed row (runs of position_ids restarting at 0; a row's trailing padding run is left out), else rows."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask.sum(-1)
+    pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.shape == ids.shape and ids.dim() == 2:
+        return _packed_documents(ids, pos, batch.get("labels"))
+    return torch.full(ids.shape[:1], ids.shape[-1]) if ids.dim() == 2 else torch.tensor([ids.numel()])
+
+
+def _packed_documents(ids: torch.Tensor, pos: torch.Tensor, labels: Any) -> torch.Tensor:
+    rows, width = ids.shape
+    starts = pos == 0
+    starts[:, 0] = True
+    first = starts.flatten().nonzero().squeeze(1)  # flat index of each run's first token
+    ends = torch.cat([first[1:], first.new_tensor([rows * width])])
+    lengths = ends - first
+    if not isinstance(labels, torch.Tensor) or labels.shape != ids.shape:
+        return lengths
+    # Packing pads a row's end with its own run of positions: one repeated id, no target (packing.pack_items).
+    flat_ids, flat_labels = ids.flatten(), labels.flatten()
+    last_of_row = (ends % width == 0) & (ends > first)
+    changes = torch.cat([flat_ids.new_zeros(1), (flat_ids[1:] != flat_ids[:-1]).long()]).cumsum(0)
+    targets = (flat_labels != _IGNORE_INDEX).long().cumsum(0)
+    one_id = changes[ends - 1] == changes[first]
+    no_target = targets[ends - 1] - targets[first] + (flat_labels[first] != _IGNORE_INDEX).long() == 0
+    return lengths[~(last_of_row & one_id & no_target) | (first % width == 0)]
+
+
+def flop_counter(model: nn.Module) -> FlopCounter | None:
+    """The counter for ``model`` as it trains now (requires_grad decides backward costs); None, with a warning,
+    for a model it does not understand."""
+    try:
+        return _build(model)
+    except _Unsupported as e:
+        reason = str(e)
+    except Exception as e:  # noqa: BLE001 - a metric never stops training
+        reason = f"the model could not be analysed ({e!r})"
+    warnings.warn(f"tflops_per_second / mfu are not logged: {reason}", stacklevel=3)
+    return None
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _build(model: nn.Module) -> FlopCounter:
+    groups = module_groups(model)
+    root = next((m for m in model.modules() if groups and getattr(m, MODULE_GROUPS_ATTR, None)), model)
+    named = list(root.named_modules())
+    stage_of = {name: _stage(name, groups) if groups else "text" for name, _ in named}
+    moe = [type(m).__name__ for _, m in named if any(k in type(m).__name__ for k in ("Moe", "MoE", "Expert"))]
+    if moe:
+        raise _Unsupported(f"mixture-of-experts layers ({moe[0]}) run only some experts per token.")
+    costs: dict[str, StageCost] = {}
+    upstream_grad = False  # a trainable parameter earlier in forward order: inputs from here on need gradients
+    for stage in STAGES:
+        cost = StageCost(attention={})
+        open_attention: list[tuple[str, float, int | None]] = []
+        for name, module in named:
+            if stage_of[name] != stage:
+                continue
+            while open_attention and not name.startswith(open_attention[-1][0] + "."):
+                _close_attention(cost, open_attention.pop(), upstream_grad)
+            if _is_attention(module) and not open_attention:
+                open_attention.append((name, *_attention_shape(module, name)))
+            upstream_grad = _add_module(cost, module, upstream_grad)
+        while open_attention:
+            _close_attention(cost, open_attention.pop(), upstream_grad)
+        if cost.matmul_params or cost.unknown_params:
+            costs[stage] = cost
+    _check(model, root, named, stage_of, costs)
+    image_tokens = getattr(root, IMAGE_TOKENS_ATTR, None) or _found(model, IMAGE_TOKENS_ATTR)
+    if "vision" in costs and image_tokens is None:
+        raise _Unsupported(f"{type(root).__name__} has a vision tower but does not say how many patches and "
+                           f"image tokens each image has (a {IMAGE_TOKENS_ATTR} attribute; a Hub VLM family sets "
+                           f"it from Family.image_tokens).")
+    return FlopCounter(costs, image_tokens)
+
+
+def _stage(name: str, groups: Mapping[str, tuple[str, ...]]) -> str | None:
+    """The group whose prefix is the longest on ``name``'s path (as per-module learning rates match)."""
+    parts, best, best_len = name.split("."), None, 0
+    for alias, prefixes in groups.items():
+        for prefix in prefixes:
+            p = prefix.split(".")
+            on_path = any(parts[i:i + len(p)] == p for i in range(len(parts) - len(p) + 1))
+            if on_path and len(p) > best_len:
+                best, best_len = alias, len(p)
+    return best if best in STAGES else None
+
+
+def _add_module(cost: StageCost, module: nn.Module, upstream_grad: bool) -> bool:
+    """Add a module's own matmul cost; returns whether inputs after it need gradients."""
+    own = list(module.parameters(recurse=False))
+    if isinstance(module, _MATMULS):
+        weight = module.weight
+        cost.per_row += 2.0 * weight.numel() * (1 + upstream_grad + weight.requires_grad)
+        cost.matmul_params += weight.numel()
+    elif not isinstance(module, nn.Embedding):
+        cost.unknown_params += sum(p.numel() for p in own if p.dim() >= 2)
+    return upstream_grad or any(p.requires_grad for p in own)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Attention")
+
+
+def _attention_shape(module: nn.Module, name: str) -> tuple[float, int | None]:
+    """(forward FLOPs per query-key pair: 4 * heads * head_dim, sliding window or None)."""
+    heads = getattr(module, "num_heads", None) or getattr(getattr(module, "config", None), "num_attention_heads",
+                                                            None)
+    head_dim = getattr(module, "head_dim", None)
+    if isinstance(heads, int) and isinstance(head_dim, int):
+        width = heads * head_dim
+    elif isinstance(getattr(module, "q_proj", None), nn.Linear):
+        width = module.q_proj.out_features
+    else:
+        raise _Unsupported(f"attention module {name} ({type(module).__name__}) has no num_heads/head_dim or q_proj.")
+    window = getattr(module, "sliding_window", None)
+    return 4.0 * width, window if isinstance(window, int) and window > 0 else None
+
+
+def _close_attention(cost: StageCost, entry: tuple[str, float, int | None], upstream_grad: bool) -> None:
+    _, forward, window = entry
+    cost.attention[window] = cost.attention.get(window, 0.0) + forward * (3 if upstream_grad else 1)
+    cost.attention_layers += 1
+
+
+def _check(model: nn.Module, root: nn.Module, named: list, stage_of: dict, costs: dict[str, StageCost]) -> None:
+    """Refuse what the count would get wrong: no text transformer, matmul weights of unknown use."""
+    if "text" not in costs or not costs["text"].attention_layers:
+        raise _Unsupported(f"{type(model).__name__}: no attention layers found in its text model (the counter "
+                           f"knows transformer decoders with *Attention modules).")
+    if "vision" in costs and not costs["vision"].attention_layers:
+        raise _Unsupported(f"{type(model).__name__}: no attention layers found in its vision tower.")
+    counted = sum(c.matmul_params for c in costs.values())
+    outside = sum(p.numel() for name, m in named if stage_of[name] is None
+                  for p in m.parameters(recurse=False) if p.dim() >= 2 and not isinstance(m, nn.Embedding))
+    outside += sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2) - sum(
+        p.numel() for p in root.parameters() if p.dim() >= 2)  # wrappers' own (e.g. score heads)
+    unknown = sum(c.unknown_params for c in costs.values())
+    if unknown + outside > _UNKNOWN_TOLERANCE * counted:
+        raise _Unsupported(f"{type(model).__name__} has {unknown + outside:,} matmul-shaped parameters outside "
+                           f"Linear/Conv modules or module groups (vs {counted:,} counted).")
+
+
+def _found(model: nn.Module, attr: str) -> Any:
+    return next((getattr(m, attr) for m in model.modules() if getattr(m, attr, None) is not None), None)

@@ -1,0 +1,180 @@
+"""The analytic FLOP count behind tflops_per_second / mfu, checked against torch's FlopCounterMode.
+
+FlopCounterMode counts what the kernels compute: on CPU it sees eager attention's matmuls (SDPA's CPU kernel is
+not counted at all, hence attn_implementation='eager' here) and it counts padding and the masked
+cross-document blocks of a packed row, which the analytic count leaves out on purpose. So a padded or packed
+batch is checked against its samples run one by one (each a forward + backward of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+
+import pytest
+import torch
+from PIL import Image
+from tiny import TwoLossModel, tiny_llama, token_samples
+from torch.utils.flop_counter import FlopCounterMode
+
+from vlmtrain import Trainer, TrainingArguments
+from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
+from vlmtrain.data.vlm_collate import VLMCollator
+from vlmtrain.models.build import build_vlm
+from vlmtrain.trainer.flops import document_lengths, flop_counter
+from vlmtrain.trainer.stats import BOOKKEEPING_KEYS
+
+VISION = {"model_type": "siglip_vision_model", "image_size": 32, "patch_size": 8, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+TEXT = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_chat_tokenizer(["What color is it? really red blue 0 1 2 3 4 5 6 7 8 9"] * 10, vocab_size=300)
+
+
+def _vlm(tokenizer):
+    torch.manual_seed(0)
+    model = build_vlm(VISION, TEXT, pixel_shuffle_factor=2, tokenizer=tokenizer)
+    model.set_attn_implementation("eager")  # (FlopCounterMode does not see CPU SDPA)
+    return model
+
+
+def _processor(tokenizer, model):
+    return VLMProcessor(tokenizer, image_size=model.config.image_size,
+                        image_token_length=model.config.image_token_length, max_length=128, max_images=3)
+
+
+def _samples(n, same_length, seed=0):
+    """the_cauldron samples with 1-2 images; same_length: one layout for all (no padding in a batch)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        images = 1 if same_length else rng.randint(1, 2)
+        extra = 2 if same_length else rng.randint(0, 12)
+        out.append({"images": [Image.new("RGB", (32, 32), (rng.randint(0, 255), 0, 0)) for _ in range(images)],
+                    "texts": [{"user": "What color is it?" + " really" * extra, "assistant": "red"}]})
+    return out
+
+
+def _train_one_step(tmp_path, model, samples, collator, **args):
+    """(FlopCounterMode's FLOPs of one Trainer step on all samples as one batch, the batch, the counter)."""
+    batches = []
+
+    def recording(s):
+        batches.append(collator(s))
+        return batches[-1]
+
+    trainer = Trainer(model, TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=len(samples), save_strategy="no",
+        disable_tqdm=True, report_to="none", logging_steps=1, **args), train_dataset=samples, data_collator=recording)
+    mode = FlopCounterMode(display=False)
+    with mode:
+        trainer.train()
+    assert len(batches) == 1
+    return mode.get_total_flops(), batches[0], flop_counter(trainer.model)
+
+
+def _alone(model, batch):
+    """FlopCounterMode's FLOPs of forward + backward of a batch."""
+    model.zero_grad(set_to_none=True)
+    inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and not k.startswith("prompt_")}
+    mode = FlopCounterMode(display=False)
+    with mode:
+        model(**inputs)["loss"].backward()
+    model.zero_grad(set_to_none=True)
+    return mode.get_total_flops()
+
+
+@pytest.mark.parametrize("frozen", [None, "vision_encoder", "decoder"])
+def test_vlm_training_step_matches_flop_counter(tmp_path, tokenizer, frozen):
+    """All trainable (3x forward), a frozen vision tower before everything trainable (forward only), a frozen
+    decoder behind a trainable projector (forward + input gradients): within 10% of a real step's FLOPs."""
+    model = _vlm(tokenizer)
+    rates = {frozen: 0.0} if frozen else None  # a learning rate of 0 freezes (requires_grad=False)
+    measured, batch, count = _train_one_step(tmp_path, model, _samples(4, same_length=True),
+                                             VLMCollator(_processor(tokenizer, model)), module_learning_rates=rates)
+    assert "attention_mask" in batch and bool(batch["attention_mask"].all())  # no padding: like for like
+    print(f"frozen={frozen}: counted / measured = {count(batch) / measured:.4f}")
+    assert count(batch) == pytest.approx(measured, rel=0.10)
+    if frozen:  # and the freezing is what moved the count
+        for p in model.parameters():
+            p.requires_grad_(True)
+        assert flop_counter(model)(batch) > 1.1 * count(batch)
+
+
+def test_padded_and_packed_batches_count_real_tokens_and_documents(tmp_path, tokenizer):
+    """A packed batch counts each document's own attention; it and the padded batch of the same samples count
+    what the samples cost run one by one (FlopCounterMode), and less than the packed step computes."""
+    model = _vlm(tokenizer)
+    proc, samples = _processor(tokenizer, model), _samples(6, same_length=False, seed=3)
+    packer = VLMCollator(proc, pack_length=256, min_fill_gain=-1)  # always pack
+    measured_packed, packed, count = _train_one_step(tmp_path, model, samples, packer)
+    assert "attention_mask" not in packed and packed["pack_stats"]["rows"] < len(samples)
+    docs = document_lengths(packed)
+    assert sorted(docs.tolist()) == sorted(len(proc.process(s)["input_ids"]) for s in samples)  # pads left out
+    padded = VLMCollator(proc)(samples)
+    assert count(packed) == pytest.approx(count(padded), rel=1e-9)
+    one_by_one = sum(_alone(model, VLMCollator(proc)([s])) for s in samples)
+    print(f"packed: counted / one by one = {count(packed) / one_by_one:.4f}, packed step measured / counted = "
+          f"{measured_packed / count(packed):.3f}")
+    assert count(packed) == pytest.approx(one_by_one, rel=0.10)
+    assert measured_packed > 1.05 * count(packed)  # the row-long masked attention and the row padding
+
+
+def test_hub_vlm_step_matches_flop_counter(tmp_path):
+    """Qwen3-VL (the family's image_tokens: patches from image_grid_thw), all trainable and frozen vision."""
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.models.families import get_family
+    from vlmtrain.models.kinds.hub_vlm import load_model
+
+    family = get_family("qwen3_vl")
+    path = family.build_tiny(str(tmp_path / "ckpt"), seed=0)
+    collator = HubVLMCollator(HubVLMProcessor(family.load_processor(path), family))
+    samples = [{"images": [Image.new("RGB", (32, 48), (40 * i, 0, 0))],
+                "texts": [{"user": "What colour?", "assistant": "Red."}]} for i in range(3)]
+    for frozen in (None, "vision"):
+        model = load_model(path, attn_implementation="eager")
+        rates = {frozen: 0.0} if frozen else None
+        measured, batch, count = _train_one_step(tmp_path / str(frozen), model, samples, collator,
+                                                 module_learning_rates=rates)
+        assert bool(batch["attention_mask"].all()) and batch["image_grid_thw"].shape[0] == 3
+        print(f"qwen3_vl frozen={frozen}: counted / measured = {count(batch) / measured:.4f}")
+        assert count(batch) == pytest.approx(measured, rel=0.10)
+
+
+def test_metrics_rows_carry_tflops_and_mfu(tmp_path):
+    """tflops_per_second / tokens_per_second is the count's FLOPs per real token (the time cancels): between a
+    token's matmuls and those plus attention over the longest sample; mfu = tflops / peak_tflops."""
+    args = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
+                save_strategy="no", disable_tqdm=True, report_to="none", peak_tflops=0.5)
+    trainer = Trainer(tiny_llama(), TrainingArguments(**args), train_dataset=token_samples(16, max_len=12))
+    trainer.train()
+    count = flop_counter(trainer.model)
+    text = count.stages["text"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert len(train_rows) == 2
+    for r in train_rows:
+        per_token = r["tflops_per_second"] * 1e12 / r["tokens_per_second"]
+        assert text.per_row <= per_token * 1.001 and per_token <= (text.per_row + 12 * text.attention[None]) * 1.001
+        assert r["mfu"] == pytest.approx(r["tflops_per_second"] / 0.5, rel=1e-3)
+    # 2 layers, 4 heads x 8, training: 2 * 4 * 32 * 3 per query-key pair; matmuls 6 x the Linear weights
+    assert text.attention == {None: 2 * 4 * 32 * 3}
+    linear = sum(m.weight.numel() for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
+    assert text.per_row == 6 * linear
+
+
+def test_a_model_it_does_not_understand_gets_no_tflops_and_one_warning(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert flop_counter(TwoLossModel()) is None
+    assert len(caught) == 1 and "tflops_per_second / mfu are not logged" in str(caught[0].message)
+    moe = tiny_llama()
+    moe.model.layers[0].mlp.__class__ = type("LlamaSparseMoeBlock", (torch.nn.Module,), {})
+    with pytest.warns(UserWarning, match="mixture-of-experts"):
+        assert flop_counter(moe) is None
