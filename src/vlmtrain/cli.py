@@ -21,13 +21,15 @@ COMMANDS = {
     "export": "Write a sharded (train.fsdp) checkpoint as one model.safetensors: vlmtrain export --checkpoint DIR "
               "[--output-dir OUT]",
     "data": "Data tools: vlmtrain data to-wds SRC OUT [--shard-size N] | vlmtrain data inspect SRC [--limit N]",
+    "report": "Write RUN_DIR/report.html (curves, eval metrics, held-out samples) and curves.png: "
+              "vlmtrain report RUN_DIR [--max-cards N]",
 }
 _CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
                     "or 'latest' for the newest checkpoint in train.output_dir.")
 
 
 def _usage() -> str:
-    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
+    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data,report} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
     lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -220,8 +222,26 @@ def _data(argv: list[str]) -> int:
     return 0
 
 
+def _report(argv: list[str]) -> int:
+    import jsonargparse
+
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain report", description=COMMANDS["report"],
+                                         exit_on_error=False, allow_abbrev=False)
+    parser.add_argument("run_dir", type=str, help="A run's train.output_dir (holding metrics.jsonl).")
+    parser.add_argument("--max-cards", "--max_cards", type=int, default=48,
+                        help="Held-out sample cards per evaluated step (half of them wrong answers).")
+    try:
+        ns = parser.parse_args(argv)
+    except jsonargparse.ArgumentError as e:
+        raise ConfigError(f"{e}. See vlmtrain report --help.") from None
+    from vlmtrain.logging.report import write_report
+
+    print(f"wrote {write_report(ns.run_dir, max_cards=ns.max_cards)}")
+    return 0
+
+
 _HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _generate, "demo": _demo,
-             "export": _export, "data": _data}
+             "export": _export, "data": _data, "report": _report}
 
 
 def _shutdown_distributed() -> None:

@@ -259,8 +259,20 @@ def demo(output_dir: str | None = None, config: str | None = None) -> dict[str, 
           f"  checkpoints: {os.path.join(out, 'checkpoint-*')}/\n"
           f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
           f"  config:      {os.path.join(out, 'config.yaml')}\n"
+          f"  report:      {_write_report(out)}\n"
           f"  next: vlmtrain eval --config {path} --checkpoint {out}")
     return metrics
+
+
+def _write_report(run_dir: str) -> str:
+    """RUN_DIR/report.html (vlmtrain report); a failure is logged, not raised: the run itself is done."""
+    from vlmtrain.logging.report import write_report
+
+    try:
+        return write_report(run_dir)
+    except (OSError, ValueError) as err:
+        logger.warning("could not write the run report: %s", err)
+        return f"n/a ({err})"
 
 
 def _pick(metrics: dict[str, Any], *names: str) -> str:

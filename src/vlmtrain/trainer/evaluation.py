@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from ..logging.eval_samples import save_eval_samples
 from . import distributed as dist
 from . import fsdp
 from .predictions import Collected, plain_numbers, select_outputs
@@ -83,6 +84,7 @@ class EvaluationMixin:
         head_metrics = callable(getattr(self.model, "head_metrics", None))  # score heads: metrics with no code
         output = self.evaluation_loop(dataloader, prediction_loss_only=self.compute_metrics is None and not head_metrics,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        save_eval_samples(self, dataset, output, metric_key_prefix)  # for the run report (rank 0)
         self.log(output.metrics)
         self.control = self._event("on_evaluate", metrics=output.metrics)
         return output.metrics

@@ -1,0 +1,160 @@
+"""`vlmtrain report`: per-sample eval files written by a real (tiny) evaluation, and the self-contained report."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from PIL import Image
+
+from tests.test_vlm_run import TINY
+from vlmtrain import cli, run
+from vlmtrain.config import ConfigError, load_run_config
+from vlmtrain.logging import eval_samples, plot
+from vlmtrain.logging.report import eval_records, metric_groups, train_series, write_report
+from vlmtrain.logging.report_gallery import pick_cards
+from vlmtrain.tasks.shapes import QTYPES, ShapesVQA
+
+DATA_URI = re.compile(r"data:(image/(?:png|jpeg));base64,([A-Za-z0-9+/=]+)")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """The tiny VLM on shapes, evaluated (with generation) at steps 1 and 2: 7 eval sets of 3 samples."""
+    tmp = tmp_path_factory.mktemp("report")
+    data = {k: dict(v) for k, v in TINY.items()}
+    data["data"] = {**data["data"], "num_eval": 3}
+    data["train"] = {**data["train"], "eval_steps": 1, "save_steps": 2, "output_dir": str(tmp / "run")}
+    (tmp / "cfg.yaml").write_text(yaml.safe_dump(data))
+    run.train(load_run_config(tmp / "cfg.yaml"))
+    return tmp / "run"
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_evaluation_writes_one_row_per_eval_sample(tiny_run):
+    for step in (1, 2):
+        rows = _rows(tiny_run / f"eval_samples_step_{step}.jsonl")
+        assert [(r["set"], r["index"]) for r in rows] == [(q, i) for q in QTYPES for i in range(3)]
+        for row in rows:
+            sample = ShapesVQA("val", 3, seed=0, qtypes=[row["set"]])[row["index"]]
+            assert row["step"] == step and row["id"] == sample["id"]
+            assert row["question"] == sample["texts"][-1]["user"]
+            assert row["truth"] == sample["texts"][-1]["assistant"]
+            assert isinstance(row["generated"], str) and row["correct"] == (row["generated"] == row["truth"])
+            assert len(row["images"]) == row["num_images"] == len(sample["images"])
+            for ref in row["images"]:
+                with Image.open(tiny_run / ref) as image:
+                    assert max(image.size) <= eval_samples.THUMBNAIL_SIZE
+    logged = _rows(tiny_run / "metrics.jsonl")
+    exact = next(r["eval_exact_match"] for r in logged if r["step"] == 2 and "eval_exact_match" in r)
+    assert exact == pytest.approx(sum(r["correct"] for r in rows) / len(rows))  # scored as compute_metrics does
+
+
+def test_report_is_self_contained_with_one_card_per_sample(tiny_run):
+    path = write_report(str(tiny_run), max_cards=100)
+    page = Path(path).read_text()
+    uris = DATA_URI.findall(page)
+    assert len(uris) > 5
+    for mime, payload in uris:
+        image = Image.open(io.BytesIO(base64.b64decode(payload)))
+        image.load()
+        assert image.format == {"image/png": "PNG", "image/jpeg": "JPEG"}[mime]
+    without_data = DATA_URI.sub("", page)
+    assert not re.search(r"(?:src|href)\s*=\s*[\"']?\s*(?:https?:)?//", without_data)
+    assert not re.search(r"url\(\s*[\"']?(?:https?:)?//|@import|<script|<link", without_data, re.I)
+    sections = re.findall(r'<details class="step".*?</details>', page, re.S)
+    assert len(sections) == 2  # steps 2 and 1, newest first
+    for section, step in zip(sections, (2, 1)):
+        rows = _rows(tiny_run / f"eval_samples_step_{step}.jsonl")
+        assert section.count('<div class="card ') == len(rows)
+        assert section.count('<div class="card wrong"') == sum(not r["correct"] for r in rows)
+        for ref in {ref for r in rows for ref in r["images"]}:  # every thumbnail embedded, once
+            assert page.count(base64.b64encode((tiny_run / ref).read_bytes()).decode()) == 1
+    assert 'id="wrong-only"' in page and "#wrong-only:checked ~ .galleries .card.right" in page
+    charts = re.findall(r'<img alt="([^"]+)"', page)
+    assert {"loss", "learning rate", "grad norm", "samples / s", "tokens / s", "eval loss",
+            "eval exact_match"} <= set(charts)
+    series = {title: [s.name for s in lines] for title, lines in train_series(_rows(tiny_run / "metrics.jsonl")).items()}
+    assert series["learning rate"][0] == "learning_rate" and "learning_rate_projector" in series["learning rate"]
+    table = re.search(r'<table class="metrics">.*?</table>', page, re.S).group(0)
+    assert "eval_color_exact_match" in table and table.count('<span class="tag inline">') == 2
+    with Image.open(tiny_run / "curves.png") as curves:
+        curves.load()
+        assert curves.size[0] >= plot.WIDTH
+
+
+def test_async_rows_are_marked_and_ordered(tmp_path):
+    rows = [{"step": s, "loss": 3.0 / s, "learning_rate": 1e-3, "grad_norm": 1.0, "samples_per_second": 9.0,
+             "data_wait_fraction": 0.01} for s in (10, 20, 30, 40)]
+    rows.insert(2, {"step": 20, "eval_loss": 1.5, "eval_exact_match": 0.25})  # inline
+    rows.append({"step": 30, "eval_loss": 1.2, "eval_exact_match": 0.5, "eval_async": True,
+                 "eval_checkpoint": "checkpoint-30", "eval_arrived_step": 40})  # arrives after step 40's row
+    rows.append({"step": 10, "eval_loss": 2.0, "eval_exact_match": 0.0, "eval_async": True,
+                 "eval_checkpoint": "checkpoint-10", "eval_arrived_step": 40})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = eval_records(rows, str(tmp_path))
+    assert [(r.step, r.is_async, r.arrived_step) for r in records] == [(10, True, 40), (20, False, None),
+                                                                        (30, True, 40)]
+    page = Path(write_report(str(tmp_path))).read_text()
+    header = re.search(r"<thead>.*?</thead>", page, re.S).group(0)
+    assert re.findall(r"step (\d+) <span class=\"tag (\w+)\"", header) == [("10", "async"), ("20", "inline"),
+                                                                           ("30", "async")]
+    assert header.count("arrived at step 40") == 2 and "checkpoint-30" in header
+    assert "No eval_samples_step_N.jsonl" in page
+
+
+def test_bad_input_gives_a_clear_error_or_skip(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="no metrics.jsonl"):
+        write_report(str(tmp_path))
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n[1, 2]\n'
+                                            '{"step": 3, "loss": "nan"}\n')
+    (tmp_path / "eval_samples_step_3.jsonl").write_text('{"step": 3, "index": 0, "question": "q?", '
+                                                        '"generated": "a", "truth": "b", "correct": false}\nnot json\n')
+    assert cli.main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert "metrics.jsonl: 2 line(s)" in page and "eval_samples_step_3.jsonl: 1 line(s)" in page
+    assert page.count('<div class="card wrong"') == 1
+
+
+def test_cards_are_half_wrong_answers_within_each_set_share():
+    rows = [{"set": s, "index": i, "correct": i % 3 == 0} for s in ("a", "b") for i in range(10)]
+    picked = pick_cards(rows, max_cards=8)
+    assert len(picked) == 8
+    for s in ("a", "b"):  # 4 cards each: the first 2 wrong answers (not multiples of 3) and the first 2 right
+        assert [r["index"] for r in picked if r["set"] == s] == [0, 1, 2, 3]
+    few_right = [{"set": "a", "index": i, "correct": i == 5} for i in range(10)]
+    assert [r["index"] for r in pick_cards(few_right, max_cards=4)] == [0, 1, 2, 5]
+
+
+def test_score_head_rows_compare_predictions_with_labels():
+    configs = {"color": SimpleNamespace(type="classification", loss="ce"),
+               "count": SimpleNamespace(type="regression", loss="mse")}
+    output = SimpleNamespace(heads={"color": [[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]], "count": [[2.5], [1.0]]},
+                             predictions=None, texts=None)
+    rows = eval_samples.prediction_rows(output, SimpleNamespace(head_configs=configs), None)
+    for row, labels in zip(rows, ({"color": 1, "count": 3.0}, {"color": 2, "count": 1.0})):
+        row["labels"] = labels
+    eval_samples.score_rows(rows)
+    assert rows[0] == {"heads": {"color": {"predicted": 1, "truth": 1, "correct": True},
+                                 "count": {"predicted": 2.5, "truth": 3.0}}, "correct": True}
+    assert rows[1]["correct"] is False and rows[1]["heads"]["color"]["predicted"] == 0
+
+
+def test_metric_groups_and_ticks():
+    groups = metric_groups(["loss", "color_loss", "exact_match", "color_exact_match", "loss_lm",
+                            "single_image_exact_match"])
+    assert groups == {"exact_match": ["color_exact_match", "exact_match", "single_image_exact_match"],
+                      "loss": ["color_loss", "loss"], "loss_lm": ["loss_lm"]}
+    assert plot.nice_ticks(0.1, 3.1) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert plot.nice_ticks(5, 5)[0] <= 5 <= plot.nice_ticks(5, 5)[-1]
