@@ -8,8 +8,9 @@ What is counted (model FLOPs, the MFU convention; one multiply-add = 2 FLOPs):
   projector per image token it emits.
 - **Attention scores and values**: ``4 * L^2 * heads * head_dim`` per layer forward (QK^T and AV) over each
   real sequence: a padded row's non-pad length, each document of a packed row (never the row), each image's
-  patches in the vision tower. The full L x L square (no halving for causal masks): what FlopCounterMode counts
-  for eager attention (and for CUDA SDPA kernels); a sliding window of w counts L * min(L, w).
+  patches in the vision tower. The full L x L square (no halving for causal masks), as FlopCounterMode counts
+  eager attention and CUDA SDPA kernels; backward 2x forward (eager's matmuls; FlopCounterMode credits SDPA
+  kernels 2.5x for recomputing the scores). A sliding window of w counts L * min(L, w).
 - **Backward**, per module, from requires_grad when training starts: forward x (1 + 1 if its input needs a
   gradient + 1 if its weight is trainable). An input needs a gradient when a trainable parameter comes before
   the module in forward order (stages vision -> projector -> text, then module registration order). So a
