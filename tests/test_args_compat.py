@@ -85,9 +85,8 @@ def test_seed_000_arguments_construct():
         ddp_find_unused_parameters=False, optim="adamw_torch", lr_scheduler_type="polynomial",
         lr_scheduler_kwargs={"power": 3.0}, warmup_steps=500, save_total_limit=5, weight_decay=0.02,
         label_names=["score_labels", "type_labels"])
-    with pytest.raises(ConfigError, match=r"report_to='wandb' is not implemented by vlmtrain yet; implemented: none"):
-        TrainingArguments(**seed_args)  # no wandb writer yet: the one argument the seed must change
-    args = TrainingArguments(**{**seed_args, "report_to": "none"})
+    args = TrainingArguments(**seed_args)  # unchanged, wandb included
+    assert args.report_to == ["wandb"]
     assert args.label_names == ["score_labels", "type_labels"]
     assert args.ddp_kwargs() == {"find_unused_parameters": False}
 
@@ -126,10 +125,17 @@ def test_fsdp_refuses_options_vlmtrain_lacks(value, message):
         TrainingArguments(fsdp=value)
 
 
-@pytest.mark.parametrize("name", ["wandb", "mlflow", "trackio"])
-def test_report_to_tracker_names_are_refused_with_the_implemented_ones(name):
-    with pytest.raises(ConfigError, match=rf"report_to='{name}' is not implemented .* none, jsonl, tensorboard, all"):
+@pytest.mark.parametrize("name", ["neptune", "comet_ml", "clearml"])
+def test_report_to_trackers_vlmtrain_lacks_are_refused_with_the_implemented_ones(name):
+    with pytest.raises(ConfigError, match=rf"report_to='{name}' is not implemented .* none, jsonl, tensorboard, "
+                                          r"wandb, mlflow, trackio, all"):
         TrainingArguments(report_to=["tensorboard", name])
+
+
+def test_tracker_fields_are_accepted():
+    args = TrainingArguments(report_to=["wandb", "mlflow", "trackio"], project="p", trackio_space_id="u/s",
+                             trackio_bucket_id="u/b", trackio_static_space_id=False)
+    assert args.report_to == ["wandb", "mlflow", "trackio"] and args.project == "p"
 
 
 def test_report_to_and_torch_compile_forms():

@@ -23,13 +23,15 @@ COMMANDS = {
     "data": "Data tools: vlmtrain data to-wds SRC OUT [--shard-size N] | vlmtrain data inspect SRC [--limit N]",
     "report": "Write RUN_DIR/report.html (curves, eval metrics, held-out samples) and curves.png: "
               "vlmtrain report RUN_DIR [--max-cards N]",
+    "sync": "Replay RUN_DIR/metrics.jsonl into a tracker: vlmtrain sync RUN_DIR --to wandb|mlflow|trackio|tensorboard "
+            "[--project P] [--run-name N]",
 }
 _CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
                     "or 'latest' for the newest checkpoint in train.output_dir.")
 
 
 def _usage() -> str:
-    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data,report} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
+    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data,report,sync} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
     lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -240,8 +242,32 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
+def _sync(argv: list[str]) -> int:
+    import jsonargparse
+
+    from vlmtrain.logging.trackers import TRACKERS
+
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain sync", description=COMMANDS["sync"], exit_on_error=False,
+                                         allow_abbrev=False)
+    parser.add_argument("run_dir", type=str, help="A run's train.output_dir (holding metrics.jsonl).")
+    parser.add_argument("--to", type=str, required=True, help=f"The tracker: {', '.join(TRACKERS)}.")
+    parser.add_argument("--project", type=str, default=None, help="Project/experiment (default: the run's "
+                        "train.project in RUN_DIR/config.yaml, else huggingface).")
+    parser.add_argument("--run-name", "--run_name", type=str, default=None,
+                        help="Run name (default: the run's train.run_name, else RUN_DIR's name).")
+    try:
+        ns = parser.parse_args(argv)
+    except jsonargparse.ArgumentError as e:
+        raise ConfigError(f"{e}. See vlmtrain sync --help.") from None
+    from vlmtrain.logging.sync import sync_run
+
+    run_id, rows = sync_run(ns.run_dir, ns.to, project=ns.project, run_name=ns.run_name)
+    print(f"synced {rows} rows of {os.path.join(ns.run_dir, 'metrics.jsonl')} to {ns.to} run {run_id}")
+    return 0
+
+
 _HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _generate, "demo": _demo,
-             "export": _export, "data": _data, "report": _report}
+             "export": _export, "data": _data, "report": _report, "sync": _sync}
 
 
 def _shutdown_distributed() -> None:

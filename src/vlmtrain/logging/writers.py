@@ -1,13 +1,13 @@
-"""Log writers as callbacks: metrics.jsonl always, TensorBoard when asked for."""
+"""Log writers as callbacks: metrics.jsonl always, the trackers of report_to (trackers.py) when asked for."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import warnings
 
 from ..trainer.callbacks import TrainerCallback
+from .tensorboard import TensorBoardCallback  # noqa: F401 - its old home
 
 
 def _clean(value):
@@ -49,7 +49,7 @@ class JsonlLoggerCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        record = {"step": state.global_step, **{k: _clean(v) for k, v in logs.items()}}
+        record = {"step": state.global_step, **{k: _clean(v) for k, v in logs.items()}}  # logs' own "step" wins
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         self.rows += 1
@@ -80,54 +80,8 @@ def _rewrite(path: str, lines: list[str]) -> None:
     os.replace(tmp, path)
 
 
-class TensorBoardCallback(TrainerCallback):
-    """Writes every numeric log value as a scalar to `<output_dir>/runs/<run_name>`. A run resumed from
-    checkpoint-N opens its writer with purge_step N+1: TensorBoard hides what the crashed run logged after N."""
-
-    def __init__(self, output_dir: str, run_name: str | None = None) -> None:
-        self.log_dir = os.path.join(output_dir, "runs", run_name or "run")
-        self.writer = None
-        self.purge_step: int | None = None
-
-    @staticmethod
-    def available() -> bool:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            return False
-        return True
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        self.on_train_end(args, state, control)  # a writer left open by an earlier train() in this process
-        self.purge_step = state.global_step + 1 if state.global_step > 0 else None
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
-        if self.writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(self.log_dir, purge_step=self.purge_step)
-        for key, value in logs.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                tag = key.replace("eval_", "eval/", 1) if key.startswith("eval_") else f"train/{key}"
-                self.writer.add_scalar(tag, value, state.global_step)
-        self.writer.flush()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-
 def default_writers(args) -> list[TrainerCallback]:
-    writers: list[TrainerCallback] = [JsonlLoggerCallback(args.output_dir)]
-    if any(r in ("tensorboard", "all") for r in args.report_to):
-        if TensorBoardCallback.available():
-            writers.append(TensorBoardCallback(args.output_dir, args.run_name))
-        elif "tensorboard" in args.report_to:
-            warnings.warn("report_to includes 'tensorboard' but tensorboard is not installed: "
-                          "pip install 'vlmtrain[tensorboard]'. Logging to metrics.jsonl only.", stacklevel=2)
-    return writers
+    """metrics.jsonl, then the trackers args.report_to names (see trackers.py)."""
+    from .trackers import tracker_callbacks
+
+    return [JsonlLoggerCallback(args.output_dir), *tracker_callbacks(args)]

@@ -15,10 +15,10 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
-REPORTERS = ("none", "jsonl", "tensorboard", "all")
-# transformers' report_to names that vlmtrain has no writer for yet (tracker integrations are a later issue).
+REPORTERS = ("none", "jsonl", "all")
+# transformers' report_to names that vlmtrain has no writer for.
 UNIMPLEMENTED_REPORTERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "kubeflow",
-                           "mlflow", "neptune", "swanlab", "trackio", "wandb")
+                           "neptune", "swanlab")
 FSDP_OPTIONS = {"full_shard": None, "auto_wrap": None,  # what vlmtrain's FSDP2 does: shard per transformer block
                 "shard_grad_op": "vlmtrain's FSDP2 always reshards parameters after forward (full_shard)",
                 "hybrid_shard": "vlmtrain's FSDP2 shards over all ranks (full_shard)",
@@ -180,10 +180,19 @@ class ImplementedArguments:
     """Accepted for transformers' scripts, either value: vlmtrain never drops columns. The data collator decides
     what a batch holds, and every key of the batch reaches the model's forward."""
     report_to: str | list[str] | None = "none"
-    """Extra log writers besides metrics.jsonl (always written): none, tensorboard or all. transformers' tracker
-    names (wandb, mlflow, trackio, ...) are refused with a message until vlmtrain has writers for them."""
+    """Trackers besides metrics.jsonl (always written), as transformers names them: none, tensorboard, wandb,
+    mlflow, trackio, a list of them, or all (every installed one). Each needs its extra (pip install
+    'vlmtrain[wandb]'); one that is missing or cannot start is a warning, and training goes on with the rest.
+    A resumed run continues the same tracker run. README "Trackers" says where each one writes."""
     run_name: str | None = None
-    """Name of the run for log writers; defaults to output_dir's basename."""
+    """Name of the run in metrics writers and trackers; defaults to output_dir's basename."""
+    project: str = "huggingface"
+    """The tracker project the run goes to: wandb's project, MLflow's experiment, trackio's project (the
+    WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME environment variables win when set)."""
+    trackio_space_id: str | None = None
+    """trackio: also sync the run to this Hugging Face Space (e.g. 'user/space'); None: local only."""
+    trackio_bucket_id: str | None = None
+    """trackio: the Hugging Face Bucket a trackio_space_id Space stores its data in; None: trackio's default."""
     disable_tqdm: bool | None = False
     """Hide progress bars (None: false)."""
     resume_from_checkpoint: str | None = None
@@ -292,11 +301,14 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
         if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             self.torch_compile = True
         reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
+        from ..logging.trackers import TRACKERS  # (here: the trackers import the trainer's callbacks)
+
+        implemented = (*REPORTERS[:2], *TRACKERS, REPORTERS[2])
         for r in reporters:
             if r in UNIMPLEMENTED_REPORTERS:
-                raise ConfigError(f"report_to={r!r} is not implemented by vlmtrain yet; implemented: "
-                                  f"{', '.join(REPORTERS)} (metrics.jsonl is always written).")
-            _choice("report_to", r, REPORTERS + UNIMPLEMENTED_REPORTERS)
+                raise ConfigError(f"report_to={r!r} is not implemented by vlmtrain; implemented: "
+                                  f"{', '.join(implemented)} (metrics.jsonl is always written).")
+            _choice("report_to", r, implemented + UNIMPLEMENTED_REPORTERS)
         self.report_to = reporters or ["none"]
         for extra in self.include_for_metrics:
             _choice("include_for_metrics", extra, ("inputs", "loss"))

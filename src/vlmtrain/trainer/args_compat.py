@@ -19,8 +19,6 @@ _OWN_OPTIMIZER = "build the optimizer yourself and pass Trainer(optimizers=(opti
 _HALF_EVAL = "evaluation runs under the same autocast as training (bf16=True)"
 _LIGER = "apply Liger's patches to the model (liger_kernel.transformers.apply_liger_kernel_to_*) before Trainer(...)"
 _LOG_LEVEL = "set levels with logging.getLogger(...).setLevel; vlmtrain logs metrics from rank 0 only"
-_TRACKERS = ("tracker integrations (wandb, mlflow, trackio) are not implemented yet; report_to takes none, jsonl, "
-             "tensorboard or all, and metrics.jsonl is always written")
 _HUB = "upload output_dir (or a checkpoint-N folder) with huggingface_hub's upload_folder after training"
 _ACCELERATE = "vlmtrain does not use accelerate: launch with torchrun; DDP is automatic and fsdp=True shards the model"
 _SAMPLING = "training data is shuffled by a seeded sampler (data_seed); use data.packing for length-efficient batches"
@@ -48,10 +46,8 @@ REFUSED: dict[str, str] = {
                               "nonfinite_steps, so they never reach the logged averages",
     "include_num_input_tokens_seen": "every log line has samples_per_second and tokens_per_second; count tokens "
                                      "in a TrainerCallback if you need a running total",
-    "project": _TRACKERS,
-    "trackio_space_id": _TRACKERS,
-    "trackio_bucket_id": _TRACKERS,
-    "trackio_static_space_id": _TRACKERS,
+    "trackio_static_space_id": "a static trackio Space comes with push_to_hub, which vlmtrain does not do; after "
+                               "training publish the project with trackio's CLI (trackio sync / trackio freeze)",
     "eval_delay": "evaluation follows eval_strategy from the start; a TrainerCallback can clear "
                   "control.should_evaluate for early steps",
     "prediction_loss_only": "evaluation returns only the losses when Trainer(compute_metrics=None)",
@@ -121,9 +117,6 @@ class TransformersOnlyArguments:
     include_num_input_tokens_seen: str | bool = "no"
     log_level: str = "passive"
     log_level_replica: str = "warning"
-    project: str = "huggingface"
-    trackio_space_id: str | None = None
-    trackio_bucket_id: str | None = None
     trackio_static_space_id: str | bool | None = None
     eval_delay: float = 0
     prediction_loss_only: bool = False
