@@ -90,6 +90,8 @@ def test_demo_report_for_a_shapes_config(tmp_path, capsys):
             "blank_multi_image_exact_match"} <= set(metrics)
     assert "single-image (mean)" in printed and "multi-image (mean)" in printed and "chance" in printed
     assert "held-out examples" in printed and str(cfg.train.output_dir) in printed
+    report = tmp_path / "run" / "report.html"  # the demo ends with the run report (vlmtrain report)
+    assert report.is_file() and f"report:      {report}" in printed and "step 2:" in report.read_text()
     with pytest.raises(ConfigError, match="does not exist"):
         run.demo(config=str(tmp_path / "nope.yaml"))
 

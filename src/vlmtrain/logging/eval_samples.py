@@ -64,7 +64,8 @@ class EvalSampleWriter:
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir
-        self._samples: dict[tuple[int, str | None], list[dict[str, Any]]] = {}
+        # (id(dataset), set) -> (dataset, its rows): the reference keeps the id from being reused
+        self._samples: dict[tuple[int, str | None], tuple[Any, list[dict[str, Any]]]] = {}
         self._written: dict[str, set[str | None]] = {}
         self._warned: set[str | None] = set()
 
@@ -103,8 +104,8 @@ class EvalSampleWriter:
     def _sample_info(self, dataset: Any, name: str | None, count: int) -> list[dict[str, Any]] | None:
         """Question, truth, id and thumbnail paths of the first ``count`` samples (cached per dataset)."""
         key = (id(dataset), name)
-        cached = self._samples.get(key)
-        if cached is not None and len(cached) >= count:
+        cached = self._samples.get(key, (None, []))[1]
+        if len(cached) >= count:
             return cached[:count]
         if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
             raw = (dataset[i] for i in range(min(count, len(dataset))))
@@ -114,7 +115,7 @@ class EvalSampleWriter:
         if len(info) < count:
             self._warn(name, f"eval set {name!r} has fewer samples than predictions")
             return None
-        self._samples[key] = info
+        self._samples[key] = (dataset, info)
         return info
 
     def _describe(self, sample: Any, name: str | None, index: int) -> dict[str, Any]:
