@@ -6,14 +6,15 @@ import difflib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from vlmtrain.config import ConfigError, build_parser, parse_with
 
 COMMANDS = {
     "train": "Train a model: vlmtrain train --config FILE.yaml [--nproc N] [--train.learning_rate 3e-4 ...]",
-    "eval": "Evaluate on the eval set: vlmtrain eval --config FILE.yaml [--checkpoint DIR]",
+    "eval": "Evaluate on the eval set: vlmtrain eval --config FILE.yaml [--checkpoint DIR] [--result-file F.json]; "
+            "vlmtrain eval --checkpoint RUN_DIR --all evaluates every checkpoint metrics.jsonl has no evaluation for",
     "predict": "Print generated answers for the eval set: vlmtrain predict --config FILE.yaml --checkpoint DIR",
     "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
                 "--prompt TEXT",
@@ -36,11 +37,14 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _parse(command: str, argv: list[str], checkpoint: str | None = None) -> tuple[Any, Any]:
-    """checkpoint: None (no --checkpoint option), 'optional' or 'required'."""
+def _parse(command: str, argv: list[str], checkpoint: str | None = None,
+           extra: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
+    """checkpoint: None (no --checkpoint option), 'optional' or 'required'; extra adds options to the parser."""
     parser = build_parser(prog=f"vlmtrain {command}", description=COMMANDS[command])
     if checkpoint:
         parser.add_argument("--checkpoint", type=str | None, default=None, help=_CHECKPOINT_HELP)
+    if extra is not None:
+        extra(parser)
     argv = ["--print_config" if a == "--print-config" else a for a in argv]  # both spellings
     cfg, ns = parse_with(parser, argv)
     if not ns.get("config"):
@@ -99,12 +103,44 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
+def _eval_options(parser: Any) -> None:
+    parser.add_argument("--result-file", "--result_file", type=str | None, default=None,
+                        help="Also write the metrics to this JSON file, atomically (what async evaluation reads).")
+    parser.add_argument("--all", action="store_true",
+                        help="With --checkpoint RUN_DIR: evaluate every checkpoint of the run that metrics.jsonl "
+                             "has no evaluation for, and append their rows (--config defaults to RUN_DIR/config.yaml).")
+
+
 def _eval(argv: list[str]) -> int:
-    cfg, ns = _parse("eval", argv, checkpoint="optional")
+    if "--all" in argv and "--config" not in argv:  # the run's own config
+        checkpoint = _option_value(argv, "--checkpoint")
+        if checkpoint is None:
+            raise ConfigError("vlmtrain eval --all needs --checkpoint RUN_DIR (a run directory).")
+        argv = [*argv, "--config", os.path.join(checkpoint, "config.yaml")]
+        if not os.path.isfile(argv[-1]):
+            raise ConfigError(f"{checkpoint!r} holds no config.yaml (is it a vlmtrain run directory?): pass --config.")
+    cfg, ns = _parse("eval", argv, checkpoint="optional", extra=_eval_options)
     from vlmtrain import run
 
-    _print_metrics(run.evaluate(cfg, checkpoint=ns.checkpoint))
+    if ns.all:
+        if not ns.checkpoint or not os.path.isdir(ns.checkpoint):
+            raise ConfigError(f"vlmtrain eval --all needs --checkpoint RUN_DIR (a run directory), got {ns.checkpoint!r}.")
+        rows = run.evaluate_all(ns.checkpoint, cfg)
+        if _is_rank_zero():
+            print(f"logged {len(rows)} evaluation(s) to {os.path.join(ns.checkpoint, 'metrics.jsonl')}: steps "
+                  f"{sorted(rows)}" if rows else "every checkpoint already has an evaluation in metrics.jsonl")
+        return 0
+    _print_metrics(run.evaluate(cfg, checkpoint=ns.checkpoint, result_file=ns.result_file))
     return 0
+
+
+def _option_value(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def _predict(argv: list[str]) -> int:

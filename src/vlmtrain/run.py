@@ -131,20 +131,53 @@ def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
                        "--train.resume_from_checkpoint true to continue.", out.global_step, cfg.train.output_dir)
         return trainer, metrics
     if getattr(trainer, "eval_dataset", None) is not None:
-        # Reuse an evaluation the run already made at its last step rather than running it twice.
+        # Reuse an evaluation the run already made of its last step (inline or async) rather than running it twice.
+        from vlmtrain.trainer.async_eval import BOOKKEEPING
+
         last = [h for h in trainer.state.log_history if h.get("step") == out.global_step
                 and any(k.startswith("eval_") and k.endswith("loss") for k in h)]
-        metrics.update({k: v for h in last for k, v in h.items() if k.startswith("eval_")} if last
-                       else trainer.evaluate())
+        metrics.update({k: v for h in last for k, v in h.items() if k.startswith("eval_") and k not in BOOKKEEPING}
+                       if last else trainer.evaluate())
     metrics.update(_summary(cfg, metrics))
     return trainer, metrics
 
 
-def evaluate(cfg: RunConfig, checkpoint: str | None = None) -> dict[str, Any]:
-    """Evaluate the configured model, or the weights of a checkpoint, on the eval set."""
+def evaluate(cfg: RunConfig, checkpoint: str | None = None, result_file: str | None = None) -> dict[str, Any]:
+    """Evaluate the configured model, or the weights of a checkpoint (logged at its step), on the eval set;
+    with result_file, also write the metrics there atomically (what async evaluation reads)."""
+    from vlmtrain.trainer.async_eval import write_result
+    from vlmtrain.trainer.checkpoint import checkpoint_step
+
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir) if checkpoint else None
-    metrics = build(cfg, checkpoint=ckpt).evaluate()
-    return {**metrics, **_summary(cfg, metrics)}
+    trainer = build(cfg, checkpoint=ckpt)
+    step = checkpoint_step(ckpt) if ckpt else None
+    trainer.state.global_step = step or 0  # rows and per-sample files carry the checkpoint's step
+    metrics = trainer.evaluate()
+    metrics = {**metrics, **_summary(cfg, metrics)}
+    if result_file is not None and trainer.rank == 0:
+        write_result(result_file, step, ckpt or "", metrics)
+    return metrics
+
+
+def evaluate_all(run_dir: str, cfg: RunConfig) -> dict[int, dict[str, Any]]:
+    """Evaluate every complete checkpoint of run_dir that metrics.jsonl has no evaluation for (async
+    evaluations still running when training ended, or never run); a result already on disk is logged without
+    evaluating again. Rows are appended to metrics.jsonl (marked eval_async); returns them by step."""
+    from vlmtrain.trainer import async_eval
+    from vlmtrain.trainer.checkpoint import checkpoint_step, list_checkpoints
+
+    done, rows = async_eval.evaluated_steps(run_dir), {}
+    for path in list_checkpoints(run_dir):
+        step = checkpoint_step(path)
+        if step in done:
+            continue
+        result = os.path.join(run_dir, async_eval.DIR, f"step-{step}.json")
+        if async_eval.read_result(result) is None:
+            scratch = os.path.join(run_dir, async_eval.DIR, f"step-{step}")
+            evaluate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=scratch)), path,
+                     result_file=result)
+        rows[step] = async_eval.log_result(run_dir, step)
+    return rows
 
 
 def predict(cfg: RunConfig, checkpoint: str) -> list[str]:

@@ -149,6 +149,31 @@ class ImplementedArguments:
     """Write checkpoints in a background thread from a CPU copy of the state, while training goes on (still
     atomic; the next save and the end of training wait for it; a failed write raises on every rank at the next
     step end). on_save then fires when the write starts. FSDP checkpoints stay synchronous."""
+    async_eval: bool = False
+    """Evaluate each saved checkpoint in a separate process while training goes on (rank 0 launches it). Results
+    are logged at the checkpoint's step (metrics.jsonl and trackers) with eval_async, eval_checkpoint and when
+    they arrived; exactly once across resumes. Inline evaluation (eval_strategy) is independent of it."""
+    async_eval_launcher: str = "subprocess"
+    """How async evaluations run: subprocess (on this machine) or submitit (SLURM on a cluster, local processes
+    elsewhere; pip install 'vlmtrain[submitit]')."""
+    async_eval_launcher_kwargs: dict[str, Any] | None = None
+    """submitit's parameters, passed through (e.g. {slurm_partition: eval, gpus_per_node: 1, timeout_min: 60};
+    cluster: local|slurm|debug picks the executor)."""
+    async_eval_command: list[str] | None = None
+    """The evaluation command; None: `{python} -m vlmtrain eval --config {run_dir}/config.yaml --checkpoint
+    {checkpoint} --result-file {result_file} --train.output_dir {output_dir}`. Placeholders: python, run_dir,
+    checkpoint, result_file, step, output_dir. It must write {result_file} as JSON {"metrics": {...}}."""
+    async_eval_python: str | None = None
+    """Python interpreter of the default evaluation command (e.g. another environment's); None: this one."""
+    async_eval_max_pending: int = 1
+    """Evaluations running at once; a checkpoint saved while that many run follows async_eval_when_full."""
+    async_eval_when_full: str = "wait"
+    """wait (training pauses until an evaluation finishes) or skip (that checkpoint is not evaluated; logged)."""
+    async_eval_timeout_s: float = 3600
+    """An evaluation running longer is stopped and logged as failed (0: no limit)."""
+    async_eval_wait_at_end_s: float = 3600
+    """At the end, training waits at most this long for evaluations still running; later ones are logged by
+    `vlmtrain eval --checkpoint RUN_DIR --all`."""
     metric_for_best_model: str | None = None
     """Metric (e.g. 'loss', 'eval_accuracy') that picks the best checkpoint; 'eval_' is prefixed when missing."""
     greater_is_better: bool | None = None
@@ -266,8 +291,19 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
             self.metric_for_best_model = "loss"
         if self.metric_for_best_model is not None and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.lmms_eval_limit is not None and self.lmms_eval_limit < 1:
+            raise ConfigError(f"lmms_eval_limit must be >= 1, or None for every document; got {self.lmms_eval_limit}.")
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
+        _choice("async_eval_launcher", self.async_eval_launcher, ("subprocess", "submitit"))
+        _choice("async_eval_when_full", self.async_eval_when_full, ("wait", "skip"))
+        if self.async_eval_max_pending < 1:
+            raise ConfigError(f"async_eval_max_pending must be >= 1, got {self.async_eval_max_pending}.")
+        if self.async_eval_command is not None and not any("{result_file}" in p for p in self.async_eval_command):
+            raise ConfigError("async_eval_command must write its metrics to {result_file} (a placeholder in one of "
+                              f"its arguments); got {self.async_eval_command!r}.")
+        if self.async_eval and self.save_strategy == "no":
+            raise ConfigError("async_eval evaluates saved checkpoints: set save_strategy to steps or epoch.")
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"peak_tflops must be > 0 (the device's peak TFLOP/s), or None; got {self.peak_tflops}.")
         if self.preemption_grace_s < 1:

@@ -241,13 +241,13 @@ def load_torch(path: str) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def rotate_checkpoints(output_dir: str, limit: int | None, best: str | None) -> list[str]:
-    """Delete the oldest checkpoints beyond `limit`; never the best one, never the newest."""
+def rotate_checkpoints(output_dir: str, limit: int | None, best: str | None, keep: list[str] = ()) -> list[str]:
+    """Delete the oldest checkpoints beyond `limit`; never the best one, the newest or one in `keep`."""
     if not limit:
         return []
     ckpts = list_checkpoints(output_dir)
-    best_real = os.path.realpath(best) if best else None
-    deletable = [c for c in ckpts[:-1] if os.path.realpath(c) != best_real]
+    kept = {os.path.realpath(p) for p in [best, *keep] if p}
+    deletable = [c for c in ckpts[:-1] if os.path.realpath(c) not in kept]
     deleted = []
     while len(ckpts) - len(deleted) > limit and deletable:
         victim = deletable.pop(0)

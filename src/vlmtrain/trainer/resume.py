@@ -26,7 +26,8 @@ class CheckpointMixin:
         return {"loader": None if epoch_done or self._epoch_cut else self.train_dataloader.state_dict(),
                 "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
                 "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step,
-                "skipped": dict(self._throughput.skipped_total), "run_loss": self._run_loss.state_dict()}
+                "skipped": dict(self._throughput.skipped_total), "run_loss": self._run_loss.state_dict(),
+                "async_eval": self._async_eval.state_dict() if self._async_eval is not None else None}
 
     _async_saver: AsyncCheckpointer | None = None  # train.async_checkpoint: the background writer
 
@@ -36,6 +37,8 @@ class CheckpointMixin:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
         self.state.stateful_callbacks = {type(cb).__name__: cb.state_dict() for cb in self.callback_handler.callbacks
                                          if hasattr(cb, "state_dict")}
+        if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
+            self._async_eval.enqueue(step)
         sharded = fsdp.is_sharded(self.model)
         if self.args.async_checkpoint and not sharded:  # (FSDP's DCP saves stay synchronous)
             if self._async_saver is None:
@@ -52,7 +55,17 @@ class CheckpointMixin:
         return path
 
     def _rotate_checkpoints(self) -> None:
-        ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint)
+        waiting = self._async_eval.in_use() if self._async_eval is not None else []  # (async_eval) kept until logged
+        ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
+                                keep=waiting)
+
+    def _log_async_evaluations(self, rows: list[dict]) -> None:
+        """(async_eval, rank 0) Log each finished evaluation at its checkpoint's step; their checkpoints may
+        now be rotated."""
+        for row in rows:
+            self.log(row)
+        if rows:
+            self._rotate_checkpoints()
 
     def _snapshot(self) -> tuple[dict[str, Any], Any]:
         """This rank's checkpoint as CPU copies, and (rank 0) a function writing the model copy's files."""
@@ -135,5 +148,7 @@ class CheckpointMixin:
         if "run_loss" in loop:  # the whole run's mean loss (TrainOutput.train_loss) goes on across resumes
             self._run_loss.load_state_dict(loop["run_loss"])
         self._last_logged_step = loop["last_logged_step"]
+        if self._async_eval is not None:
+            self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))
         ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))

@@ -29,6 +29,7 @@ from . import checkpoint as ckpt
 from . import distributed as dist
 from . import fsdp
 from .args import TrainingArguments
+from .async_eval import AsyncEvaluator
 from .callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -105,6 +106,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self.train_dataloader: StatefulDataLoader | None = None
         self._preemption: PreemptionGuard | None = None
         self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
+        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes
+        self._async_eval = AsyncEvaluator(self.args) if self.args.async_eval and self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self.control = self._event("on_init_end")
 
@@ -166,6 +169,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         resume = ckpt.resolve_resume(args.resume_from_checkpoint if resume_from_checkpoint is None
                                      else resume_from_checkpoint, args.output_dir, self.rank)
         ckpt.prepare_output_dir(args.output_dir, self.rank)
+        if self._async_eval is not None:
+            self._async_eval.check_command()
         self.train_dataloader = loader = self.get_train_dataloader()
         if args.fsdp and self.optimizer is not None and self.world_size > 1:
             raise ValueError("train.fsdp shards the model's parameters: let the Trainer build the optimizer (do "
@@ -358,12 +363,15 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         if self.control.should_save:
             self._save_checkpoint()
             self.control = self._event("on_save")
+        if self._async_eval is not None:
+            self._log_async_evaluations(self._async_eval.poll(self.state.global_step))
         self._throughput.exclude(time.perf_counter() - paused)
 
     def log(self, logs: dict[str, float]) -> None:
-        """Record logs in state.log_history and hand them to on_log (metrics.jsonl, progress bar, ...)."""
-        logs = {**logs, "epoch": self.state.epoch}
-        self.state.log_history.append({**logs, "step": self.state.global_step})
+        """Record logs in state.log_history and hand them to on_log (metrics.jsonl, progress bar, ...). A row
+        with its own `step` (an async evaluation of an earlier checkpoint) is logged at that step."""
+        logs = logs if "step" in logs else {**logs, "epoch": self.state.epoch}
+        self.state.log_history.append({"step": self.state.global_step, **logs})
         self.control = self._event("on_log", logs=logs)
 
     # -- setup, checkpoints, end -------------------------------------------------------------------------
@@ -411,6 +419,9 @@ class Trainer(CheckpointMixin, EvaluationMixin):
 
     def _finish_training(self, start: float) -> TrainOutput:
         self._wait_for_checkpoint()  # (async_checkpoint) the last save is complete before train() returns
+        if self._async_eval is not None:  # (async_eval) evaluations still running, for a bounded time
+            self._log_async_evaluations(self._async_eval.wait(self.state.global_step,
+                                                              self.args.async_eval_wait_at_end_s))
         runtime = time.time() - start
         train_loss = self._run_loss.compute().get("loss", math.nan)
         steps = self.state.global_step
