@@ -100,15 +100,19 @@ def test_async_rows_are_marked_and_ordered(tmp_path):
                  "eval_checkpoint": "checkpoint-30", "eval_arrived_step": 40})  # arrives after step 40's row
     rows.append({"step": 10, "eval_loss": 2.0, "eval_exact_match": 0.0, "eval_async": True,
                  "eval_checkpoint": "checkpoint-10", "eval_arrived_step": 40})
+    rows.append({"step": 40, "eval_async": True, "eval_checkpoint": "checkpoint-40", "eval_arrived_step": 40,
+                 "eval_async_error": "exit code 1; log: async_eval/step-40.log"})  # a failed evaluation
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     records = eval_records(rows, str(tmp_path))
     assert [(r.step, r.is_async, r.arrived_step) for r in records] == [(10, True, 40), (20, False, None),
-                                                                        (30, True, 40)]
+                                                                        (30, True, 40), (40, True, 40)]
+    assert records[-1].metrics == {} and records[-1].notes == ["exit code 1; log: async_eval/step-40.log"]
     page = Path(write_report(str(tmp_path))).read_text()
     header = re.search(r"<thead>.*?</thead>", page, re.S).group(0)
     assert re.findall(r"step (\d+) <span class=\"tag (\w+)\"", header) == [("10", "async"), ("20", "inline"),
-                                                                           ("30", "async")]
-    assert header.count("arrived at step 40") == 2 and "checkpoint-30" in header
+                                                                           ("30", "async"), ("40", "async")]
+    assert header.count("arrived at step 40") == 3 and "checkpoint-30" in header and "exit code 1" in header
+    assert "eval_async_error" not in page
     assert "No eval_samples_step_N.jsonl" in page
 
 

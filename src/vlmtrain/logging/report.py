@@ -40,7 +40,9 @@ TRAIN_CHARTS = [
     ("MFU", ("mfu",)),
     ("data wait (fraction of step time)", ("data_wait_fraction*",)),
 ]
-_EVAL_BOOKKEEPING = ("eval_async", "eval_checkpoint", "eval_arrived_step", "eval_arrived_at")
+_EVAL_BOOKKEEPING = ("eval_async", "eval_checkpoint", "eval_arrived_step", "eval_arrived_at", "eval_async_error",
+                     "eval_async_status")
+_EVAL_NOTES = ("eval_async_error", "eval_async_status")  # why an async evaluation logged no metrics
 _NOT_CHARTED = ("runtime", "samples_per_second", "samples", "steps_per_second")
 _SAMPLES_FILE = re.compile(r"^eval_samples_step_(\d+)\.jsonl$")
 
@@ -104,6 +106,7 @@ class EvalRecord:
     checkpoint: str | None = None
     arrived_step: int | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -115,11 +118,13 @@ def eval_records(rows: list[dict[str, Any]], run_dir: str) -> list[EvalRecord]:
     records: dict[tuple[int, bool], EvalRecord] = {}
     for row in rows:
         metrics = {k: v for k, v in row.items() if k.startswith("eval_") and k not in _EVAL_BOOKKEEPING}
-        if not metrics:
+        notes = [str(row[k]) for k in _EVAL_NOTES if row.get(k)]
+        if not metrics and not notes:
             continue
         step, is_async = int(row["step"]), bool(row.get("eval_async"))
         record = records.setdefault((step, is_async), EvalRecord(step, is_async))
         record.metrics.update(metrics)
+        record.notes += notes
         if is_async:
             record.checkpoint = row.get("eval_checkpoint") or record.checkpoint
             arrived = row.get("eval_arrived_step")
@@ -174,7 +179,9 @@ def eval_table(records: list[EvalRecord]) -> str:
         tag = ('<span class="tag async">async</span>' if r.is_async else '<span class="tag inline">inline</span>')
         extra = f"<br>arrived at step {r.arrived_step}" if r.arrived_step is not None else ""
         ckpt = f"<br>{html.escape(r.checkpoint)}" if r.checkpoint else ""
-        head.append(f"<th>step {r.step} {tag}{ckpt}{extra}</th>")
+        notes = "".join(f'<br><span class="note" title="{html.escape(n)}">{html.escape(n[:60])}</span>'
+                        for n in r.notes)
+        head.append(f"<th>step {r.step} {tag}{ckpt}{extra}{notes}</th>")
     names = {k[len("eval_"):] for r in records for k in r.metrics}
     groups = metric_groups(n for n in names if _charted(n))
     other = sorted(n for n in names if n in _NOT_CHARTED or n.startswith("skipped_"))  # not per set: noise
