@@ -13,6 +13,7 @@ tensor once sent; before, every rank built the whole model (world_size copies) a
 
     python benchmarks/memory.py                       # ~270M parameters: about 3 minutes on 2 cores
     python benchmarks/memory.py --hidden 512 --layers 8 --json   # what tests/test_fsdp_memory.py runs
+    python benchmarks/memory.py --dtype bfloat16      # model.torch_dtype bfloat16: bf16 parameters
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def worker(args: argparse.Namespace) -> None:
             "data.num_train": 512, "data.num_eval": 8, "data.packing": False,
             "train.output_dir": out, "train.max_steps": steps, "train.per_device_train_batch_size": 4,
             "train.save_strategy": "no", "train.eval_strategy": "no", "train.disable_tqdm": True,
-            "train.logging_steps": steps, "train.fsdp": args.fsdp})
+            "train.logging_steps": steps, "train.fsdp": args.fsdp, "model.torch_dtype": args.dtype})
 
     torch.set_num_threads(1)
     cfg = config(args.hidden, args.layers, args.steps, args.out)
@@ -95,7 +96,7 @@ def measure(mode: str, args: argparse.Namespace, out: str) -> list[dict]:
     # per rank); CUDA's max_memory_allocated counts live tensors only, and this makes RSS do the same.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "MALLOC_MMAP_THRESHOLD_": "65536"}
     script = [str(Path(__file__).resolve()), "--worker", "--out", out, "--hidden", str(args.hidden),
-              "--layers", str(args.layers), "--steps", str(args.steps)] + (["--fsdp"] if fsdp else [])
+              "--layers", str(args.layers), "--steps", str(args.steps), "--dtype", args.dtype] + (["--fsdp"] if fsdp else [])
     launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
               if nproc > 1 else [sys.executable])
     done = subprocess.run(launch + script, env=env, capture_output=True, text=True, timeout=1200)
@@ -109,6 +110,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="model.torch_dtype: the parameters' dtype (bfloat16 halves one copy)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {list(MODES)}")
     parser.add_argument("--json", action="store_true", help="print one JSON object (mode -> per-rank results)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -126,7 +129,7 @@ def main() -> None:
         return
     mb = 2**20
     one = results.get("1 process", [{"weights": results[next(iter(results))][0]["weights"], "train_peak": math.nan}])[0]
-    print(f"Llama {args.layers} x {args.hidden}: {one['weights'] / mb:.0f} MB of fp32 weights (one copy); "
+    print(f"Llama {args.layers} x {args.hidden}: {one['weights'] / mb:.0f} MB of {args.dtype} weights (one copy); "
           f"peak RSS growth per rank, MB")
     print(f"  {'contender':<10} {'build+load':>24} {'sum / one copy':>15} {'training':>22} {'x 1 process':>12}")
     for mode, ranks in results.items():

@@ -216,6 +216,27 @@ def test_fsdp_with_bf16_mixed_precision_trains(tmp_path):
     assert fp32 != bf16  # bf16 really ran in lower precision
 
 
+def test_fsdp_with_bfloat16_parameters_shards_and_trains_in_bfloat16(tmp_path):
+    """model.torch_dtype bfloat16 under FSDP: rank 1 builds on the meta device and receives bfloat16 shards from
+    rank 0 (half the bytes of float32); the optimizer updates bfloat16 weights, which the checkpoint holds; the
+    losses track a single process with the same weights and global batch."""
+    cfg = json.loads(json.dumps(LM))
+    cfg["model"]["torch_dtype"] = "bfloat16"
+    one = _losses(_run(tmp_path, cfg, "one", nproc=1, batch=4))
+    run = _run(tmp_path, cfg, "fsdp", 2, 2, "--train.fsdp", "true")
+    fsdp = _losses(run)
+    assert sorted(one) == sorted(fsdp) == [1, 2, 3, 4, 5, 6]
+    assert all(abs(one[s] - fsdp[s]) < 0.02 * one[s] for s in one), (one, fsdp)
+    assert fsdp[6] < fsdp[1]  # it learns
+    exported = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "vlmtrain", "export", "--checkpoint", str(run / "checkpoint-6"),
+                           "--output-dir", str(exported)], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = load_file(str(exported / "model.safetensors"))
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
 def test_evaluation_is_sharded_over_ranks_and_gathered_in_order(tmp_path):
     """Under DDP each rank evaluates every other sample (9 samples: 5 + 4); the gathered loss, exact match,
     sample count and the predicted texts (in dataset order) equal a single process's."""

@@ -40,7 +40,9 @@ class ModelConfig:
     """(causal_lm, hub_vlm) Hub name or local directory (what save_pretrained wrote) to load weights from;
     None (causal_lm only) builds a randomly initialized model from config."""
     torch_dtype: Literal["float32", "bfloat16"] = "float32"
-    """(hub_vlm) dtype of the loaded weights (bfloat16 halves memory; heads and LoRA adapters stay float32)."""
+    """(causal_lm, hub_vlm) dtype of the model's parameters (bfloat16 halves memory, also while FSDP builds and
+    loads; a fully trained model's optimizer then updates bfloat16 weights, heads and LoRA adapters stay
+    float32). train.bf16 is different: bfloat16 compute from float32 weights."""
     attn_implementation: str | None = None
     """(hub_vlm) transformers attention implementation: eager, sdpa, flash_attention_2, ...; None: its
     default."""

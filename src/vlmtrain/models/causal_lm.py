@@ -40,19 +40,21 @@ def build_causal_lm(
     pretrained: str | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     seed: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
     """Return an ``AutoModelForCausalLM``.
 
     With ``pretrained`` (Hub name or local dir) the weights are loaded (``config`` entries other than
     ``model_type`` override config fields). Otherwise ``config["model_type"]`` picks the architecture,
     the remaining keys go to ``AutoConfig.for_model``, and the model is randomly initialized (under
-    ``torch.manual_seed(seed)`` when ``seed`` is given, so the init is reproducible).
+    ``torch.manual_seed(seed)`` when ``seed`` is given, so the init is reproducible). ``dtype`` is the
+    parameters' dtype (bfloat16: half the memory, and the optimizer then updates bfloat16 weights).
     With ``tokenizer``, vocab size and pad/bos/eos ids follow the tokenizer.
     """
     config = dict(config or {})
     if pretrained is not None:
         config.pop("model_type", None)
-        model = from_pretrained(AutoModelForCausalLM, pretrained, **config)  # (meta device: config only)
+        model = from_pretrained(AutoModelForCausalLM, pretrained, dtype=dtype, **config)  # (meta device: config only)
     else:
         model_type = check_model_type(config)
         rest = {k: v for k, v in config.items() if k != "model_type"}
@@ -64,7 +66,7 @@ def build_causal_lm(
         model_config = AutoConfig.for_model(model_type, **rest)
         if seed is not None:
             torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
 
     if tokenizer is not None:
         if pretrained is not None and model.get_input_embeddings().num_embeddings < len(tokenizer):

@@ -36,6 +36,8 @@ def _tokenizer(cfg: Any, checkpoint: str | None) -> Any:
 
 
 def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
+    import torch
+
     from vlmtrain.data.packing import PackingCollator
     from vlmtrain.models.causal_lm import build_causal_lm
     from vlmtrain.models.meta import model_init
@@ -56,9 +58,10 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
         parts.update(process=_tokenized,
                      packed=lambda n: PackingCollator(n, pad_id, padding_collator=padded))
     tokenizer = parts["tokenizer"]
+    dtype = getattr(torch, cfg.model.torch_dtype)
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
         parts["model"] = build_causal_lm(config=cfg.model.config or None, pretrained=cfg.model.pretrained,
-                                         tokenizer=tokenizer, seed=cfg.train.seed)
+                                         tokenizer=tokenizer, seed=cfg.train.seed, dtype=dtype)
     default_length = 64 if "tokenizer" in source else cfg.data.max_length  # (tokenized: short samples)
     parts["data_collator"] = choose_collator(cfg, parts["model"], len(tokenizer), padded, parts.pop("packed"),
                                              default_length)
