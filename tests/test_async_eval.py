@@ -218,3 +218,14 @@ def test_async_eval_settings_are_checked_up_front(tmp_path):
     _, cfg = _config(tmp_path)  # the default command needs the run's config.yaml (vlmtrain train writes it)
     with pytest.raises(ValueError, match="config.yaml"):
         _train(cfg)
+
+
+def test_submitit_launcher_runs_the_evaluations_as_jobs(tmp_path):
+    pytest.importorskip("submitit")  # (the dev extra installs it: CI runs this)
+    _, cfg = _config(tmp_path, async_eval_launcher="submitit", async_eval_max_pending=2,
+                     async_eval_launcher_kwargs={"cluster": "local", "timeout_min": 5},
+                     async_eval_command=fake_evaluator(seconds=0.2))
+    _train(cfg)
+    rows = _async_rows(tmp_path / "run")
+    assert {s: [r.get("eval_fake_step") for r in rs] for s, rs in rows.items()} == {2: [2], 4: [4]}
+    assert any((tmp_path / "run" / "async_eval" / "submitit").glob("*_log.out"))  # submitit's own job logs
