@@ -162,3 +162,21 @@ def test_metric_groups_and_ticks():
                       "loss": ["color_loss", "loss"], "loss_lm": ["loss_lm"]}
     assert plot.nice_ticks(0.1, 3.1) == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert plot.nice_ticks(5, 5)[0] <= 5 <= plot.nice_ticks(5, 5)[-1]
+
+
+def test_async_evaluation_files_join_the_run_dir(tmp_path):
+    """An async evaluation writes into async_eval/step-N/: its sample file and thumbnails move to the run dir."""
+    from vlmtrain.trainer.async_eval import DIR, move_eval_samples
+
+    scratch = tmp_path / DIR / "step-5"
+    (scratch / eval_samples.THUMBNAIL_DIR / "eval").mkdir(parents=True)
+    ref = eval_samples.save_thumbnail(Image.new("RGB", (200, 100), "red"), str(scratch), "eval_thumbnails/eval/0-0")
+    row = {"step": 5, "set": None, "index": 0, "question": "q?", "generated": "a", "truth": "a", "correct": True,
+           "images": [ref], "num_images": 1}
+    (scratch / "eval_samples_step_5.jsonl").write_text(json.dumps(row) + "\n")
+    move_eval_samples(str(tmp_path), 5)
+    with Image.open(tmp_path / ref) as thumb:
+        assert thumb.size == (96, 48)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_loss": 1.0, "eval_async": True}) + "\n")
+    page = Path(write_report(str(tmp_path))).read_text()
+    assert page.count('<div class="card right"') == 1 and 'class="thumb img0"' in page and "thumb missing" not in page

@@ -75,12 +75,21 @@ def result_row(step: int, metrics: dict[str, Any], arrived_step: int | None) -> 
 
 
 def move_eval_samples(run_dir: str, step: int) -> None:
-    """Per-sample predictions an evaluation wrote in its own directory go next to metrics.jsonl."""
+    """Per-sample predictions an evaluation wrote in its own directory go next to metrics.jsonl, and the
+    thumbnails their rows refer to (by path relative to that directory) join the run's, where missing."""
+    from ..logging.eval_samples import THUMBNAIL_DIR
+
     out = os.path.join(run_dir, DIR, f"step-{step}")
     if os.path.isdir(out):
         for name in os.listdir(out):
             if name.startswith("eval_samples_") and name.endswith(".jsonl"):
                 shutil.move(os.path.join(out, name), os.path.join(run_dir, name))
+    for folder, _, files in os.walk(os.path.join(out, THUMBNAIL_DIR)):
+        target = os.path.join(run_dir, os.path.relpath(folder, out))
+        os.makedirs(target, exist_ok=True)
+        for name in files:  # the same eval set at every step: a thumbnail already there is the same image
+            if not os.path.exists(os.path.join(target, name)):
+                shutil.move(os.path.join(folder, name), os.path.join(target, name))
 
 
 BOOKKEEPING = ("eval_async", "eval_checkpoint", "eval_arrived_step", "eval_arrived_at", "eval_async_error",
