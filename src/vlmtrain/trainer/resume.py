@@ -152,3 +152,11 @@ class CheckpointMixin:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))
         ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).
+        Under FSDP every rank must call it: the shards are gathered first."""
+        if fsdp.is_sharded(self.model):
+            fsdp.save_full_model(self.model, output_dir or self.args.output_dir, self.processing_class, self.rank)
+        elif self.rank == 0:
+            ckpt.save_model_files(self.model, output_dir or self.args.output_dir, self.processing_class)

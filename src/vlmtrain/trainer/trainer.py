@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import random
 import time
 import warnings
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
@@ -27,7 +26,6 @@ from ..data.collate import DefaultCollator
 from ..logging.writers import default_writers
 from . import checkpoint as ckpt
 from . import distributed as dist
-from . import fsdp
 from .args import TrainingArguments
 from .async_eval import AsyncEvaluator
 from .callbacks import (
@@ -38,17 +36,14 @@ from .callbacks import (
     TrainerCallback,
 )
 from .evaluation import EvaluationMixin
-from .flops import flop_counter
 from .model_prep import enable_activation_checkpointing, set_tf32
-from .optim import create_optimizer, create_scheduler, learning_rates
+from .optim import learning_rates
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
+from .setup import SetupMixin
 from .state import TrainerControl, TrainerState, TrainOutput
 from .stats import (
     BOOKKEEPING_KEYS,
-    LossAverager,
-    NonfiniteSteps,
-    Throughput,
     dropped_for_rank_sync,
     extra_losses,
     is_empty_batch,
@@ -63,7 +58,7 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(CheckpointMixin, EvaluationMixin):
+class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
     """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, on any map-style or
     iterable dataset of dict samples. Override the named steps to change behaviour."""
 
@@ -125,42 +120,11 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         return self.callback_handler.call(name, self.args, self.state, self.control, **kwargs)
 
     # -- data ------------------------------------------------------------------------------------------
-    def get_train_dataloader(self) -> StatefulDataLoader:
-        """A StatefulDataLoader (its position is saved in checkpoints) over a seeded, per-rank shuffle."""
-        if self.train_dataset is None:
-            raise ValueError("Trainer.train() needs a train_dataset: pass Trainer(train_dataset=...).")
-        args, seed = self.args, self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        sampler = None
-        if not isinstance(self.train_dataset, IterableDataset):
-            sampler = StatefulDistributedSampler(self.train_dataset, num_replicas=self.world_size, rank=self.rank,
-                                                 shuffle=True, seed=seed, drop_last=False)
-        workers: dict[str, Any] = {}
-        if args.dataloader_num_workers > 0:  # torch refuses these options without worker processes
-            workers = {"persistent_workers": args.dataloader_persistent_workers,
-                       "prefetch_factor": args.dataloader_prefetch_factor,
-                       "multiprocessing_context": args.dataloader_multiprocessing_context}
-        return StatefulDataLoader(
-            self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-            collate_fn=self.data_collator, num_workers=args.dataloader_num_workers, drop_last=args.dataloader_drop_last,
-            pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed), **workers)
-
     def _prepare_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """Move tensors to the device. `prompt_*` keys (generation only) and the collator's bookkeeping
         (`skipped` samples, `pack_stats`) stay out of forward."""
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in inputs.items() if not k.startswith("prompt_") and k not in BOOKKEEPING_KEYS}
-
-    # -- optimizer -------------------------------------------------------------------------------------
-    def create_optimizer(self) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            self.optimizer = create_optimizer(self.model, self.args)
-        return self.optimizer
-
-    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
-        if self.lr_scheduler is None:
-            self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
-        return self.lr_scheduler
 
     # -- the loop --------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
@@ -373,69 +337,3 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         logs = logs if "step" in logs else {**logs, "epoch": self.state.epoch}
         self.state.log_history.append({"step": self.state.global_step, **logs})
         self.control = self._event("on_log", logs=logs)
-
-    # -- setup, checkpoints, end -------------------------------------------------------------------------
-    def _setup_training(self, loader: StatefulDataLoader) -> int:
-        """Work out max_steps / epochs, reset the state, build optimizer and scheduler. Returns the epoch count."""
-        args, accum = self.args, self.args.gradient_accumulation_steps
-        self._steps_in_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
-        self._unsynced = False
-        if self._steps_in_epoch == 0:
-            raise ValueError("The train_dataset yields no batch (empty dataset, or fewer samples than a batch with "
-                             "dataloader_drop_last=True).")
-        if self._steps_in_epoch is None:
-            if args.max_steps <= 0:
-                raise ValueError("train_dataset has no length (an iterable/streaming dataset): set max_steps.")
-            max_steps, epochs = args.max_steps, 2**31
-        else:
-            updates_per_epoch = math.ceil(self._steps_in_epoch / accum)
-            max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
-            epochs = math.ceil(max_steps / updates_per_epoch)
-        self.state = TrainerState(max_steps=max_steps, num_train_epochs=epochs, logging_steps=args.logging_steps,
-                                  eval_steps=args.eval_steps, save_steps=args.save_steps,
-                                  train_batch_size=args.per_device_train_batch_size,
-                                  is_world_process_zero=self.rank == 0, is_local_process_zero=self.rank == 0)
-        self.create_optimizer()
-        self.create_scheduler(max_steps)
-        self.callback_handler.refs.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-                                          train_dataloader=loader)
-        self._epoch_index, self._micro_step, self._last_logged_step = 0, 0, 0
-        self._window_weight = self._grad_norm = self._last_lrs = None
-        self._epoch_cut = False
-        self._train_losses, self._run_loss = LossAverager(), LossAverager()
-        self._throughput = Throughput(flop_counter(self.model), args.peak_tflops)  # (+ tflops_per_second, mfu)
-        self._step_losses = LossAverager()
-        self._nonfinite = NonfiniteSteps(args.max_consecutive_nonfinite_steps)
-        self.model.zero_grad(set_to_none=True)
-        return epochs
-
-    def save_model(self, output_dir: str | None = None) -> None:
-        """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).
-        Under FSDP every rank must call it: the shards are gathered first."""
-        if fsdp.is_sharded(self.model):
-            fsdp.save_full_model(self.model, output_dir or self.args.output_dir, self.processing_class, self.rank)
-        elif self.rank == 0:
-            ckpt.save_model_files(self.model, output_dir or self.args.output_dir, self.processing_class)
-
-    def _finish_training(self, start: float) -> TrainOutput:
-        self._wait_for_checkpoint()  # (async_checkpoint) the last save is complete before train() returns
-        if self._async_eval is not None:  # (async_eval) evaluations still running, for a bounded time
-            self._log_async_evaluations(self._async_eval.wait(self.state.global_step,
-                                                              self.args.async_eval_wait_at_end_s))
-        runtime = time.time() - start
-        train_loss = self._run_loss.compute().get("loss", math.nan)
-        steps = self.state.global_step
-        metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
-                   "train_steps_per_second": round(steps / max(runtime, 1e-9), 3)}
-        if self._nonfinite.total:
-            metrics["train_nonfinite_steps"] = self._nonfinite.total
-        skipped = self._throughput.skipped_total
-        if skipped:  # bad samples the collator dropped, by reason, over the whole run (resumes included)
-            metrics.update({f"train_skipped_{reason}": n for reason, n in sorted(skipped.items())})
-            warnings.warn(f"{sum(skipped.values())} training samples were skipped: {dict(sorted(skipped.items()))}",
-                          stacklevel=3)
-        self.log(metrics)
-        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            ckpt.load_model_weights(self.model, self.state.best_model_checkpoint)
-        self.control = self._event("on_train_end")
-        return TrainOutput(steps, train_loss, metrics)
