@@ -15,6 +15,7 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+# report_to: these, or a tracker of vlmtrain.logging.trackers.TRACKERS (tensorboard, wandb, mlflow, trackio).
 REPORTERS = ("none", "jsonl", "all")
 # transformers' report_to names that vlmtrain has no writer for.
 UNIMPLEMENTED_REPORTERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "kubeflow",
@@ -95,6 +96,14 @@ class ImplementedArguments:
     """Evaluate on at most this many batches per eval set (None: all)."""
     eval_on_start: bool = False
     """Evaluate once before the first training step (logged at step 0), as a sanity check of the eval setup."""
+    lmms_eval_tasks: list[str] | None = None
+    """lmms-eval tasks that `vlmtrain eval --checkpoint` (and so async evaluation) also runs on the checkpoint,
+    logged as eval_lmms_<task>_<metric>; needs the lmms extra (README "lmms-eval"). None: none."""
+    lmms_eval_include_path: str | None = None
+    """Directory of lmms-eval task YAMLs (searched recursively) that defines lmms_eval_tasks; None: lmms-eval's
+    built-in tasks only (most download from the Hugging Face Hub)."""
+    lmms_eval_limit: int | None = None
+    """Run each lmms-eval task on at most this many documents (None: all)."""
     label_names: list[str] | None = None
     """Keys of the batch that hold labels (e.g. [score_labels, type_labels]): evaluation hands these arrays to
     compute_metrics as label_ids (a tuple when there are several). None: the batch's 'labels'."""
