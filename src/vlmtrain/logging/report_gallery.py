@@ -74,7 +74,9 @@ def pick_cards(rows: list[dict[str, Any]], max_cards: int) -> list[dict[str, Any
 def _text(value: Any) -> str:
     if isinstance(value, float):
         value = f"{value:.4g}"
-    return html.escape(str(value)) if value is not None else "<i>none</i>"
+    if value is None or value == "":
+        return "<i>none</i>" if value is None else "<i>empty</i>"
+    return html.escape(str(value))
 
 
 def card(row: dict[str, Any], thumbs: Thumbnails) -> str:
