@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import struct
+import time
 import warnings
 
 import pytest
@@ -83,6 +84,8 @@ def _wandb_records(path: str):
         if length == 0 and kind == 0:
             pos += block - pos % block
             continue
+        if pos + 7 + length > len(data):
+            return  # a chunk still being written
         pending, pos = pending + data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind in (1, 4):  # FULL or LAST chunk: a whole record
             record = wandb_internal_pb2.Record()
@@ -91,10 +94,21 @@ def _wandb_records(path: str):
             yield record
 
 
+def _finished_wandb_records(path: str, timeout_s: float = 30.0) -> list:
+    """The records of a finished run: wandb's service process may still be writing the file when run.finish()
+    returns, so wait for the run's `exit` record."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(_wandb_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
 def _read_wandb(out, project):
     runs, steps = set(), {}
     for path in sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "*.wandb"))):  # (sorted: by start time)
-        for record in _wandb_records(path):
+        for record in _finished_wandb_records(path):
             if record.WhichOneof("record_type") == "run":
                 runs.add(record.run.run_id)
             if record.WhichOneof("record_type") == "history":
