@@ -224,6 +224,39 @@ class Broken(TrackerCallback):
             raise ConnectionError("connection lost")
 
 
+class Recording(TrackerCallback):
+    name, requires = "recording", "json"
+
+    def start(self, run_id):
+        self.written = []
+        return run_id or "id"
+
+    def write(self, step, metrics):
+        self.written.append((step, sorted(metrics)))
+
+
+def test_after_a_resume_an_async_evaluation_the_crashed_run_had_not_sent_is_sent_once(tmp_path):
+    """The crashed run logged steps 1-6 and checkpoint-2's async evaluation (after checkpoint-4 was taken);
+    checkpoint-4's evaluation was still running when it died. Resumed from checkpoint-4, the run logs both
+    again: the tracker gets checkpoint-4's (never sent), not checkpoint-2's, nor the re-trained step 5."""
+    from vlmtrain.trainer.state import TrainerControl, TrainerState
+
+    rows = [{"step": s, "loss": 1.0} for s in range(1, 7)]
+    rows.insert(5, {"step": 2, "eval_loss": 0.5, "eval_async": True})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tracker = Recording(str(tmp_path))
+    tracker.load_state_dict({"run_id": "id", "output_dir": os.path.abspath(tmp_path)})
+    state, control = TrainerState(global_step=4), TrainerControl()
+    tracker.on_train_begin(None, state, control)
+    state.global_step = 5
+    for logs in ({"step": 2, "eval_loss": 0.5, "eval_async": True}, {"step": 4, "eval_loss": 0.4, "eval_async": True},
+                 {"loss": 1.0}):
+        tracker.on_log(None, state, control, logs=logs)
+    state.global_step = 7
+    tracker.on_log(None, state, control, logs={"loss": 0.9})
+    assert tracker.written == [(4, ["eval/loss"]), (7, ["train/loss"])]
+
+
 @pytest.mark.parametrize("fail_in", ["start", "write"])
 def test_a_tracker_that_fails_is_a_warning_and_training_goes_on(tmp_path, monkeypatch, fail_in, mlflow_db):
     monkeypatch.setitem(TRACKERS, "broken", Broken)

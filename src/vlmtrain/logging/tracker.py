@@ -31,19 +31,23 @@ def numeric_metrics(logs: dict[str, Any]) -> dict[str, float]:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def last_logged_step(output_dir: str) -> float:
-    """The highest step in `<output_dir>/metrics.jsonl` (0 without one): what a crashed run had logged."""
+def logged_steps(output_dir: str) -> tuple[float, set[int]]:
+    """What a crashed run had logged in `<output_dir>/metrics.jsonl`: its highest step (0 without one), and the
+    checkpoint steps whose asynchronous evaluations it had logged."""
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        return 0
-    steps = [0]
+        return 0, set()
+    steps, evaluated = [0], set()
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
-                steps.append(json.loads(line)["step"])
+                row = json.loads(line)
+                steps.append(row["step"])
             except (ValueError, KeyError, TypeError):
                 continue  # a line cut short by a kill
-    return max(s for s in steps if isinstance(s, (int, float)) and math.isfinite(s))
+            if row.get("eval_async"):
+                evaluated.add(row["step"])
+    return max(s for s in steps if isinstance(s, (int, float)) and math.isfinite(s)), evaluated
 
 
 class TrackerCallback(TrainerCallback):
@@ -72,6 +76,7 @@ class TrackerCallback(TrainerCallback):
         self.failed = False  # the tracker could not start or write: it is off for the rest of this process
         self._resume_id: str | None = None  # the run a resumed checkpoint belongs to
         self._skip: tuple[int, float] | None = None  # (C, H): rows logged at steps in (C, H] are skipped
+        self._sent_async: set[int] = set()  # checkpoints whose async evaluation the crashed run had sent
 
     @classmethod
     def from_args(cls, args: Any) -> TrackerCallback:
@@ -106,7 +111,9 @@ class TrackerCallback(TrainerCallback):
         if state.get("run_id") and state.get("output_dir") == os.path.abspath(self.output_dir):
             self._resume_id = state["run_id"]
             # (called before on_train_begin, so metrics.jsonl still holds the crashed run's later rows)
-            self._skip = (-1, last_logged_step(self.output_dir)) if self.skips_logged_steps else None
+            if self.skips_logged_steps:
+                highest, self._sent_async = logged_steps(self.output_dir)
+                self._skip = (-1, highest)
 
     # -- events ----------------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, **kwargs):
@@ -119,7 +126,10 @@ class TrackerCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or not self._ensure_started():
             return
-        if self._skip is not None and self._skip[0] < state.global_step <= self._skip[1]:
+        if logs.get("eval_async"):  # logged again after a resume if the crashed run's checkpoint had not
+            if logs.get("step") in self._sent_async:  # ... but the crashed run sent it
+                return
+        elif self._skip is not None and self._skip[0] < state.global_step <= self._skip[1]:
             return  # the crashed run logged this step already
         metrics = numeric_metrics(logs)
         if metrics:
