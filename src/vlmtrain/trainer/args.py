@@ -98,7 +98,7 @@ class ImplementedArguments:
     """Evaluate once before the first training step (logged at step 0), as a sanity check of the eval setup."""
     lmms_eval_tasks: list[str] | None = None
     """lmms-eval tasks that `vlmtrain eval --checkpoint` (and so async evaluation) also runs on the checkpoint,
-    logged as eval_lmms_<task>_<metric>; needs the lmms extra (README "lmms-eval"). None: none."""
+    logged as eval_lmms_{task}_{metric}; needs the lmms extra (README "lmms-eval tasks"). None: none."""
     lmms_eval_include_path: str | None = None
     """Directory of lmms-eval task YAMLs (searched recursively) that defines lmms_eval_tasks; None: lmms-eval's
     built-in tasks only (most download from the Hugging Face Hub)."""
