@@ -310,36 +310,3 @@ def test_event_kwargs(tmp_path):
     assert "eval_loss" in metrics and eval_dataloader is not None
     logged = next(h for h in trainer.state.log_history if "eval_loss" in h)
     assert logged["eval_loss"] == metrics["eval_loss"] and logged["step"] == 2
-
-
-class StepKeyed(torch.utils.data.Dataset):
-    """Records the step it was told (set_step) at every item fetched: what a step-keyed curriculum sees."""
-
-    def __init__(self, samples):
-        self.samples, self.step, self.seen = samples, None, []
-
-    def set_step(self, step: int) -> None:
-        self.step = step
-
-    def __len__(self):
-        return len(self.samples)
-
-    def __getitem__(self, i):
-        self.seen.append(self.step)
-        return self.samples[i]
-
-
-def test_dataset_step_callback_follows_steps_and_resume(tmp_path):
-    """Items fetched for step k see k - 1 steps done (every micro-batch of an accumulation window); after a
-    resume the dataset starts from the checkpoint's step."""
-    from vlmtrain.trainer import DatasetStepCallback
-
-    train, _ = _data(24)  # 6 batches of 4: 3 whole accumulation windows per epoch
-    kw = dict(max_steps=3, gradient_accumulation_steps=2, save_strategy="steps", save_steps=1)
-    data = StepKeyed(train)
-    _trainer(tmp_path, [DatasetStepCallback()], train=data, **kw).train()
-    assert data.seen == [0] * 8 + [1] * 8 + [2] * 8
-    resumed = StepKeyed(train)
-    _trainer(tmp_path, [DatasetStepCallback()], train=resumed, **kw).train(
-        resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert resumed.seen == [2] * 8

@@ -144,14 +144,15 @@ def test_training_arguments_error_comes_through_unchanged(tmp_path):
     assert str(e.value) == "load_best_model_at_end=True needs eval_strategy 'steps' or 'epoch'."
 
 
-def test_step_keyed_warmup_needs_main_process_loading(tmp_path):
-    doc = load_run_config(str(ROOT / "configs" / "shapes-tiny.yaml"))
-    assert doc.data.side_warmup_steps > 0 and doc.train.dataloader_num_workers == 0
+def test_step_keyed_warmup_takes_workers_but_not_packing_windows(tmp_path):
     raw = yaml.safe_load((ROOT / "configs" / "shapes-tiny.yaml").read_text())
-    raw["train"]["dataloader_num_workers"] = 2
-    with pytest.raises(ConfigError, match="side_warmup_steps needs train.dataloader_num_workers: 0"):
+    assert raw["data"]["side_warmup_steps"] > 0
+    raw["train"]["dataloader_num_workers"] = 2  # the sampler gives each sample its step: workers are fine
+    assert load_run_config(write(tmp_path, raw)).train.dataloader_num_workers == 2
+    raw["data"]["pack_window"] = 4
+    with pytest.raises(ConfigError, match="side_warmup_steps needs data.pack_window: null"):
         load_run_config(write(tmp_path, raw))
-    raw["train"]["dataloader_num_workers"], raw["data"]["side_fraction"] = 0, 1.5
+    raw["data"]["pack_window"], raw["data"]["side_fraction"] = None, 1.5
     with pytest.raises(ConfigError, match="side_fraction must be in"):
         load_run_config(write(tmp_path, raw))
 

@@ -173,7 +173,7 @@ def test_multi_question_samples() -> None:
 
 def test_side_questions_and_their_warmup() -> None:
     """Side questions are right and balanced; side_fraction of the position questions become side questions
-    (all of them during the warm-up, which follows set_step), and extra turns ask them too."""
+    (all of them during the warm-up, which follows get_item_at_step's step), and extra turns ask them too."""
     side = ShapesVQA("val", 300, seed=1, qtypes=["side"])
     lone = 0
     for it in (side[i] for i in range(len(side))):
@@ -186,19 +186,19 @@ def test_side_questions_and_their_warmup() -> None:
                    questions_per_sample=3)
     plain = ShapesVQA("train", 800, seed=3, multi_image_fraction=0.0, questions_per_sample=3)
 
-    def first_types() -> Counter:
-        return Counter(ds[i]["qtype"] for i in range(len(ds)))
+    def first_types(step: int) -> Counter:
+        return Counter(ds.get_item_at_step(i, step)["qtype"] for i in range(len(ds)))
 
-    warm = first_types()
+    assert ds.follows_step and not plain.follows_step
+    warm = first_types(0)
     assert warm["position"] == 0 and 0.2 < warm["side"] / len(ds) < 0.3
-    ds.set_step(9)
-    assert first_types() == warm  # still warming up
-    ds.set_step(10)
-    after, extra = first_types(), Counter()
+    assert first_types(9) == warm  # still warming up
+    assert Counter(ds[i]["qtype"] for i in range(len(ds))) == warm  # ds[i]: the item at step 0
+    after, extra = first_types(10), Counter()
     assert 0.25 * 0.15 < after["side"] / len(ds) < 0.25 * 0.35
     assert abs(after["side"] + after["position"] - warm["side"]) < 0.05 * len(ds)
     for i in range(len(ds)):
-        it = ds[i]
+        it = ds.get_item_at_step(i, 10)
         if it["qtype"] not in ("side", "position"):  # the same draw as without side questions
             assert it["texts"][0] == plain[i]["texts"][0] and it["scene"] == plain[i]["scene"]
         for qtype, turn in zip(it["turn_qtypes"], it["texts"]):

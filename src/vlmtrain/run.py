@@ -45,25 +45,28 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
 
         load_model_weights(parts["model"], checkpoint)
 
-    from vlmtrain.trainer import DatasetStepCallback, Trainer
+    from vlmtrain.trainer import Trainer
 
-    step_keyed = hasattr(parts["train_dataset"], "set_step")  # e.g. shapes' side warm-up
     # The kinds' and sources' metrics score generated answers (exact match). Without generation evaluation
     # keeps only the losses (and head outputs): never the B x L x vocab logits of the whole eval set.
     metrics = parts["compute_metrics"] if cfg.train.predict_with_generate else None
     return Trainer(parts["model"], cfg.train, data_collator=parts["data_collator"],
                    train_dataset=parts["train_dataset"],
                    eval_dataset=parts["eval_dataset"] if cfg.data.num_eval > 0 else None,
-                   processing_class=parts["tokenizer"], compute_metrics=metrics,
-                   callbacks=[DatasetStepCallback()] if step_keyed else None)
+                   processing_class=parts["tokenizer"], compute_metrics=metrics)
 
 
 def _window_packing(cfg: RunConfig, parts: dict[str, Any]) -> None:
     """data.pack_window: train on rows packed from windows of consecutive samples (PackedDataset)."""
     from vlmtrain.data.pack_stream import PackedDataset, RowCollator
     from vlmtrain.data.sources import IndexedSource, StreamingDataset
+    from vlmtrain.trainer.step_data import follows_step
 
     d, train = cfg.data, parts["train_dataset"]
+    if follows_step(train):  # a stream has no sampler to give each sample its step
+        raise ConfigError(f"data.pack_window streams the training samples, but {type(train).__name__} follows the "
+                          "training step (a curriculum such as data.side_warmup_steps), which a stream cannot give it: "
+                          "set data.pack_window: null, or turn the curriculum off.")
     if not isinstance(train, StreamingDataset):  # map-style: the same samples as a stream of shuffled blocks
         train = StreamingDataset([IndexedSource(train, name=d.source)], seed=d.seed)
     pack_length = parts["data_collator"].pack_length

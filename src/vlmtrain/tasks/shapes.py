@@ -302,9 +302,10 @@ class ShapesVQA(Dataset):
     the circle left or right?"), and extra turns draw from side questions too; for the first
     ``side_warmup_steps`` training steps every position question is a side one. A small model trained
     from scratch learns relative position only after it learned to read one named object's x this way.
-    The warm-up makes an item depend on the training step too: :meth:`set_step` tells the dataset
-    which step it is feeding (the CLI's runs do it with a callback; it needs dataloader_num_workers 0,
-    since worker processes hold their own copy of the dataset).
+    The warm-up makes an item depend on the training step too: ``follows_step`` is then True, and
+    the Trainer's sampler asks for :meth:`get_item_at_step` with the step each position of the data
+    order feeds (see vlmtrain.trainer.step_data), so worker processes and resumes see the same items.
+    ``ds[i]`` is item ``i`` at step 0.
     """
 
     def __init__(
@@ -341,12 +342,13 @@ class ShapesVQA(Dataset):
         self.qtypes, self.questions_per_sample = qtypes, questions_per_sample
         self._single = [q for q in QTYPES if q in qtypes and not is_multi_image(q)]
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
-        self.side_fraction, self.side_warmup_steps, self.step = side_fraction, side_warmup_steps, 0
+        self.side_fraction, self.side_warmup_steps = side_fraction, side_warmup_steps
         self._gen = _Generator(split, image_size)
 
-    def set_step(self, step: int) -> None:
-        """The number of optimizer steps taken so far: items fetched from now on belong to the next one."""
-        self.step = step
+    @property
+    def follows_step(self) -> bool:
+        """True with a side warm-up: an item then depends on the training step it feeds."""
+        return self.side_warmup_steps > 0
 
     def __len__(self) -> int:
         return self.num_samples
@@ -356,6 +358,10 @@ class ShapesVQA(Dataset):
         return random.Random(int.from_bytes(digest[:8], "big"))
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.get_item_at_step(index, 0)
+
+    def get_item_at_step(self, index: int, step: int) -> dict[str, Any]:
+        """Item ``index`` as the training step ``step`` (optimizer steps done before it) sees it."""
         if not -self.num_samples <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
         index %= self.num_samples
@@ -365,7 +371,7 @@ class ShapesVQA(Dataset):
         qtype = rng.choice(group)
         sides = "position" in group and (self.side_fraction > 0 or self.side_warmup_steps > 0)
         if sides and qtype == "position":
-            warmup = self.step < self.side_warmup_steps
+            warmup = step < self.side_warmup_steps
             qtype = "side" if rng.random() < (1.0 if warmup else self.side_fraction) else qtype
         scenes, question, answer = getattr(self._gen, qtype)(rng)
         turns, turn_qtypes = [{"user": question, "assistant": answer}], [qtype]

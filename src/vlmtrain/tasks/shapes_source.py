@@ -23,8 +23,8 @@ class ShapesOptions:
     """(shapes) Fraction of position questions asked as absolute side questions ("Is the circle left or
     right?"); extra turns then draw from side questions too. A stepping stone to relative position."""
     side_warmup_steps: int = 0
-    """(shapes) For this many first training steps every position question is a side question (needs
-    train.dataloader_num_workers 0: the dataset follows the step in the main process)."""
+    """(shapes) For this many first training steps every position question is a side question (the training
+    sampler gives each sample the step it feeds, so data-loader workers and resumes see the same questions)."""
 
 
 def check_options(data: Any) -> None:
@@ -37,9 +37,9 @@ def check_options(data: Any) -> None:
 
 
 def check(cfg: Any) -> None:
-    if cfg.data.side_warmup_steps and cfg.train.dataloader_num_workers:
-        raise ConfigError("data.side_warmup_steps needs train.dataloader_num_workers: 0 (the warm-up follows "
-                          "the training step, which worker processes would not see).")
+    if cfg.data.side_warmup_steps and cfg.data.pack_window:
+        raise ConfigError("data.side_warmup_steps needs data.pack_window: null (the warm-up follows the training "
+                          "step, which the sampler gives each sample; packing windows streams them instead).")
 
 
 def build(cfg: Any) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from ..errors import ConfigError
 from .args import TrainingArguments
 from .callbacks import (
     CallbackHandler,
-    DatasetStepCallback,
     DefaultFlowCallback,
     EarlyStoppingCallback,
     PrinterCallback,
@@ -16,7 +15,7 @@ from .state import EvalPrediction, PredictionOutput, TrainerControl, TrainerStat
 from .trainer import Trainer, set_seed
 
 __all__ = [
-    "CallbackHandler", "CheckpointError", "ConfigError", "DatasetStepCallback", "DefaultFlowCallback", "EarlyStoppingCallback",
+    "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
     "EvalPrediction", "PredictionOutput", "PrinterCallback", "ProgressCallback", "Trainer", "TrainerCallback",
     "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "set_seed",
 ]

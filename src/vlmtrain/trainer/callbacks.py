@@ -210,19 +210,3 @@ class EarlyStoppingCallback(TrainerCallback):
     def load_state_dict(self, state: dict) -> None:
         self.early_stopping_patience_counter = state["early_stopping_patience_counter"]
 
-
-class DatasetStepCallback(TrainerCallback):
-    """Tells a training dataset with ``set_step(step)`` how many optimizer steps are done, at the start
-    (after a resume: the restored step) and after every step, so that a curriculum keyed to the step
-    (e.g. ShapesVQA's side warm-up) resumes exactly. Needs dataloader_num_workers 0."""
-
-    def _tell(self, state: TrainerState, train_dataloader: Any = None, **kwargs: Any) -> None:
-        dataset = getattr(train_dataloader, "dataset", None)
-        if hasattr(dataset, "set_step"):
-            dataset.set_step(state.global_step)
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._tell(state, **kwargs)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self._tell(state, **kwargs)

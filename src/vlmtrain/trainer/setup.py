@@ -18,6 +18,7 @@ from .flops import flop_counter
 from .optim import create_optimizer, create_scheduler
 from .state import TrainerState, TrainOutput
 from .stats import LossAverager, NonfiniteSteps, Throughput
+from .step_data import ItemsAtStep, StepSampler, check_step_dataset, follows_step
 
 
 class SetupMixin:
@@ -28,9 +29,14 @@ class SetupMixin:
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset: pass Trainer(train_dataset=...).")
         args, seed = self.args, self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        sampler = None
-        if not isinstance(self.train_dataset, IterableDataset):
-            sampler = StatefulDistributedSampler(self.train_dataset, num_replicas=self.world_size, rank=self.rank,
+        check_step_dataset(self.train_dataset)
+        dataset, sampler = self.train_dataset, None
+        if follows_step(dataset):  # a curriculum: each index comes with the step it feeds (see step_data.py)
+            sampler = StepSampler(dataset, self.world_size, self.rank, seed, args.per_device_train_batch_size,
+                                  args.gradient_accumulation_steps)
+            dataset = ItemsAtStep(dataset)
+        elif not isinstance(dataset, IterableDataset):
+            sampler = StatefulDistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
                                                  shuffle=True, seed=seed, drop_last=False)
         workers: dict[str, Any] = {}
         if args.dataloader_num_workers > 0:  # torch refuses these options without worker processes
@@ -38,7 +44,7 @@ class SetupMixin:
                        "prefetch_factor": args.dataloader_prefetch_factor,
                        "multiprocessing_context": args.dataloader_multiprocessing_context}
         return StatefulDataLoader(
-            self.train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+            dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
             collate_fn=self.data_collator, num_workers=args.dataloader_num_workers, drop_last=args.dataloader_drop_last,
             pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
             generator=torch.Generator().manual_seed(seed), **workers)

@@ -50,6 +50,7 @@ from .stats import (
     item_counts,
     num_items_of,
 )
+from .step_data import StepSampler
 
 
 def set_seed(seed: int) -> None:
@@ -167,6 +168,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         accum, steps_in_epoch = self.args.gradient_accumulation_steps, self._steps_in_epoch
         if isinstance(loader.sampler, StatefulDistributedSampler):
             loader.sampler.set_epoch(self._epoch_index)
+        if isinstance(loader.sampler, StepSampler):  # steps done when this epoch began (micro_step > 0: resumed)
+            loader.sampler.first_step = self.state.global_step - self._micro_step // accum
         elif hasattr(loader.dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
             loader.dataset.set_epoch(self._epoch_index)
         batches, seen, self._epoch_cut = iter(loader), 0, False
