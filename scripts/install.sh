@@ -9,3 +9,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 "$PY" -m pip install --quiet -e ".${VLMTRAIN_EXTRAS:-[dev]}"
+# lmms-eval without its dependencies (they would replace torch): the lmms extra holds what it imports.
+case "${VLMTRAIN_EXTRAS:-[dev]}" in
+  *dev*|*lmms*) "$PY" -m pip install --quiet --no-deps "lmms-eval==0.7.3" ;;
+esac

@@ -148,15 +148,17 @@ def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
 def evaluate(cfg: RunConfig, checkpoint: str | None = None, result_file: str | None = None) -> dict[str, Any]:
     """Evaluate the configured model, or the weights of a checkpoint (logged at its step), on the eval set;
     with result_file, also write the metrics there atomically (what async evaluation reads)."""
+    from vlmtrain.evaluation.lmms import check_run_args, lmms_eval_for_run
     from vlmtrain.trainer.async_eval import write_result
     from vlmtrain.trainer.checkpoint import checkpoint_step
 
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir) if checkpoint else None
+    check_run_args(cfg.train, ckpt)  # train.lmms_eval_tasks: fail before any work
     trainer = build(cfg, checkpoint=ckpt)
     step = checkpoint_step(ckpt) if ckpt else None
     trainer.state.global_step = step or 0  # rows and per-sample files carry the checkpoint's step
     metrics = trainer.evaluate()
-    metrics = {**metrics, **_summary(cfg, metrics)}
+    metrics = {**metrics, **_summary(cfg, metrics), **lmms_eval_for_run(cfg.train, ckpt)}
     if result_file is not None and trainer.rank == 0:
         write_result(result_file, step, ckpt or "", metrics)
     return metrics

@@ -43,6 +43,9 @@ class ModelKind:
     """owns_checkpoint(config.json contents) -> True if this kind's generate() loads such a checkpoint."""
     generate: Callable[..., str] | None = None
     """generate(checkpoint, prompt, images, max_new_tokens) -> the answer text."""
+    load_generator: Callable[..., Callable[..., str]] | None = None
+    """load_generator(checkpoint, device) -> answer(prompt, images, max_new_tokens): generate's model loaded
+    once, for many prompts (e.g. an lmms-eval run); images are paths or PIL images."""
 
 
 def get_kind(name: str) -> ModelKind:

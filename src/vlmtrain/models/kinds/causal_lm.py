@@ -4,6 +4,7 @@ from model.pretrained, on a tokenized source (addition) or any text source (json
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from vlmtrain.errors import ConfigError
@@ -69,23 +70,35 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     return parts
 
 
-def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
+def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
+    """Load the checkpoint once; the returned answer(prompt, images, max_new_tokens) generates greedily."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    device = torch.device(device or "cpu")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).to(device).eval()
+
+    def answer(prompt: str, images: list[Any] | None = None, max_new_tokens: int = 32) -> str:
+        if images:
+            raise ConfigError(f"{checkpoint} holds a text-only model: it cannot be given images.")
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        if tokenizer.bos_token_id is not None:
+            ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
+        ids = ids.to(device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    return answer
+
+
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
     if images:
         raise ConfigError(f"{checkpoint} holds a text-only model: --image cannot be used with it.")
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    if tokenizer.bos_token_id is not None:
-        ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    return load_generator(checkpoint)(prompt, None, max_new_tokens)
 
 
-KIND = ModelKind("causal_lm", build=build, validate=validate, generate=generate)
+KIND = ModelKind("causal_lm", build=build, validate=validate, generate=generate, load_generator=load_generator)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from vlmtrain.errors import ConfigError
@@ -164,9 +165,9 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
     return model
 
 
-def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
-    """Greedy answer to one prompt (with images) from a Hub VLM checkpoint (LoRA ones included), stopping at
-    the family's end-of-turn token."""
+def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
+    """Load a Hub VLM checkpoint (LoRA ones included) once; the returned answer(prompt, images,
+    max_new_tokens) generates greedily, stopping at the family's end-of-turn token."""
     import torch
 
     from vlmtrain.data.hub_collate import HubVLMCollator
@@ -178,20 +179,30 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     family = family_of(base)
     has_processor = os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
     processor = family.load_processor(checkpoint if has_processor else base)
-    hub = HubVLMProcessor(processor, family, max_length=1 << 20, max_images=len(images or []))
-    try:
-        item = hub.process({"images": list(images or []), "texts": [{"user": prompt}]})
-    except SkipSample as e:
-        raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
-    batch = HubVLMCollator(hub)([item])
-    inputs = {k[len("prompt_"):]: v for k, v in batch.items() if k.startswith("prompt_")}
-    model = load_checkpoint(checkpoint, stop_token_id=end_of_turn_id(processor, family))
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=processor.tokenizer.pad_token_id)
-    return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    device = torch.device(device or "cpu")
+    model = load_checkpoint(checkpoint, stop_token_id=end_of_turn_id(processor, family)).to(device).eval()
+
+    def answer(prompt: str, images: list[Any] | None = None, max_new_tokens: int = 32) -> str:
+        hub = HubVLMProcessor(processor, family, max_length=1 << 20, max_images=len(images or []))
+        try:
+            item = hub.process({"images": list(images or []), "texts": [{"user": prompt}]})
+        except SkipSample as e:
+            raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
+        batch = HubVLMCollator(hub)([item])
+        inputs = {k[len("prompt_"):]: v.to(device) if isinstance(v, torch.Tensor) else v
+                  for k, v in batch.items() if k.startswith("prompt_")}
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=processor.tokenizer.pad_token_id)
+        return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+    return answer
+
+
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
+    """Greedy answer to one prompt (with images) from a Hub VLM checkpoint (see load_generator)."""
+    return load_generator(checkpoint)(prompt, images, max_new_tokens)
 
 
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
-                 generate=generate)
+                 generate=generate, load_generator=load_generator)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from vlmtrain.errors import ConfigError
@@ -73,7 +74,8 @@ def owns_checkpoint(config: dict[str, Any]) -> bool:
     return config.get("model_type") == "vlmtrain_vlm"
 
 
-def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
+def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
+    """Load the checkpoint once; the returned answer(prompt, images, max_new_tokens) generates greedily."""
     import torch
     from transformers import AutoTokenizer
 
@@ -81,20 +83,29 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     from vlmtrain.models.vlm import VisionLanguageModel
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = VisionLanguageModel.from_pretrained(checkpoint)
-    processor = VLMProcessor.for_checkpoint(tokenizer, model.config, max_images=len(images or []))
-    try:  # the template needs an answer to build the sample; generation starts before it
-        sample = processor.process({"images": list(images or []), "texts": [{"user": prompt, "assistant": "-"}]})
-    except SkipSample as e:
-        raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
-    ids = sample["prompt_input_ids"][None]
-    model.eval()
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, pixel_values=sample["pixel_values"], attention_mask=torch.ones_like(ids),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    device = torch.device(device or "cpu")
+    model = VisionLanguageModel.from_pretrained(checkpoint).to(device).eval()
+
+    def answer(prompt: str, images: list[Any] | None = None, max_new_tokens: int = 32) -> str:
+        processor = VLMProcessor.for_checkpoint(tokenizer, model.config, max_images=len(images or []))
+        try:  # the template needs an answer to build the sample; generation starts before it
+            sample = processor.process({"images": list(images or []), "texts": [{"user": prompt, "assistant": "-"}]})
+        except SkipSample as e:
+            raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
+        ids = sample["prompt_input_ids"][None].to(device)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, pixel_values=sample["pixel_values"].to(device),
+                                 attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+    return answer
+
+
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
+    return load_generator(checkpoint)(prompt, images, max_new_tokens)
 
 
 KIND = ModelKind("vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
-                 generate=generate)
+                 generate=generate, load_generator=load_generator)

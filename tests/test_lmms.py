@@ -1,0 +1,157 @@
+"""lmms-eval adapter: a vlmtrain checkpoint as an lmms-eval model, on a local task (JSONL + PNGs, no Hub)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from tests.test_vlm_run import TINY
+from vlmtrain import run
+from vlmtrain.config import ConfigError, load_run_config
+from vlmtrain.evaluation.lmms import flatten_results
+from vlmtrain.evaluation.shapes_task import write_shapes_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+NEEDS_LMMS = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("lmms_eval") is None,
+    reason="lmms-eval is not installed (pip install 'vlmtrain[lmms]' && pip install --no-deps lmms-eval==0.7.3)")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    """A tiny VLM trained 2 steps on shapes (checkpoint-2/), and its config file."""
+    root = tmp_path_factory.mktemp("lmms_run")
+    data = json.loads(json.dumps(TINY))
+    data["train"].update(output_dir=str(root / "run"), eval_strategy="no", save_steps=2)
+    (root / "cfg.yaml").write_text(yaml.safe_dump(data))
+    run.train(load_run_config(root / "cfg.yaml"))
+    assert (root / "run" / "checkpoint-2" / "model.safetensors").is_file()
+    return root
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """lmms-eval's HF datasets cache (the JSONL's arrow copy) in tmp, not ~/.cache."""
+    monkeypatch.setenv("LMMS_EVAL_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+
+
+def test_flatten_results_names_metrics_and_leaves_out_stderr_alias_and_non_numbers():
+    results = {"shapes_vqa": {"alias": "shapes_vqa", "exact_match,none": 0.5, "exact_match_stderr,none": "N/A",
+                              "exact_match_stderr_clt,none": 0.2, "anls,strict": 1, "score,none": float("nan")}}
+    assert flatten_results(results) == {"eval_lmms_shapes_vqa_exact_match": 0.5,
+                                        "eval_lmms_shapes_vqa_anls_strict": 1.0}
+
+
+def test_shapes_task_files(tmp_path):
+    write_shapes_task(str(tmp_path), num_samples=6, seed=1)
+    rows = [json.loads(line) for line in (tmp_path / "shapes_vqa.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and {"id", "qtype", "images", "question", "answer"} <= set(rows[0])
+    assert all((tmp_path / p).is_file() for r in rows for p in r["images"])
+    config = yaml.safe_load((tmp_path / "shapes_vqa.yaml").read_text().replace("!function ", ""))
+    assert config["task"] == "shapes_vqa" and config["dataset_kwargs"]["data_files"]["test"] == "shapes_vqa.jsonl"
+
+
+@NEEDS_LMMS
+def test_lmms_eval_scores_what_the_checkpoint_answers(tiny_run, tmp_path, monkeypatch, datasets_cache):
+    """The answers the model gives reach lmms-eval's metric: a generator that answers right (in upper case,
+    with a trailing period and text after a newline, which `until` and the metric's options remove) on the
+    even documents and wrong on the odd ones scores exactly 0.5; it is given each document's images."""
+    from vlmtrain.evaluation.lmms import lmms_eval_metrics
+    from vlmtrain.models import kinds
+
+    task_dir = tmp_path / "task"
+    write_shapes_task(str(task_dir), num_samples=8, seed=2)
+    rows = [json.loads(line) for line in (task_dir / "shapes_vqa.jsonl").read_text().splitlines()]
+    truth = {(r["question"], _pixels([Image.open(task_dir / p) for p in r["images"]])): r for r in rows}
+    seen: list[int] = []
+
+    def load_generator(checkpoint, device=None):
+        assert checkpoint.endswith("checkpoint-2") and device == "cpu"
+
+        def answer(prompt, images, max_new_tokens):
+            assert max_new_tokens == 4  # the task's generation_kwargs
+            row = truth[(prompt, _pixels(images))]
+            seen.append(row["id"])
+            return f"{row['answer'].upper()}.\nmore words" if row["id"] % 2 == 0 else "wrong"
+        return answer
+
+    fake = kinds.ModelKind("fake", build=None, load_generator=load_generator)
+    monkeypatch.setattr(kinds, "kind_of_checkpoint", lambda checkpoint: fake)
+    metrics = lmms_eval_metrics(str(tiny_run / "run"), ["shapes_vqa"], include_path=str(task_dir), device="cpu")
+    assert metrics == {"eval_lmms_shapes_vqa_exact_match": 0.5}
+    assert sorted(seen) == list(range(8))
+    limited = lmms_eval_metrics(str(tiny_run / "run"), ["shapes_vqa"], include_path=str(task_dir), limit=3,
+                                device="cpu")
+    assert limited == {"eval_lmms_shapes_vqa_exact_match": pytest.approx(2 / 3)}  # documents 0, 1, 2
+
+    with pytest.raises(ConfigError, match=r"\['nope'\] not found.*defines: shapes_vqa"):
+        lmms_eval_metrics(str(tiny_run / "run"), ["nope"], include_path=str(task_dir))
+
+
+@NEEDS_LMMS
+@pytest.mark.slow
+def test_vlmtrain_eval_runs_lmms_tasks_on_a_trained_checkpoint(tiny_run, tmp_path):
+    """`vlmtrain eval --checkpoint` (what async evaluation runs) adds eval_lmms_<task>_<metric> to the eval
+    set's metrics, and it equals the exact match of the checkpoint's own greedy answers to the task."""
+    from vlmtrain.models.kinds import kind_of_checkpoint
+
+    task_dir = tmp_path / "task"
+    write_shapes_task(str(task_dir), num_samples=6, seed=3)
+    ckpt = str(tiny_run / "run" / "checkpoint-2")
+    env = {**os.environ, "LMMS_EVAL_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-m", "vlmtrain", "eval", "--config", str(tiny_run / "cfg.yaml"),
+                          "--checkpoint", ckpt, "--train.output_dir", str(tmp_path / "eval"),
+                          "--train.lmms_eval_tasks", "[shapes_vqa]", "--train.lmms_eval_include_path", str(task_dir)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads(out.stdout[out.stdout.rfind("\n{\n") + 1:])  # the printed metrics, after any log lines
+    assert "eval_loss" in metrics  # the eval set's evaluation ran too
+
+    answer = kind_of_checkpoint(ckpt).load_generator(ckpt, "cpu")
+    rows = [json.loads(line) for line in (task_dir / "shapes_vqa.jsonl").read_text().splitlines()]
+    right = [_normalize(answer(r["question"], [str(task_dir / p) for p in r["images"]], 4).split("\n")[0].strip())
+             == _normalize(r["answer"]) for r in rows]
+    assert metrics["eval_lmms_shapes_vqa_exact_match"] == pytest.approx(sum(right) / len(rows)), right
+
+
+def test_lmms_tasks_need_a_checkpoint_and_a_sane_limit(tmp_path):
+    data = json.loads(json.dumps(TINY))
+    data["train"].update(output_dir=str(tmp_path / "run"), lmms_eval_tasks=["shapes_vqa"])
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="pass --checkpoint"):
+        run.evaluate(load_run_config(tmp_path / "cfg.yaml"))
+    data["train"]["lmms_eval_limit"] = 0
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="lmms_eval_limit must be >= 1"):
+        load_run_config(tmp_path / "cfg.yaml")
+
+
+@NEEDS_LMMS
+def test_lmms_eval_finds_the_model_by_name():
+    """lmms-eval's own registry (its CLI's --model vlmtrain) reaches VlmtrainLMM through the entry point."""
+    from lmms_eval.models import get_model
+
+    from vlmtrain.evaluation.lmms_model import VlmtrainLMM, cut_at_stop
+
+    assert get_model("vlmtrain") is VlmtrainLMM
+    assert cut_at_stop(" red.\nblue", ["\n"]) == "red." and cut_at_stop("red</s>x", "</s>") == "red"
+
+
+def _pixels(images) -> tuple[bytes, ...]:
+    return tuple(Image.open(i).convert("RGB").tobytes() if isinstance(i, str) else i.convert("RGB").tobytes()
+                 for i in images)
+
+
+def _normalize(text: str) -> str:
+    """lmms-eval's exact_match with ignore_case and ignore_punctuation."""
+    import string
+
+    return text.lower().translate(str.maketrans("", "", string.punctuation))
