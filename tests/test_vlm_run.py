@@ -80,10 +80,21 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
 
 
 def test_demo_report_for_a_shapes_config(tmp_path, capsys):
-    """`vlmtrain demo --config` on a (tiny) shapes config: per-type table, blank-image baseline, chance, paths."""
+    """`vlmtrain demo --config --seed` on a (tiny) shapes config: per-type table, blank-image baseline, chance,
+    right and wrong examples per type, the time spent, paths; --seed sets both seeds."""
     cfg = _config(tmp_path)
-    metrics = run.demo(config=str(tmp_path / "cfg.yaml"))
+    metrics = run.demo(config=str(tmp_path / "cfg.yaml"), seed=3)
+    saved = load_run_config(tmp_path / "run" / "config.yaml")
+    assert saved.train.seed == saved.data.seed == 3 and (cfg.train.seed, cfg.data.seed) == (42, 0)
     printed = capsys.readouterr().out
+    assert "train.seed 3, data.seed 3" in printed
+    examples = [line for line in printed.splitlines() if line.startswith("    [")]
+    for q in QTYPES:  # 2 right and 2 wrong at most per type; a tiny 2-step model gets most wrong
+        shown = [line for line in examples if line.startswith(f"    [{q}] ")]
+        assert 1 <= len(shown) <= 4 and sum("] wrong: " in line for line in shown) <= 2, shown
+        assert all(" -> " in line and ("(truth " in line) == ("] wrong: " in line) for line in shown)
+    assert any("] wrong: " in line for line in examples)
+    assert "s training (" in printed and "steps/s)" in printed and "s in all" in printed
     for q in QTYPES:
         assert f"blank_{q}_exact_match" in metrics and q in printed
     assert {"eval_single_image_exact_match", "eval_multi_image_exact_match", "blank_single_image_exact_match",
@@ -94,6 +105,32 @@ def test_demo_report_for_a_shapes_config(tmp_path, capsys):
     assert report.is_file() and f"report:      {report}" in printed and "step 2:" in report.read_text()
     with pytest.raises(ConfigError, match="does not exist"):
         run.demo(config=str(tmp_path / "nope.yaml"))
+
+
+def test_demo_examples_show_right_and_wrong_answers_per_type():
+    from types import SimpleNamespace
+
+    from vlmtrain.tasks.shapes_source import _examples
+
+    evals = {q: ShapesVQA("val", 6, seed=0, qtypes=[q]) for q in ("color", "count")}
+    truths = [evals[q][i]["texts"][-1]["assistant"] for q in evals for i in range(6)]
+    answers = [t if i % 3 else "nope" for i, t in enumerate(truths)]  # 2 wrong, 4 right per type
+    trainer = SimpleNamespace(eval_dataset=evals, predict=lambda samples: SimpleNamespace(texts=answers))
+    lines = _examples(trainer).splitlines()[1:]
+    kinds = [line.split("]")[0].strip() + "]" + line.split("]")[1].split(":")[0] for line in lines]
+    assert kinds == ["[color] right", "[color] right", "[color] wrong", "[color] wrong",
+                     "[count] right", "[count] right", "[count] wrong", "[count] wrong"]
+    assert lines[2].endswith(f"-> 'nope' (truth {truths[0]!r})") and "truth" not in lines[0]
+
+
+def test_demo_seed_option_reaches_the_run(monkeypatch):
+    from vlmtrain.cli import main
+
+    calls = []
+    monkeypatch.setattr(run, "demo", lambda **kw: calls.append(kw))
+    assert main(["demo", "--seed", "2"]) == 0 and main(["demo"]) == 0
+    assert [c["seed"] for c in calls] == [2, None]
+    assert main(["demo", "--seed", "two"]) == 2  # a bad value is a usage error, not a traceback
 
 
 def test_jsonl_source_in_cauldron_schema(tmp_path):

@@ -162,13 +162,16 @@ def _demo(argv: list[str]) -> int:
                         help="Where to write checkpoints, metrics.jsonl and config.yaml (default: the config's).")
     parser.add_argument("--config", type=str | None, default=None,
                         help="Another demo config, e.g. configs/addition-tiny.yaml (default: configs/shapes-tiny.yaml).")
+    parser.add_argument("--seed", type=int | None, default=None,
+                        help="Sets both train.seed (initialization) and data.seed (the questions); default: the "
+                             "config's.")
     try:
         ns = parser.parse_args(argv)
     except jsonargparse.ArgumentError as e:
         raise ConfigError(f"{e}. See vlmtrain demo --help.") from None
     from vlmtrain import run
 
-    run.demo(output_dir=ns.output_dir, config=ns.config)
+    run.demo(output_dir=ns.output_dir, config=ns.config, seed=ns.seed)
     return 0
 
 

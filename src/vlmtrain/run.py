@@ -272,18 +272,21 @@ def _summary(cfg: RunConfig, metrics: dict[str, Any]) -> dict[str, float]:
     return summary(metrics, "eval") if summary is not None else {}
 
 
-def demo(output_dir: str | None = None, config: str | None = None) -> dict[str, Any]:
+def demo(output_dir: str | None = None, config: str | None = None, seed: int | None = None) -> dict[str, Any]:
     """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU and print
-    the results (per question type and against blank images for shapes-VQA) and where everything went."""
+    the results (per question type and against blank images for shapes-VQA, with examples), the time spent
+    and where everything went. ``seed`` sets both train.seed (initialization) and data.seed (the questions)."""
     from vlmtrain.data.registry import get_source
 
     path = Path(config) if config else find_demo_config()
     if not path.is_file():
         raise ConfigError(f"demo config {str(path)!r} does not exist.")
-    cfg = load_run_config(path, {"train.output_dir": output_dir} if output_dir else None)
+    overrides: dict[str, Any] = {"train.output_dir": output_dir} if output_dir else {}
+    if seed is not None:
+        overrides.update({"train.seed": seed, "data.seed": seed})
+    cfg = load_run_config(path, overrides or None)
     start = time.perf_counter()
     trainer, metrics = _train(cfg)
-    seconds = time.perf_counter() - start
     out = cfg.train.output_dir
     source = get_source(cfg.data.source)
     if source.demo_report is not None:
@@ -292,8 +295,13 @@ def demo(output_dir: str | None = None, config: str | None = None) -> dict[str, 
         exact, loss = _pick(metrics, "eval_exact_match", "exact_match"), _pick(metrics, "eval_loss")
         report = (f"  eval exact-match: {exact}   eval loss: {loss}\n"
                   f"  held-out examples (Trainer.predict): {_examples(trainer)}")
-    print(f"\nvlmtrain demo ({path.name}): {metrics.get('global_step')} steps, {seconds:.0f}s in all\n"
+    seconds, training = time.perf_counter() - start, metrics.get("train_runtime", float("nan"))
+    print(f"\nvlmtrain demo ({path.name}, train.seed {cfg.train.seed}, data.seed {cfg.data.seed}): "
+          f"{metrics.get('global_step')} steps\n"
           f"{report}\n"
+          f"  time:        {seconds:.0f}s in all: {training:.0f}s training "
+          f"({metrics.get('train_steps_per_second', float('nan')):.2f} steps/s), {seconds - training:.0f}s "
+          "building, final evaluation and this report\n"
           f"  checkpoints: {os.path.join(out, 'checkpoint-*')}/\n"
           f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
           f"  config:      {os.path.join(out, 'config.yaml')}\n"

@@ -68,8 +68,8 @@ def summary(metrics: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
 
 
 def demo_report(trainer: Any, metrics: dict[str, Any]) -> str:
-    """Per-type exact match next to blank images and chance (blank_* keys are added to metrics), then one
-    held-out question per type with the model's answer."""
+    """Per-type exact match next to blank images and chance (blank_* keys are added to metrics), then a few
+    held-out questions per type, right and wrong ones, with the model's answer and the truth."""
     if not isinstance(trainer.eval_dataset, dict):
         return ""
     blank = _blank_image_metrics(trainer)
@@ -102,15 +102,25 @@ def _table(metrics: dict[str, Any], blank: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _examples(trainer: Any) -> str:
-    """One held-out question per type with the model's generated answer and the truth."""
+def _examples(trainer: Any, per_kind: int = 2, pool: int = 12) -> str:
+    """Up to ``per_kind`` right and ``per_kind`` wrong answers per question type, from the first ``pool``
+    held-out questions of each type (one Trainer.predict call): question, the model's answer, the truth."""
     names = list(trainer.eval_dataset)
-    samples = [trainer.eval_dataset[q][0] for q in names]
-    texts = trainer.predict(samples).texts or [""] * len(samples)
-    lines = ["  held-out examples (Trainer.predict):"]
-    for q, sample, answer in zip(names, samples, texts):
-        turn = sample["texts"][-1]
-        lines.append(f"    [{q}] {turn['user']} -> {answer!r} (truth {turn['assistant']!r})")
+    samples = {q: [trainer.eval_dataset[q][i] for i in range(min(pool, len(trainer.eval_dataset[q])))]
+               for q in names}
+    flat = [s for q in names for s in samples[q]]
+    texts = iter(trainer.predict(flat).texts or [""] * len(flat))
+    lines = ["  held-out examples (question -> the model's answer; truth when wrong):"]
+    for q in names:
+        right: list[str] = []
+        wrong: list[str] = []
+        for sample in samples[q]:
+            answer, turn = next(texts).strip(), sample["texts"][-1]
+            if answer == turn["assistant"]:
+                right.append(f"    [{q}] right: {turn['user']} -> {answer!r}")
+            else:
+                wrong.append(f"    [{q}] wrong: {turn['user']} -> {answer!r} (truth {turn['assistant']!r})")
+        lines += right[:per_kind] + wrong[:per_kind]
     return "\n".join(lines)
 
 
