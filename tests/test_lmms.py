@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +15,6 @@ from vlmtrain.config import ConfigError, load_run_config
 from vlmtrain.evaluation.lmms import flatten_results
 from vlmtrain.evaluation.shapes_task import write_shapes_task
 
-ROOT = Path(__file__).resolve().parents[1]
-
 NEEDS_LMMS = pytest.mark.skipif(
     __import__("importlib").util.find_spec("lmms_eval") is None,
     reason="lmms-eval is not installed (pip install 'vlmtrain[lmms]' && pip install --no-deps lmms-eval==0.7.3)")
@@ -27,12 +22,19 @@ NEEDS_LMMS = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    """A tiny VLM trained 2 steps on shapes (checkpoint-2/), and its config file."""
+    """A tiny VLM trained 2 steps on shapes with async evaluation of checkpoint-2/ (`vlmtrain eval` in a
+    subprocess) that also runs the local lmms-eval task written in task/."""
     root = tmp_path_factory.mktemp("lmms_run")
+    write_shapes_task(str(root / "task"), num_samples=6, seed=3)
     data = json.loads(json.dumps(TINY))
-    data["train"].update(output_dir=str(root / "run"), eval_strategy="no", save_steps=2)
+    data["train"].update(output_dir=str(root / "run"), eval_strategy="no", save_steps=2, async_eval=True,
+                         lmms_eval_tasks=["shapes_vqa"], lmms_eval_include_path=str(root / "task"))
     (root / "cfg.yaml").write_text(yaml.safe_dump(data))
-    run.train(load_run_config(root / "cfg.yaml"))
+    env = {"LMMS_EVAL_DATASETS_CACHE": str(root / "hf_datasets")}  # (the evaluation process inherits it)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        run.train(load_run_config(root / "cfg.yaml"))
     assert (root / "run" / "checkpoint-2" / "model.safetensors").is_file()
     return root
 
@@ -98,28 +100,22 @@ def test_lmms_eval_scores_what_the_checkpoint_answers(tiny_run, tmp_path, monkey
 
 @NEEDS_LMMS
 @pytest.mark.slow
-def test_vlmtrain_eval_runs_lmms_tasks_on_a_trained_checkpoint(tiny_run, tmp_path):
-    """`vlmtrain eval --checkpoint` (what async evaluation runs) adds eval_lmms_<task>_<metric> to the eval
-    set's metrics, and it equals the exact match of the checkpoint's own greedy answers to the task."""
+def test_async_evaluation_logs_lmms_metrics_of_each_checkpoint(tiny_run):
+    """Async evaluation runs `vlmtrain eval --checkpoint`, which adds eval_lmms_<task>_<metric> to the eval set's
+    metrics: metrics.jsonl's row for checkpoint-2 has it, equal to the exact match of the checkpoint's own
+    greedy answers to the task."""
     from vlmtrain.models.kinds import kind_of_checkpoint
 
-    task_dir = tmp_path / "task"
-    write_shapes_task(str(task_dir), num_samples=6, seed=3)
-    ckpt = str(tiny_run / "run" / "checkpoint-2")
-    env = {**os.environ, "LMMS_EVAL_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run([sys.executable, "-m", "vlmtrain", "eval", "--config", str(tiny_run / "cfg.yaml"),
-                          "--checkpoint", ckpt, "--train.output_dir", str(tmp_path / "eval"),
-                          "--train.lmms_eval_tasks", "[shapes_vqa]", "--train.lmms_eval_include_path", str(task_dir)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    metrics = json.loads(out.stdout[out.stdout.rfind("\n{\n") + 1:])  # the printed metrics, after any log lines
-    assert "eval_loss" in metrics  # the eval set's evaluation ran too
+    rows = [json.loads(line) for line in (tiny_run / "run" / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [r for r in rows if r.get("eval_async")]
+    assert row["step"] == 2 and "eval_loss" in row and "eval_async_error" not in row, row
 
+    task_dir, ckpt = tiny_run / "task", str(tiny_run / "run" / "checkpoint-2")
     answer = kind_of_checkpoint(ckpt).load_generator(ckpt, "cpu")
-    rows = [json.loads(line) for line in (task_dir / "shapes_vqa.jsonl").read_text().splitlines()]
-    right = [_normalize(answer(r["question"], [str(task_dir / p) for p in r["images"]], 4).split("\n")[0].strip())
-             == _normalize(r["answer"]) for r in rows]
-    assert metrics["eval_lmms_shapes_vqa_exact_match"] == pytest.approx(sum(right) / len(rows)), right
+    docs = [json.loads(line) for line in (task_dir / "shapes_vqa.jsonl").read_text().splitlines()]
+    right = [_normalize(answer(d["question"], [str(task_dir / p) for p in d["images"]], 4).split("\n")[0].strip())
+             == _normalize(d["answer"]) for d in docs]
+    assert row["eval_lmms_shapes_vqa_exact_match"] == pytest.approx(sum(right) / len(docs)), right
 
 
 def test_lmms_tasks_need_a_checkpoint_and_a_sane_limit(tmp_path):
