@@ -132,3 +132,14 @@ def test_shapes_side_warmup_with_two_workers_and_a_resume_mid_warmup(tmp_path):
     assert relative[:2] == [0, 0] and sum(relative[2:]) > 0  # the warm-up asks side questions in their place
     resumed = train("w2", 2, resume=str(tmp_path / "w2" / "run" / "checkpoint-1"))
     assert [t for t, _ in resumed] == [t for t, _ in plain[1:]]
+
+
+def test_packing_windows_refuse_a_step_following_dataset():
+    """data.pack_window streams the samples: no sampler could give them their step."""
+    from types import SimpleNamespace
+
+    from vlmtrain import run
+
+    cfg = SimpleNamespace(data=SimpleNamespace(pack_window=4, source="tagged", seed=0))
+    with pytest.raises(ConfigError, match="StepTagged follows the training step.*data.pack_window: null"):
+        run._window_packing(cfg, {"train_dataset": StepTagged(8)})
