@@ -91,6 +91,7 @@ class EvalSampleWriter:
         sets = self._written.get(path)
         append = sets is not None and name not in sets
         self._written[path] = (sets | {name}) if append else {name}
+        os.makedirs(self.output_dir, exist_ok=True)  # (`vlmtrain eval` may evaluate before anything is logged)
         with open(path, "a" if append else "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, default=_plain) + "\n" for row in rows)
         return path
