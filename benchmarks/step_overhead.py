@@ -13,7 +13,7 @@ mean over steps --warmup+1 .. --steps. Variants alternate (bare, vlmtrain, vlmtr
 the median of the per-round ratios. Both must end at the same probe loss (within 0.1%) or the script exits 1.
 
 Part 2 (--split): the whole demo (run.demo, as `vlmtrain demo` runs it) with its wall time split into building,
-data wait, forward+backward, optimizer (clip + AdamW + schedule), the loop's own bookkeeping (logging,
+data wait, forward+backward, optimizer (clip + AdamW), the loop's own bookkeeping (schedule, logging,
 callbacks, throughput/FLOP counting), evaluation during training, checkpointing, and the final evaluation and
 report. Exclusive times: a nested call counts once, under its innermost category.
 
@@ -229,7 +229,7 @@ def part_split(opts: argparse.Namespace) -> None:
         def on_train_begin(self, args, state, control, **kwargs):
             t = self.trainer
             split.wrap(t.optimizer, "step", "optimizer")
-            split.wrap(t.lr_scheduler, "step", "optimizer")
+            # (not lr_scheduler.step: a scheduler's state_dict is its __dict__, and a wrapper there cannot be pickled)
             split.wrap(torch.nn.utils, "clip_grad_norm_", "optimizer")
             add_batch = t._throughput.add_batch
 
