@@ -73,8 +73,10 @@ def load_cfg(opts: argparse.Namespace, out_dir: str, **extra: Any):
     return load_run_config(opts.config, overrides)
 
 
-def collate_batches(opts: argparse.Namespace) -> tuple[torch.nn.Module, list[dict[str, Any]], Any, Any]:
-    """The demo's initial model, `steps` training batches as its Trainer collates them, the model inputs of a
+def collate_batches(opts: argparse.Namespace) -> tuple[torch.nn.Module, list[dict[str, Any]], list[dict[str, Any]],
+                                                      dict[str, Any], Any]:
+    """The demo's initial model, `steps` training batches as its Trainer collates them, the same batches as model
+    inputs (what Trainer._prepare_inputs passes to forward: what the bare loop trains on), the model inputs of a
     probe batch, and the config."""
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as out:
         cfg = load_cfg(opts, out, **{"train.max_steps": opts.steps, "data.num_eval": 0,
@@ -87,7 +89,7 @@ def collate_batches(opts: argparse.Namespace) -> tuple[torch.nn.Module, list[dic
             if len(batches) == opts.steps + 1:
                 break
         probe = trainer._prepare_inputs(batches.pop())
-        return copy.deepcopy(trainer.model).cpu(), batches, probe, cfg
+        return trainer.model, batches, [trainer._prepare_inputs(b) for b in batches], probe, cfg
 
 
 def probe_loss(model: torch.nn.Module, probe: dict[str, Any]) -> float:
@@ -103,8 +105,7 @@ def run_bare(model: torch.nn.Module, batches: list[dict[str, Any]], cfg: Any) ->
     scheduler = create_scheduler(optimizer, args, len(batches))  # the same LambdaLR as the Trainer's
     stamps, running = [], torch.zeros(())
     model.train()
-    for step, batch in enumerate(batches, start=1):
-        inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and not k.startswith("prompt_")}
+    for step, inputs in enumerate(batches, start=1):
         loss = model(**inputs)["loss"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -147,7 +148,7 @@ def step_times(stamps: list[tuple[float, float]], warmup: int) -> tuple[float, f
 
 
 def part_steps(opts: argparse.Namespace) -> bool:
-    model0, batches, probe, cfg = collate_batches(opts)
+    model0, batches, inputs, probe, cfg = collate_batches(opts)
     shapes = batches[0]["input_ids"].shape
     print(f"{opts.config}: {sum(p.numel() for p in model0.parameters()) / 1e6:.2f}M params, batch {tuple(shapes)} "
           f"tokens, {batches[0]['pixel_values'].shape[0] if 'pixel_values' in batches[0] else 0} images; "
@@ -160,7 +161,7 @@ def part_steps(opts: argparse.Namespace) -> bool:
         for name in order:
             model = copy.deepcopy(model0)
             torch.manual_seed(0)
-            stamps = (run_bare if name == "bare" else run_vlmtrain)(model, batches, cfg)
+            stamps = run_bare(model, inputs, cfg) if name == "bare" else run_vlmtrain(model, batches, cfg)
             if len(stamps) != opts.steps:
                 raise SystemExit(f"{name} ran {len(stamps)} steps, expected {opts.steps}")
             times[name].append(step_times(stamps, opts.warmup))
@@ -186,7 +187,6 @@ class Split:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list[float]] = []  # per open call: [children's seconds]
 
     def wrap(self, obj: Any, attr: str, category: str | Any) -> None:
@@ -204,7 +204,6 @@ class Split:
                 children = self._stack.pop()[0]
                 name = category() if callable(category) else category
                 self.seconds[name] += elapsed - children
-                self.calls[name] += 1
                 if self._stack:
                     self._stack[-1][0] += elapsed
 
@@ -258,12 +257,14 @@ def part_split(opts: argparse.Namespace) -> None:
     real_clip, real_report = torch.nn.utils.clip_grad_norm_, run._write_report
     run.build = build
     split.wrap(run, "_write_report", "final evaluation + report")
-    with tempfile.TemporaryDirectory(prefix="step-overhead-demo-") as out:
-        overrides = dict(kv.split("=", 1) for kv in opts.split_set)
-        start = time.perf_counter()
-        run_demo(opts, out, overrides)
-        total = time.perf_counter() - start
-    run.build, run._write_report, torch.nn.utils.clip_grad_norm_ = real_build, real_report, real_clip
+    try:
+        with tempfile.TemporaryDirectory(prefix="step-overhead-demo-") as out:
+            overrides = dict(kv.split("=", 1) for kv in opts.split_set)
+            start = time.perf_counter()
+            run_demo(opts, out, overrides)
+            total = time.perf_counter() - start
+    finally:
+        run.build, run._write_report, torch.nn.utils.clip_grad_norm_ = real_build, real_report, real_clip
     accounted = sum(split.seconds.values())
     print(f"\nthe demo's {total:.1f} s of wall time (exclusive; torch threads {torch.get_num_threads()}):")
     order = ["build", "data wait", "forward+backward", "optimizer", "loop bookkeeping", "evaluation in training",
