@@ -209,6 +209,30 @@ def test_side_questions_and_their_warmup() -> None:
         ShapesVQA(side_fraction=1.5)
 
 
+def test_position_weight_draws_more_position_questions() -> None:
+    """position_weight w: position questions (first ones and extra turns, side ones among them) come about w
+    times as often as each other single-image type; answers stay right and balanced; w=1 is the plain draw."""
+    kwargs = dict(multi_image_fraction=0.0, side_fraction=0.25, questions_per_sample=3)
+    plain, same = ShapesVQA("train", 600, seed=4, **kwargs), ShapesVQA("train", 600, seed=4, position_weight=1.0,
+                                                                       **kwargs)
+    assert all(plain[i]["texts"] == same[i]["texts"] for i in range(50))
+    heavy = ShapesVQA("train", 1200, seed=4, position_weight=3.0, **kwargs)
+    first, turns, answers = Counter(), Counter(), Counter()
+    for it in (heavy[i] for i in range(len(heavy))):
+        first[it["qtype"]] += 1
+        turns.update(it["turn_qtypes"][1:])
+        for qtype, turn in zip(it["turn_qtypes"], it["texts"]):
+            assert _oracle(qtype, turn["user"], it["scene"]) == turn["assistant"], (it["id"], turn)
+            if qtype == "position":
+                answers[turn["assistant"]] += 1
+    others = sum(first[q] for q in ("color", "shape", "count")) / 3
+    assert 2.4 < (first["position"] + first["side"]) / others < 3.6  # 3 in expectation
+    assert turns["position"] + turns["side"] > 2 * max(turns[q] for q in ("color", "shape", "count"))
+    assert abs(answers["left"] - answers["right"]) < 0.15 * sum(answers.values())
+    with pytest.raises(ValueError, match="position_weight"):
+        ShapesVQA(position_weight=0.0)
+
+
 def test_image_size_and_bad_arguments() -> None:
     item = ShapesVQA("test", 5, image_size=96, qtypes=["multi_count"])[0]
     assert [im.size for im in item["images"]] == [(96, 96), (96, 96)]

@@ -97,8 +97,9 @@ def test_forward_with_two_and_zero_images():
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :2] = -100
     out = model(ids, mask, torch.randn(2, 3, 32, 32), labels=labels)
-    assert torch.isfinite(out["loss"]) and out["logits"].shape == (*ids.shape, VOCAB)
-    assert int(out["num_items"]) == int((labels[:, 1:] != -100).sum())
+    n = int((labels[:, 1:] != -100).sum())
+    assert torch.isfinite(out["loss"]) and out["target_logits"].shape == (n, VOCAB) and "logits" not in out
+    assert int(out["num_items"]) == n
     out["loss"].backward()
     assert model.projector.proj.weight.grad.abs().sum() > 0
     assert model.vision_encoder.embeddings.patch_embedding.weight.grad.abs().sum() > 0
@@ -114,6 +115,28 @@ def test_text_only_batch_touches_image_params_and_no_targets_is_zero_loss():
     assert all(p.grad is not None for p in model.parameters())
     assert model.projector.proj.weight.grad.abs().sum() == 0
     assert model(ids, mask, None)["logits"].shape == (*ids.shape, VOCAB)
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_training_loss_from_target_logits_equals_full_logits(softcap):
+    """Training computes logits only where a label is predicted: same loss and gradients as the full logits
+    (eval mode; no dropout here); a decoder that post-processes its logits (soft-capping) keeps the full path."""
+    model = tiny_vlm()
+    model.decoder.config.final_logit_softcapping = softcap
+    ids, mask = pad([sample(2, 5, 0), sample(1, 7, 1), sample(0, 4, 2)], "right")
+    labels = ids.masked_fill((mask == 0) | (ids == IMG), -100)
+    labels[:, :3] = -100
+    pixels = torch.randn(3, 3, 32, 32)
+    full = model.eval()(ids, mask, pixels, labels=labels)
+    full["loss"].backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    part = model.train()(ids, mask, pixels, labels=labels)
+    part["loss"].backward()
+    assert ("target_logits" in part) == (softcap is None) == (model.vlmtrain_target_logits_module is not None)
+    assert torch.allclose(part["loss"], full["loss"], atol=1e-6) and int(part["num_items"]) == int(full["num_items"])
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, grads[name], atol=1e-6), name
 
 
 def test_placeholder_mismatch_names_the_sample():

@@ -29,6 +29,7 @@ from tokenizers.models import BPE, WordLevel
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 IGNORE_INDEX = -100
+_ENCODE_CACHE_SIZE = 65536  # texts of <= 256 characters a VLMProcessor keeps tokenised
 logger = logging.getLogger(__name__)
 IM_START, IM_END, IMAGE_TOKEN = "<|im_start|>", "<|im_end|>", "<image>"
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -202,6 +203,7 @@ class VLMProcessor:
         self.image_token, self.split_large_images, self.max_tiles = image_token, split_large_images, max_tiles
         self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+        self._encoded: dict[tuple[str, bool], list[int]] = {}
         self.image_token_id = self._single_token_id(image_token)
         self.im_end_id = self._single_token_id(IM_END)
         self._single_token_id(IM_START)
@@ -227,7 +229,15 @@ class VLMProcessor:
         return int(ids[0])
 
     def _encode(self, text: str, split_special: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
+        # Questions and answers repeat across a dataset (templates, short answers): a tokenizer call costs
+        # ~0.1 ms, several per sample. Bounded, so a corpus of unique texts only fills it once.
+        key = (text, split_special)
+        ids = self._encoded.get(key)
+        if ids is None:
+            ids = list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
+            if len(self._encoded) < _ENCODE_CACHE_SIZE and len(text) <= 256:
+                self._encoded[key] = ids
+        return list(ids)
 
     # -- images ---------------------------------------------------------------------------------
     def to_tensor(self, img: Image.Image) -> torch.Tensor:

@@ -226,19 +226,50 @@ class VisionLanguageModel(PreTrainedModel):
                 pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, image_counts: torch.Tensor | list[int] | None = None,
                 use_cache: bool = False, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """Returns ``{"logits"}`` plus, with labels, ``{"loss", "num_items"}`` (mean CE over targets).
+        """Returns ``{"logits"}`` plus, with labels, ``{"loss", "num_items"}`` (mean CE over targets). Training
+        with labels returns ``target_logits`` ([targets, vocab], the positions that predict a label) instead of
+        ``logits`` (see :attr:`vlmtrain_target_logits_module`).
 
         ``image_counts`` (images per sample, optional) makes the placeholder check exact per sample.
         """
         embeds = self.embed(input_ids, pixel_values, image_counts)
         if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
             position_ids = position_ids_from_mask(attention_mask)
+        if labels is not None and self.training and self.vlmtrain_target_logits_module is not None:
+            return self._target_loss(embeds, attention_mask, position_ids, labels, **kwargs)
         out = self.decoder(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=use_cache, **kwargs)
         result: dict[str, torch.Tensor] = {"logits": out.logits}
         if labels is not None:
             result["loss"], result["num_items"] = causal_lm_loss(out.logits, labels)
         return result
+
+    @property
+    def vlmtrain_target_logits_module(self) -> str | None:
+        """The decoder's output layer, when training applies it only at target positions (trainer/flops.py
+        counts it per target then): a decoder whose logits are ``lm_head(hidden)`` and nothing more (no
+        soft-capping or scaling). None: training computes the full logits."""
+        dec = self.decoder
+        base = getattr(dec, getattr(dec, "base_model_prefix", "") or "", None)
+        if not isinstance(base, nn.Module) or not isinstance(getattr(dec, "lm_head", None), nn.Module):
+            return None
+        if any(getattr(dec.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+            return None
+        return "decoder.lm_head"
+
+    def _target_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None, labels: torch.Tensor, **kwargs: Any) -> dict[str, torch.Tensor]:
+        """Training's loss with logits only where a target is predicted: on a VQA batch most positions are
+        prompt and image tokens, and the B x L x vocab logits and their log-softmax were ~15% of a step."""
+        dec = self.decoder
+        hidden = getattr(dec, dec.base_model_prefix)(inputs_embeds=embeds, attention_mask=attention_mask,
+                                                     position_ids=position_ids, use_cache=False, **kwargs)[0]
+        shift_labels = labels[:, 1:].to(hidden.device)
+        keep = shift_labels != IGNORE_INDEX
+        logits = dec.lm_head(hidden[:, :-1][keep])
+        num_items = keep.sum()
+        total = F.cross_entropy(logits.float(), shift_labels[keep], reduction="sum")
+        return {"loss": total / num_items.clamp(min=1), "num_items": num_items, "target_logits": logits}
 
     # -- generation -------------------------------------------------------------------------------------
     @torch.no_grad()

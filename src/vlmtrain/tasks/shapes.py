@@ -300,7 +300,8 @@ class ShapesVQA(Dataset):
 
     ``side_fraction`` of the position questions are asked as absolute ``side`` questions instead ("Is
     the circle left or right?"), and extra turns draw from side questions too; for the first
-    ``side_warmup_steps`` training steps every position question is a side one. A small model trained
+    ``side_warmup_steps`` training steps every position question is a side one. ``position_weight`` makes
+    position questions (and side ones among extra turns) that many times as likely as each other type. A small model trained
     from scratch learns relative position only after it learned to read one named object's x this way.
     The warm-up makes an item depend on the training step too: ``follows_step`` is then True, and
     the Trainer's sampler asks for :meth:`get_item_at_step` with the step each position of the data
@@ -319,6 +320,7 @@ class ShapesVQA(Dataset):
         questions_per_sample: int = 1,
         side_fraction: float = 0.0,
         side_warmup_steps: int = 0,
+        position_weight: float = 1.0,
     ) -> None:
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -333,6 +335,8 @@ class ShapesVQA(Dataset):
         if not 0.0 <= side_fraction <= 1.0 or side_warmup_steps < 0:
             raise ValueError(f"side_fraction must be in [0, 1] and side_warmup_steps >= 0, got {side_fraction} "
                              f"and {side_warmup_steps}")
+        if not position_weight > 0:
+            raise ValueError(f"position_weight must be > 0, got {position_weight}")
         qtypes = list(DEFAULT_QTYPES) if qtypes is None else list(qtypes)
         unknown = [q for q in qtypes if q not in QTYPES]
         if unknown or not qtypes:
@@ -343,6 +347,7 @@ class ShapesVQA(Dataset):
         self._single = [q for q in QTYPES if q in qtypes and not is_multi_image(q)]
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
         self.side_fraction, self.side_warmup_steps = side_fraction, side_warmup_steps
+        self.position_weight = position_weight
         self._gen = _Generator(split, image_size)
 
     @property
@@ -360,6 +365,12 @@ class ShapesVQA(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_item_at_step(index, 0)
 
+    def _choose(self, rng: random.Random, qtypes: list[str]) -> str:
+        if self.position_weight == 1.0:
+            return rng.choice(qtypes)  # the draws (and so the data) of datasets without the option
+        weights = [self.position_weight if q in ("position", "side") else 1.0 for q in qtypes]
+        return rng.choices(qtypes, weights)[0]
+
     def get_item_at_step(self, index: int, step: int) -> dict[str, Any]:
         """Item ``index`` as the training step ``step`` (optimizer steps done before it) sees it."""
         if not -self.num_samples <= index < self.num_samples:
@@ -368,7 +379,7 @@ class ShapesVQA(Dataset):
         rng = self._rng(index)
         multi = rng.random() < self.multi_image_fraction
         group = (self._multi if multi else self._single) or self._single or self._multi
-        qtype = rng.choice(group)
+        qtype = self._choose(rng, group)
         sides = "position" in group and (self.side_fraction > 0 or self.side_warmup_steps > 0)
         if sides and qtype == "position":
             warmup = step < self.side_warmup_steps
@@ -385,7 +396,7 @@ class ShapesVQA(Dataset):
                 left = [q for q in group if extra[q]]
                 if not left:
                     break
-                q = rng.choice(left)
+                q = self._choose(rng, left)
                 user, assistant = extra[q].pop(rng.randrange(len(extra[q])))
                 turns.append({"user": user, "assistant": assistant})
                 turn_qtypes.append(q)

@@ -22,6 +22,9 @@ class ShapesOptions:
     side_fraction: float = 0.0
     """(shapes) Fraction of position questions asked as absolute side questions ("Is the circle left or
     right?"); extra turns then draw from side questions too. A stepping stone to relative position."""
+    position_weight: float = 1.0
+    """(shapes) Training draws position questions (first questions and extra turns) this many times as often as
+    each other single-image type: the type a small model learns last gets more of the steps."""
     side_warmup_steps: int = 0
     """(shapes) For this many first training steps every position question is a side question (the training
     sampler gives each sample the step it feeds, so data-loader workers and resumes see the same questions)."""
@@ -31,6 +34,8 @@ def check_options(data: Any) -> None:
     for name, low in (("questions_per_sample", 1), ("side_warmup_steps", 0)):
         if getattr(data, name) < low:
             raise ConfigError(f"data.{name} must be >= {low}, got {getattr(data, name)}.")
+    if not data.position_weight > 0:
+        raise ConfigError(f"data.position_weight must be > 0, got {data.position_weight}.")
     for name in ("multi_image_fraction", "side_fraction"):
         if not 0 <= getattr(data, name) <= 1:
             raise ConfigError(f"data.{name} must be in [0, 1], got {getattr(data, name)}.")
@@ -49,7 +54,7 @@ def build(cfg: Any) -> dict[str, Any]:
     d = cfg.data
     train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
                       questions_per_sample=d.questions_per_sample, side_fraction=d.side_fraction,
-                      side_warmup_steps=d.side_warmup_steps)
+                      side_warmup_steps=d.side_warmup_steps, position_weight=d.position_weight)
     evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
     return {"train_dataset": train, "eval_dataset": evals}
 

@@ -5,7 +5,8 @@ What is counted (model FLOPs, the MFU convention; one multiply-add = 2 FLOPs):
 - **Matmuls**: every ``nn.Linear`` and ``nn.Conv*`` module (LoRA adapters and a tied ``lm_head`` included,
   embedding lookups and norms not) costs ``2 * weight.numel()`` per row it is applied to: the text model per
   real token (image placeholders included, padding not), the vision tower per patch of each image, the
-  projector per image token it emits.
+  projector per image token it emits; an output layer the model applies only at target positions in training
+  (:data:`TARGET_LOGITS_ATTR`) per target.
 - **Attention scores and values**: ``4 * L^2 * heads * head_dim`` per layer forward (QK^T and AV) over each
   real sequence: a padded row's non-pad length, each document of a packed row (never the row), each image's
   patches in the vision tower. The full L x L square (no halving for causal masks), as FlopCounterMode counts
@@ -40,6 +41,10 @@ from torch import nn
 
 from .optim import MODULE_GROUPS_ATTR, module_groups
 
+TARGET_LOGITS_ATTR = "vlmtrain_target_logits_module"
+"""A model whose training forward applies its output layer only at the positions that predict a target names
+that module (relative to the model) under this attribute; the counter then counts it per target, not per
+token (vlmtrain's VLM does, see models/vlm.py)."""
 IMAGE_TOKENS_ATTR = "vlmtrain_image_tokens"
 """A model with a vision tower carries a callable under this name: batch -> [(patches the vision tower attends
 over, tokens the projector emits), ...], one pair per image of the batch (vlmtrain's VLM defines it as a
@@ -76,7 +81,12 @@ class FlopCounter:
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         if not isinstance(ids, torch.Tensor):
             return 0.0
-        flops = _stage_flops(self.stages["text"], document_lengths(batch))
+        lengths = document_lengths(batch)
+        flops = _stage_flops(self.stages["text"], lengths)
+        if "target_head" in self.stages:
+            labels = batch.get("labels")
+            rows = (labels[..., 1:] != _IGNORE_INDEX).sum() if isinstance(labels, torch.Tensor) else lengths.sum()
+            flops += self.stages["target_head"].per_row * float(rows)
         if self.image_tokens is not None and ("vision" in self.stages or "projector" in self.stages):
             per_image = torch.as_tensor(self.image_tokens(batch), dtype=torch.float64).reshape(-1, 2)
             if "vision" in self.stages:
@@ -154,6 +164,7 @@ def _build(model: nn.Module) -> FlopCounter:
     if moe:
         raise _Unsupported(f"mixture-of-experts layers ({moe[0]}) run only some experts per token.")
     costs: dict[str, StageCost] = {}
+    head_name, head = getattr(root, TARGET_LOGITS_ATTR, None), StageCost()
     upstream_grad = False  # a trainable parameter earlier in forward order: inputs from here on need gradients
     for stage in STAGES:
         cost = StageCost(attention={})
@@ -165,11 +176,14 @@ def _build(model: nn.Module) -> FlopCounter:
                 _close_attention(cost, open_attention.pop(), upstream_grad)
             if _is_attention(module) and not open_attention:
                 open_attention.append((name, *_attention_shape(module, name)))
-            upstream_grad = _add_module(cost, module, upstream_grad)
+            in_head = head_name is not None and (name == head_name or name.startswith(head_name + "."))
+            upstream_grad = _add_module(head if in_head else cost, module, upstream_grad)
         while open_attention:
             _close_attention(cost, open_attention.pop(), upstream_grad)
         if cost.matmul_params or cost.unknown_params:
             costs[stage] = cost
+    if head.matmul_params:
+        costs["target_head"] = head
     _check(model, root, named, stage_of, costs)
     image_tokens = getattr(root, IMAGE_TOKENS_ATTR, None) or _found(model, IMAGE_TOKENS_ATTR)
     if "vision" in costs and image_tokens is None:
