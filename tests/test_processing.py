@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -83,6 +84,25 @@ def test_exact_labels_single_turn(tok, proc):
     msgs = [{"role": "user", "content": "<image>" * L + "What color is the square?"},
             {"role": "assistant", "content": "Red."}]
     assert tok.decode(expected_ids) == tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_images_after_text_follow_the_first_question_and_are_saved(tok, proc):
+    """images_after_text: the first question, then its images' placeholders; labels and later turns unchanged;
+    a checkpoint's processor (preprocessing entry) lays prompts out the same way."""
+    turns = (("What color is the square?", "Red."), ("How many circles are there?", "Two."))
+    after = VLMProcessor(tok, image_size=S, image_token_length=L, max_length=256, max_images=3,
+                         images_after_text=True)
+    base, out = proc.process(sample(2, turns)), after.process(sample(2, turns))
+    user_ids, image = enc(tok, "What color is the square?"), 6
+    head = [4, *enc(tok, "user\n")]
+    assert out["input_ids"][: len(head) + len(user_ids) + 2 * L].tolist() == head + user_ids + [image] * 2 * L
+    assert base["input_ids"][: len(head) + 2 * L].tolist() == head + [image] * 2 * L
+    assert sorted(out["input_ids"].tolist()) == sorted(base["input_ids"].tolist())
+    assert out["labels"].tolist() == base["labels"].tolist()  # the moved piece has no targets
+    assert torch.equal(out["pixel_values"], base["pixel_values"])
+    saved = SimpleNamespace(image_size=S, image_token_length=L, preprocessing={"images_after_text": True})
+    reloaded = VLMProcessor.for_checkpoint(tok, saved).process(sample(2, turns))
+    assert torch.equal(reloaded["prompt_input_ids"], out["prompt_input_ids"])
 
 
 def test_multi_turn_both_answers_supervised(tok, proc):

@@ -114,6 +114,10 @@ class DataCore:
     """(vlm) Samples with more images than this are skipped and counted."""
     split_large_images: bool = False
     """(vlm) Split images larger than the encoder's size into tiles plus a global view."""
+    images_after_text: bool = False
+    """(vlm) A sample's image tokens follow its first question instead of preceding it, so that (causal
+    attention) they see the question: each image token can check itself against the objects the question
+    names. Saved with the model; generation and evaluation lay prompts out the same way."""
     image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     """(vlm) Per-channel mean subtracted from pixels in [0, 1] (SigLIP's 0.5; a synthetic set's background
     colour makes an untrained encoder see the shapes more clearly)."""

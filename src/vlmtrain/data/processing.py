@@ -177,8 +177,9 @@ class VLMProcessor:
 
     Per turn: ``<|im_start|>user\\n`` + image placeholders (all of the sample's images, first user turn
     only) + user text + ``<|im_end|>\\n<|im_start|>assistant\\n`` + assistant text + ``<|im_end|>`` +
-    ``\\n``. Labels are the ids of the assistant text and its closing ``<|im_end|>``; everything else
-    is -100. Each piece is tokenised on its own and the ids are concatenated, so the mask is exact.
+    ``\\n``; with ``images_after_text`` the placeholders follow the first user text instead. Labels are the
+    ids of the assistant text and its closing ``<|im_end|>``; everything else is -100. Each piece is tokenised
+    on its own and the ids are concatenated, so the mask is exact.
     User/assistant text is tokenised with special tokens split, so a literal ``<image>`` in the text
     can never add a placeholder.
 
@@ -193,7 +194,8 @@ class VLMProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, image_size: int, image_token_length: int,
                  max_length: int = 512, max_images: int = 4, image_token: str = IMAGE_TOKEN,
                  split_large_images: bool = False, max_tiles: int = 4,
-                 mean: Sequence[float] = (0.5, 0.5, 0.5), std: Sequence[float] = (0.5, 0.5, 0.5)) -> None:
+                 mean: Sequence[float] = (0.5, 0.5, 0.5), std: Sequence[float] = (0.5, 0.5, 0.5),
+                 images_after_text: bool = False) -> None:
         if image_size < 1 or image_token_length < 1 or max_length < 1 or max_images < 0 or max_tiles < 1:
             raise ValueError("image_size, image_token_length, max_length and max_tiles must be >= 1, "
                              "max_images >= 0")
@@ -201,6 +203,7 @@ class VLMProcessor:
         self.image_size, self.image_token_length = image_size, image_token_length
         self.max_length, self.max_images = max_length, max_images
         self.image_token, self.split_large_images, self.max_tiles = image_token, split_large_images, max_tiles
+        self.images_after_text = images_after_text
         self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
         self._encoded: dict[tuple[str, bool], list[int]] = {}
@@ -219,7 +222,8 @@ class VLMProcessor:
         pre = getattr(model_config, "preprocessing", None) or {}
         return cls(tokenizer, image_size=model_config.image_size, image_token_length=model_config.image_token_length,
                    split_large_images=pre.get("split_large_images", False),
-                   mean=pre.get("image_mean", (0.5, 0.5, 0.5)), std=pre.get("image_std", (0.5, 0.5, 0.5)), **kwargs)
+                   mean=pre.get("image_mean", (0.5, 0.5, 0.5)), std=pre.get("image_std", (0.5, 0.5, 0.5)),
+                   images_after_text=pre.get("images_after_text", False), **kwargs)
 
     def _single_token_id(self, token: str) -> int:
         ids = self.tokenizer.encode(token, add_special_tokens=False)
@@ -319,8 +323,10 @@ class VLMProcessor:
         labels: list[int] = []
         prompt_len = 0
         for i, (user, assistant) in enumerate(turns):
-            ctx = self._user_start + ([self.image_token_id] * n_placeholders if i == 0 else [])
-            ctx += self._encode(user) + self._assistant_start
+            placeholders = [self.image_token_id] * n_placeholders if i == 0 else []
+            text = self._encode(user)
+            ctx = self._user_start + (text + placeholders if self.images_after_text else placeholders + text)
+            ctx += self._assistant_start
             ids += ctx
             labels += [IGNORE_INDEX] * len(ctx)
             prompt_len = len(ids)  # ends right after this turn's "<|im_start|>assistant\n"

@@ -201,17 +201,18 @@ class _Generator:
             a, b = b, a
         return [scene], QUESTION["position"].format(a=a[0], b=b[0]), answer
 
-    def side(self, rng: random.Random) -> tuple[list[Scene], str, str]:
+    def side(self, rng: random.Random, both_halves: bool = False) -> tuple[list[Scene], str, str]:
         answer = rng.choice(ANSWERS["side"])
         # Half about a lone object (the x of the whole image is the answer: an easy start). A knife edge in the
         # demo: with a quarter its seed never learned side questions; with half, seed 1 never learned to look
-        # named shapes up (colour 0.7), and learned both with a quarter.
-        n = 1 if rng.random() < 0.5 else rng.randint(2, MAX_OBJECTS)
+        # named shapes up (colour 0.7), and learned both with a quarter. both_halves: objects on both halves,
+        # so that "the side where the image is not empty" (what lone objects teach) stops being an answer.
+        n = rng.randint(2, MAX_OBJECTS) if both_halves or rng.random() >= 0.5 else 1
         while True:
             scene = self.layout(rng, self.attrs(rng, n))
             counts = Counter(o[0] for o in scene)
             named = [o for o in scene if counts[o[0]] == 1 and half(o, self.size) == answer]
-            if named:
+            if named and (not both_halves or len({half(o, self.size) for o in scene}) == 2):
                 break
         return [scene], QUESTION["side"].format(a=rng.choice(named)[0]), answer
 
@@ -321,6 +322,7 @@ class ShapesVQA(Dataset):
         side_fraction: float = 0.0,
         side_warmup_steps: int = 0,
         position_weight: float = 1.0,
+        side_both_halves_after_warmup: bool = False,
     ) -> None:
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -347,7 +349,7 @@ class ShapesVQA(Dataset):
         self._single = [q for q in QTYPES if q in qtypes and not is_multi_image(q)]
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
         self.side_fraction, self.side_warmup_steps = side_fraction, side_warmup_steps
-        self.position_weight = position_weight
+        self.position_weight, self.side_both_halves = position_weight, side_both_halves_after_warmup
         self._gen = _Generator(split, image_size)
 
     @property
@@ -384,7 +386,11 @@ class ShapesVQA(Dataset):
         if sides and qtype == "position":
             warmup = step < self.side_warmup_steps
             qtype = "side" if rng.random() < (1.0 if warmup else self.side_fraction) else qtype
-        scenes, question, answer = getattr(self._gen, qtype)(rng)
+        both_halves = self.side_both_halves and step >= self.side_warmup_steps
+        if qtype == "side":
+            scenes, question, answer = self._gen.side(rng, both_halves)
+        else:
+            scenes, question, answer = getattr(self._gen, qtype)(rng)
         turns, turn_qtypes = [{"user": question, "assistant": answer}], [qtype]
         if self.questions_per_sample > 1:
             # A type first (uniformly among those with questions left), then one of its questions: types with
@@ -392,6 +398,8 @@ class ShapesVQA(Dataset):
             group = group + ["side"] if sides and "side" not in group else group
             extra = {q: [qa for qa in scene_questions(q, scenes, self.image_size) if qa[0] != question]
                      for q in group}
+            if both_halves and len({half(o, self.image_size) for o in scenes[0]}) < 2:
+                extra["side"] = []
             for _ in range(self.questions_per_sample - 1):
                 left = [q for q in group if extra[q]]
                 if not left:

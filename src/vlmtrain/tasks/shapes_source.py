@@ -28,6 +28,10 @@ class ShapesOptions:
     side_warmup_steps: int = 0
     """(shapes) For this many first training steps every position question is a side question (the training
     sampler gives each sample the step it feeds, so data-loader workers and resumes see the same questions)."""
+    side_both_halves_after_warmup: bool = False
+    """(shapes) After the warm-up, side questions (first questions and extra turns) are asked only about scenes
+    with objects on both halves: half of the warm-up's are about a lone object, which a model can answer by
+    where the image is empty instead of by looking the named shape up."""
 
 
 def check_options(data: Any) -> None:
@@ -54,7 +58,8 @@ def build(cfg: Any) -> dict[str, Any]:
     d = cfg.data
     train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
                       questions_per_sample=d.questions_per_sample, side_fraction=d.side_fraction,
-                      side_warmup_steps=d.side_warmup_steps, position_weight=d.position_weight)
+                      side_warmup_steps=d.side_warmup_steps, position_weight=d.position_weight,
+                      side_both_halves_after_warmup=d.side_both_halves_after_warmup)
     evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
     return {"train_dataset": train, "eval_dataset": evals}
 

@@ -58,10 +58,11 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
                              image_token_length=model.config.image_token_length, max_length=d.max_length,
                              max_images=d.max_images, split_large_images=d.split_large_images,
-                             mean=d.image_mean, std=d.image_std)
+                             mean=d.image_mean, std=d.image_std, images_after_text=d.images_after_text)
     # Saved with the weights (config.json), so `vlmtrain generate` preprocesses images as training did.
     model.config.preprocessing = {"image_mean": list(d.image_mean), "image_std": list(d.image_std),
-                                  "split_large_images": d.split_large_images}
+                                  "split_large_images": d.split_large_images,
+                                  "images_after_text": d.images_after_text}
     padded = VLMCollator(processor)
     collator = choose_collator(cfg, model, len(tokenizer), padded,
                                lambda n: VLMCollator(processor, n, d.max_images_per_pack), d.max_length)
