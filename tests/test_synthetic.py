@@ -20,7 +20,6 @@ from vlmtrain.tasks.shapes import (
     QTYPES,
     SHAPES,
     ShapesVQA,
-    half,
     is_multi_image,
     render_scene,
 )
@@ -208,58 +207,6 @@ def test_side_questions_and_their_warmup() -> None:
     assert extra["side"] > 0.05 * len(ds)
     with pytest.raises(ValueError, match="side_fraction"):
         ShapesVQA(side_fraction=1.5)
-
-
-def test_position_weight_draws_more_position_questions() -> None:
-    """position_weight w: position questions (first ones and extra turns, side ones among them) come about w
-    times as often as each other single-image type; answers stay right and balanced; w=1 is the plain draw."""
-    kwargs = dict(multi_image_fraction=0.0, side_fraction=0.25, questions_per_sample=3)
-    plain, same = ShapesVQA("train", 600, seed=4, **kwargs), ShapesVQA("train", 600, seed=4, position_weight=1.0,
-                                                                       **kwargs)
-    assert all(plain[i]["texts"] == same[i]["texts"] for i in range(50))
-    heavy = ShapesVQA("train", 1200, seed=4, position_weight=3.0, **kwargs)
-    first, turns, answers = Counter(), Counter(), Counter()
-    for it in (heavy[i] for i in range(len(heavy))):
-        first[it["qtype"]] += 1
-        turns.update(it["turn_qtypes"][1:])
-        for qtype, turn in zip(it["turn_qtypes"], it["texts"]):
-            assert _oracle(qtype, turn["user"], it["scene"]) == turn["assistant"], (it["id"], turn)
-            if qtype == "position":
-                answers[turn["assistant"]] += 1
-    others = sum(first[q] for q in ("color", "shape", "count")) / 3
-    assert 2.4 < (first["position"] + first["side"]) / others < 3.6  # 3 in expectation
-    assert turns["position"] + turns["side"] > 2 * max(turns[q] for q in ("color", "shape", "count"))
-    assert abs(answers["left"] - answers["right"]) < 0.15 * sum(answers.values())
-    with pytest.raises(ValueError, match="position_weight"):
-        ShapesVQA(position_weight=0.0)
-
-
-def test_side_questions_on_both_halves_after_the_warmup() -> None:
-    """side_both_halves_after_warmup: from the warm-up's end on, every side question (first or extra turn) is
-    about a scene with objects on both halves, never a lone object; during the warm-up half are lone ones."""
-    ds = ShapesVQA("train", 400, seed=6, multi_image_fraction=0.0, side_fraction=0.5, side_warmup_steps=5,
-                   questions_per_sample=3, side_both_halves_after_warmup=True)
-    assert ds.follows_step
-
-    def side_scenes(step: int) -> tuple[list, list]:
-        """(scenes of every side turn, scenes of side first questions)"""
-        scenes, firsts = [], []
-        for i in range(len(ds)):
-            it = ds.get_item_at_step(i, step)
-            for qtype, turn in zip(it["turn_qtypes"], it["texts"]):
-                assert _oracle(qtype, turn["user"], it["scene"]) == turn["assistant"], (it["id"], turn)
-                if qtype == "side":
-                    scenes.append(it["scene"][0])
-            if it["qtype"] == "side":
-                firsts.append(it["scene"][0])
-        return scenes, firsts
-
-    _, warm_firsts = side_scenes(4)
-    lone = sum(len(s) == 1 for s in warm_firsts)
-    assert 0.3 * len(warm_firsts) < lone < 0.7 * len(warm_firsts)
-    after, after_firsts = side_scenes(5)
-    assert len(after_firsts) > 0.2 * len(warm_firsts) and len(after) > len(after_firsts)
-    assert all(len({half(o, 64) for o in s}) == 2 for s in after)
 
 
 def test_image_size_and_bad_arguments() -> None:

@@ -201,18 +201,17 @@ class _Generator:
             a, b = b, a
         return [scene], QUESTION["position"].format(a=a[0], b=b[0]), answer
 
-    def side(self, rng: random.Random, both_halves: bool = False) -> tuple[list[Scene], str, str]:
+    def side(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         answer = rng.choice(ANSWERS["side"])
         # Half about a lone object (the x of the whole image is the answer: an easy start). A knife edge in the
         # demo: with a quarter its seed never learned side questions; with half, seed 1 never learned to look
-        # named shapes up (colour 0.7), and learned both with a quarter. both_halves: objects on both halves,
-        # so that "the side where the image is not empty" (what lone objects teach) stops being an answer.
-        n = rng.randint(2, MAX_OBJECTS) if both_halves or rng.random() >= 0.5 else 1
+        # named shapes up (colour 0.7), and learned both with a quarter.
+        n = 1 if rng.random() < 0.5 else rng.randint(2, MAX_OBJECTS)
         while True:
             scene = self.layout(rng, self.attrs(rng, n))
             counts = Counter(o[0] for o in scene)
             named = [o for o in scene if counts[o[0]] == 1 and half(o, self.size) == answer]
-            if named and (not both_halves or len({half(o, self.size) for o in scene}) == 2):
+            if named:
                 break
         return [scene], QUESTION["side"].format(a=rng.choice(named)[0]), answer
 
@@ -301,8 +300,7 @@ class ShapesVQA(Dataset):
 
     ``side_fraction`` of the position questions are asked as absolute ``side`` questions instead ("Is
     the circle left or right?"), and extra turns draw from side questions too; for the first
-    ``side_warmup_steps`` training steps every position question is a side one. ``position_weight`` makes
-    position questions (and side ones among extra turns) that many times as likely as each other type. A small model trained
+    ``side_warmup_steps`` training steps every position question is a side one. A small model trained
     from scratch learns relative position only after it learned to read one named object's x this way.
     The warm-up makes an item depend on the training step too: ``follows_step`` is then True, and
     the Trainer's sampler asks for :meth:`get_item_at_step` with the step each position of the data
@@ -321,8 +319,6 @@ class ShapesVQA(Dataset):
         questions_per_sample: int = 1,
         side_fraction: float = 0.0,
         side_warmup_steps: int = 0,
-        position_weight: float = 1.0,
-        side_both_halves_after_warmup: bool = False,
     ) -> None:
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -337,8 +333,6 @@ class ShapesVQA(Dataset):
         if not 0.0 <= side_fraction <= 1.0 or side_warmup_steps < 0:
             raise ValueError(f"side_fraction must be in [0, 1] and side_warmup_steps >= 0, got {side_fraction} "
                              f"and {side_warmup_steps}")
-        if not position_weight > 0:
-            raise ValueError(f"position_weight must be > 0, got {position_weight}")
         qtypes = list(DEFAULT_QTYPES) if qtypes is None else list(qtypes)
         unknown = [q for q in qtypes if q not in QTYPES]
         if unknown or not qtypes:
@@ -349,7 +343,6 @@ class ShapesVQA(Dataset):
         self._single = [q for q in QTYPES if q in qtypes and not is_multi_image(q)]
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
         self.side_fraction, self.side_warmup_steps = side_fraction, side_warmup_steps
-        self.position_weight, self.side_both_halves = position_weight, side_both_halves_after_warmup
         self._gen = _Generator(split, image_size)
 
     @property
@@ -367,12 +360,6 @@ class ShapesVQA(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_item_at_step(index, 0)
 
-    def _choose(self, rng: random.Random, qtypes: list[str]) -> str:
-        if self.position_weight == 1.0:
-            return rng.choice(qtypes)  # the draws (and so the data) of datasets without the option
-        weights = [self.position_weight if q in ("position", "side") else 1.0 for q in qtypes]
-        return rng.choices(qtypes, weights)[0]
-
     def get_item_at_step(self, index: int, step: int) -> dict[str, Any]:
         """Item ``index`` as the training step ``step`` (optimizer steps done before it) sees it."""
         if not -self.num_samples <= index < self.num_samples:
@@ -381,16 +368,12 @@ class ShapesVQA(Dataset):
         rng = self._rng(index)
         multi = rng.random() < self.multi_image_fraction
         group = (self._multi if multi else self._single) or self._single or self._multi
-        qtype = self._choose(rng, group)
+        qtype = rng.choice(group)
         sides = "position" in group and (self.side_fraction > 0 or self.side_warmup_steps > 0)
         if sides and qtype == "position":
             warmup = step < self.side_warmup_steps
             qtype = "side" if rng.random() < (1.0 if warmup else self.side_fraction) else qtype
-        both_halves = self.side_both_halves and step >= self.side_warmup_steps
-        if qtype == "side":
-            scenes, question, answer = self._gen.side(rng, both_halves)
-        else:
-            scenes, question, answer = getattr(self._gen, qtype)(rng)
+        scenes, question, answer = getattr(self._gen, qtype)(rng)
         turns, turn_qtypes = [{"user": question, "assistant": answer}], [qtype]
         if self.questions_per_sample > 1:
             # A type first (uniformly among those with questions left), then one of its questions: types with
@@ -398,13 +381,11 @@ class ShapesVQA(Dataset):
             group = group + ["side"] if sides and "side" not in group else group
             extra = {q: [qa for qa in scene_questions(q, scenes, self.image_size) if qa[0] != question]
                      for q in group}
-            if both_halves and len({half(o, self.image_size) for o in scenes[0]}) < 2:
-                extra["side"] = []
             for _ in range(self.questions_per_sample - 1):
                 left = [q for q in group if extra[q]]
                 if not left:
                     break
-                q = self._choose(rng, left)
+                q = rng.choice(left)
                 user, assistant = extra[q].pop(rng.randrange(len(extra[q])))
                 turns.append({"user": user, "assistant": assistant})
                 turn_qtypes.append(q)

@@ -22,24 +22,15 @@ class ShapesOptions:
     side_fraction: float = 0.0
     """(shapes) Fraction of position questions asked as absolute side questions ("Is the circle left or
     right?"); extra turns then draw from side questions too. A stepping stone to relative position."""
-    position_weight: float = 1.0
-    """(shapes) Training draws position questions (first questions and extra turns) this many times as often as
-    each other single-image type: the type a small model learns last gets more of the steps."""
     side_warmup_steps: int = 0
     """(shapes) For this many first training steps every position question is a side question (the training
     sampler gives each sample the step it feeds, so data-loader workers and resumes see the same questions)."""
-    side_both_halves_after_warmup: bool = False
-    """(shapes) After the warm-up, side questions (first questions and extra turns) are asked only about scenes
-    with objects on both halves: half of the warm-up's are about a lone object, which a model can answer by
-    where the image is empty instead of by looking the named shape up."""
 
 
 def check_options(data: Any) -> None:
     for name, low in (("questions_per_sample", 1), ("side_warmup_steps", 0)):
         if getattr(data, name) < low:
             raise ConfigError(f"data.{name} must be >= {low}, got {getattr(data, name)}.")
-    if not data.position_weight > 0:
-        raise ConfigError(f"data.position_weight must be > 0, got {data.position_weight}.")
     for name in ("multi_image_fraction", "side_fraction"):
         if not 0 <= getattr(data, name) <= 1:
             raise ConfigError(f"data.{name} must be in [0, 1], got {getattr(data, name)}.")
@@ -58,8 +49,7 @@ def build(cfg: Any) -> dict[str, Any]:
     d = cfg.data
     train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
                       questions_per_sample=d.questions_per_sample, side_fraction=d.side_fraction,
-                      side_warmup_steps=d.side_warmup_steps, position_weight=d.position_weight,
-                      side_both_halves_after_warmup=d.side_both_halves_after_warmup)
+                      side_warmup_steps=d.side_warmup_steps)
     evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
     return {"train_dataset": train, "eval_dataset": evals}
 
