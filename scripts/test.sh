@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
 # Two pytest workers (pytest-xdist): the VLM demo test (~13 min on 2 cores) runs beside the rest of the suite.
-exec "$PY" -m pytest -q -n "${VLMTRAIN_TEST_WORKERS:-2}" "$@"
+# --durations: the slowest tests in every CI log, to keep the run under its 30 minutes.
+exec "$PY" -m pytest -q -n "${VLMTRAIN_TEST_WORKERS:-2}" --durations=25 "$@"

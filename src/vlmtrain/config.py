@@ -62,8 +62,7 @@ class ModelConfig:
     when pretrained is None, otherwise its entries override the pretrained config."""
     tokenizer: str | None = None
     """Hub name or local directory of the tokenizer; None: the data source's own (addition), model.pretrained's
-    (causal_lm on text data) or, for vlm, a BPE trained locally on the training texts and their role names (so
-    `user` / `assistant` are one token each)."""
+    (causal_lm on text data) or, for vlm, a BPE trained locally on the training texts."""
     vision: str | dict[str, Any] | None = None
     """(vlm) Vision tower: a Hub name or local dir, or a transformers vision config dict with model_type
     (e.g. {model_type: siglip_vision_model, image_size: 64, patch_size: 8, ...})."""

@@ -47,10 +47,8 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
         tokenizer = AutoTokenizer.from_pretrained(saved or m.tokenizer)
     else:
         first = itertools.islice(iter(train), 2000)  # (a stream has no len: its first samples)
-        # The role names too: the chat template writes one per turn, and a BPE that never saw them spends
-        # 4-9 tokens a turn spelling "user" / "assistant" (a third of a shapes demo row).
-        texts = [s for sample in first for t in (sample.get("texts") or []) if isinstance(t, dict)
-                 for k, v in t.items() if isinstance(v, str) for s in (k, v)]
+        texts = [v for sample in first for t in (sample.get("texts") or [])
+                 if isinstance(t, dict) for v in t.values() if isinstance(v, str)]
         tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
     torch.manual_seed(cfg.train.seed)
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
