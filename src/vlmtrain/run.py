@@ -272,19 +272,21 @@ def _summary(cfg: RunConfig, metrics: dict[str, Any]) -> dict[str, float]:
     return summary(metrics, "eval") if summary is not None else {}
 
 
-def demo(output_dir: str | None = None, config: str | None = None, seed: int | None = None) -> dict[str, Any]:
+def demo(output_dir: str | None = None, config: str | None = None, seed: int | None = None,
+         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU and print
     the results (per question type and against blank images for shapes-VQA, with examples), the time spent
-    and where everything went. ``seed`` sets both train.seed (initialization) and data.seed (the questions)."""
+    and where everything went. ``seed`` sets both train.seed (initialization) and data.seed (the questions);
+    ``overrides`` ({'train.eval_strategy': 'no'}, ...) win over the config and the seed."""
     from vlmtrain.data.registry import get_source
 
     path = Path(config) if config else find_demo_config()
     if not path.is_file():
         raise ConfigError(f"demo config {str(path)!r} does not exist.")
-    overrides: dict[str, Any] = {"train.output_dir": output_dir} if output_dir else {}
+    settings: dict[str, Any] = {"train.output_dir": output_dir} if output_dir else {}
     if seed is not None:
-        overrides.update({"train.seed": seed, "data.seed": seed})
-    cfg = load_run_config(path, overrides or None)
+        settings.update({"train.seed": seed, "data.seed": seed})
+    cfg = load_run_config(path, {**settings, **(overrides or {})} or None)
     start = time.perf_counter()
     trainer, metrics = _train(cfg)
     out = cfg.train.output_dir
