@@ -16,13 +16,13 @@ from typing import Any, Literal
 import yaml
 
 from vlmtrain.config_checks import (
-    _allows_none,
-    _check_argv,
-    _field_names,
-    _normalize_overrides,
-    _translate,
-    _type_name,
+    allows_none,
+    check_argv,
     check_keys,
+    field_names,
+    normalize_overrides,
+    translate_error,
+    type_name,
 )
 from vlmtrain.data.registry import SOURCES, all_sources
 from vlmtrain.errors import ConfigError
@@ -233,19 +233,19 @@ def parse_with(parser: Any, argv: list[str], overrides: dict[str, Any] | None = 
         (front if argv[i].startswith("--config=") else rest).append(argv[i])
         i += 1
     argv = front + rest
-    _check_argv(parser, argv)
-    nested = _normalize_overrides(overrides or {})
+    check_argv(parser, argv)
+    nested = normalize_overrides(overrides or {})
     check_keys(nested, "overrides")
     try:
         ns = parser.parse_args(argv)
         if nested:
             ns = parser.parse_object(nested, ns)
     except Exception as e:  # jsonargparse.ArgumentError and friends; ConfigError never comes from here
-        raise _translate(e) from None
+        raise translate_error(e) from None
     for section in SECTIONS:
-        for key in _field_names(section):
-            if ns[f"{section}.{key}"] is None and not _allows_none(section, key):
-                raise ConfigError(f"{section}.{key}: expected {_type_name(section, key)}, got null.")
+        for key in field_names(section):
+            if ns[f"{section}.{key}"] is None and not allows_none(section, key):
+                raise ConfigError(f"{section}.{key}: expected {type_name(section, key)}, got null.")
     init = parser.instantiate(ns)  # TrainingArguments' own ConfigError comes through unchanged
     return RunConfig(model=init.model, data=init.data, train=init.train), ns
 

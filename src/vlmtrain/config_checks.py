@@ -41,7 +41,7 @@ def _unknown(kind: str, name: str, choices: list[str], where: str, prefix: str =
     return ConfigError(f"unknown {kind} {name!r} {place}.{hint}")
 
 
-def _field_names(section: str) -> list[str]:
+def field_names(section: str) -> list[str]:
     return [f.name for f in dataclasses.fields(_sections()[section])]
 
 
@@ -63,13 +63,13 @@ def check_section_keys(section: str, body: Any, where: str) -> None:
         return
     if not isinstance(body, dict):
         raise ConfigError(f"section {section!r} in {where} must be a mapping of keys to values, got {body!r}.")
-    names = _field_names(section)
+    names = field_names(section)
     for key in body:
         if key not in names:
             raise _unknown("key", f"{section}.{key}", names, where, prefix=f"{section}.")
 
 
-def _type_name(section: str, key: str) -> str:
+def type_name(section: str, key: str) -> str:
     hint = typing.get_type_hints(_sections()[section])[key]
     if typing.get_origin(hint) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
@@ -83,15 +83,15 @@ def _members(section: str, key: str) -> tuple[Any, ...]:
     return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
 
 
-def _allows_none(section: str, key: str) -> bool:
+def allows_none(section: str, key: str) -> bool:
     return any(t is Any or t is type(None) for t in _members(section, key))
 
 
-def _translate(err: Exception) -> ConfigError:
+def translate_error(err: Exception) -> ConfigError:
     """Turn a jsonargparse error into a ConfigError that names the key (and the expected type)."""
     msg = str(err)
     m = re.search(r'Parser key "(\w+)\.(\w+)"', msg)
-    if m and m.group(1) in _sections() and m.group(2) in _field_names(m.group(1)):
+    if m and m.group(1) in _sections() and m.group(2) in field_names(m.group(1)):
         section, key = m.groups()
         got = re.findall(r"(?:Got value|Given value): (.*)", msg)
         value = got[-1].strip() if got else "?"
@@ -99,16 +99,16 @@ def _translate(err: Exception) -> ConfigError:
         hint = ""
         if str in _members(section, key) and re.fullmatch(r"true|false|[-+.\deE]+", value):
             hint = f" (quote it to pass a string: '{value}')"
-        return ConfigError(f"{section}.{key}: expected {_type_name(section, key)}, got {value}{hint}.")
+        return ConfigError(f"{section}.{key}: expected {type_name(section, key)}, got {value}{hint}.")
     m = re.search(r"Group '(\w+)' does not accept option '([\w.]+)'", msg)
     if m and m.group(1) in _sections():
-        return _unknown("key", f"{m.group(1)}.{m.group(2)}", _field_names(m.group(1)), "a config file",
+        return _unknown("key", f"{m.group(1)}.{m.group(2)}", field_names(m.group(1)), "a config file",
                         prefix=f"{m.group(1)}.")
     return ConfigError(f"invalid configuration: {msg}")
 
 
 # -- command-line checks -------------------------------------------------------------------------------
-def _check_argv(parser: Any, argv: list[str]) -> None:
+def check_argv(parser: Any, argv: list[str]) -> None:
     """Check option names and the config files they point to, before jsonargparse sees them."""
     known = set(parser._option_string_actions)  # argparse's registry of every option string
     for i, token in enumerate(argv):
@@ -125,10 +125,10 @@ def _check_argv(parser: Any, argv: list[str]) -> None:
             continue
         section, _, key = name[2:].partition(".")
         key = key.split(".", 1)[0].rstrip("+")
-        if section in _sections() and key in _field_names(section) and "dict" in _type_name(section, key):
+        if section in _sections() and key in field_names(section) and "dict" in type_name(section, key):
             continue  # --model.config.hidden_size 64 sets one entry of a dict-typed key
         if section in _sections():
-            raise _unknown("key", f"{section}.{key}", _field_names(section), "the command line",
+            raise _unknown("key", f"{section}.{key}", field_names(section), "the command line",
                            prefix=f"{section}.")
         if key:
             raise _unknown("section", section, list(_sections()), "the command line")
@@ -154,7 +154,7 @@ def _check_file(path: str | None, section: str | None) -> None:
         check_section_keys(section, data, path)
 
 
-def _normalize_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def normalize_overrides(overrides: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """{'train.learning_rate': 3e-4} and {'train': {'learning_rate': 3e-4}} -> the nested form."""
     nested: dict[str, dict[str, Any]] = {}
     for key, value in overrides.items():

@@ -19,31 +19,22 @@ from typing import Any
 from PIL import Image
 from torch.utils.data import Dataset
 
-# The scene vocabulary and generators live in shapes_scenes; re-exported: callers import them from here.
+# The scene vocabulary, drawing and questions live in shapes_scenes; the public names are re-exported here.
 from vlmtrain.tasks.shapes_scenes import (  # noqa: F401
     ANSWERS,
     BACKGROUND,
     CHANCE,
     COLORS,
     DEFAULT_QTYPES,
-    GRID,
-    MAX_OBJECTS,
     MULTI_IMAGE_QTYPES,
-    NUM_BUCKETS,
     PLURALS,
     QTYPES,
-    QUESTION,
     SHAPES,
     SINGLE_IMAGE_QTYPES,
     SPLIT_BUCKETS,
-    Obj,
-    Scene,
     _Generator,
-    half,
     is_multi_image,
-    position_margin,
     render_scene,
-    scene_bucket,
     scene_questions,
 )
 

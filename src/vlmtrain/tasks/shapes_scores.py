@@ -38,7 +38,7 @@ class ShapesScores(Dataset):
 
     def __init__(self, split: str = "train", num_samples: int = 1000, seed: int = 0,
                  image_size: int = IMAGE_SIZE) -> None:
-        from vlmtrain.tasks.shapes import SPLIT_BUCKETS, _Generator
+        from vlmtrain.tasks.shapes_scenes import SPLIT_BUCKETS, _Generator
 
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -51,7 +51,7 @@ class ShapesScores(Dataset):
         return self.num_samples
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        from vlmtrain.tasks.shapes import render_scene
+        from vlmtrain.tasks.shapes_scenes import render_scene
 
         if not -self.num_samples <= index < self.num_samples:
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
@@ -69,7 +69,7 @@ class ShapesScores(Dataset):
 
 
 def _color_names() -> tuple[str, ...]:
-    from vlmtrain.tasks.shapes import COLORS
+    from vlmtrain.tasks.shapes_scenes import COLORS
 
     return tuple(COLORS)
 
