@@ -152,8 +152,14 @@ def test_step_keyed_warmup_takes_workers_but_not_packing_windows(tmp_path):
     raw["data"]["pack_window"] = 4
     with pytest.raises(ConfigError, match="side_warmup_steps needs data.pack_window: null"):
         load_run_config(write(tmp_path, raw))
+    raw["data"]["side_warmup_steps"], raw["data"]["lookup_warmup_steps"] = 0, 10
+    with pytest.raises(ConfigError, match="lookup_warmup_steps needs data.pack_window: null"):
+        load_run_config(write(tmp_path, raw))
     raw["data"]["pack_window"], raw["data"]["side_fraction"] = None, 1.5
     with pytest.raises(ConfigError, match="side_fraction must be in"):
+        load_run_config(write(tmp_path, raw))
+    raw["data"]["side_fraction"], raw["data"]["lookup_warmup_steps"] = 0.25, -1
+    with pytest.raises(ConfigError, match="lookup_warmup_steps must be >= 0"):
         load_run_config(write(tmp_path, raw))
 
 

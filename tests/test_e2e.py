@@ -66,12 +66,11 @@ def test_addition_example_reaches_95_percent_on_held_out_sums(tmp_path):
 @pytest.mark.slow
 def test_vlm_demo_learns_shapes_vqa_from_the_images(tmp_path, capsys):
     """`vlmtrain demo` (configs/shapes-tiny.yaml, ~9 min on 2 cores): held-out single-/multi-image exact match
-    at issue 3's targets (0.90 / 0.80), relative position off chance, and every group at chance once the images
-    are blanked: the answers come from the pixels.
+    at issue 16's targets (0.90 / 0.80, relative position 0.75), and every group at chance once the images are
+    blanked: the answers come from the pixels.
 
-    Measured: single 0.927 (position 0.725), multi 0.935; blank 0.247 / 0.390. Under xdist (scripts/test.sh) it
-    runs on one torch thread (conftest), which changes the floating point: single 0.930 (position 0.73), multi
-    0.953, in 874 s (2026-11-23)."""
+    Measured at one torch thread, as under xdist (conftest; the thread count changes the floating point), seeds 0,
+    on the CI machine (2026-11-24): single 0.979 (position 0.925), multi 0.865; blank 0.273 / 0.315."""
     from vlmtrain.tasks.shapes import CHANCE, MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
 
     # Only the final evaluation: evaluations during training do not change it (same losses step for step with
@@ -79,7 +78,7 @@ def test_vlm_demo_learns_shapes_vqa_from_the_images(tmp_path, capsys):
     metrics = run.demo(output_dir=str(tmp_path), overrides={"train.eval_strategy": "no"})
     assert metrics["eval_single_image_exact_match"] >= 0.90, metrics
     assert metrics["eval_multi_image_exact_match"] >= 0.80, metrics
-    assert metrics["eval_position_exact_match"] >= 0.65, metrics
+    assert metrics["eval_position_exact_match"] >= 0.75, metrics
     for q in ("color", "shape", "count"):
         assert metrics[f"eval_{q}_exact_match"] >= 0.95, metrics
     for group, qtypes in (("single_image", SINGLE_IMAGE_QTYPES), ("multi_image", MULTI_IMAGE_QTYPES)):

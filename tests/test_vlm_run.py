@@ -229,6 +229,28 @@ def test_image_normalization_comes_from_the_config(tmp_path):
         _config(tmp_path, data={"image_std": [0.5, 0.5]})
 
 
+def test_trained_tokenizer_spends_one_token_per_role_name(tmp_path):
+    """The BPE trained for a run sees the chat roles, so a turn's template costs 10 tokens (5 a message), not ~19."""
+    trainer = run.build(_config(tmp_path, data={"questions_per_sample": 3}))
+    tok = trainer.processing_class
+    assert len(tok("user").input_ids) == 1 and len(tok("assistant").input_ids) == 1
+    sample = trainer.train_dataset[0]
+    row = trainer.data_collator([sample])["attention_mask"].sum().item()
+    content = sum(len(tok(t[role]).input_ids) for t in sample["texts"] for role in ("user", "assistant"))
+    per_turn = (row - content - trainer.model.config.image_token_length) / len(sample["texts"])
+    assert per_turn == 10, per_turn  # <|im_start|> role \n ... <|im_end|> \n: 5 tokens a message, 2 a turn
+
+
+def test_trained_tokenizer_sees_every_phase_of_a_curriculum(tmp_path):
+    """With a lookup warm-up the first items ask no count questions; the BPE still learns their words because
+    it reads the items as the steps across the whole run see them."""
+    data = {"lookup_warmup_steps": 5, "num_train": 400}
+    warm = run.build(_config(tmp_path, data=data, train={"max_steps": 10})).processing_class
+    never = run.build(_config(tmp_path, data=data, train={"max_steps": 5})).processing_class  # all warm-up
+    question = "How many crosses are there?"
+    assert len(warm(question).input_ids) <= 6 < len(never(question).input_ids)
+
+
 def test_generate_preprocesses_images_as_training_did(tmp_path, monkeypatch):
     from vlmtrain.data.processing import VLMProcessor
 

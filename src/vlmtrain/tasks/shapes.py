@@ -38,6 +38,9 @@ from vlmtrain.tasks.shapes_scenes import (  # noqa: F401
     scene_questions,
 )
 
+# What the lookup warm-up asks: each names an object (or a colour) that must be found among the others.
+LOOKUP_QTYPES = ("color", "shape", "position", "side", "multi_color")
+
 
 class ShapesVQA(Dataset):
     """Map-style synthetic VQA over coloured shapes; item ``i`` is a pure function of (seed, split, i).
@@ -76,6 +79,7 @@ class ShapesVQA(Dataset):
         questions_per_sample: int = 1,
         side_fraction: float = 0.0,
         side_warmup_steps: int = 0,
+        lookup_warmup_steps: int = 0,
     ) -> None:
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -87,9 +91,9 @@ class ShapesVQA(Dataset):
             raise ValueError(f"multi_image_fraction must be in [0, 1], got {multi_image_fraction}")
         if questions_per_sample < 1:
             raise ValueError(f"questions_per_sample must be >= 1, got {questions_per_sample}")
-        if not 0.0 <= side_fraction <= 1.0 or side_warmup_steps < 0:
-            raise ValueError(f"side_fraction must be in [0, 1] and side_warmup_steps >= 0, got {side_fraction} "
-                             f"and {side_warmup_steps}")
+        if not 0.0 <= side_fraction <= 1.0 or side_warmup_steps < 0 or lookup_warmup_steps < 0:
+            raise ValueError(f"side_fraction must be in [0, 1] and the warm-up steps >= 0, got {side_fraction}, "
+                             f"{side_warmup_steps} and {lookup_warmup_steps}")
         qtypes = list(DEFAULT_QTYPES) if qtypes is None else list(qtypes)
         unknown = [q for q in qtypes if q not in QTYPES]
         if unknown or not qtypes:
@@ -100,12 +104,13 @@ class ShapesVQA(Dataset):
         self._single = [q for q in QTYPES if q in qtypes and not is_multi_image(q)]
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
         self.side_fraction, self.side_warmup_steps = side_fraction, side_warmup_steps
+        self.lookup_warmup_steps = lookup_warmup_steps
         self._gen = _Generator(split, image_size)
 
     @property
     def follows_step(self) -> bool:
-        """True with a side warm-up: an item then depends on the training step it feeds."""
-        return self.side_warmup_steps > 0
+        """True with a warm-up: an item then depends on the training step it feeds."""
+        return self.side_warmup_steps > 0 or self.lookup_warmup_steps > 0
 
     def __len__(self) -> int:
         return self.num_samples
@@ -125,12 +130,18 @@ class ShapesVQA(Dataset):
         rng = self._rng(index)
         multi = rng.random() < self.multi_image_fraction
         group = (self._multi if multi else self._single) or self._single or self._multi
+        lookup = step < self.lookup_warmup_steps
+        if lookup:
+            group = [q for q in group if q in LOOKUP_QTYPES] or group
         qtype = rng.choice(group)
         sides = "position" in group and (self.side_fraction > 0 or self.side_warmup_steps > 0)
         if sides and qtype == "position":
             warmup = step < self.side_warmup_steps
             qtype = "side" if rng.random() < (1.0 if warmup else self.side_fraction) else qtype
-        scenes, question, answer = getattr(self._gen, qtype)(rng)
+        if lookup and qtype in ("color", "shape"):
+            scenes, question, answer = getattr(self._gen, qtype)(rng, min_objects=2)
+        else:
+            scenes, question, answer = getattr(self._gen, qtype)(rng)
         turns, turn_qtypes = [{"user": question, "assistant": answer}], [qtype]
         if self.questions_per_sample > 1:
             # A type first (uniformly among those with questions left), then one of its questions: types with

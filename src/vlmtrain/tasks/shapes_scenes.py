@@ -150,21 +150,22 @@ class _Generator:
     def attrs(rng: random.Random, n: int, shapes=SHAPES, colors=tuple(COLORS)) -> list[tuple[str, str]]:
         return [(rng.choice(shapes), rng.choice(colors)) for _ in range(n)]
 
-    def _with_unique(self, rng: random.Random, by: int) -> tuple[list[tuple[str, str]], tuple[str, str]]:
+    def _with_unique(self, rng: random.Random, by: int,
+                     min_objects: int = 1) -> tuple[list[tuple[str, str]], tuple[str, str]]:
         """Objects for one image and one of them whose shape (by=0) or colour (by=1) occurs only once."""
         while True:
-            attrs = self.attrs(rng, rng.randint(1, MAX_OBJECTS))
+            attrs = self.attrs(rng, rng.randint(min_objects, MAX_OBJECTS))
             counts = Counter(a[by] for a in attrs)
             unique = [a for a in attrs if counts[a[by]] == 1]
             if unique:
                 return attrs, rng.choice(unique)
 
-    def color(self, rng: random.Random) -> tuple[list[Scene], str, str]:
-        attrs, (shape, color) = self._with_unique(rng, by=0)
+    def color(self, rng: random.Random, min_objects: int = 1) -> tuple[list[Scene], str, str]:
+        attrs, (shape, color) = self._with_unique(rng, by=0, min_objects=min_objects)
         return [self.layout(rng, attrs)], QUESTION["color"].format(shape=shape), color
 
-    def shape(self, rng: random.Random) -> tuple[list[Scene], str, str]:
-        attrs, (shape, color) = self._with_unique(rng, by=1)
+    def shape(self, rng: random.Random, min_objects: int = 1) -> tuple[list[Scene], str, str]:
+        attrs, (shape, color) = self._with_unique(rng, by=1, min_objects=min_objects)
         return [self.layout(rng, attrs)], QUESTION["shape"].format(color=color), shape
 
     def count(self, rng: random.Random) -> tuple[list[Scene], str, str]:

@@ -25,10 +25,14 @@ class ShapesOptions:
     side_warmup_steps: int = 0
     """(shapes) For this many first training steps every position question is a side question (the training
     sampler gives each sample the step it feeds, so data-loader workers and resumes see the same questions)."""
+    lookup_warmup_steps: int = 0
+    """(shapes) For this many first training steps only look-up questions are asked (colour, shape,
+    position/side, multi_color), colour and shape ones about 2-4 objects: no answer without finding the
+    named object. Follows the step as side_warmup_steps does."""
 
 
 def check_options(data: Any) -> None:
-    for name, low in (("questions_per_sample", 1), ("side_warmup_steps", 0)):
+    for name, low in (("questions_per_sample", 1), ("side_warmup_steps", 0), ("lookup_warmup_steps", 0)):
         if getattr(data, name) < low:
             raise ConfigError(f"data.{name} must be >= {low}, got {getattr(data, name)}.")
     for name in ("multi_image_fraction", "side_fraction"):
@@ -37,9 +41,10 @@ def check_options(data: Any) -> None:
 
 
 def check(cfg: Any) -> None:
-    if cfg.data.side_warmup_steps and cfg.data.pack_window:
-        raise ConfigError("data.side_warmup_steps needs data.pack_window: null (the warm-up follows the training "
-                          "step, which the sampler gives each sample; packing windows streams them instead).")
+    for name in ("side_warmup_steps", "lookup_warmup_steps"):
+        if getattr(cfg.data, name) and cfg.data.pack_window:
+            raise ConfigError(f"data.{name} needs data.pack_window: null (the warm-up follows the training "
+                              "step, which the sampler gives each sample; packing windows streams them instead).")
 
 
 def build(cfg: Any) -> dict[str, Any]:
@@ -49,7 +54,7 @@ def build(cfg: Any) -> dict[str, Any]:
     d = cfg.data
     train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
                       questions_per_sample=d.questions_per_sample, side_fraction=d.side_fraction,
-                      side_warmup_steps=d.side_warmup_steps)
+                      side_warmup_steps=d.side_warmup_steps, lookup_warmup_steps=d.lookup_warmup_steps)
     evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
     return {"train_dataset": train, "eval_dataset": evals}
 

@@ -3,7 +3,6 @@ projector + causal LM decoder), on any the_cauldron-schema source."""
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +36,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     from vlmtrain.data.vlm_collate import VLMCollator
     from vlmtrain.models.build import build_vlm
     from vlmtrain.models.meta import model_init
+    from vlmtrain.trainer.step_data import items_across_training
 
     m, d = cfg.model, cfg.data
     train = source["train_dataset"]
@@ -46,9 +46,11 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
 
         tokenizer = AutoTokenizer.from_pretrained(saved or m.tokenizer)
     else:
-        first = itertools.islice(iter(train), 2000)  # (a stream has no len: its first samples)
-        texts = [v for sample in first for t in (sample.get("texts") or [])
-                 if isinstance(t, dict) for v in t.values() if isinstance(v, str)]
+        first = items_across_training(train, 2000, cfg.train.max_steps)
+        # The role names too: the chat template writes one per turn, and a BPE that never saw them spends
+        # 4-9 tokens a turn spelling "user" / "assistant" (a third of a shapes demo row).
+        texts = [s for sample in first for t in (sample.get("texts") or []) if isinstance(t, dict)
+                 for k, v in t.items() if isinstance(v, str) for s in (k, v)]
         tokenizer = build_chat_tokenizer(texts, vocab_size=d.tokenizer_vocab_size)
     torch.manual_seed(cfg.train.seed)
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
