@@ -138,10 +138,8 @@ class ShapesVQA(Dataset):
         if sides and qtype == "position":
             warmup = step < self.side_warmup_steps
             qtype = "side" if rng.random() < (1.0 if warmup else self.side_fraction) else qtype
-        if lookup and qtype in ("color", "shape"):
-            scenes, question, answer = getattr(self._gen, qtype)(rng, min_objects=2)
-        else:
-            scenes, question, answer = getattr(self._gen, qtype)(rng)
+        several = {"min_objects": 2} if lookup and qtype in ("color", "shape") else {}
+        scenes, question, answer = getattr(self._gen, qtype)(rng, **several)
         turns, turn_qtypes = [{"user": question, "assistant": answer}], [qtype]
         if self.questions_per_sample > 1:
             # A type first (uniformly among those with questions left), then one of its questions: types with
