@@ -67,7 +67,8 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
     with pytest.raises(ConfigError, match="missing_image"):
         run.generate(str(tmp_path / "run"), "What color?", images=[str(tmp_path / "nope.png")])
 
-    # scripts/shapes_lookup.py reads the same checkpoint: every head's attention is split over the four groups.
+    # scripts/shapes_lookup.py reads the same checkpoint: every head's attention is split over the four groups;
+    # of the text, the share on the naming word(s) and the token drawing the most.
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "shapes_lookup.py"), str(tmp_path / "run" / "checkpoint-2"),
                           "--samples", "4", "--json"], capture_output=True, text=True, check=True)
     report = json.loads(out.stdout)
@@ -75,8 +76,12 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
     for r in report.values():
         assert 0.0 <= r["accuracy"] <= 1.0
         for head in (h for layer in r["attention"] for h in layer):
-            assert set(head) == {"named", "other_objects", "background", "text"}
-            assert sum(head.values()) == pytest.approx(1.0, abs=5e-3) and head["named"] > 0.0
+            groups = {k: head[k] for k in ("named", "other_objects", "background", "text")}
+            assert set(head) == set(groups) | {"named_words", "top_text"}
+            assert sum(groups.values()) == pytest.approx(1.0, abs=5e-3) and head["named"] > 0.0
+            assert 0.0 < head["named_words"] <= head["text"] + 1e-3  # the question names its object(s)
+            word, share = head["top_text"]
+            assert isinstance(word, str) and 0.0 < share <= head["text"] + 1e-3
 
 
 def test_demo_report_for_a_shapes_config(tmp_path, capsys):
