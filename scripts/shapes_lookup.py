@@ -59,8 +59,12 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
     def token(o: tuple) -> int:  # the image token an object's centre falls in (row-major grid)
         return int(o[3] // cell) * grid + int(o[2] // cell)
 
-    shown = {i: tokenizer.decode([i]) for i in range(len(tokenizer))}  # " left", "\n", ...
-    words = {i: w.strip() for i, w in shown.items()}
+    shown: dict[int, str] = {}  # token id -> its text (" left", "\n", ...), decoded once per id seen
+
+    def text(i: int) -> str:
+        if i not in shown:
+            shown[i] = tokenizer.decode([i])
+        return shown[i]
 
     report: dict[str, Any] = {}
     for qtype in QTYPES:
@@ -87,7 +91,7 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
             names = {o[1] if qtype == "shape" else o[0] for o in objects}
             ids = [int(t) for t in batch["input_ids"][i, :answer_pos + 1]]
             text_pos = [p for p, t in enumerate(ids) if t != model.config.image_token_id]
-            name_pos = [p for p in text_pos if words[ids[p]] in names]
+            name_pos = [p for p in text_pos if text(ids[p]).strip() in names]
             others = {token(o) for o in scene} - named
             for layer, attn in enumerate(out.attentions):
                 row = attn[i, :, answer_pos]  # [heads, seq]
@@ -96,10 +100,9 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
                 empty = on_image.sum(-1) - parts[0] - parts[1]
                 mass[layer, :, :] += torch.stack([*parts, empty, row.sum(-1) - on_image.sum(-1)], dim=-1)
                 on_words[layer] += row[:, name_pos].sum(-1)
-                for h in range(heads):
-                    for p in text_pos:
-                        w = shown[ids[p]]
-                        by_text[layer][h][w] = by_text[layer][h].get(w, 0.0) + float(row[h, p])
+                for h, values in enumerate(row[:, text_pos].tolist()):
+                    for p, v in zip(text_pos, values):
+                        by_text[layer][h][text(ids[p])] = by_text[layer][h].get(text(ids[p]), 0.0) + v
         mass /= samples
         on_words /= samples
         report[qtype] = {"accuracy": correct / samples,
