@@ -25,6 +25,8 @@ import json
 import math
 import os
 import sys
+from collections import Counter
+from functools import cache
 from typing import Any
 
 import torch
@@ -59,12 +61,9 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
     def token(o: tuple) -> int:  # the image token an object's centre falls in (row-major grid)
         return int(o[3] // cell) * grid + int(o[2] // cell)
 
-    shown: dict[int, str] = {}  # token id -> its text (" left", "\n", ...), decoded once per id seen
-
-    def text(i: int) -> str:
-        if i not in shown:
-            shown[i] = tokenizer.decode([i])
-        return shown[i]
+    @cache
+    def text(i: int) -> str:  # token id -> its text (" left", "\n", ...), decoded once per id seen
+        return tokenizer.decode([i])
 
     report: dict[str, Any] = {}
     for qtype in QTYPES:
@@ -78,7 +77,7 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
         layers, heads = len(out.attentions), out.attentions[0].shape[1]
         mass = torch.zeros(layers, heads, len(GROUPS))
         on_words = torch.zeros(layers, heads)
-        by_text: list[list[dict[str, float]]] = [[{} for _ in range(heads)] for _ in range(layers)]
+        by_text: list[list[Counter[str]]] = [[Counter() for _ in range(heads)] for _ in range(layers)]
         correct = 0
         for i, sample in enumerate(batch_samples):
             first = int((batch["labels"][i] != -100).nonzero()[0])
@@ -102,7 +101,7 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
                 on_words[layer] += row[:, name_pos].sum(-1)
                 for h, values in enumerate(row[:, text_pos].tolist()):
                     for p, v in zip(text_pos, values):
-                        by_text[layer][h][text(ids[p])] = by_text[layer][h].get(text(ids[p]), 0.0) + v
+                        by_text[layer][h][text(ids[p])] += v
         mass /= samples
         on_words /= samples
         report[qtype] = {"accuracy": correct / samples,
