@@ -4,16 +4,18 @@
 
 For held-out single-image questions of each type that names an object (color: "What color is the
 circle?", shape: "What shape is the red object?", position: "Relative to the square, is the circle left
-or right?", side: "Is the circle left or right?"): how often the first answer token is right (greedy), and, for every decoder layer and head,
-where the answer position's attention goes: the image token(s) of the named object(s), the image
+or right?", side: "Is the circle left or right?"): how often the deciding answer token is right (greedy: the
+first one; for side and position, answered "circle left", the side word), and, for every decoder layer and
+head, where the position that predicts it attends: the image token(s) of the named object(s), the image
 tokens of the other objects, the empty image tokens, and the text; of the text, the share on the word(s)
 naming the object(s) and the text token that draws the most attention. A type the model answers by looking
 the named object up has a head with most of its mass on it: in the demo, ~0.95 on the named shape for
 colour and shape questions, 0.62 on the two named objects for relative position (at most 0.25 before the
-demo's side-question warm-up, when position stayed at chance). A look-up needs the named word brought to
-the answer position first: in the demo a layer-0 head does that by content, and where it fails (on seeds 1-2
-it puts 0.97 of its attention on " left" in side and position questions, 0.67-0.93 on the noun in colour
-questions) the look-up head never fires for that type.
+demo's side-question warm-up, when position stayed at chance). A look-up needs the named word at the
+answer position: with one-word side answers a layer-0 head had to bring it there by content, and where it
+failed (on seeds 1-2 it put 0.97 of its attention on " left" in side and position questions, 0.67-0.93 on the
+noun in colour questions) the look-up head never fired for that type; side and position answers now name the
+object first, so the side word is predicted at the noun's own position.
 
 Needs single-image scenes drawn on the shapes grid (one object per image token, as the demo has).
 """
@@ -50,7 +52,7 @@ def named_objects(qtype: str, question: str, scene: list) -> list:
 
 
 def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[str, Any]:
-    """Per question type: ``accuracy`` of the first answer token and ``attention[layer][head][group]``."""
+    """Per question type: ``accuracy`` of the deciding answer token and ``attention[layer][head][group]``."""
     model = VisionLanguageModel.from_pretrained(checkpoint).eval()
     model.decoder.set_attn_implementation("eager")  # SDPA returns no attention weights
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -80,9 +82,12 @@ def lookup_report(checkpoint: str, samples: int = 200, seed: int = 0) -> dict[st
         by_text: list[list[Counter[str]]] = [[Counter() for _ in range(heads)] for _ in range(layers)]
         correct = 0
         for i, sample in enumerate(batch_samples):
-            first = int((batch["labels"][i] != -100).nonzero()[0])
-            answer_pos = first - 1  # the position whose logits predict the first answer token
-            correct += int(out.logits[i, answer_pos].argmax()) == int(batch["labels"][i, first])
+            targets = (batch["labels"][i] != -100).nonzero()[:, 0]
+            # The token that decides: the first of a one-word answer; the side word of "circle left" (the last
+            # token before the end-of-turn token).
+            decide = int(targets[-2] if qtype in ("position", "side") else targets[0])
+            answer_pos = decide - 1  # the position whose logits predict it
+            correct += int(out.logits[i, answer_pos].argmax()) == int(batch["labels"][i, decide])
             image_pos = (batch["input_ids"][i] == model.config.image_token_id).nonzero()[:, 0]
             scene = sample["scene"][0]
             objects = named_objects(qtype, sample["texts"][0]["user"], scene)
@@ -119,10 +124,10 @@ def _top(mass: dict[str, float], samples: int) -> list:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = ["attention of the answer position, per head: named object(s) / other objects / empty / text "
+    lines = ["attention of the position predicting the deciding token, per head: named object(s) / other objects / empty / text "
              "(of which on the naming word(s); the text token drawing the most)"]
     for qtype, r in report.items():
-        lines.append(f"{qtype}: first-token accuracy {r['accuracy']:.3f}")
+        lines.append(f"{qtype}: deciding-token accuracy {r['accuracy']:.3f}")
         for layer, heads in enumerate(r["attention"]):
             cells = "  ".join("/".join(f"{h[g]:.2f}" for g in GROUPS)
                               + f" ({h['named_words']:.2f}; {h['top_text'][0]!r} {h['top_text'][1]:.2f})" for h in heads)

@@ -20,6 +20,7 @@ from vlmtrain.tasks.shapes import (
     QTYPES,
     SHAPES,
     ShapesVQA,
+    answer_word,
     is_multi_image,
     render_scene,
 )
@@ -57,11 +58,11 @@ def _oracle(qtype: str, question: str, scenes: list[list[tuple]]) -> str:
         (a,) = [o for o in scenes[0] if o[0] == m[2]]  # each named shape must be unique in the scene
         (b,) = [o for o in scenes[0] if o[0] == m[1]]
         assert abs(a[2] - b[2]) >= 64 / 6, "position pairs must be clearly separated"
-        return "left" if a[2] < b[2] else "right"
+        return f"{m[2]} " + ("left" if a[2] < b[2] else "right")  # the named object, then its side
     if qtype == "side":
         (a,) = [o for o in scenes[0] if o[0] == re.fullmatch(r"Is the (\w+) left or right\?", question)[1]]
         assert a[2] < 32 - 4 or a[2] > 32 + 4, "objects never straddle the middle"
-        return "left" if a[2] < 32 else "right"
+        return f"{a[0]} " + ("left" if a[2] < 32 else "right")
     if qtype == "multi_count":
         shape = SINGULAR[re.fullmatch(r"Which image has more (\w+)\?", question)[1]]
         c1, c2 = (sum(o[0] == shape for o in s) for s in scenes)
@@ -81,7 +82,7 @@ def test_schema_and_answers_are_correct(train_items: list[dict]) -> None:
         assert len(it["images"]) == len(it["scene"]) == (2 if is_multi_image(it["qtype"]) else 1)
         assert all(img.mode == "RGB" and img.size == (64, 64) for img in it["images"])
         (turn,) = it["texts"]
-        assert turn["assistant"] in ANSWERS[it["qtype"]]
+        assert answer_word(it["qtype"], turn["assistant"]) in ANSWERS[it["qtype"]]
         assert _oracle(it["qtype"], turn["user"], it["scene"]) == turn["assistant"], it["id"]
 
 
@@ -145,7 +146,7 @@ def test_answer_balance(train_items: list[dict]) -> None:
     side = ShapesVQA("train", 300, seed=0, qtypes=["side"])
     items = train_items + [side[i] for i in range(len(side))]
     for qtype in QTYPES:
-        answers = Counter(it["texts"][0]["assistant"] for it in items if it["qtype"] == qtype)
+        answers = Counter(answer_word(qtype, it["texts"][0]["assistant"]) for it in items if it["qtype"] == qtype)
         total = sum(answers.values())
         assert set(answers) == set(ANSWERS[qtype]), qtype
         uniform = 1 / len(ANSWERS[qtype])

@@ -2,11 +2,11 @@
 
     python -m vlmtrain.evaluation.shapes_task OUT_DIR [--num-samples 64] [--seed 0]
 
-writes OUT_DIR/shapes_vqa.yaml (task ``shapes_vqa``: exact match of the one-word answer), shapes_vqa.jsonl
-(one question per line, image paths relative to it), images/*.png and utils.py (lmms-eval's
-``doc_to_visual``: the images, opened from paths next to the YAML). The same four files make a task of any
-JSONL of one's own; ``vlmtrain eval --train.lmms_eval_include_path OUT_DIR --train.lmms_eval_tasks
-'[shapes_vqa]'`` runs it.
+writes OUT_DIR/shapes_vqa.yaml (task ``shapes_vqa``: exact match of the answer, one word or, for side and
+position questions, the object then its side: "circle left"), shapes_vqa.jsonl (one question per line, image
+paths relative to it), images/*.png and utils.py (lmms-eval's ``doc_to_visual``: the images, opened from paths
+next to the YAML). The same four files make a task of any JSONL of one's own; ``vlmtrain eval
+--train.lmms_eval_include_path OUT_DIR --train.lmms_eval_tasks '[shapes_vqa]'`` runs it.
 """
 
 from __future__ import annotations

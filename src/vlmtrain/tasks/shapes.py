@@ -1,4 +1,4 @@
-"""Synthetic shapes VQA: coloured shapes drawn with PIL and one-word questions about them.
+"""Synthetic shapes VQA: coloured shapes drawn with PIL and short-answer questions about them.
 
 Samples follow the_cauldron schema (``{"images": [...], "texts": [{"user", "assistant"}]}``) plus
 ``qtype``, ``id`` and ``scene`` (per image, a list of ``(shape, color, x, y, size)``: centre and
@@ -33,9 +33,11 @@ from vlmtrain.tasks.shapes_scenes import (  # noqa: F401
     SINGLE_IMAGE_QTYPES,
     SPLIT_BUCKETS,
     _Generator,
+    answer_word,
     is_multi_image,
     render_scene,
     scene_questions,
+    where_answer,
 )
 
 # What the lookup warm-up asks: each names an object (or a colour) that must be found among the others.
@@ -49,7 +51,8 @@ class ShapesVQA(Dataset):
     ``multi_color``); the rest ask about one (``color``, ``shape``, ``count``, ``position``), the
     types within each group drawn uniformly. ``qtypes`` restricts the types; if it holds only one
     group, every item comes from that group. Answers are single words from ``ANSWERS[qtype]``,
-    balanced within each type. Splits ``train``/``val``/``test`` never share an image, whatever the
+    balanced within each type, except that side and position answers name the object first ("circle left":
+    :func:`where_answer`; :func:`answer_word` gives the side). Splits ``train``/``val``/``test`` never share an image, whatever the
     seeds (see the module docstring).
 
     With ``questions_per_sample`` > 1 a sample is a multi-turn conversation: after its first question
