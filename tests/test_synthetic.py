@@ -211,7 +211,7 @@ def test_side_questions_and_their_warmup() -> None:
 
 
 def test_lookup_warmup_asks_only_lookups_about_several_objects() -> None:
-    """During lookup_warmup_steps only look-up types are asked, colour and shape ones about 2-4 objects
+    """During lookup_warmup_steps only look-up types are asked (no count), colour and shape ones about 2-4 objects
     (answers stay right); after it the items are exactly those of a dataset without the warm-up."""
     kw = dict(multi_image_fraction=0.4, questions_per_sample=3, side_fraction=0.25, side_warmup_steps=20)
     ds = ShapesVQA("train", 600, seed=2, lookup_warmup_steps=10, **kw)
@@ -225,8 +225,8 @@ def test_lookup_warmup_asks_only_lookups_about_several_objects() -> None:
             sizes[len(it["scene"][0])] += 1
         for qtype, turn in zip(it["turn_qtypes"], it["texts"]):
             assert _oracle(qtype, turn["user"], it["scene"]) == turn["assistant"], (it["id"], turn)
-    assert set(turns) <= {"color", "shape", "side", "position", "multi_color"}
-    assert min(turns[q] for q in ("color", "shape", "side", "multi_color")) > 0.1 * len(ds)
+    assert set(turns) <= {"color", "shape", "side", "position", "multi_color", "multi_count"}  # no count
+    assert min(turns[q] for q in ("color", "shape", "side", "multi_color", "multi_count")) > 0.1 * len(ds)
     assert min(sizes) == 2 and sum(sizes.values()) > 0.3 * len(ds)
     assert all(ds.get_item_at_step(i, 10)["texts"] == plain.get_item_at_step(i, 10)["texts"] for i in range(100))
     assert Counter(q for i in range(len(ds)) for q in ds.get_item_at_step(i, 10)["turn_qtypes"])["count"] > 0

@@ -40,8 +40,9 @@ from vlmtrain.tasks.shapes_scenes import (  # noqa: F401
     where_answer,
 )
 
-# What the lookup warm-up asks: each names an object (or a colour) that must be found among the others.
-LOOKUP_QTYPES = ("color", "shape", "position", "side", "multi_color")
+# What the lookup warm-up asks: each names an object, a colour or a shape that must be found among the others
+# (multi_count: the named shape, in each image). Counting all shapes of an image joins after it.
+LOOKUP_QTYPES = ("color", "shape", "position", "side", "multi_color", "multi_count")
 
 
 class ShapesVQA(Dataset):

@@ -27,8 +27,8 @@ class ShapesOptions:
     sampler gives each sample the step it feeds, so data-loader workers and resumes see the same questions)."""
     lookup_warmup_steps: int = 0
     """(shapes) For this many first training steps only look-up questions are asked (colour, shape,
-    position/side, multi_color), colour and shape ones about 2-4 objects: no answer without finding the
-    named object. Follows the step as side_warmup_steps does."""
+    position/side, multi_color, multi_count), colour and shape ones about 2-4 objects: no answer without
+    finding the named object(s). Follows the step as side_warmup_steps does."""
 
 
 def check_options(data: Any) -> None:
