@@ -1,6 +1,6 @@
 """Where a shapes-VQA checkpoint's decoder looks when it answers.
 
-    python scripts/shapes_lookup.py runs/shapes-tiny/checkpoint-2800 [--samples 200] [--json]
+    python scripts/shapes_lookup.py runs/shapes-tiny/checkpoint-3200 [--samples 200] [--json]
 
 For held-out single-image questions of each type that names an object (color: "What color is the
 circle?", shape: "What shape is the red object?", position: "Relative to the square, is the circle left
