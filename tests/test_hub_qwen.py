@@ -98,6 +98,33 @@ def test_training_template_check(tiny, name):
         check_training_template(proc, dataclasses.replace(fam, training_template=short))
 
 
+
+class ImageMaskBug:
+    """A processor whose assistant mask is wrong only when the conversation has images, as transformers 5.17's
+    was for Qwen3-VL (all zeros: every training loss NaN) while text-only conversations came out right."""
+
+    def __init__(self, processor, how):
+        self._processor, self._how = processor, how
+
+    def __getattr__(self, name):
+        return getattr(self._processor, name)
+
+    def apply_chat_template(self, messages, **kwargs):
+        out = self._processor.apply_chat_template(messages, **kwargs)
+        images = any(block["type"] == "image" for m in messages for block in m["content"])
+        if kwargs.get("return_assistant_tokens_mask") and images:
+            mask = torch.as_tensor(out["assistant_masks"])
+            out["assistant_masks"] = torch.zeros_like(mask) if self._how == "zeros" else mask.roll(-3, dims=-1)
+        return out
+
+
+@pytest.mark.parametrize("how", ["zeros", "shifted"])
+def test_training_template_check_catches_a_mask_misplaced_by_image_tokens(tiny, how):
+    fam, _, proc = tiny["qwen3_vl"]
+    with pytest.raises(ConfigError, match=r"(all zeros|mask covers).*probe 'two images, two turns'.*"
+                                          r"upgrade transformers"):
+        check_training_template(ImageMaskBug(proc, how), fam)
+
 def expected_labels(tok, input_ids):
     """-100 except from each '<|im_start|>assistant\\n' up to and including its '<|im_end|>'."""
     ids = input_ids.tolist()

@@ -5,7 +5,7 @@ order) and calls ``processor.apply_chat_template`` with the family's training te
 template plus ``{% generation %}`` markers); the processor expands image placeholders and makes the pixel
 tensors. Labels are ``input_ids`` where the assistant mask is 1 (assistant text + end-of-turn token), -100
 elsewhere. :func:`check_training_template` proves at load time that the training template renders exactly
-like the checkpoint's own and that its mask is not all zeros.
+like the checkpoint's own and that its mask covers exactly the assistant replies, with and without images.
 """
 
 from __future__ import annotations
@@ -190,8 +190,8 @@ def check_training_template(processor: Any, family: Any) -> None:
 
     On probe conversations (1 and 2 images, multi-turn, text only; with and without a generation prompt)
     the training template with its generation markers removed must render byte-identically to the
-    processor's own chat template, and the assistant mask it yields (text-only probe) must cover exactly
-    the assistant texts and end-of-turn tokens (never all zeros).
+    processor's own chat template, and the assistant mask it yields (two-image and text-only probes) must
+    cover exactly the assistant texts and end-of-turn tokens (never all zeros).
     """
     name = getattr(family, "name", "?")
     training = family.training_template
@@ -218,13 +218,26 @@ def check_training_template(processor: Any, family: Any) -> None:
                     f"checkpoint's chat template on probe {probe!r} (add_generation_prompt={gen}) at "
                     f"character {i}: training {got[max(0, i - 40):i + 40]!r} vs checkpoint "
                     f"{want[max(0, i - 40):i + 40]!r}. Update the family's training template.")
-    probe, messages = _probes(image)[-1]
-    out = processor.apply_chat_template(messages, chat_template=training, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True, return_tensors="pt")
+    # the mask on a text-only probe and on one with images: transformers before 5.18 (seen on 5.17) placed it
+    # by character offsets of the text before the image placeholders were expanded, so with images it was
+    # all zeros (every training loss NaN) while text-only conversations looked right
+    for probe, messages in _probes(image)[1:]:
+        _check_mask(processor, family, probe, messages)
+
+
+def _check_mask(processor: Any, family: Any, probe: str, messages: list[dict[str, Any]]) -> None:
+    import transformers
+
+    name = getattr(family, "name", "?")
+    has_images = any(c.get("type") == "image" for m in messages for c in m["content"])
+    upgrade = (f" With images this means transformers {transformers.__version__} misplaces the assistant mask "
+               f"after expanding image tokens: upgrade transformers (>= 5.18)." if has_images else "")
+    out = processor.apply_chat_template(messages, chat_template=family.training_template, tokenize=True,
+                                        return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
     ids, mask = out["input_ids"].reshape(-1), torch.as_tensor(out["assistant_masks"]).reshape(-1).bool()
     if not mask.any():
         raise ConfigError(f"family {name!r}: the training template's assistant mask is all zeros on probe "
-                          f"{probe!r}; its {{% generation %}} markers must enclose the assistant replies.")
+                          f"{probe!r}; its {{% generation %}} markers must enclose the assistant replies.{upgrade}")
     tokenizer = getattr(processor, "tokenizer", processor)
     got = "".join(tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False).split())
     want = "".join("".join(m["content"][0]["text"] + family.end_of_turn
@@ -232,4 +245,4 @@ def check_training_template(processor: Any, family: Any) -> None:
     if got != want:
         raise ConfigError(f"family {name!r}: the training template's assistant mask covers {got!r} on probe "
                           f"{probe!r}; expected the assistant texts each followed by {family.end_of_turn!r}: "
-                          f"{want!r}.")
+                          f"{want!r}.{upgrade}")
