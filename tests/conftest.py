@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 
 
+def _selects_gpu_tests(config) -> bool:
+    return bool(re.search(r"(?<!not )\bgpu\b", config.getoption("markexpr") or ""))
+
+
 def pytest_configure(config):
-    """Under pytest-xdist (scripts/test.sh runs two workers on CI's 2 cores) each test process, and every
+    """CUDA is hidden unless the run selects the ``gpu`` tests (``-m gpu``): the rest of the suite is a CPU
+    suite (bitwise resume, CPU-tensor comparisons, the no-GPU warnings) and would otherwise train on a GPU
+    machine's CUDA device; torch reads CUDA_VISIBLE_DEVICES when CUDA first initializes, after this hook.
+
+    Under pytest-xdist (scripts/test.sh runs two workers on CI's 2 cores) each test process, and every
     process a test starts, computes on one thread: two workers with two torch threads each oversubscribe the
     cores, and spinning intra-op threads then made tiny-model training 3x slower (measured: 0.47 vs 1.37
     steps/s for the demo's model beside a running suite)."""
+    if not _selects_gpu_tests(config):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[name] = "1"
@@ -34,7 +45,7 @@ LONGEST_FIRST = ("test_vlm_demo_learns_shapes_vqa_from_the_images",)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA (``gpu(n)``: n devices): skipped where there is none (e.g. CI). The
+    """Tests marked ``gpu`` need CUDA (``gpu(n)``: n devices) and ``-m gpu``: skipped otherwise (e.g. CI). The
     longest tests are moved to the front."""
     items.sort(key=lambda item: item.name not in LONGEST_FIRST)  # stable: the rest keep their order
     for item in items:
@@ -42,6 +53,10 @@ def pytest_collection_modifyitems(config, items):
         if marker is None:
             continue
         needed = marker.args[0] if marker.args else 1
+        if not _selects_gpu_tests(config):
+            item.add_marker(pytest.mark.skip(reason="gpu test: run the gpu tests with -m gpu (CUDA is hidden "
+                                                    "from the rest of the suite)"))
+            continue
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < needed:
             item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA device(s), found {have}"))

@@ -1,5 +1,5 @@
 """What only a CUDA machine can check (marked ``gpu``; skipped without CUDA, e.g. in CI): bf16 autocast and
-packing on CUDA through a run, the CUDA RNG state in checkpoints, NCCL DDP and FSDP2 with 2 devices.
+packing on CUDA through a run, the CUDA RNG state in checkpoints, TrainingArguments.tf32, NCCL DDP and FSDP2 with 2 devices.
 Run them on a GPU machine with `python -m pytest -q -m gpu tests/test_gpu.py`."""
 
 from __future__ import annotations
@@ -62,3 +62,23 @@ def test_nccl_two_gpus_match_one_gpu(tmp_path, fsdp):
     two = _losses(_run(tmp_path, LM, "two", 2, 2, *(["--train.fsdp", "true"] if fsdp else [])))
     assert sorted(one) == sorted(two)
     assert all(abs(one[s] - two[s]) <= 1e-3 * abs(one[s]) for s in one), (one, two)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tf32,precision", [(True, "tf32"), (False, "ieee")])
+def test_tf32_sets_the_cuda_matmul_precision_and_trains(tmp_path, tf32, precision):
+    from tests.tiny import tiny_llama, token_samples
+    from vlmtrain import Trainer, TrainingArguments
+
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), save_strategy="no", disable_tqdm=True, max_steps=2,
+                                 report_to="none", tf32=tf32)
+        trainer = Trainer(tiny_llama(0), args, train_dataset=token_samples(8))
+        assert torch.backends.cuda.matmul.fp32_precision == precision
+        assert torch.backends.cudnn.fp32_precision == precision
+        trainer.train()
+        assert next(trainer.model.parameters()).device.type == "cuda"
+        assert trainer.state.global_step == 2
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = before
