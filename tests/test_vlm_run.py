@@ -84,6 +84,27 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
             assert isinstance(word, str) and 0.0 < share <= head["text"] + 1e-3
 
 
+
+def test_demo_workers_on_a_gpu_machine_and_the_same_run_with_them(tmp_path, capsys):
+    """The demo gives a config without workers 4 on a CUDA machine with 6+ cores (it waits for data there);
+    with workers the demo is the same run: same losses step by step and the same evaluation."""
+    assert run.demo_workers(0, cuda=True, cpus=16) == 4
+    assert run.demo_workers(0, cuda=False, cpus=16) == run.demo_workers(0, cuda=True, cpus=2) == 0
+    assert run.demo_workers(2, cuda=True, cpus=16) == 2  # the config's own number stands
+    _config(tmp_path, data={"side_warmup_steps": 1, "lookup_warmup_steps": 1},  # data that follows the step
+            train={"max_steps": 3, "eval_steps": 3, "save_steps": 3})
+    runs = {}
+    for workers in (0, 2):
+        out = tmp_path / f"w{workers}"
+        metrics = run.demo(config=str(tmp_path / "cfg.yaml"), output_dir=str(out),
+                           overrides={"train.dataloader_num_workers": workers})
+        printed = capsys.readouterr().out
+        assert ("2 data-loader workers" in printed) == (workers == 2)
+        losses = [(r["step"], r["loss"]) for r in map(json.loads, open(out / "metrics.jsonl")) if "loss" in r]
+        runs[workers] = losses, {k: v for k, v in metrics.items() if k.endswith(("_exact_match", "_loss"))}
+    assert len(runs[0][0]) == 3 and runs[0][0] == runs[2][0]
+    assert runs[0][1] and runs[0][1] == runs[2][1]
+
 def test_demo_report_for_a_shapes_config(tmp_path, capsys):
     """`vlmtrain demo --config --seed` on a (tiny) shapes config: per-type table, blank-image baseline, chance,
     right and wrong examples per type, the time spent, paths; --seed sets both seeds."""

@@ -287,6 +287,10 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
     if seed is not None:
         settings.update({"train.seed": seed, "data.seed": seed})
     cfg = load_run_config(path, {**settings, **(overrides or {})} or None)
+    workers = demo_workers(cfg.train.dataloader_num_workers)
+    if workers != cfg.train.dataloader_num_workers and "train.dataloader_num_workers" not in (overrides or {}):
+        settings["train.dataloader_num_workers"] = workers
+        cfg = load_run_config(path, {**settings, **(overrides or {})})
     start = time.perf_counter()
     trainer, metrics = _train(cfg)
     out = cfg.train.output_dir
@@ -302,7 +306,9 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
           f"{metrics.get('global_step')} steps\n"
           f"{report}\n"
           f"  time:        {seconds:.0f}s in all: {training:.0f}s training "
-          f"({metrics.get('train_steps_per_second', float('nan')):.2f} steps/s), {seconds - training:.0f}s "
+          f"({metrics.get('train_steps_per_second', float('nan')):.2f} steps/s"
+          f"{f', {cfg.train.dataloader_num_workers} data-loader workers' if cfg.train.dataloader_num_workers else ''}), "
+          f"{seconds - training:.0f}s "
           "building, final evaluation and this report\n"
           f"  checkpoints: {os.path.join(out, 'checkpoint-*')}/\n"
           f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
@@ -310,6 +316,18 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
           f"  report:      {_write_report(out)}\n"
           f"  next: vlmtrain eval --config {path} --checkpoint {out}")
     return metrics
+
+
+def demo_workers(configured: int, cuda: bool | None = None, cpus: int | None = None) -> int:
+    """Data-loader workers for the demo: the config's number, except that a config with none gets 4 on a CUDA
+    machine with 6+ cores. There the tiny model waits for its data: on one H100 (16 cores) the demo config ran
+    12-15 steps/s with 0 workers (data wait 55-60% of the time) and 37.7 with 4 (1.6%). On a CPU machine
+    workers take cores from the torch threads (on 2 cores, 4.6 vs 3.8-4.1 steps/s with 1 worker)."""
+    import torch
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    return 4 if configured == 0 and cuda and cpus >= 6 else configured
 
 
 def _write_report(run_dir: str) -> str:
