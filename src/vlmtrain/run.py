@@ -276,7 +276,7 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU and print
     the results (per question type and against blank images for shapes-VQA, with examples), the time spent
-    and where everything went. ``seed`` sets both train.seed (initialization) and data.seed (the questions);
+    and where everything went (on a CUDA machine, with data-loader workers: :func:`demo_workers`). ``seed`` sets both train.seed (initialization) and data.seed (the questions);
     ``overrides`` ({'train.eval_strategy': 'no'}, ...) win over the config and the seed."""
     from vlmtrain.data.registry import get_source
 

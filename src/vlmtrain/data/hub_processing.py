@@ -219,8 +219,8 @@ def check_training_template(processor: Any, family: Any) -> None:
                     f"character {i}: training {got[max(0, i - 40):i + 40]!r} vs checkpoint "
                     f"{want[max(0, i - 40):i + 40]!r}. Update the family's training template.")
     # the mask on a text-only probe and on one with images: transformers before 5.18 (seen on 5.17) placed it
-    # by character offsets of the text before the image placeholders were expanded, so with images it was
-    # all zeros (every training loss NaN) while text-only conversations looked right
+    # by character offsets of the text before the image placeholders were expanded, so with images it fell on
+    # the wrong tokens or nowhere (a Qwen3-VL batch without targets: NaN loss) while text-only ones were right
     for probe, messages in _probes(image)[1:]:
         _check_mask(processor, family, probe, messages)
 
