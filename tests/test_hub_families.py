@@ -145,7 +145,8 @@ def test_batch_equals_one_processor_call(tiny, n_images):
     assert model_keys == set(want), (sorted(model_keys), sorted(want))
     for key, value in want.items():
         assert batch[key].shape == value.shape, (key, batch[key].shape, value.shape)
-        assert torch.equal(batch[key], value.to(batch[key].dtype)), key
+        assert batch[key].dtype == value.dtype, (key, batch[key].dtype, value.dtype)
+        assert torch.equal(batch[key], value), key
 
 
 def _per_sample_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

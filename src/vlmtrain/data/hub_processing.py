@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -108,13 +109,15 @@ class HubVLMProcessor:
 
     # -- processor calls --------------------------------------------------------------------------
     def _call(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, torch.Tensor]:
+        # Lists, not tensors, from the processor: its assistant-mask alignment walks the token offsets in Python,
+        # slow over tensor rows: collation is 1.75x faster this way (benchmarks/README.md); the tensors are the same.
         try:
             out = self.processor.apply_chat_template(
                 messages, chat_template=self.family.training_template, tokenize=True, return_dict=True,
-                return_tensors="pt", **kwargs)
+                return_tensors=None, **kwargs)
         except (ValueError, IndexError) as err:  # e.g. image tokens that do not match the images
             raise SkipSample("placeholder_mismatch", str(err)[:200]) from err
-        return dict(out)
+        return {k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for k, v in out.items()}
 
     def _unbatch(self, out: Mapping[str, torch.Tensor], length: int) -> dict[str, Any]:
         layout = self.family.batch_layout
