@@ -12,7 +12,8 @@ without warmup, gradient clipping at 1.0, no accumulation and dataloader_num_wor
                 "<|im_start|>assistant\\n" header tokens)
   vlmtrain      vlmtrain.Trainer with HubVLMProcessor + HubVLMCollator as the hub_vlm kind builds them (per-sample
                 apply_chat_template with the family's training template and return_assistant_tokens_mask;
-                no generation prompts: the kind processes those only with train.predict_with_generate)
+                no generation prompts: the kind makes those only for evaluation batches, and only with
+                train.predict_with_generate)
   bare          forward, backward, clip_grad_norm_, AdamW.step, LambdaLR.step, zero_grad over batches that
                 were collated BEFORE timing (the floor: model work only)
 
@@ -128,8 +129,8 @@ class HandWrittenCollator:
 
 
 def vlmtrain_collator(processor: Any, prompts: bool = False) -> HubVLMCollator:
-    """HubVLMProcessor + HubVLMCollator with the hub_vlm kind's settings (no heads; generation prompts only
-    when evaluation generates, i.e. train.predict_with_generate)."""
+    """HubVLMProcessor + HubVLMCollator with the hub_vlm kind's training settings (no heads; generation prompts
+    only in evaluation batches when evaluation generates, i.e. train.predict_with_generate)."""
     return HubVLMCollator(HubVLMProcessor(processor, get_family("qwen3_vl"), prompts=prompts),
                           label_collate=lambda heads: {})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 from PIL import Image
 
@@ -85,3 +86,21 @@ def test_bad_hub_configs_fail_before_any_work(tiny_qwen, tmp_path):
 
     with pytest.raises(ConfigError, match="'bert' is not a supported Hub VLM family; supported: gemma3"):
         run.build(load_run_config(config, {"model.pretrained": str(tmp_path / "other")}))
+
+
+@pytest.mark.parametrize("generate", [False, True])
+def test_generation_prompts_only_in_evaluation_batches(tiny_qwen, tmp_path, generate):
+    """A generation prompt is a second processor call per sample: training batches never carry one; evaluation
+    and prediction batches do when evaluation generates (train.predict_with_generate)."""
+    from vlmtrain import run
+
+    cfg = load_run_config(_config(tmp_path, tiny_qwen), {"train.predict_with_generate": generate})
+    trainer = run.build(cfg)
+    samples = [trainer.train_dataset[i] for i in range(4)]
+    train_batch = trainer.data_collator(samples)
+    eval_batch = trainer.data_collator.without_packing()(samples)
+    assert not any(k.startswith("prompt_") for k in train_batch)
+    assert any(k.startswith("prompt_") for k in eval_batch) == generate
+    for key, value in train_batch.items():  # the rest of the batch is the same
+        same = torch.equal(value, eval_batch[key]) if isinstance(value, torch.Tensor) else value == eval_batch[key]
+        assert same, key

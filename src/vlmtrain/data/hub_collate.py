@@ -7,6 +7,7 @@ models' own code (M-RoPE positions, image splicing) assumes one sample per row.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,8 @@ class HubVLMCollator:
       placeholder order; ``pad_images`` keys: [B, max images, ...], zero-padded per sample; ``stack`` keys:
       stacked; a callable layout gets the list of per-sample tensors. A key only some samples have (a sample
       without images has no pixels) is built from those that have it (``pad_images``: zeros for the others);
-    * ``prompt_*``: the generation prompts with the same layout, but LEFT-padded so new tokens follow directly;
+    * ``prompt_*``: the generation prompts with the same layout, but LEFT-padded so new tokens follow directly
+      (when the processor makes them; with ``eval_prompts`` only the evaluation twin, :meth:`without_packing`);
     * ``head_labels``: a list with each sample's ``labels`` dict (None where it has none), absent when no
       sample has one; with ``label_collate`` its output (a dict of tensors) is merged into the batch instead.
 
@@ -42,7 +44,8 @@ class HubVLMCollator:
     """
 
     def __init__(self, hub_processor: HubVLMProcessor,
-                 label_collate: Callable[[list[dict[str, Any] | None]], dict[str, torch.Tensor]] | None = None) -> None:
+                 label_collate: Callable[[list[dict[str, Any] | None]], dict[str, torch.Tensor]] | None = None,
+                 eval_prompts: bool = False) -> None:
         pad = hub_processor.tokenizer.pad_token_id
         if pad is None:
             raise ValueError(f"HubVLMCollator needs a tokenizer with a pad token ({hub_processor.family.name})")
@@ -51,10 +54,16 @@ class HubVLMCollator:
         self.label_collate = label_collate
         self.pad_token_id = int(pad)
         self.skipped: Counter[str] = Counter()
+        self._evaluation = self
+        if eval_prompts and not hub_processor.prompts:  # a prompt is a second processor call per sample
+            with_prompts = copy.copy(hub_processor)
+            with_prompts.prompts = True
+            self._evaluation = HubVLMCollator(with_prompts, label_collate)
 
     def without_packing(self) -> HubVLMCollator:
-        """This collator (Hub VLM batches are never packed); what evaluation and prediction use."""
-        return self
+        """What evaluation and prediction use (Hub VLM batches are never packed): this collator, or with
+        ``eval_prompts`` its twin whose batches also carry the generation prompts, which training never reads."""
+        return self._evaluation
 
     def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
         return process_or_skip(self.processor.process, sample, self.skipped, skipped, keys)

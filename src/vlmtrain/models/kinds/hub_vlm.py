@@ -102,20 +102,21 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
             from vlmtrain.models.lora import apply_lora
 
             model = apply_lora(model, m.lora, family.text_module, dict(family.module_groups))
-    # Generation prompts cost a second processor call per sample: only when evaluation generates.
+    # Generation prompts cost a second processor call per sample: only in evaluation batches (the collator's
+    # without_packing twin), and only when evaluation generates.
     hub_processor = HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,
-        label_check=functools.partial(check_head_labels, heads) if heads else None,
-        prompts=cfg.train.predict_with_generate)
+        label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False)
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
-                              if heads else _no_head_labels)
+                              if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate)
     tokenizer = processor.tokenizer
     metrics = None
     if cfg.train.predict_with_generate:
         metrics = exact_match_metric(tokenizer, eos_token_id=stop)
     return {**source, "model": model, "tokenizer": processor, "data_collator": collator,
-            "compute_metrics": metrics, "padded_collator": collator, "process": hub_processor.process}
+            "compute_metrics": metrics, "padded_collator": collator.without_packing(),
+            "process": hub_processor.process}
 
 
 def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
