@@ -1,5 +1,6 @@
 """What only a CUDA machine can check (marked ``gpu``; skipped without CUDA, e.g. in CI): bf16 autocast and
-packing on CUDA through a run, the CUDA RNG state in checkpoints, TrainingArguments.tf32, NCCL DDP and FSDP2 with 2 devices.
+packing on CUDA through a run, the CUDA RNG state in checkpoints, TrainingArguments.tf32, NCCL DDP and FSDP2
+with 2 devices.
 Run them on a GPU machine with `python -m pytest -q -m gpu tests/test_gpu.py`."""
 
 from __future__ import annotations

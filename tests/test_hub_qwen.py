@@ -99,7 +99,6 @@ def test_training_template_check(tiny, name):
         check_training_template(proc, dataclasses.replace(fam, training_template=short))
 
 
-
 class ImageMaskBug:
     """A processor whose assistant mask is wrong only when the conversation has images, as transformers 5.17's
     was for Qwen3-VL (all zeros: every training loss NaN) while text-only conversations came out right."""
@@ -125,6 +124,7 @@ def test_training_template_check_catches_a_mask_misplaced_by_image_tokens(tiny, 
     with pytest.raises(ConfigError, match=r"(all zeros|mask covers).*probe 'two images, two turns'.*"
                                           r"upgrade transformers"):
         check_training_template(ImageMaskBug(proc, how), fam)
+
 
 def expected_labels(tok, input_ids):
     """-100 except from each '<|im_start|>assistant\\n' up to and including its '<|im_end|>'."""

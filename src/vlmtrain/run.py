@@ -276,8 +276,9 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU and print
     the results (per question type and against blank images for shapes-VQA, with examples), the time spent
-    and where everything went (on a CUDA machine, with data-loader workers: :func:`demo_workers`). ``seed`` sets both train.seed (initialization) and data.seed (the questions);
-    ``overrides`` ({'train.eval_strategy': 'no'}, ...) win over the config and the seed."""
+    and where everything went (on a CUDA machine with data-loader workers: :func:`demo_workers`). ``seed``
+    sets both train.seed (initialization) and data.seed (the questions); ``overrides``
+    ({'train.eval_strategy': 'no'}, ...) win over the config, the seed and the workers."""
     from vlmtrain.data.registry import get_source
 
     path = Path(config) if config else find_demo_config()
@@ -287,10 +288,9 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
     if seed is not None:
         settings.update({"train.seed": seed, "data.seed": seed})
     cfg = load_run_config(path, {**settings, **(overrides or {})} or None)
-    workers = demo_workers(cfg.train.dataloader_num_workers)
-    if workers != cfg.train.dataloader_num_workers and "train.dataloader_num_workers" not in (overrides or {}):
-        settings["train.dataloader_num_workers"] = workers
-        cfg = load_run_config(path, {**settings, **(overrides or {})})
+    if "train.dataloader_num_workers" not in (overrides or {}):
+        cfg.train.dataloader_num_workers = demo_workers(cfg.train.dataloader_num_workers)
+    workers = cfg.train.dataloader_num_workers
     start = time.perf_counter()
     trainer, metrics = _train(cfg)
     out = cfg.train.output_dir
@@ -307,8 +307,7 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
           f"{report}\n"
           f"  time:        {seconds:.0f}s in all: {training:.0f}s training "
           f"({metrics.get('train_steps_per_second', float('nan')):.2f} steps/s"
-          f"{f', {cfg.train.dataloader_num_workers} data-loader workers' if cfg.train.dataloader_num_workers else ''}), "
-          f"{seconds - training:.0f}s "
+          f"{f', {workers} data-loader workers' if workers else ''}), {seconds - training:.0f}s "
           "building, final evaluation and this report\n"
           f"  checkpoints: {os.path.join(out, 'checkpoint-*')}/\n"
           f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"

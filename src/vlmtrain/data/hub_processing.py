@@ -109,8 +109,8 @@ class HubVLMProcessor:
 
     # -- processor calls --------------------------------------------------------------------------
     def _call(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, torch.Tensor]:
-        # Lists, not tensors, from the processor: its assistant-mask alignment walks the token offsets in Python,
-        # slow over tensor rows: collation is 1.75x faster this way (benchmarks/README.md); the tensors are the same.
+        # Lists, not tensors, from the processor: its assistant-mask alignment walks the token offsets in
+        # Python, slow over tensor rows (collation 1.75x faster, benchmarks/README.md); same tensors.
         try:
             out = self.processor.apply_chat_template(
                 messages, chat_template=self.family.training_template, tokenize=True, return_dict=True,
@@ -240,7 +240,8 @@ def _check_mask(processor: Any, family: Any, probe: str, messages: list[dict[str
     ids, mask = out["input_ids"].reshape(-1), torch.as_tensor(out["assistant_masks"]).reshape(-1).bool()
     if not mask.any():
         raise ConfigError(f"family {name!r}: the training template's assistant mask is all zeros on probe "
-                          f"{probe!r}; its {{% generation %}} markers must enclose the assistant replies.{upgrade}")
+                          f"{probe!r}; its {{% generation %}} markers must enclose the assistant replies."
+                          f"{upgrade}")
     tokenizer = getattr(processor, "tokenizer", processor)
     got = "".join(tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False).split())
     want = "".join("".join(m["content"][0]["text"] + family.end_of_turn
