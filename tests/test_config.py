@@ -161,6 +161,11 @@ def test_step_keyed_warmup_takes_workers_but_not_packing_windows(tmp_path):
     raw["data"]["side_fraction"], raw["data"]["lookup_warmup_steps"] = 0.25, -1
     with pytest.raises(ConfigError, match="lookup_warmup_steps must be >= 0"):
         load_run_config(write(tmp_path, raw))
+    raw["data"]["lookup_warmup_steps"], raw["data"]["qtype_weights"] = 0, {"multi_count": 3}
+    assert load_run_config(write(tmp_path, raw)).data.qtype_weights == {"multi_count": 3}
+    raw["data"]["qtype_weights"] = {"multi_counts": 3}
+    with pytest.raises(ConfigError, match="qtype_weights must map question types"):
+        load_run_config(write(tmp_path, raw))
 
 
 @pytest.mark.parametrize("path", SHIPPED or [None], ids=lambda p: p.name if p else "tiny-in-tmp")

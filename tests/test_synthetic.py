@@ -19,6 +19,7 @@ from vlmtrain.tasks.shapes import (
     PLURALS,
     QTYPES,
     SHAPES,
+    SINGLE_IMAGE_QTYPES,
     ShapesVQA,
     answer_word,
     is_multi_image,
@@ -232,6 +233,30 @@ def test_lookup_warmup_asks_only_lookups_about_several_objects() -> None:
     assert Counter(q for i in range(len(ds)) for q in ds.get_item_at_step(i, 10)["turn_qtypes"])["count"] > 0
     with pytest.raises(ValueError, match="warm-up steps"):
         ShapesVQA(lookup_warmup_steps=-1)
+
+
+def test_qtype_weights_shift_the_mix_and_keep_answers_right() -> None:
+    """qtype_weights draws first and extra turns' types by weight within their group; answers stay right, the
+    images of single-image items are untouched, and weights of 1 give exactly the unweighted items."""
+    kw = dict(multi_image_fraction=0.5, questions_per_sample=3)
+    plain = ShapesVQA("train", 800, seed=4, **kw)
+    heavy = ShapesVQA("train", 800, seed=4, qtype_weights={"multi_count": 3.0}, **kw)
+    first, turns = {"plain": Counter(), "heavy": Counter()}, {"plain": Counter(), "heavy": Counter()}
+    for i in range(len(plain)):
+        for name, it in (("plain", plain[i]), ("heavy", heavy[i])):
+            first[name][it["qtype"]] += 1
+            turns[name].update(it["turn_qtypes"])
+            for qtype, turn in zip(it["turn_qtypes"], it["texts"]):
+                assert _oracle(qtype, turn["user"], it["scene"]) == turn["assistant"], (it["id"], turn)
+    share = {n: c["multi_count"] / (c["multi_count"] + c["multi_color"]) for n, c in first.items()}
+    assert abs(share["plain"] - 0.5) < 0.07 and abs(share["heavy"] - 0.75) < 0.07, share
+    assert turns["heavy"]["multi_count"] > 1.25 * turns["plain"]["multi_count"]
+    assert sum(first["heavy"][q] for q in SINGLE_IMAGE_QTYPES) == sum(first["plain"][q] for q in SINGLE_IMAGE_QTYPES)
+    ones = ShapesVQA("train", 50, seed=4, qtype_weights={q: 1.0 for q in QTYPES}, **kw)
+    assert all(ones[i]["texts"] == plain[i]["texts"] for i in range(50))
+    for bad in ({"colour": 2.0}, {"count": 0.0}):
+        with pytest.raises(ValueError, match="qtype_weights"):
+            ShapesVQA(qtype_weights=bad)
 
 
 def test_image_size_and_bad_arguments() -> None:

@@ -50,7 +50,8 @@ class ShapesVQA(Dataset):
 
     ``multi_image_fraction`` of the items (in expectation) ask about two images (``multi_count``,
     ``multi_color``); the rest ask about one (``color``, ``shape``, ``count``, ``position``), the
-    types within each group drawn uniformly. ``qtypes`` restricts the types; if it holds only one
+    types within each group drawn uniformly, or by ``qtype_weights`` (relative weights, default 1: the first
+    question's type and each extra turn's type are drawn with them). ``qtypes`` restricts the types; if it holds only one
     group, every item comes from that group. Answers are single words from ``ANSWERS[qtype]``,
     balanced within each type, except that side and position answers name the object first ("circle left":
     :func:`where_answer`; :func:`answer_word` gives the side). Splits ``train``/``val``/``test`` never share an image, whatever the
@@ -84,6 +85,7 @@ class ShapesVQA(Dataset):
         side_fraction: float = 0.0,
         side_warmup_steps: int = 0,
         lookup_warmup_steps: int = 0,
+        qtype_weights: dict[str, float] | None = None,
     ) -> None:
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -109,6 +111,11 @@ class ShapesVQA(Dataset):
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
         self.side_fraction, self.side_warmup_steps = side_fraction, side_warmup_steps
         self.lookup_warmup_steps = lookup_warmup_steps
+        weights = dict(qtype_weights or {})
+        bad = {q: w for q, w in weights.items() if q not in QTYPES or not w > 0}
+        if bad:
+            raise ValueError(f"qtype_weights must map question types ({list(QTYPES)}) to weights > 0, got {bad}")
+        self.qtype_weights = weights
         self._gen = _Generator(split, image_size)
 
     @property
@@ -126,6 +133,13 @@ class ShapesVQA(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.get_item_at_step(index, 0)
 
+    def _draw(self, rng: random.Random, qtypes: list[str]) -> str:
+        """A question type from ``qtypes``, by ``qtype_weights`` (uniform when none applies)."""
+        weights = [self.qtype_weights.get(q, 1.0) for q in qtypes]
+        if len(set(weights)) == 1:
+            return rng.choice(qtypes)  # the draw of the unweighted dataset: its items stay what they were
+        return rng.choices(qtypes, weights=weights)[0]
+
     def get_item_at_step(self, index: int, step: int) -> dict[str, Any]:
         """Item ``index`` as the training step ``step`` (optimizer steps done before it) sees it."""
         if not -self.num_samples <= index < self.num_samples:
@@ -137,7 +151,7 @@ class ShapesVQA(Dataset):
         lookup = step < self.lookup_warmup_steps
         if lookup:
             group = [q for q in group if q in LOOKUP_QTYPES] or group
-        qtype = rng.choice(group)
+        qtype = self._draw(rng, group)
         sides = "position" in group and (self.side_fraction > 0 or self.side_warmup_steps > 0)
         if sides and qtype == "position":
             warmup = step < self.side_warmup_steps
@@ -155,7 +169,7 @@ class ShapesVQA(Dataset):
                 left = [q for q in group if extra[q]]
                 if not left:
                     break
-                q = rng.choice(left)
+                q = self._draw(rng, left)
                 user, assistant = extra[q].pop(rng.randrange(len(extra[q])))
                 turns.append({"user": user, "assistant": assistant})
                 turn_qtypes.append(q)

@@ -29,6 +29,9 @@ class ShapesOptions:
     """(shapes) For this many first training steps only look-up questions are asked (colour, shape,
     position/side, multi_color, multi_count), colour and shape ones about 2-4 objects: no answer without
     finding the named object(s). Follows the step as side_warmup_steps does."""
+    qtype_weights: dict[str, float] | None = None
+    """(shapes) Relative weights of question types within their group (single or multi image) when a training
+    question's type is drawn, e.g. {multi_count: 2}; types not named weigh 1."""
 
 
 def check_options(data: Any) -> None:
@@ -38,6 +41,11 @@ def check_options(data: Any) -> None:
     for name in ("multi_image_fraction", "side_fraction"):
         if not 0 <= getattr(data, name) <= 1:
             raise ConfigError(f"data.{name} must be in [0, 1], got {getattr(data, name)}.")
+    from vlmtrain.tasks.shapes import QTYPES
+
+    bad = {q: w for q, w in (data.qtype_weights or {}).items() if q not in QTYPES or not w > 0}
+    if bad:
+        raise ConfigError(f"data.qtype_weights must map question types {list(QTYPES)} to weights > 0, got {bad}.")
 
 
 def check(cfg: Any) -> None:
@@ -54,7 +62,8 @@ def build(cfg: Any) -> dict[str, Any]:
     d = cfg.data
     train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
                       questions_per_sample=d.questions_per_sample, side_fraction=d.side_fraction,
-                      side_warmup_steps=d.side_warmup_steps, lookup_warmup_steps=d.lookup_warmup_steps)
+                      side_warmup_steps=d.side_warmup_steps, lookup_warmup_steps=d.lookup_warmup_steps,
+                      qtype_weights=d.qtype_weights)
     evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
     return {"train_dataset": train, "eval_dataset": evals}
 
