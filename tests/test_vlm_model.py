@@ -172,6 +172,37 @@ def test_batched_forward_equals_per_sample_forwards():
     torch.testing.assert_close(batched["loss"], weighted / batched["num_items"], atol=1e-5, rtol=1e-5)
 
 
+def test_image_index_embeddings_mark_each_image_of_a_sample(tmp_path):
+    """image_index_embeddings adds vector k to every token of a sample's (k+1)-th image (a sample's images are one
+    run of placeholders; later images share the last vector); zero at init, trained, saved with the model."""
+    plain = tiny_vlm()
+    torch.manual_seed(0)
+    model = build_vlm(VISION, TEXT, pixel_shuffle_factor=2, image_index_embeddings=2)
+    model.config.image_token_id = IMG
+    # one row: a sample with three images in one run, then a packed second sample with one image
+    row = [1] + [IMG] * (3 * L) + [7, 8] + [IMG] * L + [9]
+    ids, pixels = torch.tensor([row]), torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(model.embed(ids, pixels), plain.embed(ids, pixels))  # zero at init
+        vectors = torch.randn(2, model.config.text_config.hidden_size)
+        model.projector.image_index.weight.copy_(vectors)
+        added = (model.embed(ids, pixels) - plain.embed(ids, pixels))[0]
+    expected = torch.zeros_like(added)
+    for start, k in ((1, 0), (1 + L, 1), (1 + 2 * L, 1), (3 + 3 * L, 0)):
+        expected[start:start + L] = vectors[k]
+    torch.testing.assert_close(added, expected)
+    model.train()
+    labels = ids.clone()
+    model(ids, None, pixels, labels=labels)["loss"].backward()
+    assert model.projector.image_index.weight.grad.abs().sum(-1).min() > 0  # both vectors learn
+    model.save_pretrained(tmp_path)
+    loaded = VisionLanguageModel.from_pretrained(tmp_path).eval()
+    assert loaded.config.image_index_embeddings == 2
+    assert torch.equal(loaded.projector.image_index.weight, model.projector.image_index.weight)
+    with pytest.raises(ValueError, match="image_index_embeddings"):
+        ModalityProjector(8, 8, image_index_embeddings=-1)
+
+
 # -- generation -------------------------------------------------------------------------------------------
 def test_generate_cache_matches_no_cache_and_per_sample():
     model = tiny_vlm(seed=1)

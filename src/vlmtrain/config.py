@@ -76,6 +76,10 @@ class ModelConfig:
     """(vlm, random init) Scale of the 2D sin-cos values written into the vision tower's position table: larger
     makes where a patch is weigh more against what it shows (3 in the shapes demo, where relative-position
     questions need it)."""
+    image_index_embeddings: int = 0
+    """(vlm) Learned vectors (zero at init) added to the tokens of a sample's 1st, 2nd, ... image (later ones share
+    the last): tells a sample's images apart, where otherwise only their text positions do (2 in the shapes demo,
+    whose multi-image questions compare two images). 0: none."""
     load_backbone: bool = False
     """(vlm) Load pretrained weights for vision/text given as Hub names or dirs; False: their configs only,
     random init."""

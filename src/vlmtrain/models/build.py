@@ -44,7 +44,8 @@ def resolve_config(spec: str | dict[str, Any], key: str, causal: bool) -> Pretra
 def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_shuffle_factor: int,
               projector_type: str = "linear", tokenizer: PreTrainedTokenizerBase | None = None,
               load_backbone: bool = False, image_token: str = "<image>",
-              dtype: torch.dtype = torch.float32, vision_position_scale: float = 1.0) -> VisionLanguageModel:
+              dtype: torch.dtype = torch.float32, vision_position_scale: float = 1.0,
+              image_index_embeddings: int = 0) -> VisionLanguageModel:
     """Build a :class:`VisionLanguageModel`.
 
     ``vision`` / ``text`` are Hub names or local dirs (``load_backbone=True`` loads their pretrained weights,
@@ -53,7 +54,8 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
     the patch embeddings only, and unused parameters break DDP. With ``tokenizer``: the image token is
     added as a special token if missing, the decoder vocab follows ``len(tokenizer)`` and
     ``image_token_id`` is set. A randomly initialized vision tower gets 2D sin-cos positions
-    (:func:`sincos_position_embeddings`, times ``vision_position_scale``).
+    (:func:`sincos_position_embeddings`, times ``vision_position_scale``). ``image_index_embeddings``: see
+    :class:`~vlmtrain.models.projector.ModalityProjector`.
     """
     if load_backbone and not (isinstance(vision, str) and isinstance(text, str)):
         raise ConfigError("load_backbone=True needs vision and text as Hub names or local directories.")
@@ -78,7 +80,7 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
                     setattr(text_config, name, getattr(tokenizer, name))
     config = VLMConfig(vision_config=vision_config, text_config=text_config,
                        pixel_shuffle_factor=pixel_shuffle_factor, projector_type=projector_type,
-                       image_token_id=image_token_id)
+                       image_token_id=image_token_id, image_index_embeddings=image_index_embeddings)
     vision_encoder = decoder = None
     if load_backbone:
         vision_encoder = from_pretrained(AutoModel, vision, config=config.vision_config, dtype=dtype)

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..errors import ConfigError
-from .projector import PROJECTOR_TYPES, ModalityProjector
+from .projector import PROJECTOR_TYPES, ModalityProjector, image_places
 
 IGNORE_INDEX = -100
 
@@ -65,7 +65,8 @@ class VLMConfig(PretrainedConfig):
     # A custom __init__ (rather than v5 dataclass fields) keeps this working on transformers 4.x and 5.x.
     def __init__(self, vision_config: dict | PretrainedConfig | None = None,
                  text_config: dict | PretrainedConfig | None = None, pixel_shuffle_factor: int = 1,
-                 projector_type: str = "linear", image_token_id: int | None = None, **kwargs: Any) -> None:
+                 projector_type: str = "linear", image_token_id: int | None = None,
+                 image_index_embeddings: int = 0, **kwargs: Any) -> None:
         self.vision_config = _sub_config(vision_config, "siglip_vision_model", "vision_config")
         self.text_config = _sub_config(text_config, "llama", "text_config")
         if projector_type not in PROJECTOR_TYPES:
@@ -76,6 +77,7 @@ class VLMConfig(PretrainedConfig):
                               f"{grid}x{grid} patch grid.")
         self.pixel_shuffle_factor = pixel_shuffle_factor
         self.projector_type = projector_type
+        self.image_index_embeddings = image_index_embeddings
         self.image_token_id = image_token_id
         self.image_size = grid * patch
         self.image_token_length = (grid // pixel_shuffle_factor) ** 2
@@ -116,8 +118,10 @@ class VisionLanguageModel(PreTrainedModel):
         # Share the sub-configs with the submodules, so resizing the decoder's vocab is what gets saved.
         config.vision_config, config.text_config = self.vision_encoder.config, self.decoder.config
         self.projector = ModalityProjector(config.vision_config.hidden_size, config.text_config.hidden_size,
-                                           config.pixel_shuffle_factor, config.projector_type)
+                                           config.pixel_shuffle_factor, config.projector_type,
+                                           getattr(config, "image_index_embeddings", 0))
         self.post_init()
+        self.projector.reset_image_index()  # (post_init's generic init would draw them at random)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.decoder.get_input_embeddings()
@@ -218,6 +222,8 @@ class VisionLanguageModel(PreTrainedModel):
                     embeds = embeds + 0.0 * sum(p.sum() for p in params).to(embeds.dtype)
             return embeds
         images = self.encode_images(pixel_values).to(embeds.dtype)
+        if self.projector.image_index is not None:
+            images = self.projector.add_image_index(images, image_places(is_image, self.config.image_token_length))
         # masked_scatter fills the True positions in row-major order: images in order of appearance.
         return embeds.masked_scatter(is_image.unsqueeze(-1), images.reshape(-1, images.shape[-1]))
 

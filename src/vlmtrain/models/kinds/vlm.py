@@ -56,7 +56,8 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
         model = build_vlm(m.vision, m.text, pixel_shuffle_factor=m.pixel_shuffle_factor,
                           projector_type=m.projector_type, tokenizer=tokenizer, load_backbone=m.load_backbone,
-                          vision_position_scale=m.vision_position_scale)
+                          vision_position_scale=m.vision_position_scale,
+                          image_index_embeddings=m.image_index_embeddings)
     processor = VLMProcessor(tokenizer, image_size=model.config.image_size,
                              image_token_length=model.config.image_token_length, max_length=d.max_length,
                              max_images=d.max_images, split_large_images=d.split_large_images,
