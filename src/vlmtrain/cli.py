@@ -18,7 +18,7 @@ COMMANDS = {
     "predict": "Print generated answers for the eval set: vlmtrain predict --config FILE.yaml --checkpoint DIR",
     "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
                 "--prompt TEXT",
-    "demo": "Train a tiny VLM on shapes-VQA on CPU (8-12 minutes on 2 cores, by machine): vlmtrain demo [--config C] [--output-dir DIR]",
+    "demo": "Train a tiny VLM on shapes-VQA on CPU (6-10 minutes on 2 cores, by machine): vlmtrain demo [--config C] [--output-dir DIR]",
     "export": "Write a sharded (train.fsdp) checkpoint as one model.safetensors: vlmtrain export --checkpoint DIR "
               "[--output-dir OUT]",
     "data": "Data tools: vlmtrain data to-wds SRC OUT [--shard-size N] | vlmtrain data inspect SRC [--limit N]",
