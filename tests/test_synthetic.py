@@ -235,24 +235,6 @@ def test_lookup_warmup_asks_only_lookups_about_several_objects() -> None:
         ShapesVQA(lookup_warmup_steps=-1)
 
 
-def test_zero_count_fraction_asks_multi_count_against_an_image_without_the_shape() -> None:
-    """zero_count_fraction of the multi_count questions compare 0 named shapes with 1-4 (answers right); the rest
-    draw the fewer count from 0-3 as evaluation does."""
-    kw = dict(multi_image_fraction=1.0, qtypes=["multi_count"])
-    ds, plain = ShapesVQA("train", 400, seed=1, zero_count_fraction=0.5, **kw), ShapesVQA("train", 400, seed=1, **kw)
-
-    def fewer(it: dict) -> int:
-        shape = SINGULAR[it["texts"][0]["user"].split()[-1].rstrip("?")]
-        assert _oracle("multi_count", it["texts"][0]["user"], it["scene"]) == it["texts"][0]["assistant"]
-        return min(sum(o[0] == shape for o in scene) for scene in it["scene"])
-
-    with_zero, without = Counter(fewer(ds[i]) for i in range(400)), Counter(fewer(plain[i]) for i in range(400))
-    assert set(with_zero) == set(without) == {0, 1, 2, 3}
-    assert 0.55 < with_zero[0] / 400 < 0.70 and 0.18 < without[0] / 400 < 0.32  # 0.5 + 0.5 / 4 vs 1 / 4
-    with pytest.raises(ValueError, match="zero_count_fraction"):
-        ShapesVQA(zero_count_fraction=1.5)
-
-
 def test_qtype_weights_shift_the_mix_and_keep_answers_right() -> None:
     """qtype_weights draws first and extra turns' types by weight within their group; answers stay right, the
     images of single-image items are untouched, and weights of 1 give exactly the unweighted items."""

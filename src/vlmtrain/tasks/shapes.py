@@ -51,9 +51,7 @@ class ShapesVQA(Dataset):
     ``multi_image_fraction`` of the items (in expectation) ask about two images (``multi_count``,
     ``multi_color``); the rest ask about one (``color``, ``shape``, ``count``, ``position``), the
     types within each group drawn uniformly, or by ``qtype_weights`` (relative weights, default 1: the first
-    question's type and each extra turn's type are drawn with them). ``zero_count_fraction`` of the multi_count
-    first questions compare an image without the named shape to one with 1-4 (else the fewer count is 0-3,
-    uniformly). ``qtypes`` restricts the types; if it holds only one
+    question's type and each extra turn's type are drawn with them). ``qtypes`` restricts the types; if it holds only one
     group, every item comes from that group. Answers are single words from ``ANSWERS[qtype]``,
     balanced within each type, except that side and position answers name the object first ("circle left":
     :func:`where_answer`; :func:`answer_word` gives the side). Splits ``train``/``val``/``test`` never share an image, whatever the
@@ -88,7 +86,6 @@ class ShapesVQA(Dataset):
         side_warmup_steps: int = 0,
         lookup_warmup_steps: int = 0,
         qtype_weights: dict[str, float] | None = None,
-        zero_count_fraction: float = 0.0,
     ) -> None:
         if split not in SPLIT_BUCKETS:
             raise ValueError(f"unknown split {split!r}; expected one of {list(SPLIT_BUCKETS)}")
@@ -119,9 +116,6 @@ class ShapesVQA(Dataset):
         if bad:
             raise ValueError(f"qtype_weights must map question types ({list(QTYPES)}) to weights > 0, got {bad}")
         self.qtype_weights = weights
-        if not 0.0 <= zero_count_fraction <= 1.0:
-            raise ValueError(f"zero_count_fraction must be in [0, 1], got {zero_count_fraction}")
-        self.zero_count_fraction = zero_count_fraction
         self._gen = _Generator(split, image_size)
 
     @property
@@ -163,8 +157,6 @@ class ShapesVQA(Dataset):
             warmup = step < self.side_warmup_steps
             qtype = "side" if rng.random() < (1.0 if warmup else self.side_fraction) else qtype
         several = {"min_objects": 2} if lookup and qtype in ("color", "shape") else {}
-        if qtype == "multi_count" and self.zero_count_fraction and rng.random() < self.zero_count_fraction:
-            several = {"fewer": 0}  # one image without the named shape (models this small confuse 0 with 1-2)
         scenes, question, answer = getattr(self._gen, qtype)(rng, **several)
         turns, turn_qtypes = [{"user": question, "assistant": answer}], [qtype]
         if self.questions_per_sample > 1:

@@ -222,11 +222,10 @@ class _Generator:
         a = rng.choice(named)[0]
         return [scene], QUESTION["side"].format(a=a), where_answer(a, answer)
 
-    def multi_count(self, rng: random.Random, fewer: int | None = None) -> tuple[list[Scene], str, str]:
-        """Which image has more of a shape; ``fewer`` fixes how many the other image has (default: 0-3)."""
+    def multi_count(self, rng: random.Random) -> tuple[list[Scene], str, str]:
         target = rng.choice(SHAPES)
         others = [s for s in SHAPES if s != target]
-        less = rng.randint(0, MAX_OBJECTS - 1) if fewer is None else fewer
+        less = rng.randint(0, MAX_OBJECTS - 1)
         more = rng.randint(less + 1, MAX_OBJECTS)
         scenes = []
         for c in (more, less):

@@ -32,16 +32,13 @@ class ShapesOptions:
     qtype_weights: dict[str, float] | None = None
     """(shapes) Relative weights of question types within their group (single or multi image) when a training
     question's type is drawn, e.g. {multi_count: 2}; types not named weigh 1."""
-    zero_count_fraction: float = 0.0
-    """(shapes) Fraction of training multi_count questions where one image has none of the named shape (the rest
-    draw its count from 0-3 like evaluation's): more practice telling 0 from 1-2."""
 
 
 def check_options(data: Any) -> None:
     for name, low in (("questions_per_sample", 1), ("side_warmup_steps", 0), ("lookup_warmup_steps", 0)):
         if getattr(data, name) < low:
             raise ConfigError(f"data.{name} must be >= {low}, got {getattr(data, name)}.")
-    for name in ("multi_image_fraction", "side_fraction", "zero_count_fraction"):
+    for name in ("multi_image_fraction", "side_fraction"):
         if not 0 <= getattr(data, name) <= 1:
             raise ConfigError(f"data.{name} must be in [0, 1], got {getattr(data, name)}.")
     from vlmtrain.tasks.shapes import QTYPES
@@ -66,7 +63,7 @@ def build(cfg: Any) -> dict[str, Any]:
     train = ShapesVQA("train", d.num_train, seed=d.seed, multi_image_fraction=d.multi_image_fraction,
                       questions_per_sample=d.questions_per_sample, side_fraction=d.side_fraction,
                       side_warmup_steps=d.side_warmup_steps, lookup_warmup_steps=d.lookup_warmup_steps,
-                      qtype_weights=d.qtype_weights, zero_count_fraction=d.zero_count_fraction)
+                      qtype_weights=d.qtype_weights)
     evals = {q: ShapesVQA("val", d.num_eval, seed=d.seed, qtypes=[q]) for q in QTYPES}
     return {"train_dataset": train, "eval_dataset": evals}
 
