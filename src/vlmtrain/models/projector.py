@@ -68,18 +68,18 @@ class ModalityProjector(nn.Module):
         self.image_index = (nn.Embedding(image_index_embeddings, text_hidden,
                                          _weight=torch.zeros(image_index_embeddings, text_hidden))
                              if image_index_embeddings else None)
-        self.reset_image_index()
 
     def reset_image_index(self) -> None:
         """Zero the image-index vectors: a new model starts as one without them."""
         if self.image_index is not None:
             nn.init.zeros_(self.image_index.weight)
 
-    def add_image_index(self, images: torch.Tensor, places: torch.Tensor) -> torch.Tensor:
-        """[N, tokens, text_hidden] image embeddings + each image's place vector (``places``: [N])."""
+    def add_image_index(self, images: torch.Tensor, is_image: torch.Tensor, image_token_length: int) -> torch.Tensor:
+        """[N, tokens, text_hidden] image embeddings + each image's place vector, the places read from the
+        image-token mask ``is_image`` (:func:`image_places`); unchanged without image-index vectors."""
         if self.image_index is None:
             return images
-        places = places.clamp(max=self.image_index.num_embeddings - 1)
+        places = image_places(is_image, image_token_length).clamp(max=self.image_index.num_embeddings - 1)
         return images + self.image_index(places).unsqueeze(1).to(images.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..errors import ConfigError
-from .projector import PROJECTOR_TYPES, ModalityProjector, image_places
+from .projector import PROJECTOR_TYPES, ModalityProjector
 
 IGNORE_INDEX = -100
 
@@ -119,7 +119,7 @@ class VisionLanguageModel(PreTrainedModel):
         config.vision_config, config.text_config = self.vision_encoder.config, self.decoder.config
         self.projector = ModalityProjector(config.vision_config.hidden_size, config.text_config.hidden_size,
                                            config.pixel_shuffle_factor, config.projector_type,
-                                           getattr(config, "image_index_embeddings", 0))
+                                           config.image_index_embeddings)
         self.post_init()
         self.projector.reset_image_index()  # (post_init's generic init would draw them at random)
 
@@ -222,8 +222,7 @@ class VisionLanguageModel(PreTrainedModel):
                     embeds = embeds + 0.0 * sum(p.sum() for p in params).to(embeds.dtype)
             return embeds
         images = self.encode_images(pixel_values).to(embeds.dtype)
-        if self.projector.image_index is not None:
-            images = self.projector.add_image_index(images, image_places(is_image, self.config.image_token_length))
+        images = self.projector.add_image_index(images, is_image, self.config.image_token_length)
         # masked_scatter fills the True positions in row-major order: images in order of appearance.
         return embeds.masked_scatter(is_image.unsqueeze(-1), images.reshape(-1, images.shape[-1]))
 

@@ -45,6 +45,11 @@ from vlmtrain.tasks.shapes_scenes import (  # noqa: F401
 LOOKUP_QTYPES = ("color", "shape", "position", "side", "multi_color", "multi_count")
 
 
+def bad_qtype_weights(weights: dict[str, float] | None) -> dict[str, float]:
+    """The entries of ``weights`` that are not a question type with a weight > 0."""
+    return {q: w for q, w in (weights or {}).items() if q not in QTYPES or not w > 0}
+
+
 class ShapesVQA(Dataset):
     """Map-style synthetic VQA over coloured shapes; item ``i`` is a pure function of (seed, split, i).
 
@@ -111,11 +116,10 @@ class ShapesVQA(Dataset):
         self._multi = [q for q in QTYPES if q in qtypes and is_multi_image(q)]
         self.side_fraction, self.side_warmup_steps = side_fraction, side_warmup_steps
         self.lookup_warmup_steps = lookup_warmup_steps
-        weights = dict(qtype_weights or {})
-        bad = {q: w for q, w in weights.items() if q not in QTYPES or not w > 0}
+        bad = bad_qtype_weights(qtype_weights)
         if bad:
             raise ValueError(f"qtype_weights must map question types ({list(QTYPES)}) to weights > 0, got {bad}")
-        self.qtype_weights = weights
+        self.qtype_weights = dict(qtype_weights or {})
         self._gen = _Generator(split, image_size)
 
     @property

@@ -41,9 +41,9 @@ def check_options(data: Any) -> None:
     for name in ("multi_image_fraction", "side_fraction"):
         if not 0 <= getattr(data, name) <= 1:
             raise ConfigError(f"data.{name} must be in [0, 1], got {getattr(data, name)}.")
-    from vlmtrain.tasks.shapes import QTYPES
+    from vlmtrain.tasks.shapes import QTYPES, bad_qtype_weights
 
-    bad = {q: w for q, w in (data.qtype_weights or {}).items() if q not in QTYPES or not w > 0}
+    bad = bad_qtype_weights(data.qtype_weights)
     if bad:
         raise ConfigError(f"data.qtype_weights must map question types {list(QTYPES)} to weights > 0, got {bad}.")
 
