@@ -84,7 +84,7 @@ class SetupMixin:
         self.callback_handler.refs.update(optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
                                           train_dataloader=loader)
         self._epoch_index, self._micro_step, self._last_logged_step = 0, 0, 0
-        self._window_weight = self._grad_norm = self._last_lrs = None
+        self._window_weight = self._window_counts = self._grad_norm = self._last_lrs = None
         self._epoch_cut = False
         self._train_losses, self._run_loss = LossAverager(), LossAverager()
         self._throughput = Throughput(flop_counter(self.model), args.peak_tflops)  # (+ tflops_per_second, mfu)
