@@ -1,0 +1,81 @@
+"""Every loss has its own count: with score heads (WithHeads) on mixed answer / score-only samples, the gradient of
+each loss before the optimizer step equals the one big batch's however the step's samples are split across
+micro-batches (accumulation) and ranks (DDP, FSDP); score-only micro-batches never run the LM head."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.loss_counts_worker import Collate, heads_model, mixed_samples, run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one_big_batch(ids: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Gradients and losses of the freshly initialized model's forward on all the step's samples at once."""
+    data = {s["id"]: s for s in mixed_samples()}
+    model = heads_model()
+    out = model(**Collate()([data[i] for i in ids]))
+    out["loss"].backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return grads, {k: float(v.detach()) for k, v in out.items() if k.startswith("loss")}
+
+
+def _assert_same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, g in want.items():
+        err = float((got[name] - g).norm())
+        assert err <= 1e-6 * float(g.norm()) + 1e-12, (name, err, float(g.norm()))
+
+
+def _answers(ids: list[int]) -> bool:
+    return any(i % 4 in (0, 3) for i in ids)
+
+
+def test_each_loss_gradient_and_log_equal_the_one_big_batch_under_accumulation(tmp_path, one_thread):
+    big = run(str(tmp_path / "big"), batch=8, accum=1)
+    small = run(str(tmp_path / "small"), batch=2, accum=4)
+    window = big["batches"][0]
+    assert sorted(window) == sorted(i for b in small["batches"] for i in b)  # the same step, split in four
+    # the split puts score-only micro-batches (no LM target) next to ones with answers
+    assert any(not _answers(b) for b in small["batches"]) and any(_answers(b) for b in small["batches"])
+    want, losses = _one_big_batch(window)
+    _assert_same_grads(big["grads"], want)
+    _assert_same_grads(small["grads"], want)
+    # the LM head runs only on micro-batches with answers
+    assert small["lm_head_calls"] == sum(_answers(b) for b in small["batches"])
+    # logged: `loss` is the step's one-big-batch loss, each loss_<name> its mean over its own items
+    for run_ in (big, small):
+        log = next(h for h in run_["logs"] if "loss" in h and "train_runtime" not in h)
+        for key in ("loss", "loss_lm", "loss_cls", "loss_reg"):
+            assert log[key] == pytest.approx(losses[key], rel=1e-5), key
+
+
+def _torchrun(tmp_path: Path, name: str, *args: str) -> dict:
+    out = tmp_path / name
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "loss_counts_worker.py"), str(out), *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_two_ranks_give_the_one_big_batch_gradient_of_each_loss(tmp_path, wrap):
+    big = run(str(tmp_path / "big"), batch=8, accum=1)
+    two = _torchrun(tmp_path, wrap, "2", "2", wrap)
+    assert two["world_size"] == 2
+    want, losses = _one_big_batch(big["batches"][0])
+    _assert_same_grads(two["grads"], want)
+    log = next(h for h in two["logs"] if "loss" in h and "train_runtime" not in h)
+    for key in ("loss", "loss_lm", "loss_cls", "loss_reg"):
+        assert log[key] == pytest.approx(losses[key], rel=1e-5), key
