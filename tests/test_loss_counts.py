@@ -79,3 +79,41 @@ def test_two_ranks_give_the_one_big_batch_gradient_of_each_loss(tmp_path, wrap):
     log = next(h for h in two["logs"] if "loss" in h and "train_runtime" not in h)
     for key in ("loss", "loss_lm", "loss_cls", "loss_reg"):
         assert log[key] == pytest.approx(losses[key], rel=1e-5), key
+
+
+def test_score_only_hub_batches_carry_no_lm_labels_and_never_run_the_lm_head(tmp_path, one_thread):
+    """A tiny Qwen3-VL with LoRA and heads on score-only samples (no assistant turn): training batches have no
+    `labels` (evaluation's keep them), the LM head is never called, the heads train."""
+    import json
+
+    import yaml
+    from PIL import Image
+
+    from vlmtrain import run
+    from vlmtrain.config import load_run_config
+    from vlmtrain.models.families import get_family
+
+    tiny = get_family("qwen3_vl").build_tiny(str(tmp_path / "tiny"))
+    rows = []
+    for i in range(4):
+        Image.new("RGB", (32, 32), (40 + 60 * i, 40, 200)).save(tmp_path / f"{i}.png")
+        rows.append({"images": [f"{i}.png"], "texts": [{"user": "How blue?"}], "labels": {"level": float(i)}})
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": tiny, "lora": {"r": 4},
+                     "heads": {"level": {"type": "regression"}}},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "data.jsonl"), "max_length": 64},
+           "train": {"output_dir": str(tmp_path / "run"), "max_steps": 2, "per_device_train_batch_size": 2,
+                     "logging_steps": 1, "save_strategy": "no", "learning_rate": 1e-2, "disable_tqdm": True}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    trainer = run.build(load_run_config(str(tmp_path / "cfg.yaml")))
+    samples = [trainer.train_dataset[i] for i in range(2)]
+    assert "labels" not in trainer.data_collator(samples) and "labels_level" in trainer.data_collator(samples)
+    assert (trainer.data_collator.without_packing()(samples)["labels"] == -100).all()
+    calls = []
+    lm_head = trainer.model.base.get_base_model().get_output_embeddings()
+    lm_head.register_forward_hook(lambda module, inputs, output: calls.append(inputs[0].shape))
+    head = trainer.model.heads.layer("level").weight.detach().clone()
+    trainer.train()
+    assert calls == []
+    assert not torch.equal(head, trainer.model.heads.layer("level").weight)
+    assert all("loss_level" in h and "loss_lm" not in h for h in trainer.state.log_history if "loss" in h)
