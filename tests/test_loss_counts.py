@@ -117,3 +117,33 @@ def test_score_only_hub_batches_carry_no_lm_labels_and_never_run_the_lm_head(tmp
     assert calls == []
     assert not torch.equal(head, trainer.model.heads.layer("level").weight)
     assert all("loss_level" in h and "loss_lm" not in h for h in trainer.state.log_history if "loss" in h)
+
+
+def test_counted_windows_resume_exactly(tmp_path, one_thread):
+    """Windows fetched whole before their first forward: a run stopped after step 2 and resumed ends with the
+    uninterrupted run's weights and logs, bit for bit (4 steps of 2 x 2 samples, 16 samples: epoch 2 included)."""
+    from vlmtrain import Trainer, TrainingArguments
+    from vlmtrain.trainer.callbacks import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    def trainer(out, callbacks=()):
+        args = TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=2,
+                                 gradient_accumulation_steps=2, learning_rate=0.05, logging_steps=1, save_steps=2,
+                                 disable_tqdm=True, report_to="none", seed=0)
+        return Trainer(heads_model(), args, data_collator=Collate(), train_dataset=mixed_samples(),
+                       callbacks=list(callbacks))
+
+    straight = trainer(tmp_path / "a")
+    straight.train()
+    trainer(tmp_path / "b", [StopAt()]).train()
+    resumed = trainer(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=True)
+    rows = [[{k: v for k, v in h.items() if k.startswith("loss")} for h in t.state.log_history if "loss" in h]
+            for t in (straight, resumed)]
+    assert len(rows[0]) == 6 and rows[1] == rows[0]  # (steps 1-2 come back with the checkpoint's state)
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
