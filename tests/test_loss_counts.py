@@ -147,3 +147,26 @@ def test_counted_windows_resume_exactly(tmp_path, one_thread):
     assert len(rows[0]) == 6 and rows[1] == rows[0]  # (steps 1-2 come back with the checkpoint's state)
     for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_stream_that_ends_mid_window_steps_on_the_counts_of_what_came(tmp_path, one_thread):
+    """6 streamed samples, micro-batches of 2, accumulation 4: the stream ends after 3 micro-batches; the step
+    on them has the gradient of the one big batch of those 6 samples."""
+    from torch.utils.data import IterableDataset
+
+    from tests.loss_counts_worker import GradsBeforeStep
+    from vlmtrain import Trainer, TrainingArguments
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(mixed_samples()[:6])
+
+    grads, collate = GradsBeforeStep(), Collate()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, learning_rate=0.1, max_grad_norm=0.0, logging_steps=1,
+                             save_strategy="no", disable_tqdm=True, report_to="none", seed=0)
+    trainer = Trainer(heads_model(), args, data_collator=collate, train_dataset=Stream(), callbacks=[grads])
+    trainer.train()
+    assert trainer.state.global_step == 1 and collate.seen == [[0, 1], [2, 3], [4, 5]]
+    want, _ = _one_big_batch(list(range(6)))
+    _assert_same_grads(grads.grads, want)
