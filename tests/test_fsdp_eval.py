@@ -62,3 +62,23 @@ def test_fsdp_evaluation_splits_the_eval_set_and_matches_one_process(tmp_path):
     assert [(r["mixed"]["forwards"], r["mixed"]["rows"]) for r in ranks] == [(4, 7), (4, 6 + 2)]
     assert [(r["scores"]["forwards"], r["scores"]["rows"]) for r in ranks] == [(3, 6), (3, 5)]
     assert [(r["one"]["forwards"], r["one"]["rows"]) for r in ranks] == [(1, 1), (1, 1)]
+
+
+def test_load_best_model_at_end_under_fsdp_loads_the_best_checkpoint_into_the_shards(tmp_path):
+    """Eval and save every step, the highest eval loss counting as best (an early checkpoint): after train()
+    the sharded model evaluates to the best checkpoint's logged eval_loss, for a full fine-tune (DCP shards)
+    and for LoRA + score heads. The loader also takes files (model.safetensors; adapter + heads files),
+    cutting full tensors into each rank's shards, and DCP shards of another checkpoint."""
+    (result,) = _launch(TORCHRUN, "fsdp_best_worker.py", tmp_path / "runs")
+    for name, expected_files in (("full", {"model.safetensors"}),
+                                 ("lora", {"adapter_model.safetensors", "heads.safetensors"})):
+        run = result[name]
+        logged = {int(step): loss for step, loss in run["logged"].items()}
+        best = max(logged, key=logged.get)
+        assert sorted(logged) == [1, 2, 3, 4] and run["best_step"] == best < 4, (name, logged)
+        assert run["best_checkpoint"] == f"checkpoint-{best}"
+        assert abs(logged[best] - logged[4]) > 1e-4, (name, logged)  # the last step's model evaluates otherwise
+        assert run["after_train"] == pytest.approx(logged[best], abs=1e-6), name
+        assert expected_files <= set(run["files"])
+        assert run["last_loaded"] == pytest.approx(logged[4], abs=1e-6), name
+        assert run["files_loaded"] == pytest.approx(logged[best], abs=1e-6), name
