@@ -1,6 +1,7 @@
 """Evaluation under train.fsdp (2 gloo ranks): each rank evaluates its share of the eval set, ranks run forward in
 step (a rank whose share is done runs a stand-in batch whose results are dropped), and the metrics and
-per-sample outputs equal one process's; load_best_model_at_end loads the best checkpoint into the shards."""
+per-sample outputs equal one process's; load_best_model_at_end loads the best checkpoint into the shards (and
+`vlmtrain train` reports the loaded model's metrics)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -33,6 +33,7 @@ def _without_padding(rows: list[list[int]]) -> list[list[int]]:
     return [[t for t in row if t != -100] for row in rows]
 
 
+@pytest.mark.slow
 def test_fsdp_evaluation_splits_the_eval_set_and_matches_one_process(tmp_path):
     (one,) = _launch([sys.executable], "fsdp_eval_worker.py", tmp_path / "one")
     ranks = _launch(TORCHRUN, "fsdp_eval_worker.py", tmp_path / "two")
@@ -64,6 +65,7 @@ def test_fsdp_evaluation_splits_the_eval_set_and_matches_one_process(tmp_path):
     assert [(r["one"]["forwards"], r["one"]["rows"]) for r in ranks] == [(1, 1), (1, 1)]
 
 
+@pytest.mark.slow
 def test_load_best_model_at_end_under_fsdp_loads_the_best_checkpoint_into_the_shards(tmp_path):
     """Eval and save every step, the highest eval loss counting as best (an early checkpoint): after train()
     the sharded model evaluates to the best checkpoint's logged eval_loss, for a full fine-tune (DCP shards)
@@ -82,3 +84,25 @@ def test_load_best_model_at_end_under_fsdp_loads_the_best_checkpoint_into_the_sh
         assert expected_files <= set(run["files"])
         assert run["last_loaded"] == pytest.approx(logged[4], abs=1e-6), name
         assert run["files_loaded"] == pytest.approx(logged[best], abs=1e-6), name
+
+
+def test_train_reports_the_metrics_of_the_best_model_it_loaded_at_the_end(tmp_path, one_thread):
+    """run.train (vlmtrain train) ends with the evaluation of the model it returns: with
+    load_best_model_at_end, the best step's (reused from the log), not the last step's."""
+    import yaml
+
+    from tests.test_async_eval import LM
+    from vlmtrain import run
+    from vlmtrain.config import load_run_config
+
+    cfg = json.loads(json.dumps(LM))
+    cfg["train"].update(output_dir=str(tmp_path / "run"), async_eval=False, max_steps=3, eval_strategy="steps",
+                        eval_steps=1, save_steps=1, load_best_model_at_end=True, metric_for_best_model="loss",
+                        greater_is_better=True)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    metrics = run.train(load_run_config(tmp_path / "cfg.yaml"))
+    logged = {r["step"]: r["eval_loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
+              if "eval_loss" in r}
+    best = max(logged, key=logged.get)
+    assert best < 3 and logged[best] != logged[3], logged
+    assert metrics["eval_loss"] == logged[best]
