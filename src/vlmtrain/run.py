@@ -137,7 +137,10 @@ def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
         # Reuse an evaluation the run already made of its last step (inline or async) rather than running it twice.
         from vlmtrain.trainer.async_eval import BOOKKEEPING
 
-        last = [h for h in trainer.state.log_history if h.get("step") == out.global_step
+        state = trainer.state  # (load_best_model_at_end: the model is now the best step's)
+        step = state.best_global_step if cfg.train.load_best_model_at_end and state.best_model_checkpoint else \
+            out.global_step
+        last = [h for h in state.log_history if h.get("step") == step
                 and any(k.startswith("eval_") and k.endswith("loss") for k in h)]
         metrics.update({k: v for h in last for k, v in h.items() if k.startswith("eval_") and k not in BOOKKEEPING}
                        if last else trainer.evaluate())
