@@ -206,6 +206,13 @@ def _probes(image: Image.Image) -> list[tuple[str, list[dict[str, Any]]]]:
     ]
 
 
+def _placed_probe(image: Image.Image) -> tuple[str, list[dict[str, Any]]]:
+    """Two images placed inside two user turns by ``<image>`` placeholders (mask check only: LLaVA-OneVision's
+    own template would move them to the start of their turns)."""
+    return ("two images placed by <image>", build_messages([("First <image> one.", "Red."),
+                                                             ("Then <image>?", "Blue.")], [image, image]))
+
+
 def _first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -215,8 +222,9 @@ def check_training_template(processor: Any, family: Any) -> None:
 
     On probe conversations (1 and 2 images, multi-turn, text only; with and without a generation prompt)
     the training template with its generation markers removed must render byte-identically to the
-    processor's own chat template, and the assistant mask it yields (two-image and text-only probes) must
-    cover exactly the assistant texts and end-of-turn tokens (never all zeros).
+    processor's own chat template, and the assistant mask it yields (two-image, text-only and two images placed
+    by ``<image>`` inside two turns) must cover exactly the assistant texts and end-of-turn tokens (never all
+    zeros).
     """
     name = getattr(family, "name", "?")
     training = family.training_template
@@ -246,7 +254,7 @@ def check_training_template(processor: Any, family: Any) -> None:
     # the mask on a text-only probe and on one with images: transformers before 5.18 (seen on 5.17) placed it
     # by character offsets of the text before the image placeholders were expanded, so with images it fell on
     # the wrong tokens or nowhere (a Qwen3-VL batch without targets: NaN loss) while text-only ones were right
-    for probe, messages in _probes(image)[1:]:
+    for probe, messages in [*_probes(image)[1:], _placed_probe(image)]:
         _check_mask(processor, family, probe, messages)
 
 
