@@ -86,6 +86,29 @@ def test_placeholders_put_each_image_where_it_stands(tiny, name):
             assert torch.equal(value, first[key]), key
 
 
+class PlacedImageMaskBug:
+    """A processor whose assistant mask is shifted only when an image follows text inside a turn."""
+
+    def __init__(self, processor):
+        self._processor = processor
+
+    def __getattr__(self, name):
+        return getattr(self._processor, name)
+
+    def apply_chat_template(self, messages, **kwargs):
+        out = self._processor.apply_chat_template(messages, **kwargs)
+        placed = any([b["type"] for b in m["content"]][:2] == ["text", "image"] for m in messages)
+        if kwargs.get("return_assistant_tokens_mask") and placed:
+            out["assistant_masks"] = torch.as_tensor(out["assistant_masks"]).roll(-2, dims=-1)
+        return out
+
+
+def test_template_check_masks_images_placed_inside_turns(tiny):
+    fam, _, proc = tiny("qwen3_vl")
+    with pytest.raises(ConfigError, match="mask covers.*probe 'two images placed by <image>'"):
+        check_training_template(PlacedImageMaskBug(proc), fam)
+
+
 @pytest.mark.parametrize("name", ["qwen3_vl", "idefics3"])
 def test_placeholder_errors_are_skipped_and_counted(tiny, name):
     fam, _, proc = tiny(name)
