@@ -147,7 +147,7 @@ def test_control_tokens_in_text_are_rejected(tiny, name):
     assert "<b>bold</b> <im_end> <|im_end" in _texts(proc, item["input_ids"])
 
 
-def test_no_target_samples_are_skipped(tiny):
+def test_no_target_and_video_samples_are_skipped(tiny):
     fam, _, proc = tiny("qwen3_vl")
     score_only = {"images": [_image(0)], "texts": [{"user": "Rate it."}]}
 
@@ -164,6 +164,11 @@ def test_no_target_samples_are_skipped(tiny):
     assert reason(("color",), score_only | {"texts": [{"user": "Rate it.", "assistant": ""}]}) == "no_target"
     assert reason((), score_only | {"texts": [{"user": "Rate it.", "assistant": "Good"}]}) is None
     assert reason(None, score_only) is None  # inference: a prompt has no target
+    # video is not supported: counted as such, not as a corrupt image
+    assert reason((), score_only | {"images": ["clip.MP4"], "texts": [{"user": "a", "assistant": "b"}]}) == \
+        "video_unsupported"
+    assert reason((), score_only | {"videos": ["clip.webm"], "texts": [{"user": "a", "assistant": "b"}]}) == \
+        "video_unsupported"
 
 
 def test_processor_errors_are_named_by_cause(tiny):

@@ -28,6 +28,7 @@ from vlmtrain.data.hub_messages import (
     special_tokens_pattern,
 )
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, load_image
+from vlmtrain.data.sources import VIDEO_EXTENSIONS
 from vlmtrain.errors import ConfigError
 
 _MARKER = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
@@ -76,8 +77,9 @@ class HubVLMProcessor:
     label for one of those heads is skipped (``no_target``: it would train nothing, and a batch of such
     samples has a NaN loss); None (inference) accepts it. Bad samples raise
     :class:`~vlmtrain.data.processing.SkipSample` (reasons in :mod:`vlmtrain.data.hub_messages` and
-    :func:`~vlmtrain.data.hub_messages.processor_error_reason` besides the shared ones); an over-long one
-    (> ``max_length`` tokens, image tokens included) is dropped, never truncated.
+    :func:`~vlmtrain.data.hub_messages.processor_error_reason` besides the shared ones; ``video_unsupported``
+    for a sample with ``videos`` or a video file among its images); an over-long one (> ``max_length``
+    tokens, image tokens included, after the images are resized) is dropped, never truncated.
     """
 
     def __init__(self, processor: Any, family: Any, max_length: int = 2048, max_images: int = 8,
@@ -122,6 +124,9 @@ class HubVLMProcessor:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         if len(images) > self.max_images:
             raise SkipSample("too_many_images", f"{len(images)} > max_images={self.max_images}")
+        for img in images:  # a video file given as an image: not supported yet (never a corrupt_image count)
+            if isinstance(img, str) and img.lower().endswith(tuple(f".{e}" for e in VIDEO_EXTENSIONS)):
+                raise SkipSample("video_unsupported", img)
         return [load_image(img) for img in images]
 
     # -- processor calls --------------------------------------------------------------------------
@@ -159,6 +164,8 @@ class HubVLMProcessor:
             raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
         if sample.get("__bad__"):
             raise SkipSample(str(sample["__bad__"]), "unreadable record")
+        if sample.get("videos") or sample.get("video"):
+            raise SkipSample("video_unsupported", "the sample has videos; only images are supported")
         turns = self._turns(sample.get("texts"))
         head_labels = sample.get("labels")
         if head_labels is not None:
