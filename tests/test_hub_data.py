@@ -273,6 +273,10 @@ def test_image_size_bounds_image_tokens(qwen_like, tmp_path, setting):
     hd, photo, small = (_tokens(h, w, min_pixels, max_pixels) for h, w in ((1080, 1920), (3000, 4000), (30, 40)))
     if not setting:  # the default: 1,024 tokens at most (1080p: 24 x 42; 12 MP: 27 x 36)
         assert (hd, photo) == (1008, 972)
+        # the processor a checkpoint saves keeps the bound: inference resizes as training did
+        trainer.processing_class.save_pretrained(str(tmp_path / "saved"))
+        reloaded = get_family("qwen3_vl").load_processor(str(tmp_path / "saved")).image_processor.size
+        assert (reloaded["shortest_edge"], reloaded["longest_edge"]) == (min_pixels, max_pixels)
     if uncapped:  # 2,040 tokens per 1080p image (11,750 for 12 MP): two 1080p images overflow max_length 4096
         assert (hd, photo) == (2040, 11750)
         assert trainer.data_collator(rows[:1])["skipped"] == {"too_long": 1}
