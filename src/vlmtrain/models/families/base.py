@@ -2,8 +2,8 @@
 
 The model's processor and code do token expansion and pixel handling; a family only adds a training chat
 template (with ``{% generation %}`` markers), how each processor output is batched, which parameter names
-make up the ``vision`` / ``projector`` / ``text`` groups, and a builder of a tiny random-init checkpoint for
-offline tests.
+make up the ``vision`` / ``projector`` / ``text`` groups, how to bound its image size (where the checkpoint
+does not fix it), and a builder of a tiny random-init checkpoint for offline tests.
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ class Family:
     """image_tokens(model config, batch) -> (patches the vision tower attends over, tokens the projector emits)
     per image of the batch, for the logged tflops_per_second (trainer/flops.py). None: not counted (no tflops
     for this family: its vision attention or projector is not a per-image full attention + per-token map)."""
+    image_size: Callable[[Any, int | None, int | None, int | None], None] | None = None
+    """image_size(processor, max_pixels, min_pixels, max_image_tokens) bounds, in place, how large the
+    processor resizes each image (``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens``; None: the
+    family's default). None: this family's image size is fixed by the checkpoint (a fixed view size or a
+    bounded tiling) and those keys do not apply."""
     pad_values: Mapping[str, int | float] = field(default_factory=dict)
     """Padding value per 'pad' key (input_ids: the tokenizer's pad id is used; labels: -100; others 0)."""
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -11,6 +11,9 @@
   drops all-zero crops), as the processor's own batched call does.
 - Modules: ``model.vision_model`` (SigLIP), ``model.connector`` (pixel shuffle + projection),
   ``model.text_model`` (Llama / SmolLM) and ``lm_head``.
+- Image size: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` do not apply. The processor resizes
+  an image to the checkpoint's ``size.longest_edge`` and cuts it into crops of ``max_image_size`` (plus one
+  global view), ``image_seq_len`` tokens each, so the checkpoint's settings already bound its token count.
 """
 
 from __future__ import annotations

@@ -30,9 +30,11 @@ def check(cfg: Any) -> None:
 
 
 def validate(cfg: Any) -> None:
+    from vlmtrain.data.hub_processing import check_image_size
     from vlmtrain.models.families import family_of
 
-    family_of(cfg.model.pretrained)  # an unsupported model_type names the supported ones
+    # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
+    check_image_size(family_of(cfg.model.pretrained), cfg.data)
 
 
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
@@ -77,7 +79,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     import torch
 
     from vlmtrain.data.hub_collate import HubVLMCollator
-    from vlmtrain.data.hub_processing import HubVLMProcessor, check_training_template
+    from vlmtrain.data.hub_processing import HubVLMProcessor, apply_image_size, check_training_template
     from vlmtrain.data.metrics import exact_match_metric
     from vlmtrain.models.families import family_of
     from vlmtrain.models.heads import check_head_labels, head_label_tensors
@@ -88,6 +90,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     has_processor = checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
     processor = family.load_processor(checkpoint if has_processor else m.pretrained)
     check_training_template(processor, family)  # a mismatch is an error, never an all-zero loss mask
+    apply_image_size(processor, family, d)  # (saved with the processor: inference resizes as training did)
     torch.manual_seed(cfg.train.seed)  # heads and adapters initialize under the run's seed
     stop = end_of_turn_id(processor, family)
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
@@ -106,7 +109,8 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     # without_packing twin), and only when evaluation generates.
     hub_processor = HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,
-        label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False)
+        label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
+        head_names=tuple(heads))
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
                               if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate)
