@@ -156,7 +156,9 @@ def _image_only_smolvlm() -> type:
         def apply_chat_template(self, conversation, chat_template=None, **kwargs):
             return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
 
-    return ImageOnlySmolVLMProcessor
+    from .base import saved_as_real_class
+
+    return saved_as_real_class(ImageOnlySmolVLMProcessor)  # saved as SmolVLMProcessor
 
 
 def build_tiny(out_dir: str, seed: int = 0, model_type: str = "idefics3") -> str:

@@ -87,7 +87,9 @@ def _image_only_processor_class() -> type:
             self.vision_aspect_ratio = vision_aspect_ratio
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    return ImageOnlyLlavaOnevisionProcessor
+    from .base import saved_as_real_class
+
+    return saved_as_real_class(ImageOnlyLlavaOnevisionProcessor)  # saved as LlavaOnevisionProcessor
 
 
 def load_processor(path: str) -> Any:

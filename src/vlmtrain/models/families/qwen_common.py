@@ -66,7 +66,10 @@ def build_tiny_tokenizer(chat_template: str) -> Any:
 
 
 def image_only_processor_class(base: type) -> type:
-    """A subclass of a Qwen processor class that takes no video processor (which would need torchvision)."""
+    """A subclass of a Qwen processor class that takes no video processor (which would need torchvision); it
+    saves under the real class's name (see :class:`~vlmtrain.models.families.base.SavedAsRealClass`)."""
+    from .base import saved_as_real_class
+
 
     class ImageOnlyProcessor(base):  # type: ignore[misc, valid-type]
         __doc__ = f"{base.__name__} with an image processor and a tokenizer only (no video processor)."
@@ -76,7 +79,7 @@ def image_only_processor_class(base: type) -> type:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{base.__name__}"
-    return ImageOnlyProcessor
+    return saved_as_real_class(ImageOnlyProcessor)  # saved as {base.__name__}: AutoProcessor loads the real one
 
 
 def load_image_only_processor(path: str, processor_class: type) -> Any:
