@@ -236,3 +236,33 @@ def test_checkpoint_of_other_heads_or_model_is_an_error_naming_the_file(trained,
         vlmtrain.attach_heads(other, os.path.join(run_dir, "checkpoint-2"))
     with pytest.raises(ConfigError, match="no file matches"):
         run.predict_data(run_dir, str(tmp_path / "missing-*.tar"))
+
+
+@pytest.mark.parametrize("heads_json", [True, False])
+def test_fsdp_dcp_checkpoint_loads_for_inference(trained, tmp_path, heads_json):
+    """A full fine-tune under FSDP saves dcp/ (the whole model) + config.json + processor files; the heads are
+    described by heads.json or, without it, by the run's config.yaml next to checkpoint-N/."""
+    import torch.distributed.checkpoint as dcp
+
+    from vlmtrain.models.heads import save_heads
+    from vlmtrain.models.lora import merge_lora
+
+    _, run_dir, folder = trained
+    loaded = vlmtrain.load_for_inference(run_dir)
+    model = merge_lora(loaded.model)
+    ckpt = tmp_path / "run" / "checkpoint-7"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
+    model.base.config.save_pretrained(ckpt)
+    loaded.processor.save_pretrained(ckpt)
+    if heads_json:
+        save_heads(model, str(tmp_path / "heads"))
+        shutil.copy(tmp_path / "heads" / "heads.json", ckpt / "heads.json")
+    else:
+        with pytest.raises(vlmtrain.trainer.CheckpointError, match="heads.json nor the run's config.yaml"):
+            vlmtrain.load_for_inference(str(ckpt))
+        (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"model": {"heads": HEADS}}))
+    samples = [{"images": [str(folder / f"{i}.png")], "texts": [{"user": "Which colour?"}]} for i in range(3)]
+    for row, want in zip(vlmtrain.load_for_inference(str(ckpt)).score(samples), loaded.score(samples),
+                         strict=True):
+        assert row["level"] == pytest.approx(want["level"], abs=1e-5)
+        np.testing.assert_allclose(row["color_probs"], want["color_probs"], atol=1e-5)
