@@ -266,3 +266,22 @@ def test_fsdp_dcp_checkpoint_loads_for_inference(trained, tmp_path, heads_json):
                          strict=True):
         assert row["level"] == pytest.approx(want["level"], abs=1e-5)
         np.testing.assert_allclose(row["color_probs"], want["color_probs"], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_predict_two_ranks_same_rows_as_one(trained, tmp_path, monkeypatch):
+    _, run_dir, _ = trained
+    records, _ = _new_data(tmp_path)
+    data = _write_jsonl(tmp_path / "new.jsonl", records, bad_line=2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    assert cli.main(["predict", "--checkpoint", run_dir, "--data", data, "--output", str(one)]) == 0
+    assert cli.main(["predict", "--nproc", "2", "--checkpoint", run_dir, "--data", data, "--output", str(two),
+                     "--batch-size", "2"]) == 0
+    rows_one, rows_two = _read_rows(one), _read_rows(two)
+    assert [r["id"] for r in rows_two] == [r["id"] for r in rows_one] == [1, "sample-1", 3, 4, "sample-3", 6, "sample-5"]
+    for a, b in zip(rows_one, rows_two):
+        assert a.keys() == b.keys() and a.get("skipped") == b.get("skipped")
+        if "level" in a:
+            assert a["level"] == pytest.approx(b["level"], abs=1e-5)
+            np.testing.assert_allclose(a["color_probs"], b["color_probs"], atol=1e-5)
