@@ -321,7 +321,8 @@ def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., 
     max_new_tokens) generates greedily, stopping at the family's end-of-turn token."""
     import torch
 
-    parts = load_for_inference(checkpoint, torch.device(device or "cpu"), torch.float32, max_length=1 << 20)
+    parts = load_for_inference(checkpoint, torch.device(device or "cpu"), torch.float32, max_length=1 << 20,
+                               max_images=1 << 10)
 
     def answer(prompt: str, images: list[Any] | None = None, max_new_tokens: int = 32) -> str:
         return parts["generate"]([{"images": list(images or []), "texts": [{"user": prompt}]}], max_new_tokens)[0]
