@@ -285,3 +285,16 @@ def test_predict_two_ranks_same_rows_as_one(trained, tmp_path, monkeypatch):
         if "level" in a:
             assert a["level"] == pytest.approx(b["level"], abs=1e-5)
             np.testing.assert_allclose(a["color_probs"], b["color_probs"], atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_load_for_inference_defaults_to_cuda_bf16(trained):
+    """On a GPU machine (-m gpu): weights straight onto cuda in bfloat16, heads float32, scores near CPU's."""
+    _, run_dir, folder = trained
+    gpu, cpu = vlmtrain.load_for_inference(run_dir), vlmtrain.load_for_inference(run_dir, device="cpu")
+    assert gpu.device.type == "cuda" and gpu.dtype == torch.bfloat16
+    assert {p.device.type for p in gpu.model.parameters()} == {"cuda"}
+    assert {p.dtype for p in gpu.model.heads.parameters()} == {torch.float32}
+    samples = [{"images": [str(folder / f"{i}.png")], "texts": [{"user": "Which colour?"}]} for i in range(3)]
+    for a, b in zip(gpu.score(samples), cpu.score(samples), strict=True):
+        np.testing.assert_allclose(a["color_probs"], b["color_probs"], atol=0.05)
