@@ -59,11 +59,16 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
     if family.image_tokens is not None:  # what the logged tflops count images by (trainer/flops.py)
         setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
+    _stop_at(model, stop_token_id)
+    return model
+
+
+def _stop_at(model: Any, stop_token_id: int | None) -> None:
+    """Generation stops at ``stop_token_id`` (the family's end of turn) too."""
     if stop_token_id is not None and model.generation_config is not None:
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         model.generation_config.eos_token_id = [stop_token_id, *[e for e in eos if e != stop_token_id]]
-    return model
 
 
 def end_of_turn_id(processor: Any, family: Any) -> int | None:
@@ -185,7 +190,7 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
 
         check_saved_heads(model, checkpoint)
         load_model_weights(model, checkpoint)  # the heads (the base was loaded above)
-    return model.to(torch.device(device)) if device is not None else model
+    return (model.to(torch.device(device)) if device is not None else model).eval()
 
 
 def _has_full_weights(checkpoint: str) -> bool:
@@ -238,10 +243,7 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
 
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
     setattr(model, MODULE_GROUPS_ATTR, dict(family_of(checkpoint).module_groups))
-    if stop_token_id is not None and model.generation_config is not None:
-        eos = model.generation_config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        model.generation_config.eos_token_id = [stop_token_id, *[e for e in eos if e != stop_token_id]]
+    _stop_at(model, stop_token_id)
     return model
 
 
