@@ -209,6 +209,8 @@ def test_export_merge_reloads_with_transformers_and_attach_heads(trained, tmp_pa
         import torchvision  # noqa: F401
     except ImportError:
         return  # the real Qwen3VLProcessor's video processor needs torchvision
+    if not os.path.isfile(os.path.join(out, "video_preprocessor_config.json")):
+        return  # (the tiny base has no video processor settings; Hub checkpoints do, and they are copied along)
     from transformers import AutoProcessor
 
     assert type(AutoProcessor.from_pretrained(out)).__name__ == "Qwen3VLProcessor"
@@ -298,3 +300,21 @@ def test_load_for_inference_defaults_to_cuda_bf16(trained):
     samples = [{"images": [str(folder / f"{i}.png")], "texts": [{"user": "Which colour?"}]} for i in range(3)]
     for a, b in zip(gpu.score(samples), cpu.score(samples), strict=True):
         np.testing.assert_allclose(a["color_probs"], b["color_probs"], atol=0.05)
+
+
+def test_saved_processor_names_the_real_class_and_keeps_video_settings(trained, tmp_path):
+    """The image-only processor saves as the transformers class, with the video processor settings of the
+    checkpoint it came from, and vlmtrain's loader reads it back as the image-only class (no torchvision)."""
+    _, _, folder = trained
+    base = tmp_path / "base"
+    shutil.copytree(folder / "tiny", base)
+    video = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 8, "temporal_patch_size": 2,
+             "merge_size": 2}
+    (base / "video_preprocessor_config.json").write_text(json.dumps(video))
+    family = get_family("qwen3_vl")
+    family.load_processor(str(base)).save_pretrained(str(tmp_path / "saved"))
+    saved = tmp_path / "saved"
+    assert json.loads((saved / "processor_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
+    assert json.loads((saved / "tokenizer_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
+    assert json.loads((saved / "video_preprocessor_config.json").read_text()) == video
+    assert type(family.load_processor(str(saved))).__name__ == "ImageOnlyQwen3VLProcessor"

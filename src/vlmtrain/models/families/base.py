@@ -75,10 +75,37 @@ class SavedAsRealClass:
         out["processor_class"] = self.saved_class_name
         return out
 
+    source: str | None = None
+    """Where the processor was loaded from (a directory or Hub id; set by the family's load_processor): its
+    video_preprocessor_config.json, if it has one, is copied along on save, so the real class finds its video
+    processor's settings."""
+
     def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> Any:
         files = super().save_pretrained(save_directory, *args, **kwargs)  # type: ignore[misc]
         _rename_processor_class(os.path.join(save_directory, "tokenizer_config.json"), self.saved_class_name)
+        video = _video_config(self.source) if self.source else None
+        target = os.path.join(save_directory, VIDEO_CONFIG)
+        if video is not None and os.path.abspath(video) != os.path.abspath(target):
+            import shutil
+
+            shutil.copyfile(video, target)
         return files
+
+
+VIDEO_CONFIG = "video_preprocessor_config.json"
+
+
+def _video_config(source: str) -> str | None:
+    """The video processor config file of a checkpoint directory or Hub id, if it has one."""
+    if os.path.isdir(source):
+        path = os.path.join(source, VIDEO_CONFIG)
+        return path if os.path.isfile(path) else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return hf_hub_download(source, VIDEO_CONFIG)
+    except Exception:  # noqa: BLE001 - optional on the Hub (and no network offline)
+        return None
 
 
 def saved_as_real_class(cls: type) -> type:

@@ -130,8 +130,10 @@ def load_processor(path: str) -> Any:
     kwargs = saved_processor_kwargs(path)
     chat_template = saved_chat_template(path, tokenizer)
     cls = _image_only_smolvlm() if model_type_of(path) == "smolvlm" else Idefics3Processor
-    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
-               image_seq_len=kwargs.get("image_seq_len", 169))
+    processor = cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
+                    image_seq_len=kwargs.get("image_seq_len", 169))
+    processor.source = path  # (SmolVLM: its video processor settings go along when saved: SavedAsRealClass)
+    return processor
 
 
 @functools.cache

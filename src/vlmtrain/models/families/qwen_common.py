@@ -99,7 +99,9 @@ def load_image_only_processor(path: str, processor_class: type) -> Any:
 
         raise ConfigError(f"{path}: no chat template found (tokenizer_config.json / chat_template.jinja / "
                           f"chat_template.json); a Hub VLM checkpoint needs its chat template.")
-    return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    processor.source = path  # (its video processor settings go along when saved: SavedAsRealClass)
+    return processor
 
 
 def _processor_chat_template(path: str) -> str | None:
