@@ -133,8 +133,10 @@ def load_processor(path: str) -> Any:
     kwargs = saved_processor_kwargs(path)
     chat_template = saved_chat_template(path, tokenizer)
     cls = _image_only_smolvlm() if model_type_of(path) == "smolvlm" else Idefics3Processor
-    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
-               image_seq_len=kwargs.get("image_seq_len", 169))
+    processor = cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
+                    image_seq_len=kwargs.get("image_seq_len", 169))
+    processor.source = path  # (SmolVLM: its video processor settings go along when saved: SavedAsRealClass)
+    return processor
 
 
 @functools.cache
@@ -159,7 +161,9 @@ def _image_only_smolvlm() -> type:
         def apply_chat_template(self, conversation, chat_template=None, **kwargs):
             return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
 
-    return ImageOnlySmolVLMProcessor
+    from .base import saved_as_real_class
+
+    return saved_as_real_class(ImageOnlySmolVLMProcessor)  # saved as SmolVLMProcessor
 
 
 def build_tiny(out_dir: str, seed: int = 0, model_type: str = "idefics3") -> str:

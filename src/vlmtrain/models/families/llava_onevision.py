@@ -98,7 +98,9 @@ def _image_only_processor_class() -> type:
             self.vision_aspect_ratio = vision_aspect_ratio
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    return ImageOnlyLlavaOnevisionProcessor
+    from .base import saved_as_real_class
+
+    return saved_as_real_class(ImageOnlyLlavaOnevisionProcessor)  # saved as LlavaOnevisionProcessor
 
 
 def load_processor(path: str) -> Any:
@@ -115,8 +117,10 @@ def load_processor(path: str) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
     kwargs = {k: v for k, v in saved_processor_kwargs(path).items() if k in PROCESSOR_KEYS}
-    return _image_only_processor_class()(image_processor=image_processor, tokenizer=tokenizer,
-                                         chat_template=saved_chat_template(path, tokenizer), **kwargs)
+    processor = _image_only_processor_class()(image_processor=image_processor, tokenizer=tokenizer,
+                                              chat_template=saved_chat_template(path, tokenizer), **kwargs)
+    processor.source = path  # (its video processor settings go along when saved: SavedAsRealClass)
+    return processor
 
 
 def pad_crops_and_concat(per_sample: list[torch.Tensor]) -> torch.Tensor:

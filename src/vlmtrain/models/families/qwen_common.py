@@ -104,7 +104,10 @@ def build_tiny_tokenizer(chat_template: str) -> Any:
 
 
 def image_only_processor_class(base: type) -> type:
-    """A subclass of a Qwen processor class that takes no video processor (which would need torchvision)."""
+    """A subclass of a Qwen processor class that takes no video processor (which would need torchvision); it
+    saves under the real class's name (see :class:`~vlmtrain.models.families.base.SavedAsRealClass`)."""
+    from .base import saved_as_real_class
+
 
     class ImageOnlyProcessor(base):  # type: ignore[misc, valid-type]
         __doc__ = f"{base.__name__} with an image processor and a tokenizer only (no video processor)."
@@ -114,7 +117,7 @@ def image_only_processor_class(base: type) -> type:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{base.__name__}"
-    return ImageOnlyProcessor
+    return saved_as_real_class(ImageOnlyProcessor)  # saved as {base.__name__}: AutoProcessor loads the real one
 
 
 def load_image_only_processor(path: str, processor_class: type) -> Any:
@@ -134,7 +137,9 @@ def load_image_only_processor(path: str, processor_class: type) -> Any:
 
         raise ConfigError(f"{path}: no chat template found (tokenizer_config.json / chat_template.jinja / "
                           f"chat_template.json); a Hub VLM checkpoint needs its chat template.")
-    return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    processor.source = path  # (its video processor settings go along when saved: SavedAsRealClass)
+    return processor
 
 
 def _processor_chat_template(path: str) -> str | None:
