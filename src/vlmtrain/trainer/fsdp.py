@@ -212,7 +212,7 @@ def gather_params(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         if name.startswith(prefix):
             full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            out[name[len(prefix):]] = full.detach().cpu()
+            out[name[len(prefix):]] = full.detach().cpu().clone()  # (its own storage, not the gather buffer's)
     return out
 
 
