@@ -154,6 +154,29 @@ def test_lora_checkpoint_resumes_exactly_under_fsdp(lora_run, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_lora_fsdp_checkpoint_resumes_in_one_process(lora_run, tmp_path):
+    """Another world size: one process (unsharded) takes the 2-rank checkpoint's weights and optimizer state."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from vlmtrain import run as run_mod
+    from vlmtrain.config import load_run_config
+    from vlmtrain.trainer.model_files import read_trainable
+
+    run, _ = lora_run
+    ckpt = run / "checkpoint-2"
+    cfg = load_run_config(run / "config.yaml", {"train.output_dir": str(tmp_path / "one"), "train.max_steps": 2,
+                                                "train.eval_strategy": "no"})
+    trainer = run_mod.build(cfg)
+    trainer.train(resume_from_checkpoint=str(ckpt))  # at its last step: loads, trains nothing
+    assert trainer.state.global_step == 2
+    params = dict(trainer.model.named_parameters())
+    saved = read_trainable(trainer.model, str(ckpt))
+    assert all(torch.equal(params[k], t) for k, t in saved.items())
+    want, got = load_torch(ckpt / "optimizer.pt"), get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    assert want["state"].keys() == got["state"].keys() == saved.keys()
+    assert all(torch.equal(want["state"][k][m], got["state"][k][m]) for k in saved for m in ("exp_avg", "exp_avg_sq"))
+
+
 def test_a_checkpoint_of_other_heads_or_lora_is_an_error_naming_the_file(lora_run, tmp_path):
     from vlmtrain import run as run_mod
     from vlmtrain.config import load_run_config

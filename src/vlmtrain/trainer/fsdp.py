@@ -118,11 +118,22 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(directory, DCP_DIR))
 
 
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-    """Inverse of save_sharded (a collective); the shards are re-split if the world size changed."""
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: str) -> None:
+    """Inverse of save_sharded (a collective); the shards are re-split if the world size changed. Without an
+    optimizer, the model's weights alone (e.g. the best checkpoint at the end of training)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
+        set_model_state_dict(model, state["model"])
+        return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))

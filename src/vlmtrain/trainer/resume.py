@@ -142,10 +142,8 @@ class CheckpointMixin:
                                                "weights." if sharded else "."))
         if sharded:
             fsdp.load_sharded(self.model, self.optimizer, path)
-        elif sharded_model:  # LoRA under FSDP: every rank reads the (small) files and keeps its shards
-            fsdp.load_trainable(self.model, read_trainable(self.model, path))
         else:
-            ckpt.load_model_weights(self.model, path)
+            self._load_model_weights(path)
         saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
         if saved.max_steps != self.state.max_steps:
             warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
@@ -172,6 +170,16 @@ class CheckpointMixin:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))
         ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))
+
+    def _load_model_weights(self, path: str) -> None:
+        """A checkpoint's model weights (not its optimizer) into the model, sharded or not; under FSDP every
+        rank calls it (a collective), e.g. to load the best checkpoint at the end of training."""
+        if not fsdp.is_sharded(self.model):
+            ckpt.load_model_weights(self.model, path)
+        elif fsdp.has_sharded_weights(path):  # a full fine-tune's DCP shards
+            fsdp.load_sharded(self.model, None, path)
+        else:  # LoRA: every rank reads the (small) adapter and heads files and keeps its shards
+            fsdp.load_trainable(self.model, read_trainable(self.model, path))
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).
