@@ -151,6 +151,13 @@ def save_model_files(model: nn.Module, directory: str, processing_class: Any = N
         processing_class.save_pretrained(directory)
 
 
+def save_head_files(model: nn.Module, directory: str, tensors: dict[str, torch.Tensor]) -> None:
+    """heads.safetensors (`tensors`: the heads' weights, e.g. gathered from FSDP shards) + heads.json."""
+    from ..models.heads import save_heads
+
+    save_heads(model, directory, tensors)
+
+
 def _extra_trainable(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     """Trainable parameters of a PeftModel that its adapter state dict does not hold."""
     from peft import get_peft_model_state_dict

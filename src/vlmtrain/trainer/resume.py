@@ -14,7 +14,13 @@ from typing import Any
 from . import checkpoint as ckpt
 from . import fsdp
 from .async_checkpoint import AsyncCheckpointer, cpu_model_copy, cpu_snapshot
-from .model_files import has_score_heads, read_trainable, save_model_files, saves_trainable_only
+from .model_files import (
+    has_score_heads,
+    read_trainable,
+    save_head_files,
+    save_model_files,
+    saves_trainable_only,
+)
 from .state import TrainerState
 
 
@@ -128,9 +134,7 @@ class CheckpointMixin:
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(directory)
         if heads is not None:
-            from ..models.heads import save_heads
-
-            save_heads(self.model, directory, heads)
+            save_head_files(self.model, directory, heads)
 
     def _load_checkpoint(self, path: str) -> None:
         sharded, sharded_model = fsdp.has_sharded_weights(path), fsdp.is_sharded(self.model)
