@@ -229,3 +229,43 @@ def test_submitit_launcher_runs_the_evaluations_as_jobs(tmp_path):
     rows = _async_rows(tmp_path / "run")
     assert {s: [r.get("eval_fake_step") for r in rs] for s, rs in rows.items()} == {2: [2], 4: [4]}
     assert any((tmp_path / "run" / "async_eval" / "submitit").glob("*_log.out"))  # submitit's own job logs
+
+
+def env_reporter() -> list[str]:
+    """An evaluation command whose metrics are its own CUDA_VISIBLE_DEVICES ('unset' when there is none)."""
+    script = ("import json, os, sys\n"
+              "device = os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')\n"
+              "open(sys.argv[1], 'w').write(json.dumps({'metrics': {'eval_visible_devices': device}}))\n")
+    return [sys.executable, "-c", script, "{result_file}"]
+
+
+def test_async_eval_device_sets_the_evaluation_processes_devices(tmp_path, monkeypatch):
+    """train.async_eval_device reaches the launched process as its CUDA_VISIBLE_DEVICES: cpu hides every GPU;
+    with this process seeing GPUs 3 5 6 7 (as if CUDA_VISIBLE_DEVICES=3,5,6,7), cuda:1 is GPU 5 and auto the
+    last one, 7; a GPU index it does not have, or a bad value, is a ConfigError naming the key."""
+    from vlmtrain.errors import ConfigError
+    from vlmtrain.trainer import TrainingArguments, async_eval
+
+    def devices(name: str, setting: str) -> str:
+        _, cfg = _config(tmp_path / name, max_steps=2, async_eval_command=env_reporter(),
+                         async_eval_device=setting)
+        _train(cfg)
+        return _async_rows(tmp_path / name / "run")[2][0]["eval_visible_devices"]
+
+    monkeypatch.setattr(async_eval, "visible_gpus", lambda: ["3", "5", "6", "7"])
+    assert devices("cpu", "cpu") == ""
+    assert async_eval.device_env("cpu", "subprocess", ["0"]) == {"CUDA_VISIBLE_DEVICES": ""}  # (the suite
+    # itself runs with CUDA_VISIBLE_DEVICES="", which the process above would inherit anyway)
+    assert devices("cuda1", "cuda:1") == "5"
+    assert devices("auto", "auto") == "7"
+    with pytest.raises(ConfigError, match=r"async_eval_device='cuda:4'.*4 GPU\(s\)"):
+        devices("missing", "cuda:4")
+    monkeypatch.setattr(async_eval, "visible_gpus", lambda: [])
+    assert async_eval.device_env("auto", "subprocess", []) == {}  # no GPU: the environment is left as it is
+    assert async_eval.device_env("auto", "submitit", ["0", "1"]) == {}  # the scheduler assigns GPUs
+    for bad in ("gpu", "cuda", "cuda:x", "1"):
+        with pytest.raises(ConfigError, match="async_eval_device"):
+            TrainingArguments(output_dir=str(tmp_path), async_eval=True, async_eval_device=bad)
+    with pytest.raises(ConfigError, match="async_eval_device='cuda:0'.*submitit"):
+        TrainingArguments(output_dir=str(tmp_path), async_eval=True, async_eval_device="cuda:0",
+                          async_eval_launcher="submitit")

@@ -104,3 +104,29 @@ def test_generation_prompts_only_in_evaluation_batches(tiny_qwen, tmp_path, gene
     for key, value in train_batch.items():  # the rest of the batch is the same
         same = torch.equal(value, eval_batch[key]) if isinstance(value, torch.Tensor) else value == eval_batch[key]
         assert same, key
+
+
+def test_generation_keeps_the_heads_predictions_and_metrics(tiny_qwen, tmp_path, one_thread):
+    """With train.predict_with_generate a model with score heads still reports every head metric (the same
+    values as evaluating without generation) next to the generation's exact match, and predict returns the
+    heads' outputs per sample beside the generated answers."""
+    import numpy as np
+
+    from vlmtrain import run
+
+    config = _config(tmp_path, tiny_qwen)
+    plain = run.build(load_run_config(config))
+    expected, heads = plain.evaluate(), plain.predict(plain.eval_dataset).heads
+    trainer = run.build(load_run_config(config, {"train.predict_with_generate": True,
+                                                 "train.generation_max_new_tokens": 2}))
+    metrics = trainer.evaluate()
+    head_keys = [k for k in expected if k.startswith(("eval_color_", "eval_level_", "eval_loss"))]
+    assert {"eval_color_accuracy", "eval_level_mae", "eval_loss_color"} <= set(head_keys)
+    for key in head_keys:
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    assert "eval_exact_match" in metrics
+    out = trainer.predict(trainer.eval_dataset)
+    assert sorted(out.heads) == ["color", "level"]
+    for name, rows in heads.items():
+        np.testing.assert_allclose(out.heads[name], rows, atol=1e-5)
+    assert len(out.texts) == 8 and out.predictions.shape[0] == 8 and out.predictions.dtype.kind == "i"

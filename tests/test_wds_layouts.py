@@ -92,6 +92,24 @@ def test_a_sample_with_two_images_0_is_a_counted_bad_record(tmp_path):
     assert inspect_source(str(tmp_path / "d-000000.tar"))["bad"] == {"duplicate_image": 1}
 
 
+def test_video_members_are_counted_not_dropped(tmp_path):
+    """Video is not supported: a sample with a video member (any of the usual containers, indexed or not, with
+    or without images) is a bad record counted as video_unsupported, never trained on as its text alone."""
+    video = b"\x00\x00\x00\x18ftypmp42 not really a video"
+    _write(str(tmp_path / "v-%06d.tar"), [
+        {"__key__": "mp4", "0.mp4": video, "json": _record(["red"])},
+        {"__key__": "webm", "webm": video, "json": _record(["red"])},
+        {"__key__": "mixed", "0.png": _image("red"), "1.MOV": video, "json": _record(["red"])},
+        {"__key__": "avi", "0.avi": video, "json": _record([])},
+        {"__key__": "mkv", "2.mkv": video, "json": _record([])},
+        {"__key__": "fine", "jpg": _image("red"), "json": _record(["red"])}], maxcount=10)
+    path = str(tmp_path / "v-000000.tar")
+    samples = list(StreamingDataset([WebDatasetSource(path)], shuffle=False))
+    assert [s[KEY].rsplit(":", 1)[1] for s in samples] == ["fine"]
+    assert samples[0]["__dropped__"] == {"video_unsupported": 5}
+    assert inspect_source(path)["bad"] == {"video_unsupported": 5}
+
+
 def test_a_shard_cut_short_ends_with_a_counted_bad_record(tmp_path):
     """A writer killed mid-shard: the tar ends inside the last sample's image. Reading does not fail; the
     cut record is counted at the end of the stream."""

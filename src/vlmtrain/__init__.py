@@ -1,5 +1,7 @@
 """vlmtrain: train vision-language models (and plain LMs) with the Trainer API you know."""
 
+from .inference import InferenceModel, load_for_inference
+from .models.heads import attach_heads
 from .trainer import (
     EarlyStoppingCallback,
     EvalPrediction,
@@ -14,6 +16,7 @@ from .trainer import (
 
 __version__ = "0.1.0"
 __all__ = [
-    "EarlyStoppingCallback", "EvalPrediction", "PredictionOutput", "Trainer", "TrainerCallback", "TrainerControl",
-    "TrainerState", "TrainOutput", "TrainingArguments", "__version__",
+    "EarlyStoppingCallback", "EvalPrediction", "InferenceModel", "PredictionOutput", "Trainer", "TrainerCallback",
+    "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "__version__", "attach_heads",
+    "load_for_inference",
 ]

@@ -15,7 +15,9 @@ COMMANDS = {
     "train": "Train a model: vlmtrain train --config FILE.yaml [--nproc N] [--train.learning_rate 3e-4 ...]",
     "eval": "Evaluate on the eval set: vlmtrain eval --config FILE.yaml [--checkpoint DIR] [--result-file F.json]; "
             "vlmtrain eval --checkpoint RUN_DIR --all evaluates every checkpoint metrics.jsonl has no evaluation for",
-    "predict": "Print generated answers for the eval set: vlmtrain predict --config FILE.yaml --checkpoint DIR",
+    "predict": "Score new data with a checkpoint's heads: vlmtrain predict --checkpoint DIR --data FILE.jsonl|SHARDS.tar "
+               "[--output predictions.jsonl] [--batch-size N] [--num-workers N] [--nproc N]; or the eval set's "
+               "answers/scores: vlmtrain predict --config FILE.yaml --checkpoint DIR",
     "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
                 "--prompt TEXT",
     "demo": "Train a tiny VLM on shapes-VQA on CPU (6-10 minutes on 2 cores, by machine): vlmtrain demo [--config C] [--output-dir DIR]",
@@ -146,13 +148,64 @@ def _option_value(argv: list[str], name: str) -> str | None:
 
 
 def _predict(argv: list[str]) -> int:
-    cfg, ns = _parse("predict", argv, checkpoint="required")
+    nproc, argv = _pop_nproc(argv)
+    data = any(a == "--data" or a.startswith("--data=") for a in argv)
+    if data:
+        ns = _parse_predict_data(argv)  # a bad option fails here, once, not in N processes
+    else:
+        _parse("predict", argv, checkpoint="required")
+    if nproc > 1:
+        if "WORLD_SIZE" in os.environ:
+            raise ConfigError("--nproc cannot be used inside torchrun: torchrun already sets the process count.")
+        import subprocess
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "vlmtrain", "predict", *argv]
+        return subprocess.call(cmd)
     from vlmtrain import run
 
+    if data:
+        out = run.predict_data(ns.checkpoint, ns.data, output=ns.output, batch_size=ns.batch_size,
+                               num_workers=ns.num_workers, device=ns.device, dtype=ns.dtype)
+        if _is_rank_zero():
+            print(f"wrote {out}")
+        return 0
+    cfg, ns = _parse("predict", argv, checkpoint="required")
     texts = run.predict(cfg, checkpoint=ns.checkpoint)
     if _is_rank_zero():
         print("\n".join(texts))
     return 0
+
+
+def _parse_predict_data(argv: list[str]) -> Any:
+    """Options of ``vlmtrain predict --checkpoint DIR --data ...`` (no config: the checkpoint says it all)."""
+    import jsonargparse
+
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain predict", description=COMMANDS["predict"],
+                                         exit_on_error=False, allow_abbrev=False)
+    parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP.replace(
+        ", or 'latest' for the newest checkpoint in train.output_dir", ", or an exported folder"))
+    parser.add_argument("--data", type=str, required=True,
+                        help="Samples in the training format: a .jsonl file (image paths relative to it) or "
+                             "WebDataset shards (x.tar, a glob or x-{000..009}.tar); labels optional.")
+    parser.add_argument("--output", type=str, default="predictions.jsonl",
+                        help="Where to write one JSON row per input sample, keyed by its id.")
+    parser.add_argument("--batch-size", "--batch_size", type=int, default=8, help="Samples per forward pass.")
+    parser.add_argument("--num-workers", "--num_workers", type=int, default=0,
+                        help="Data-loader worker processes reading and processing samples.")
+    parser.add_argument("--device", type=str | None, default=None, help="Default: cuda if available, else cpu.")
+    parser.add_argument("--dtype", type=str | None, default=None,
+                        help="Weights dtype; default bfloat16 on CUDA, float32 on CPU.")
+    if "--config" in argv or any(a.startswith("--config=") for a in argv):
+        raise ConfigError("vlmtrain predict --data scores with the checkpoint alone (limits come from the run's "
+                          "config.yaml): drop --config, or drop --data to predict the config's eval set.")
+    try:
+        ns = parser.parse_args(argv)
+    except jsonargparse.ArgumentError as e:
+        raise ConfigError(f"{e}. See vlmtrain predict --help.") from None
+    if ns.batch_size < 1 or ns.num_workers < 0:
+        raise ConfigError(f"--batch-size must be >= 1 and --num-workers >= 0, got {ns.batch_size}, {ns.num_workers}.")
+    return ns
 
 
 def _demo(argv: list[str]) -> int:

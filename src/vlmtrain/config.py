@@ -121,6 +121,17 @@ class DataCore:
     """(vlm) Samples longer than this many tokens (image tokens included) are skipped and counted, never cut."""
     max_images: int = 4
     """(vlm) Samples with more images than this are skipped and counted."""
+    max_pixels: int | None = None
+    """(hub_vlm: Qwen3-VL, Qwen2.5-VL) Images are resized to at most this many pixels (aspect ratio kept; the
+    image processor's size.longest_edge) before their tokens are counted. null: the family default, at most
+    1,024 image tokens per image (Qwen3-VL 1,048,576 pixels, Qwen2.5-VL 802,816), or the checkpoint's own
+    limit if lower. Other families fix their image size: an error there."""
+    min_pixels: int | None = None
+    """(hub_vlm: Qwen3-VL, Qwen2.5-VL) Smaller images are upscaled to at least this many pixels (the image
+    processor's size.shortest_edge). null: the checkpoint's own."""
+    max_image_tokens: int | None = None
+    """(hub_vlm: Qwen3-VL, Qwen2.5-VL) max_pixels in image tokens: max_image_tokens x (patch x merge)^2 pixels
+    (Qwen3-VL 1,024 pixels per token, Qwen2.5-VL 784). Set this or max_pixels, not both."""
     split_large_images: bool = False
     """(vlm) Split images larger than the encoder's size into tiles plus a global view."""
     images_after_text: bool = False
@@ -176,6 +187,15 @@ class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
         if self.pack_length is not None and self.source != "addition" and self.pack_length < self.max_length:
             raise ConfigError(f"data.pack_length={self.pack_length} is below data.max_length={self.max_length}: "
                               f"every sample that fits max_length must fit a pack.")
+        for name in ("max_pixels", "min_pixels", "max_image_tokens"):
+            if getattr(self, name) is not None and (not isinstance(getattr(self, name), int)
+                                                    or getattr(self, name) < 1):
+                raise ConfigError(f"data.{name} must be a positive integer or null, got {getattr(self, name)!r}.")
+        if self.max_pixels is not None and self.max_image_tokens is not None:
+            raise ConfigError("data.max_pixels and data.max_image_tokens both set: set one (max_image_tokens is "
+                              "max_pixels counted in image tokens).")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ConfigError(f"data.min_pixels={self.min_pixels} is above data.max_pixels={self.max_pixels}.")
         if self.filter is not None and ":" not in self.filter:
             raise ConfigError(f"data.filter={self.filter!r} must be 'package.module:function'.")
 

@@ -36,6 +36,9 @@ class HubVLMCollator:
       (when the processor makes them; with ``eval_prompts`` only the evaluation twin, :meth:`without_packing`);
     * ``head_labels``: a list with each sample's ``labels`` dict (None where it has none), absent when no
       sample has one; with ``label_collate`` its output (a dict of tensors) is merged into the batch instead.
+      A training batch with head labels (``labels_<name>``) but no LM target (every sample score-only) has no
+      ``labels``: the model then computes no vocabulary logits (the evaluation twin, :meth:`without_packing`,
+      keeps them, as ``score_only_labels`` says).
 
     Bookkeeping as :class:`~vlmtrain.data.vlm_collate.VLMCollator`: ``skipped`` (this batch's counts by
     reason), ``skipped_keys`` (up to 5), ``pack_stats`` (never packed: rows = samples); ``self.skipped`` is the
@@ -54,15 +57,20 @@ class HubVLMCollator:
         self.label_collate = label_collate
         self.pad_token_id = int(pad)
         self.skipped: Counter[str] = Counter()
-        self._evaluation = self
+        self.score_only_labels = False  # training batches: a score-only batch carries no `labels`
         if eval_prompts and not hub_processor.prompts:  # a prompt is a second processor call per sample
             with_prompts = copy.copy(hub_processor)
             with_prompts.prompts = True
             self._evaluation = HubVLMCollator(with_prompts, label_collate)
+        else:
+            self._evaluation = copy.copy(self)
+        # Evaluation keeps them: its batches line up label for label with the predictions (and generation).
+        self._evaluation.score_only_labels = True
 
     def without_packing(self) -> HubVLMCollator:
-        """What evaluation and prediction use (Hub VLM batches are never packed): this collator, or with
-        ``eval_prompts`` its twin whose batches also carry the generation prompts, which training never reads."""
+        """What evaluation and prediction use (Hub VLM batches are never packed): a twin of this collator that
+        keeps score-only batches' all -100 `labels`, and with ``eval_prompts`` also the generation prompts, which
+        training never reads."""
         return self._evaluation
 
     def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
@@ -85,6 +93,9 @@ class HubVLMCollator:
             batch.update(self.label_collate(heads))
         elif any(h is not None for h in heads):
             batch["head_labels"] = heads
+        if (not self.score_only_labels and "labels" in batch and any(k.startswith("labels_") for k in batch)
+                and not (batch["labels"][:, 1:] != IGNORE_INDEX).any()):
+            del batch["labels"]  # score-only samples: no LM target, so the model computes no vocabulary logits
         rows, width = batch["input_ids"].shape
         n_images = sum(int(it.get("num_images", 0)) for it in items)
         lengths = sum(int(len(it["input_ids"])) for it in items)

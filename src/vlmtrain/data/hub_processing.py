@@ -1,24 +1,34 @@
 """Processing for Hub VLMs through the model's own processor: chat template, token expansion, pixels, labels.
 
-vlmtrain renders a the_cauldron sample as content-block messages (all images in the first user turn, in
-order) and calls ``processor.apply_chat_template`` with the family's training template (the checkpoint's
-template plus ``{% generation %}`` markers); the processor expands image placeholders and makes the pixel
-tensors. Labels are ``input_ids`` where the assistant mask is 1 (assistant text + end-of-turn token), -100
-elsewhere. :func:`check_training_template` proves at load time that the training template renders exactly
-like the checkpoint's own and that its mask covers exactly the assistant replies, with and without images.
+vlmtrain renders a the_cauldron sample as content-block messages (:mod:`vlmtrain.data.hub_messages`: each
+image where its ``<image>`` placeholder stands in a user text, or without placeholders all images first in
+the first user turn) and calls ``processor.apply_chat_template`` with the family's training template (the
+checkpoint's template plus ``{% generation %}`` markers); the processor resizes the images (bounded by
+:func:`apply_image_size`: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens``), expands the image
+tokens and makes the pixel tensors, so a sample's length counts its image tokens after the resize. Labels
+are ``input_ids`` where the assistant mask is 1 (assistant text + end-of-turn token), -100 elsewhere.
+:func:`check_training_template` proves at load time that the training template renders exactly like the
+checkpoint's own and that its mask covers exactly the assistant replies, with and without images.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
+from vlmtrain.data.hub_messages import (
+    build_messages,
+    check_texts,
+    processor_error_reason,
+    special_tokens_pattern,
+)
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, load_image
+from vlmtrain.data.sources import VIDEO_EXTENSIONS
 from vlmtrain.errors import ConfigError
 
 _MARKER = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
@@ -29,20 +39,26 @@ def strip_generation_markers(template: str) -> str:
     return _MARKER.sub("", template)
 
 
-def _text_block(text: str) -> dict[str, str]:
-    return {"type": "text", "text": text}
+IMAGE_SIZE_KEYS = ("max_pixels", "min_pixels", "max_image_tokens")
 
 
-def build_messages(turns: list[tuple[str, str | None]], images: list[Any]) -> list[dict[str, Any]]:
-    """Content-block messages: each turn a user message (the first one starts with every image, in order)
-    and, when its assistant text is not None, an assistant message."""
-    messages: list[dict[str, Any]] = []
-    for i, (user, assistant) in enumerate(turns):
-        blocks = [{"type": "image", "image": img} for img in images] if i == 0 else []
-        messages.append({"role": "user", "content": [*blocks, _text_block(user)]})
-        if assistant is not None:
-            messages.append({"role": "assistant", "content": [_text_block(assistant)]})
-    return messages
+def check_image_size(family: Any, data: Any) -> None:
+    """ConfigError if ``data`` sets an image-size key (``max_pixels`` / ``min_pixels`` / ``max_image_tokens``)
+    that the family cannot apply (its image size is fixed by the checkpoint)."""
+    given = [k for k in IMAGE_SIZE_KEYS if getattr(data, k, None) is not None]
+    if given and family.image_size is None:
+        raise ConfigError(f"data.{given[0]} does not apply to the {family.name} family: its images are resized "
+                          f"to the checkpoint's fixed size / tiling, which already bounds their token count "
+                          f"(see vlmtrain.models.families.{family.name}). Remove data.{given[0]}.")
+
+
+def apply_image_size(processor: Any, family: Any, data: Any) -> None:
+    """Bound the processor's image resize by ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` (the
+    family's defaults where null; nothing for families whose image size the checkpoint fixes), in place, so
+    images are resized before their tokens are counted against ``max_length``."""
+    check_image_size(family, data)
+    if family.image_size is not None:
+        family.image_size(processor, *(getattr(data, k, None) for k in IMAGE_SIZE_KEYS))
 
 
 class HubVLMProcessor:
@@ -56,20 +72,27 @@ class HubVLMProcessor:
     ``num_images``, and ``head_labels`` (the sample's ``labels`` dict, untouched) when the sample has one.
 
     A last turn without assistant text (missing, None or "") is rendered without an assistant message: with
-    no assistant turn at all the sample is score-only (every label -100). Bad samples raise
-    :class:`~vlmtrain.data.processing.SkipSample`; an over-long one (> ``max_length`` tokens, image tokens
-    included) is dropped, never truncated.
+    no assistant turn at all the sample is score-only (every label -100). With ``head_names`` (the model's
+    heads; an empty collection for a model without heads) a sample that has neither assistant text nor a
+    label for one of those heads is skipped (``no_target``: it would train nothing, and a batch of such
+    samples has a NaN loss); None (inference) accepts it. Bad samples raise
+    :class:`~vlmtrain.data.processing.SkipSample` (reasons in :mod:`vlmtrain.data.hub_messages` and
+    :func:`~vlmtrain.data.hub_messages.processor_error_reason` besides the shared ones; ``video_unsupported``
+    for a sample with ``videos`` or a video file among its images); an over-long one (> ``max_length``
+    tokens, image tokens included, after the images are resized) is dropped, never truncated.
     """
 
     def __init__(self, processor: Any, family: Any, max_length: int = 2048, max_images: int = 8,
-                 label_check: Callable[[dict[str, Any]], Any] | None = None, prompts: bool = True) -> None:
+                 label_check: Callable[[dict[str, Any]], Any] | None = None, prompts: bool = True,
+                 head_names: Collection[str] | None = None) -> None:
         if max_length < 1 or max_images < 0:
             raise ValueError(f"max_length must be >= 1 and max_images >= 0, got {max_length}, {max_images}")
         self.processor, self.family = processor, family
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.max_length, self.max_images = max_length, max_images
         self.label_check, self.prompts = label_check, prompts
-        self.image_token = getattr(processor, "image_token", None)
+        self.head_names = None if head_names is None else frozenset(head_names)
+        self.special_tokens = special_tokens_pattern(self.tokenizer)
 
     # -- input checks -----------------------------------------------------------------------------
     def _turns(self, texts: Any) -> list[tuple[str, str | None]]:
@@ -92,10 +115,6 @@ class HubVLMProcessor:
                 if i != len(texts) - 1:
                     raise SkipSample("malformed_text", f"turn {i}: empty assistant text before the last turn")
                 assistant = None
-            for text in (user, assistant or ""):
-                if self.image_token and self.image_token in text:
-                    raise SkipSample("placeholder_mismatch", f"turn {i}: text contains the image token "
-                                     f"{self.image_token!r}; images are placed by vlmtrain")
             turns.append((user, assistant))
         return turns
 
@@ -105,6 +124,9 @@ class HubVLMProcessor:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         if len(images) > self.max_images:
             raise SkipSample("too_many_images", f"{len(images)} > max_images={self.max_images}")
+        for img in images:  # a video file given as an image: not supported yet (never a corrupt_image count)
+            if isinstance(img, str) and img.lower().endswith(tuple(f".{e}" for e in VIDEO_EXTENSIONS)):
+                raise SkipSample("video_unsupported", img)
         return [load_image(img) for img in images]
 
     # -- processor calls --------------------------------------------------------------------------
@@ -115,8 +137,8 @@ class HubVLMProcessor:
             out = self.processor.apply_chat_template(
                 messages, chat_template=self.family.training_template, tokenize=True, return_dict=True,
                 return_tensors=None, **kwargs)
-        except (ValueError, IndexError) as err:  # e.g. image tokens that do not match the images
-            raise SkipSample("placeholder_mismatch", str(err)[:200]) from err
+        except (ValueError, IndexError) as err:  # e.g. an extreme aspect ratio: named by what failed
+            raise SkipSample(processor_error_reason(err), str(err)[:200]) from err
         return {k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for k, v in out.items()}
 
     def _unbatch(self, out: Mapping[str, torch.Tensor], length: int) -> dict[str, Any]:
@@ -142,6 +164,8 @@ class HubVLMProcessor:
             raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
         if sample.get("__bad__"):
             raise SkipSample(str(sample["__bad__"]), "unreadable record")
+        if sample.get("videos") or sample.get("video"):
+            raise SkipSample("video_unsupported", "the sample has videos; only images are supported")
         turns = self._turns(sample.get("texts"))
         head_labels = sample.get("labels")
         if head_labels is not None:
@@ -150,7 +174,12 @@ class HubVLMProcessor:
                                  f"dict {{head: value}}")
             if self.label_check is not None:
                 self.label_check(head_labels)
+        if self.head_names is not None and all(a is None for _, a in turns) and not any(
+                (head_labels or {}).get(name) is not None for name in self.head_names):
+            raise SkipSample("no_target", "no assistant text and no label for any of the model's heads "
+                             f"({', '.join(sorted(self.head_names)) or 'it has none'})")
         images = self._images(sample.get("images"))
+        check_texts(turns, len(images), self.special_tokens)
 
         out = self._call(build_messages(turns, images), return_assistant_tokens_mask=True)
         mask = torch.as_tensor(out.pop("assistant_masks"))
@@ -184,6 +213,13 @@ def _probes(image: Image.Image) -> list[tuple[str, list[dict[str, Any]]]]:
     ]
 
 
+def _placed_probe(image: Image.Image) -> tuple[str, list[dict[str, Any]]]:
+    """Two images placed inside two user turns by ``<image>`` placeholders (mask check only: LLaVA-OneVision's
+    own template would move them to the start of their turns)."""
+    return ("two images placed by <image>", build_messages([("First <image> one.", "Red."),
+                                                             ("Then <image>?", "Blue.")], [image, image]))
+
+
 def _first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -193,8 +229,9 @@ def check_training_template(processor: Any, family: Any) -> None:
 
     On probe conversations (1 and 2 images, multi-turn, text only; with and without a generation prompt)
     the training template with its generation markers removed must render byte-identically to the
-    processor's own chat template, and the assistant mask it yields (two-image and text-only probes) must
-    cover exactly the assistant texts and end-of-turn tokens (never all zeros).
+    processor's own chat template, and the assistant mask it yields (two-image, text-only and two images placed
+    by ``<image>`` inside two turns) must cover exactly the assistant texts and end-of-turn tokens (never all
+    zeros).
     """
     name = getattr(family, "name", "?")
     training = family.training_template
@@ -224,7 +261,7 @@ def check_training_template(processor: Any, family: Any) -> None:
     # the mask on a text-only probe and on one with images: transformers before 5.18 (seen on 5.17) placed it
     # by character offsets of the text before the image placeholders were expanded, so with images it fell on
     # the wrong tokens or nowhere (a Qwen3-VL batch without targets: NaN loss) while text-only ones were right
-    for probe, messages in _probes(image)[1:]:
+    for probe, messages in [*_probes(image)[1:], _placed_probe(image)]:
         _check_mask(processor, family, probe, messages)
 
 

@@ -42,7 +42,8 @@ CHATML_TEMPLATE = (
 )
 SKIP_REASONS = ("empty_conversation", "malformed_text", "malformed_json", "missing_image", "corrupt_image",
                 "too_many_images", "too_long", "placeholder_mismatch", "bad_head_label", "images_for_text_model",
-                "duplicate_image")
+                "duplicate_image", "no_target", "video_unsupported", "control_token_in_text",
+                "placeholder_in_assistant", "bad_aspect_ratio", "image_too_small", "processor_error")
 
 
 class SkipSample(Exception):

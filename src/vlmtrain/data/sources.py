@@ -30,6 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 KEY, DROPPED, COUNTS_ONLY = "__key__", "__dropped__", "__counts_only__"
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp")
+VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "avi", "mkv")
 Position = dict[str, Any]
 
 
@@ -100,9 +101,11 @@ class WebDatasetSource:
 
     Members of one key are consecutive; the position is the tar offset of the next key's first header,
     so a resumed reader opens the shard there and reads nothing before it. Image bytes are decoded later
-    (by the processor), so a corrupt image is skipped and counted there, not here. A shard cut short (a
-    writer killed mid-shard) ends with a bad record (``corrupt_image`` or ``malformed_json``: the member cut),
-    counted like any other.
+    (by the processor), so a corrupt image is skipped and counted there, not here. A sample with a video
+    member (``KEY.0.mp4``, ``.webm``, ``.mov``, ``.avi``, ``.mkv``) is a bad record (``video_unsupported``):
+    video is not supported yet, and dropping the member silently would train on the text without it. A
+    shard cut short (a writer killed mid-shard) ends with a bad record (``corrupt_image`` or
+    ``malformed_json``: the member cut), counted like any other.
     """
 
     def __init__(self, paths: str | Sequence[str], name: str = "wds") -> None:
@@ -144,6 +147,8 @@ class WebDatasetSource:
             sample = None
         if not isinstance(sample, dict):
             return {KEY: name, "__bad__": "malformed_json"}
+        if any(ext.lower().rpartition(".")[2] in VIDEO_EXTENSIONS for ext, _ in group):
+            return {KEY: name, "__bad__": "video_unsupported"}
         images = sorted((_image_index(ext), data) for ext, data in group if _image_index(ext) is not None)
         if len({i for i, _ in images}) < len(images):  # e.g. KEY.jpg and KEY.0.png: two images 0
             return {KEY: name, "__bad__": "duplicate_image"}

@@ -27,8 +27,8 @@ from torch import nn
 from ..errors import ConfigError
 from .head_metrics import compute_head_metrics, head_metrics
 
-__all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_tensors",
-           "head_metrics", "load_heads", "parse_heads", "pool_last_token", "read_head_configs", "save_heads"]
+__all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_mask",
+           "head_label_tensors", "head_metrics", "load_heads", "parse_heads", "pool_last_token", "read_head_configs", "save_heads"]
 
 HEAD_TYPES = ("classification", "regression")
 HEAD_LOSSES = {"classification": ("ce", "bce"), "regression": ("mse", "huber")}
@@ -129,18 +129,22 @@ class ScoreHeads(nn.Module):
                     for key, layer in self.layers.items()}
 
 
-def head_loss(config: HeadConfig, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean loss over the samples that have a label, their count). Missing: -100 (ce) or NaN (others).
-    With no labelled sample the loss is 0 (still part of the graph) and the count 0."""
+def head_label_mask(config: HeadConfig, labels: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the samples that have a label for this head (not -100 for ce, no NaN cell otherwise)."""
+    if config.loss == "ce":
+        return labels.reshape(-1) != -100
+    return ~torch.isnan(labels.float().reshape(labels.shape[0], -1)).any(dim=-1)
+
+
+def head_loss_sum(config: HeadConfig, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss over the samples that have a label, their count): 0 and 0 without any, still in the graph."""
+    valid = head_label_mask(config, labels.to(logits.device))
     if config.loss == "ce":
         labels = labels.to(logits.device).long().reshape(-1)
-        valid = labels != -100
         total = F.cross_entropy(logits, labels.masked_fill(~valid, 0), reduction="none")
     else:
         labels = labels.to(logits.device).float().reshape(logits.shape[0], -1)
-        valid_cells = ~torch.isnan(labels)
-        valid = valid_cells.all(dim=-1)
-        target = torch.where(valid_cells, labels, torch.zeros_like(labels))
+        target = torch.where(valid[:, None], labels, torch.zeros_like(labels))
         if config.loss == "bce":
             cells = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
         elif config.loss == "mse":
@@ -148,9 +152,22 @@ def head_loss(config: HeadConfig, logits: torch.Tensor, labels: torch.Tensor) ->
         else:
             cells = F.huber_loss(logits, target, reduction="none")
         total = cells.mean(dim=-1)
-    count = valid.sum()
-    loss = torch.where(valid, total, torch.zeros_like(total)).sum() / count.clamp(min=1)
-    return loss, count
+    return torch.where(valid, total, torch.zeros_like(total)).sum(), valid.sum()
+
+
+def head_loss(config: HeadConfig, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean loss over the samples that have a label, their count). Missing: -100 (ce) or NaN (others).
+    With no labelled sample the loss is 0 (still part of the graph) and the count 0."""
+    total, count = head_loss_sum(config, logits, labels)
+    return total / count.clamp(min=1), count
+
+
+def _total(totals: Mapping[str, Any], key: str, local: torch.Tensor) -> torch.Tensor:
+    """A loss's item total from `num_items_in_batch` (at least 1: a loss without items adds 0)."""
+    if key not in totals:
+        raise KeyError(f"num_items_in_batch has no count for {key!r} (it has {sorted(totals)}): pass the totals of "
+                       "WithHeads.count_items")
+    return torch.as_tensor(totals[key], device=local.device).float().clamp(min=1)
 
 
 def _inner_model(base: nn.Module) -> nn.Module:
@@ -162,12 +179,20 @@ class WithHeads(nn.Module):
     """A base model (transformers LM/VLM, or a peft model around one) plus score heads on its last non-pad
     token's final hidden state.
 
-    forward(**batch): the base gets the batch without the head labels (`labels_<name>`), with
-    `output_hidden_states=True`. Returned dict: `loss`, `num_items` (the LM target count if the batch has LM
-    targets, else the batch size: the Trainer weights micro-batches by it), `loss_lm`/`num_items_lm` (when the
-    batch has `labels`), per head `loss_<name>` and `num_items_<name>` (only when the batch has `labels_<name>`)
-    and `logits_<name>` [B, num_outputs], and `logits` (the base's LM logits; only the last position when the
-    batch has no LM labels and the base accepts `logits_to_keep`).
+    forward(**batch, num_items_in_batch=None): the base gets the batch without the head labels (`labels_<name>`).
+    Returned dict: `loss`, `num_items` (the LM target count if the batch has LM targets, else the batch size),
+    `loss_lm`/`num_items_lm` and `logits` (the base's LM logits) when the batch has `labels`, per head
+    `loss_<name>` and `num_items_<name>` (only when the batch has `labels_<name>`; each head averages over the
+    samples that have its label) and `logits_<name>` [B, num_outputs].
+
+    `loss` is `loss_lm + sum(weight * loss_<name>)`, each a mean over this batch's items; with
+    `num_items_in_batch` ({"lm": N, "<head>": N, ...}, what :meth:`count_items` counted, summed by the Trainer
+    over an accumulation window and all ranks) each term is instead this batch's summed loss divided by its own
+    total N, so that a window's gradients add up to the one big batch's. `loss_<name>` stay this batch's means.
+
+    A batch without `labels` (score-only samples) computes no LM logits at all: the base's decoder runs without
+    its LM head (whose trainable weights get a zero gradient, so every rank's backward reaches the same
+    parameters under DDP / FSDP).
     """
 
     def __init__(self, base: nn.Module, heads: Mapping[str, Any], hidden_size: int | None = None) -> None:
@@ -193,45 +218,85 @@ class WithHeads(nn.Module):
     def config(self) -> Any:
         return getattr(self.base, "config", None)
 
-    def forward(self, **batch: Any) -> dict[str, torch.Tensor]:
+    def count_items(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """How many items each loss of `batch` averages over, from its labels alone (no forward): `lm` the
+        shifted LM targets (labels[:, 1:] != -100), each head the samples with its label. Every key is always
+        there (0 when absent), so ranks reduce the same keys. The Trainer sums these over an accumulation window
+        and all ranks and passes the totals back to forward as `num_items_in_batch`."""
+        labels = batch.get("labels")
+        counts = {"lm": (labels[..., 1:] != -100).sum() if isinstance(labels, torch.Tensor) else torch.tensor(0)}
+        for name, config in self.head_configs.items():
+            head = batch.get(f"labels_{name}")
+            counts[name] = head_label_mask(config, head).sum() if isinstance(head, torch.Tensor) else torch.tensor(0)
+        return counts
+
+    def forward(self, num_items_in_batch: Mapping[str, torch.Tensor] | None = None,
+                **batch: Any) -> dict[str, torch.Tensor]:
+        totals = num_items_in_batch
         head_labels = {name: batch.pop(f"labels_{name}") for name in self.head_configs if f"labels_{name}" in batch}
         lm_labels = batch.pop("labels", None)
         if "use_cache" in self._base_accepts:
             batch.setdefault("use_cache", False)
-        if lm_labels is None and "logits_to_keep" in self._base_accepts:
-            batch.setdefault("logits_to_keep", 1)  # score-only: no full-vocabulary logits for every position
-        out = self.base(**batch, output_hidden_states=True)
-        hidden = out.hidden_states[-1]
+        result: dict[str, torch.Tensor] = {}
+        if lm_labels is None:  # score-only: no LM logits
+            hidden, loss = self._hidden_without_lm_head(batch)
+        else:
+            out = self.base(**batch, output_hidden_states=True)
+            hidden, result["logits"] = out.hidden_states[-1], out.logits
+            loss_sum, n_lm = self.lm_loss_sum(out.logits, lm_labels)
+            loss_lm = loss_sum / n_lm.clamp(min=1)
+            result.update(loss_lm=loss_lm, num_items_lm=n_lm)
+            loss = loss_lm if totals is None else loss_sum / _total(totals, "lm", n_lm)
         pooled = pool_last_token(hidden, batch.get("attention_mask"))
-        result: dict[str, torch.Tensor] = {"logits": out.logits}
-        loss = hidden.new_zeros((), dtype=torch.float32)
         num_items = torch.tensor(float(hidden.shape[0]), device=hidden.device)
         if lm_labels is not None:
-            loss_lm, n_lm = self.lm_loss(out.logits, lm_labels)
-            result.update(loss_lm=loss_lm, num_items_lm=n_lm)
-            loss = loss + loss_lm
             num_items = torch.where(n_lm > 0, n_lm, num_items)
         for name, logits in self.heads(pooled).items():
             result[f"logits_{name}"] = logits
             if name in head_labels:
                 config = self.head_configs[name]
-                value, count = head_loss(config, logits, head_labels[name])
+                total, count = head_loss_sum(config, logits, head_labels[name])
+                value = total / count.clamp(min=1)
                 result[f"loss_{name}"], result[f"num_items_{name}"] = value, count.float()
-                loss = loss + config.weight * value
+                loss = loss + config.weight * (value if totals is None else total / _total(totals, name, count))
         result.update(loss=loss, num_items=num_items)
         return result
 
+    def _hidden_without_lm_head(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states [B, L, H], a zero loss) of the base's decoder, without its LM head: transformers'
+        `base_model` of the model under peft (LoRA layers sit inside it). The zero loss is 0 x the LM head's
+        trainable weights, which DDP (without find_unused_parameters) and FSDP's reduce-scatter need on every
+        rank alike. A base without a separate decoder keeps its LM head, on the last position only."""
+        inner = _inner_model(self.base)
+        decoder = getattr(inner, "base_model", inner)
+        if decoder is inner or not isinstance(decoder, nn.Module):
+            if "logits_to_keep" in self._base_accepts:
+                batch.setdefault("logits_to_keep", 1)
+            hidden = self.base(**batch, output_hidden_states=True).hidden_states[-1]
+            return hidden, hidden.new_zeros((), dtype=torch.float32)
+        batch.pop("logits_to_keep", None)
+        hidden = decoder(**batch)[0]
+        head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+        trained = [p for p in head.parameters() if p.requires_grad] if isinstance(head, nn.Module) else []
+        zero = sum((p.flatten()[0].float() * 0.0 for p in trained), hidden.new_zeros((), dtype=torch.float32))
+        return hidden, zero
+
     @staticmethod
-    def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mean next-token cross-entropy over the shifted targets (labels != -100), and their count; 0 and 0
-        for a batch without targets (score-only samples), never NaN."""
+    def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed next-token cross-entropy over the shifted targets (labels != -100), and their count."""
         labels = labels.to(logits.device)[:, 1:]
         logits = logits[:, :-1].float()
         valid = labels != -100
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.masked_fill(~valid, 0).reshape(-1),
                                 reduction="none")
-        count = valid.sum().float()
-        return (total * valid.reshape(-1)).sum() / count.clamp(min=1), count
+        return (total * valid.reshape(-1)).sum(), valid.sum().float()
+
+    @staticmethod
+    def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean next-token cross-entropy over the shifted targets (labels != -100), and their count; 0 and 0
+        for a batch without targets (score-only samples), never NaN."""
+        total, count = WithHeads.lm_loss_sum(logits, labels)
+        return total / count.clamp(min=1), count
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The base model's generate (heads take no part)."""
@@ -341,3 +406,45 @@ def load_heads(model: nn.Module, directory: str) -> None:
                          f"{model.head_configs}")
     state = safetensors.torch.load_file(os.path.join(directory, HEADS_WEIGHTS))
     model.heads.layers.load_state_dict(state, strict=True)
+
+
+def check_saved_heads(model: nn.Module, directory: str) -> None:
+    """Raise ConfigError unless the heads saved in `directory` fit `model` (a WithHeads): heads.json's
+    hidden_size must be the base model's, and every tensor of heads.safetensors must have the shape its head
+    config gives (a checkpoint from a different model or head set names the file and what was expected)."""
+    model = _heads_of(model)
+    config_path, weights_path = os.path.join(directory, HEADS_CONFIG), os.path.join(directory, HEADS_WEIGHTS)
+    with open(config_path, encoding="utf-8") as f:
+        saved_hidden = json.load(f).get("hidden_size")
+    if saved_hidden is not None and saved_hidden != model.hidden_size:
+        raise ConfigError(f"{config_path}: heads for hidden_size {saved_hidden}, but the model's hidden size is "
+                          f"{model.hidden_size} (heads trained on a different model).")
+    if not os.path.isfile(weights_path):
+        raise ConfigError(f"{weights_path} is missing ({config_path} says there are heads {sorted(model.head_configs)}).")
+    expected = {k: tuple(v.shape) for k, v in model.heads.layers.state_dict().items()}
+    with safetensors.safe_open(weights_path, framework="pt") as f:
+        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    if saved != expected:
+        raise ConfigError(f"{weights_path} holds {saved}; {config_path} and the model expect {expected}.")
+
+
+def attach_heads(model: nn.Module, directory: str) -> WithHeads:
+    """The score heads saved in `directory` (heads.json + heads.safetensors, as every vlmtrain checkpoint and
+    `vlmtrain export --merge` folder holds them) put on `model`: returns ``WithHeads(model, heads)`` with the
+    saved weights, on the model's device (heads float32), in the model's train/eval mode.
+
+    After ``vlmtrain export --merge``::
+
+        model = AutoModelForImageTextToText.from_pretrained(out_dir)
+        scorer = vlmtrain.attach_heads(model, out_dir)
+        out = scorer(**batch)   # out["logits_<head>"]: [batch, num_outputs], read on each row's last
+                                # attention-mask-1 token (see WithHeads; batch from the processor, no labels)
+
+    A head set or model that does not fit (hidden size, shapes) is a ConfigError naming the file."""
+    wrapped = WithHeads(model, read_head_configs(directory))
+    check_saved_heads(wrapped, directory)
+    load_heads(wrapped, directory)
+    params = next(model.parameters(), None)
+    if params is not None:
+        wrapped.heads.to(params.device)
+    return wrapped.train(model.training)

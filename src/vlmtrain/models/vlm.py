@@ -282,11 +282,13 @@ class VisionLanguageModel(PreTrainedModel):
                  pixel_values: torch.Tensor | None = None, max_new_tokens: int = 32, do_sample: bool = False,
                  pad_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
                  use_cache: bool = True, temperature: float = 1.0, top_k: int | None = None,
-                 image_counts: torch.Tensor | list[int] | None = None, **kwargs: Any) -> torch.LongTensor:
+                 image_counts: torch.Tensor | list[int] | None = None, synced_gpus: bool = False,
+                 **kwargs: Any) -> torch.LongTensor:
         """Greedy (or sampled) decoding of left-padded prompts; returns prompt ids followed by new ids.
 
         A sample stops at its first eos; later positions hold ``pad_token_id``. ``use_cache=False`` recomputes
-        the whole sequence each step (a reference for the KV-cache path).
+        the whole sequence each step (a reference for the KV-cache path). ``synced_gpus`` (as in transformers,
+        for FSDP): decoding goes on until every rank's samples are done, so every rank runs as many forwards.
         """
         if kwargs:
             raise TypeError(f"VisionLanguageModel.generate got unsupported arguments {sorted(kwargs)}.")
@@ -315,7 +317,10 @@ class VisionLanguageModel(PreTrainedModel):
             token = torch.where(done, torch.full_like(token, pad_token_id), token)
             new.append(token)
             done |= torch.isin(token, eos_t)
-            if bool(done.all()):
+            finished = done.all().float()
+            if synced_gpus:
+                torch.distributed.all_reduce(finished, op=torch.distributed.ReduceOp.MIN)
+            if bool(finished):
                 break
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             token_embeds = embed_tokens(token)[:, None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -175,6 +176,11 @@ class ImplementedArguments:
     checkpoint, result_file, step, output_dir. It must write {result_file} as JSON {"metrics": {...}}."""
     async_eval_python: str | None = None
     """Python interpreter of the default evaluation command (e.g. another environment's); None: this one."""
+    async_eval_device: str = "auto"
+    """Where async evaluation processes compute (set through their CUDA_VISIBLE_DEVICES): auto (the last GPU
+    this process sees: with torchrun's ranks on the first GPUs, a free one if any, else the last rank's, rank
+    0's only on a one-GPU machine; nothing changes without GPUs or under submitit, whose scheduler assigns
+    them), cpu (no GPU), or cuda:N (the N-th GPU this process sees; subprocess launcher only)."""
     async_eval_max_pending: int = 1
     """Evaluations running at once; a checkpoint saved while that many run follows async_eval_when_full."""
     async_eval_when_full: str = "wait"
@@ -307,6 +313,14 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
             raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
         _choice("async_eval_launcher", self.async_eval_launcher, ("subprocess", "submitit"))
         _choice("async_eval_when_full", self.async_eval_when_full, ("wait", "skip"))
+        if not re.fullmatch(r"auto|cpu|cuda:\d+", str(self.async_eval_device)):
+            raise ConfigError(f"async_eval_device={self.async_eval_device!r}: expected 'auto', 'cpu' or 'cuda:N' "
+                              "(N: a GPU index as this process numbers them, e.g. 'cuda:7').")
+        if self.async_eval_device.startswith("cuda:") and self.async_eval_launcher != "subprocess":
+            raise ConfigError(f"async_eval_device={self.async_eval_device!r} names a GPU of this machine, but "
+                              f"async_eval_launcher={self.async_eval_launcher!r} runs evaluations elsewhere: leave "
+                              "it 'auto' (the scheduler assigns GPUs, e.g. async_eval_launcher_kwargs "
+                              "{gpus_per_node: 1}) or set 'cpu'.")
         if self.async_eval_max_pending < 1:
             raise ConfigError(f"async_eval_max_pending must be >= 1, got {self.async_eval_max_pending}.")
         if self.async_eval_command is not None and not any("{result_file}" in p for p in self.async_eval_command):

@@ -2,9 +2,10 @@
 
 On rank 0: saving checkpoint-N queues step N; once checkpoint-N is complete on disk a job runs
 `vlmtrain eval --checkpoint checkpoint-N --result-file async_eval/step-N.json` (or train.async_eval_command) as
-a subprocess or through submitit (SLURM on a cluster). At each step end finished jobs are read and their
-metrics logged at step N (metrics.jsonl and every tracker), with `eval_async`, `eval_checkpoint` and when they
-arrived (`eval_arrived_step`, `eval_arrived_at`). A failed, timed-out or corrupt evaluation is a logged row
+a subprocess or through submitit (SLURM on a cluster), on the device train.async_eval_device names (its
+CUDA_VISIBLE_DEVICES; by default the last GPU this process sees). At each step end finished jobs are read and
+their metrics logged at step N (metrics.jsonl and every tracker), with `eval_async`, `eval_checkpoint` and when
+they arrived (`eval_arrived_step`, `eval_arrived_at`). A failed, timed-out or corrupt evaluation is a logged row
 naming its log file, never a training failure; a checkpoint still queued is kept by rotation.
 
 Exactly once across kill -9: the queue and the steps already logged are part of every checkpoint. A resumed run
@@ -27,6 +28,7 @@ import warnings
 from collections import Counter
 from typing import Any
 
+from ..errors import ConfigError
 from . import checkpoint as ckpt
 
 DIR = "async_eval"
@@ -37,6 +39,35 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
              "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
              "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 RETRIES = 1  # a job that reports success but leaves a corrupt result file is run once more, then logged as failed
+
+
+def visible_gpus() -> list[str]:
+    """This process's GPUs as CUDA_VISIBLE_DEVICES names them (indices or UUIDs), in torch's order; [] when it
+    sees none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(count)]
+    return [d.strip() for d in listed.split(",") if d.strip()][:count]
+
+
+def device_env(setting: str, launcher: str, gpus: list[str]) -> dict[str, str]:
+    """The environment that puts an evaluation process on train.async_eval_device's device (see
+    TrainingArguments), given this process's ``gpus`` (:func:`visible_gpus`); {} leaves it as it is."""
+    if setting == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    if setting == "auto":  # torchrun's ranks take the first GPUs: the last is free, or at least not rank 0's
+        return {"CUDA_VISIBLE_DEVICES": gpus[-1]} if gpus and launcher == "subprocess" else {}
+    index = int(setting[len("cuda:"):])
+    if index >= len(gpus):
+        raise ConfigError(f"async_eval_device={setting!r}, but this process sees {len(gpus)} GPU(s)"
+                          + (f" ({', '.join(gpus)})" if gpus else "") + ": choose cuda:0 to "
+                          f"cuda:{max(len(gpus) - 1, 0)}, 'auto' or 'cpu'.")
+    return {"CUDA_VISIBLE_DEVICES": gpus[index]}
 
 
 def read_result(path: str) -> dict[str, Any] | None:
@@ -186,6 +217,7 @@ class AsyncEvaluator:
         self.logged: set[int] = set()
         self._jobs: dict[int, tuple[Any, float]] = {}  # step -> (job, start time)
         self._attempts: Counter = Counter()
+        self._device_env: dict[str, str] | None = None  # CUDA_VISIBLE_DEVICES for train.async_eval_device
 
     # -- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -199,7 +231,9 @@ class AsyncEvaluator:
                              if s <= resumed_step and s not in self.logged})
 
     def check_command(self) -> None:
-        """At train start: the default command evaluates with the run's config.yaml (vlmtrain train writes it)."""
+        """At train start: async_eval_device names a GPU this machine has, and the default command evaluates with
+        the run's config.yaml (vlmtrain train writes it)."""
+        self._device_env = device_env(self.args.async_eval_device, self.args.async_eval_launcher, visible_gpus())
         if self.args.async_eval_command is None and not os.path.isfile(os.path.join(self.run_dir, "config.yaml")):
             raise ValueError(
                 f"train.async_eval evaluates checkpoints with `vlmtrain eval --config "
@@ -317,6 +351,9 @@ class AsyncEvaluator:
         command = [pattern.sub(lambda m: values[m.group(1)], part)
                    for part in (self.args.async_eval_command or DEFAULT_COMMAND)]
         env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+        if self._device_env is None:
+            self._device_env = device_env(self.args.async_eval_device, self.args.async_eval_launcher, visible_gpus())
+        env.update(self._device_env)  # train.async_eval_device
         launcher = LAUNCHERS[self.args.async_eval_launcher]
         job = launcher(command, env, self._log_file(step), **(self.args.async_eval_launcher_kwargs or {}))
         self._jobs[step] = (job, time.monotonic())

@@ -85,6 +85,15 @@ def all_gather_objects(obj: object) -> list[object]:
     return out
 
 
+def broadcast_object(obj: object, src: int) -> object:
+    """Rank ``src``'s ``obj`` (picklable) on every rank, through the gloo metrics group."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=metrics_group())
+    return box[0]
+
+
 def failed_ranks(failed: bool) -> list[int]:
     """The ranks that report ``failed``: a collective every rank calls, so one rank's error (e.g. a full disk)
     reaches all of them at once instead of leaving the others waiting out ddp_timeout at the next barrier."""

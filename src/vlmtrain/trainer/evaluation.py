@@ -3,6 +3,8 @@ and compute_metrics. A mixin of Trainer, kept apart so each file reads on its ow
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import time
 import warnings
 from collections import Counter
@@ -92,8 +94,9 @@ class EvaluationMixin:
     def predict(self, test_dataset: Dataset, ignore_keys: list[str] | None = None,
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Predictions (logits, or generated token ids with predict_with_generate; then also `texts`), labels
-        and metrics for a dataset. For a model with score heads (`logits_<name>` outputs), predictions are the
-        heads' outputs and `heads` holds them per head name, one row per sample."""
+        and metrics for a dataset. For a model with score heads (`logits_<name>` outputs), `heads` holds their
+        outputs per head name, one row per sample; predictions are those too, or the generated ids with
+        predict_with_generate."""
         dataloader = self.get_eval_dataloader(test_dataset)
         output = self.evaluation_loop(dataloader, prediction_loss_only=False, ignore_keys=ignore_keys,
                                       metric_key_prefix=metric_key_prefix)
@@ -101,8 +104,8 @@ class EvaluationMixin:
         return output
 
     def get_eval_dataloader(self, eval_dataset: Dataset | None = None) -> DataLoader:
-        """Batches of the eval set, never packed. Under DDP each rank reads its share (every world_size-th
-        sample) and evaluation_loop gathers the results; under FSDP every rank reads the whole set, in step."""
+        """Batches of the eval set, never packed. With several ranks (DDP or FSDP) each rank reads its share
+        (every world_size-th sample) and evaluation_loop gathers the results."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
@@ -116,17 +119,59 @@ class EvaluationMixin:
                           pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
 
     def _eval_sharding(self, dataset: Any) -> str | None:
-        """'strided' (we split a map-style set), 'stream' (the dataset splits itself per rank) or None."""
+        """'strided' (we split a map-style set), 'stream' (the dataset splits itself per rank) or None (every
+        rank evaluates the whole set: one process, a stream that does not split, or an FSDP model whose
+        generate cannot keep the ranks in step)."""
         if self.world_size <= 1:
             return None
+        if fsdp.is_sharded(self.model) and self.args.predict_with_generate and not self._generates_in_step():
+            if getattr(dataset, "splits_by_rank", False):
+                raise ValueError(f"Under train.fsdp with predict_with_generate, {type(self.model).__name__}.generate "
+                                 "takes no `synced_gpus`, so every rank must generate for the same eval batches: "
+                                 "give evaluation a map-style dataset (e.g. JSONL), not a stream that splits "
+                                 "across ranks.")
+            return None
         if getattr(dataset, "splits_by_rank", False):
-            if fsdp.is_sharded(self.model):
-                raise ValueError("Under train.fsdp every rank must run the same eval batches: give evaluation a "
-                                 "map-style dataset (e.g. JSONL), not a stream that splits across ranks.")
             return "stream"
-        if isinstance(dataset, IterableDataset) or fsdp.is_sharded(self.model):
+        if isinstance(dataset, IterableDataset):
             return None
         return "strided"
+
+    def _generates_in_step(self) -> bool:
+        """Whether the model's generate takes `synced_gpus` (transformers' generate does): every rank then runs
+        forward until every rank's generations are done, as FSDP needs (each forward is a collective)."""
+        generate = getattr(self.model, "generate", None)
+        if generate is None:
+            return False
+        try:
+            params = inspect.signature(generate).parameters
+        except (TypeError, ValueError):
+            return False
+        # (wrappers such as peft's pass **kwargs through to a transformers model)
+        return "synced_gpus" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def _lockstep(self, batch: Any, stand_in: Any) -> tuple[str, Any]:
+        """Under FSDP every forward is a collective: each rank must run as many as the others, though each
+        evaluates only its share of the eval set. Every rank reports whether it still has a batch and whether
+        that batch has samples; then it is told what to do with this one: ("end", None) when no rank has a
+        batch left, ("skip", None) when no rank has a sample to run, ("real", batch), or ("stand_in", B): run
+        B (this rank's last real batch, else a batch another rank sends) and drop its results."""
+        w, r = self.world_size, self.rank
+        real = batch is not None and not is_empty_batch(batch)
+        flags = [0.0] * (3 * w)
+        flags[r], flags[w + r], flags[2 * w + r] = float(batch is not None), float(real), float(
+            not real and stand_in is None)
+        flags = dist.reduce_cpu(flags)
+        has_batch, has_samples, needs_one = flags[:w], flags[w:2 * w], flags[2 * w:]
+        if not any(has_batch):
+            return "end", None
+        if not any(has_samples):
+            return "skip", None
+        if any(has_samples[i] == 0 and needs_one[i] for i in range(w)):  # a rank with no batch to stand in
+            donor = next(i for i in range(w) if has_samples[i])
+            sent = dist.broadcast_object(batch if r == donor else None, donor)
+            stand_in = stand_in if stand_in is not None else sent
+        return ("real", batch) if real else ("stand_in", stand_in)
 
     def evaluation_loop(self, dataloader: DataLoader, prediction_loss_only: bool = False,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> PredictionOutput:
@@ -134,11 +179,28 @@ class EvaluationMixin:
         sharding = self._eval_sharding(dataloader.dataset)
         model, start = self.model, time.time()
         model.eval()
+        # FSDP with each rank on its share: ranks run forward in step (see _lockstep)
+        self._eval_lockstep = lockstep = sharding is not None and fsdp.is_sharded(model)
         losses, preds, labels, samples, skipped = LossAverager(), Collected(), Collected(), 0, Counter()
-        for i, batch in enumerate(dataloader):
-            if self.args.max_eval_batches is not None and i >= self.args.max_eval_batches:
+        batches, stand_in = iter(dataloader), None
+        for i in itertools.count():
+            limit = self.args.max_eval_batches is not None and i >= self.args.max_eval_batches
+            batch = None if limit else next(batches, None)
+            if lockstep:
+                if batch is not None and is_empty_batch(batch):
+                    skipped.update(skipped_counts(batch))
+                what, batch = self._lockstep(batch, stand_in)
+                if what == "end":
+                    break
+                if what == "skip":
+                    continue
+                stand_in = batch
+                if what == "stand_in":  # this rank's share is done (or this batch was all bad): results dropped
+                    self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
+                    continue
+            elif batch is None:
                 break
-            if is_empty_batch(batch):  # every sample of this batch was bad
+            elif is_empty_batch(batch):  # every sample of this batch was bad
                 skipped.update(skipped_counts(batch))
                 continue
             loss, pred, label, extras = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
@@ -157,7 +219,10 @@ class EvaluationMixin:
             losses, samples, skipped = _gather_shards(losses, preds, labels, samples, skipped,
                                                       interleave=sharding == "strided")
         runtime = time.time() - start
+        self._eval_lockstep = False
         predictions, label_ids = preds.result(), labels.result()
+        if preds.kind == "dict" and "generated" in preds.chunks:  # generations and score heads' outputs
+            predictions, label_ids = preds.arrays()["generated"], labels.arrays().get("labels")
         metrics = dict(losses.compute(across_ranks=not sharding))
         head_outputs = preds.named("logits_") or None
         if head_outputs and callable(getattr(self.model, "head_metrics", None)):
@@ -203,8 +268,12 @@ class EvaluationMixin:
         inputs = self._prepare_inputs(inputs)
         labels = inputs.get("labels")
         loss, extras, outputs = None, {}, None
+        generating = self.args.predict_with_generate
+        # Forward for the loss, for score heads' outputs, and under FSDP in step (every rank runs the same calls)
+        forward = (labels is not None or not generating or getattr(self, "_eval_lockstep", False)
+                   or callable(getattr(self.model, "head_metrics", None)))
         with torch.no_grad(), self.autocast():
-            if labels is not None or not self.args.predict_with_generate:
+            if forward:
                 outputs = model(**inputs)
                 if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
                     loss = outputs["loss"].detach().float()
@@ -215,11 +284,16 @@ class EvaluationMixin:
                     extras.update({f"num_items_{k[len('loss_'):]}": v for k, v in item_counts(outputs).items()})
         if prediction_loss_only:
             return loss, None, None, extras
-        if self.args.predict_with_generate:
+        if generating:
             if not prompt:
                 raise ValueError("predict_with_generate needs `prompt_input_ids` (and prompt_attention_mask) in "
                                  "each batch: have the data collator add the left-padded prompts.")
-            return loss, self.generate(prompt), labels, extras
+            generated = self.generate(prompt)
+            heads, head_labels = select_outputs(self.model, outputs, inputs, None, ignore_keys)
+            if not isinstance(heads, Mapping):  # no score heads: the generated ids alone
+                return loss, generated, labels, extras
+            # score heads too: kept beside the generations (evaluation_loop splits them again)
+            return loss, {"generated": generated, **heads}, {"labels": labels, **(head_labels or {})}, extras
         predictions, labels = select_outputs(self.model, outputs, inputs, getattr(self.args, "label_names", None),
                                              ignore_keys)
         return loss, predictions, labels, extras
@@ -230,6 +304,8 @@ class EvaluationMixin:
         kwargs = {"max_new_tokens": self.args.generation_max_new_tokens, "do_sample": False}
         if tok is not None and getattr(tok, "pad_token_id", None) is not None:
             kwargs["pad_token_id"] = tok.pad_token_id
+        if getattr(self, "_eval_lockstep", False):  # FSDP, ranks on different batches: forward until all are done
+            kwargs["synced_gpus"] = True
         with torch.no_grad(), self.autocast():
             out = self.model.generate(**prompt, **kwargs)
         new = out[:, prompt["input_ids"].shape[1]:]

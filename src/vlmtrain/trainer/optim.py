@@ -65,23 +65,45 @@ def _no_decay_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _parameter_lrs(model: nn.Module, args: TrainingArguments) -> list[tuple[str, nn.Parameter, str | None, float]]:
+    """(name, parameter, module_learning_rates key or None, learning rate) of every parameter; a ConfigError
+    names keys that match no parameter."""
+    lrs = dict(args.module_learning_rates or {})
+    keys = list(lrs)
+    groups_of = module_groups(model) if keys else {}
+    patterns = _patterns(keys, groups_of)
+    out, used = [], set()
+    for name, p in model.named_parameters():
+        key = _module_key(name, patterns)
+        if key is not None:
+            used.add(key)
+        out.append((name, p, key, lrs[key] if key is not None else args.learning_rate))
+    unused = [k for k in keys if k not in used]
+    if unused:
+        top = sorted({n.split(".")[0] for n, _ in model.named_parameters()})
+        aliases = f"; aliases: {sorted(groups_of)}" if groups_of else ""
+        raise ConfigError(f"module_learning_rates keys {unused} match no parameter of {type(model).__name__}; "
+                          f"its top-level modules are {top}{aliases}.")
+    return out
+
+
+def freeze_zero_lr(model: nn.Module, args: TrainingArguments) -> None:
+    """Freeze (requires_grad=False) the parameters whose learning rate is 0, as :func:`build_param_groups`
+    does. The Trainer calls it before DDP / FSDP wrap the model: DDP fixes at construction which parameters
+    it waits gradients for, so a module frozen after wrapping would fail at the second step."""
+    for _, p, _, lr in _parameter_lrs(model, args):
+        if lr == 0:
+            p.requires_grad_(False)
+
+
 def build_param_groups(model: nn.Module, args: TrainingArguments) -> list[dict]:
     """One group per (module learning rate, decay or not). Parameters whose learning rate is 0 are frozen:
     requires_grad is set to False and they stay out of the optimizer. Keys are module names or the aliases of
     :func:`module_groups`; under score heads or peft, names gain `base.` / `base_model.model.` prefixes, which
     matching ignores. Parameters already frozen (requires_grad=False, e.g. a LoRA base) stay frozen."""
-    lrs = dict(args.module_learning_rates or {})
-    keys = list(lrs)
-    groups_of = module_groups(model) if keys else {}
-    patterns = _patterns(keys, groups_of)
     no_decay = _no_decay_names(model)
     groups: dict[tuple[str, bool], dict] = {}
-    used = set()
-    for name, p in model.named_parameters():
-        key = _module_key(name, patterns)
-        if key is not None:
-            used.add(key)
-        lr = lrs[key] if key is not None else args.learning_rate
+    for name, p, key, lr in _parameter_lrs(model, args):
         if lr == 0:
             p.requires_grad_(False)
             continue
@@ -93,12 +115,6 @@ def build_param_groups(model: nn.Module, args: TrainingArguments) -> list[dict]:
             "name": key or DEFAULT_GROUP,
         })
         group["params"].append(p)
-    unused = [k for k in keys if k not in used]
-    if unused:
-        top = sorted({n.split(".")[0] for n, _ in model.named_parameters()})
-        aliases = f"; aliases: {sorted(groups_of)}" if groups_of else ""
-        raise ConfigError(f"module_learning_rates keys {unused} match no parameter of {type(model).__name__}; "
-                          f"its top-level modules are {top}{aliases}.")
     if not groups:
         raise ConfigError("No trainable parameters: every parameter is frozen (learning rate 0 or "
                           "requires_grad=False).")

@@ -78,6 +78,14 @@ class LossAverager:
             self.sums[key] = self.sums[key] + v if key in self.sums else v
             self.weights[key] = self.weights[key] + w if key in self.weights else w
 
+    def add_sum(self, values: Mapping[str, torch.Tensor], weight: float) -> None:
+        """Add each value as it is (already a share of a total, e.g. a loss normalized by its window's count)
+        and ``weight`` (e.g. 1 once per optimizer step): the mean is then the sum of the shares per weight."""
+        for key, value in values.items():
+            v = value.detach().float()
+            self.sums[key] = self.sums[key] + v if key in self.sums else v
+            self.weights[key] = self.weights[key] + weight if key in self.weights else weight
+
     def compute(self, across_ranks: bool = True) -> dict[str, float]:
         """Weighted means; under torch.distributed (unless across_ranks=False), over every rank's sums (through
         the gloo metrics group: every rank must call it, with the same keys)."""

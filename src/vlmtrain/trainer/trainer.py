@@ -1,18 +1,32 @@
 """The Trainer: transformers' API (train / evaluate / predict, callbacks, checkpoints) in a small loop.
 
-Gradient scaling: each micro-batch's backward uses `loss * num_items` (or `loss * 1` when the model does not
-report num_items), and the summed gradients are divided by the window's total weight just before the
-optimizer step. The gradient of a step is therefore that of one big batch however it is split.
+Gradient scaling: the gradient of a step is that of one big batch (the step's micro-batches on every rank)
+however it is split, for every loss the model returns.
+
+- A model with ``count_items(batch) -> {loss name: item count}`` (score heads: ``WithHeads``) has each loss
+  normalized by its own count. The loop fetches the whole accumulation window before the first forward, sums
+  each count over the window's micro-batches and all ranks (one all-reduce per window) and passes the totals as
+  ``forward(..., num_items_in_batch={name: N})``; the model returns ``loss`` = sum over its losses of
+  ``weight * (this micro-batch's summed loss) / N``. Backward takes that loss (times world_size: DDP and FSDP
+  average over ranks) and the summed gradients are used as they are. A loss (e.g. the LM one of score-only
+  samples) thus gets the gradient of its mean over the window's items, whatever the other losses' counts.
+  The logged ``loss`` is then the mean, over the logging window's steps, of each step's one-big-batch loss.
+- Any other model: each micro-batch's backward uses ``loss * num_items`` (or ``loss * 1`` when the model does
+  not report num_items), and the summed gradients are divided by the window's total weight (over all ranks)
+  just before the optimizer step. The logged ``loss`` is the mean over the logging window's items.
+
+Every ``loss_<name>`` with a ``num_items_<name>`` is logged as its mean over its own items in the log window.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import random
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -37,7 +51,7 @@ from .callbacks import (
 )
 from .evaluation import EvaluationMixin
 from .model_prep import enable_activation_checkpointing, set_tf32
-from .optim import learning_rates
+from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
 from .setup import SetupMixin
@@ -140,6 +154,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         if args.fsdp and self.optimizer is not None and self.world_size > 1:
             raise ValueError("train.fsdp shards the model's parameters: let the Trainer build the optimizer (do "
                              "not pass optimizers=), or shard the model yourself before building it.")
+        if self.optimizer is None:  # module_learning_rates 0: frozen before DDP registers what needs gradients
+            freeze_zero_lr(self.model, args)
         # Before the optimizer: FSDP replaces the parameters.
         model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs())
         if args.torch_compile:
@@ -172,30 +188,30 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             loader.sampler.first_step = self.state.global_step - self._micro_step // accum
         elif hasattr(loader.dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
             loader.dataset.set_epoch(self._epoch_index)
-        batches, seen, self._epoch_cut = iter(loader), 0, False
+        batches, seen, self._epoch_cut = self._usable_batches(iter(loader)), 0, False
+        # A model that counts each loss's items (count_items) gets the whole window's micro-batches counted
+        # before the first forward (transformers' get_batch_samples); others are fetched one by one.
+        count_items = getattr(self.model, "count_items", None)
+        window: list[Any] = []
         while True:
-            fetch_start = time.perf_counter()
-            batch = next(batches, None)
-            waited = time.perf_counter() - fetch_start
-            if self.world_size > 1:  # ranks agree on every micro-batch, or one waits in a collective forever:
-                ended, empty_somewhere = dist.reduce_cpu(
-                    [float(batch is None), float(batch is not None and is_empty_batch(batch))], "max")
-                if ended:
-                    break  # a stream ran dry on some rank: every rank ends the epoch here
-                if empty_somewhere and not is_empty_batch(batch):
-                    batch = dropped_for_rank_sync(batch)  # another rank has no sample: every rank skips, counted
-            if batch is None:
-                break
-            self._throughput.add_batch(batch, waited)
-            if is_empty_batch(batch):  # every sample was bad: counted, no step
-                self._throughput.check_bad_fraction(self.args.max_bad_sample_fraction)
-                continue
+            if not window:
+                size = 1
+                if count_items is not None:  # the rest of this accumulation window
+                    size = accum - self._micro_step % accum
+                    if steps_in_epoch is not None:
+                        size = max(1, min(size, steps_in_epoch - self._micro_step))
+                window = list(itertools.islice(batches, size))
+                if not window:
+                    break  # the epoch's data is done (on every rank alike)
+                if count_items is not None:
+                    self._window_counts = self._count_window(count_items, window)
+            batch = window.pop(0)
             seen += 1
             if self._micro_step % accum == 0:
                 self.control = self._event("on_step_begin")
             ends_window = (self._micro_step + 1) % accum == 0 or self._micro_step + 1 == steps_in_epoch
             with dist.maybe_no_sync(model, sync=ends_window):  # DDP all-reduces once per window
-                self.training_step(model, batch)
+                self.training_step(model, batch, self._window_counts)
             self._unsynced = not ends_window and hasattr(model, "no_sync")
             self._micro_step += 1
             if self._micro_step % accum == 0 or self._micro_step == steps_in_epoch:
@@ -208,7 +224,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
                 # A callback ended the epoch: drop an unfinished accumulation window and go on with the next epoch
                 # (transformers too moves on, but leaves that window's gradients in .grad for the next step).
                 model.zero_grad(set_to_none=True)
-                self._window_weight, self._epoch_cut = None, True
+                self._window_weight, self._window_counts, self._epoch_cut = None, None, True
                 break
         # The epoch is complete.
         if self._window_weight is not None:
@@ -218,20 +234,66 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             warnings.warn("The train dataloader yielded no batch this epoch: stopping training.", stacklevel=2)
             self.control.should_training_stop = True
 
+    def _usable_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The loader's batches that hold samples, each counted (data-wait time, skipped samples) as it is
+        fetched. Under torch.distributed every rank takes the same turns: the stream ends on every rank when it
+        ends on one, and a micro-batch left empty on one rank is dropped (counted) on all."""
+        while True:
+            fetch_start = time.perf_counter()
+            batch = next(batches, None)
+            waited = time.perf_counter() - fetch_start
+            if self.world_size > 1:  # ranks agree on every micro-batch, or one waits in a collective forever:
+                ended, empty_somewhere = dist.reduce_cpu(
+                    [float(batch is None), float(batch is not None and is_empty_batch(batch))], "max")
+                if ended:
+                    return  # a stream ran dry on some rank: every rank ends the epoch here
+                if empty_somewhere and not is_empty_batch(batch):
+                    batch = dropped_for_rank_sync(batch)  # another rank has no sample: every rank skips, counted
+            if batch is None:
+                return
+            self._throughput.add_batch(batch, waited)
+            if is_empty_batch(batch):  # every sample was bad: counted, no step
+                self._throughput.check_bad_fraction(self.args.max_bad_sample_fraction)
+                continue
+            yield batch
+
+    def _count_window(self, count_items: Any, window: list[Any]) -> dict[str, torch.Tensor]:
+        """Each loss's item count over an accumulation window's micro-batches and all ranks (one CPU all-reduce),
+        as the `num_items_in_batch` every micro-batch of the window passes to the model."""
+        totals: dict[str, float] = {}
+        for batch in window:
+            for key, n in count_items(batch).items():
+                totals[key] = totals.get(key, 0.0) + float(n)
+        keys = sorted(totals)
+        summed = dist.reduce_cpu([totals[k] for k in keys])
+        return {k: torch.tensor(n, dtype=torch.float32, device=self.device) for k, n in zip(keys, summed)}
+
     def training_step(self, model: nn.Module, inputs: Mapping[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns the detached loss."""
+        """Forward + backward of one micro-batch; returns the detached loss. With `num_items_in_batch` (each
+        loss's item count over the accumulation window and all ranks) the model normalizes its losses by those
+        counts, and the gradients are summed as they are (see the module docstring)."""
         if not self.model.training:  # (self.model: a torch.compile wrapper does not see evaluation's .eval())
             model.train()
         inputs = self._prepare_inputs(inputs)
         if self._forward_takes_use_cache:
             inputs.setdefault("use_cache", False)  # a KV cache is wasted work in training
         with self.autocast():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
+                                              num_items_in_batch=num_items_in_batch)
         # Weighted by targets, so that 1 x batch 4 == 2 x batch 2 (micro-batches and ranks alike).
         n, extras = num_items_of(outputs, self.model, inputs), extra_losses(outputs)
         counts = item_counts(outputs)  # loss_<name> with its own num_items_<name>: averaged over those
         del outputs  # free logits before backward
+        if num_items_in_batch is not None:
+            # Already normalized by the window's counts over all ranks; DDP / FSDP average over ranks, hence the
+            # world_size factor. The logged `loss` is the window's sum of them: the step's one-big-batch loss.
+            (loss * self.world_size if self.world_size > 1 else loss).backward()
+            first = self._window_weight is None
+            self._window_weight = 1.0  # (something is accumulated)
+            self._step_losses.add(extras, 1.0 if n is None else n, counts)
+            self._step_losses.add_sum({"loss": loss * self.world_size}, 1.0 if first else 0.0)
+            return loss.detach()
         if n is None:  # plain mean loss: weight 1 per micro-batch, no tensor work
             weight = 1.0
             loss.backward()
@@ -244,6 +306,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        if num_items_in_batch is not None:
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         outputs = model(**inputs)
         if isinstance(outputs, Mapping):
             if outputs.get("loss") is None:
@@ -270,7 +334,9 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
                 g.copy_(dist.all_reduce_sum(g) / self.world_size)
             self._unsynced = False
         w = self._window_weight
-        if self.world_size > 1 or isinstance(w, torch.Tensor) or w != 1.0:  # else the mean is already right
+        if self._window_counts is not None:  # the model normalized each loss by its window total: no division
+            self._window_counts = None
+        elif self.world_size > 1 or isinstance(w, torch.Tensor) or w != 1.0:  # else the mean is already right
             total = dist.all_reduce_sum(torch.as_tensor(w, device=self.device).float())
             if grads:
                 torch._foreach_mul_(grads, (self.world_size / total).to(grads[0].device))

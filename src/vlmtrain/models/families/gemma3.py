@@ -10,6 +10,9 @@
   training template marks the reply and its ``<end_of_turn>`` (not the newline after it).
 - Batching: one fixed-size view per image; ``pixel_values`` [n_images, C, H, W] concatenated in placeholder
   order (``num_crops`` is dropped: pan-and-scan is off).
+- Image size: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` do not apply: every image is
+  resized to the checkpoint's fixed size (896 x 896 for gemma-3-it) and becomes ``image_seq_length`` (256)
+  tokens whatever its size.
 - Modules: ``model.vision_tower`` (SigLIP), ``model.multi_modal_projector``, ``model.language_model``
   and ``lm_head`` (tied to the embeddings). save_pretrained writes legacy key names: reload with
   ``from_pretrained``.

@@ -11,6 +11,9 @@
   drops all-zero crops), as the processor's own batched call does.
 - Modules: ``model.vision_model`` (SigLIP), ``model.connector`` (pixel shuffle + projection),
   ``model.text_model`` (Llama / SmolLM) and ``lm_head``.
+- Image size: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` do not apply. The processor resizes
+  an image to the checkpoint's ``size.longest_edge`` and cuts it into crops of ``max_image_size`` (plus one
+  global view), ``image_seq_len`` tokens each, so the checkpoint's settings already bound its token count.
 """
 
 from __future__ import annotations
@@ -130,8 +133,10 @@ def load_processor(path: str) -> Any:
     kwargs = saved_processor_kwargs(path)
     chat_template = saved_chat_template(path, tokenizer)
     cls = _image_only_smolvlm() if model_type_of(path) == "smolvlm" else Idefics3Processor
-    return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
-               image_seq_len=kwargs.get("image_seq_len", 169))
+    processor = cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template,
+                    image_seq_len=kwargs.get("image_seq_len", 169))
+    processor.source = path  # (SmolVLM: its video processor settings go along when saved: SavedAsRealClass)
+    return processor
 
 
 @functools.cache
@@ -156,7 +161,9 @@ def _image_only_smolvlm() -> type:
         def apply_chat_template(self, conversation, chat_template=None, **kwargs):
             return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
 
-    return ImageOnlySmolVLMProcessor
+    from .base import saved_as_real_class
+
+    return saved_as_real_class(ImageOnlySmolVLMProcessor)  # saved as SmolVLMProcessor
 
 
 def build_tiny(out_dir: str, seed: int = 0, model_type: str = "idefics3") -> str:

@@ -5,7 +5,12 @@
 - Template: llava-hf's ChatML variant (``<|im_start|>role `` then images, then ``\\n`` + each text). Its
   assistant text already sits in generation markers, but its ``<|im_end|>`` does not; the training template
   marks the reply text and ``<|im_end|>`` (not the ``\\n`` before the text: the generation prompt
-  ``<|im_start|>assistant\\n`` already ends with it).
+  ``<|im_start|>assistant\\n`` already ends with it). Its user turns render their content blocks in order,
+  so images placed by ``<image>`` placeholders stay where the text put them (the checkpoint's template would
+  move a turn's images to its start); with images first the two render the same.
+- Image size: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` do not apply: an image is resized
+  to the checkpoint's fixed view size and cut into at most the ``image_grid_pinpoints`` grid ("anyres"), so
+  its token count is already bounded by the checkpoint's settings.
 - Batching: a sample with one image is "anyres" (base view + grid crops: its token count depends on the
   image size); a sample with several images gives each one view (``num_image_tokens`` + 1 tokens) — the
   model tells the two apart only through ``batch_num_images`` (one entry per sample that has images), so
@@ -43,14 +48,20 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# User turns render their blocks in order (the checkpoint's puts a turn's images first): the same text when the
+# images come first, and each image where its <image> placeholder stood otherwise; only the first text block
+# gets the checkpoint's newline prefix.
 TRAINING_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + ' '}}"
+    "{% if message['role'] != 'assistant' %}{% set text = namespace(first=true) %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>' }}"
+    "{% elif content['type'] == 'text' %}{% if text.first %}{{ '\\n' }}{% set text.first = false %}{% endif %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{{'<|im_end|>'}}"
+    "{% else %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>' }}{% endfor %}"
-    "{% if message['role'] != 'assistant' %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ '\\n' + content['text'] }}"
-    "{% endfor %}{{'<|im_end|>'}}"
-    "{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{{ '\\n' }}{% generation %}{{ content['text'] }}{% endgeneration %}{% endfor %}"
     "{% generation %}{{'<|im_end|>'}}{% endgeneration %}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -87,7 +98,9 @@ def _image_only_processor_class() -> type:
             self.vision_aspect_ratio = vision_aspect_ratio
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
 
-    return ImageOnlyLlavaOnevisionProcessor
+    from .base import saved_as_real_class
+
+    return saved_as_real_class(ImageOnlyLlavaOnevisionProcessor)  # saved as LlavaOnevisionProcessor
 
 
 def load_processor(path: str) -> Any:
@@ -104,8 +117,10 @@ def load_processor(path: str) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
     kwargs = {k: v for k, v in saved_processor_kwargs(path).items() if k in PROCESSOR_KEYS}
-    return _image_only_processor_class()(image_processor=image_processor, tokenizer=tokenizer,
-                                         chat_template=saved_chat_template(path, tokenizer), **kwargs)
+    processor = _image_only_processor_class()(image_processor=image_processor, tokenizer=tokenizer,
+                                              chat_template=saved_chat_template(path, tokenizer), **kwargs)
+    processor.source = path  # (its video processor settings go along when saved: SavedAsRealClass)
+    return processor
 
 
 def pad_crops_and_concat(per_sample: list[torch.Tensor]) -> torch.Tensor:

@@ -2,6 +2,9 @@
 
 Same batching as Qwen3-VL (``pixel_values`` / ``image_grid_thw`` concatenated, ``mm_token_type_ids`` padded);
 its template adds a default system prompt when the conversation has none.
+
+Image size: :func:`~vlmtrain.models.families.qwen_common.set_image_size` (patch 14 x merge 2: 784 pixels per
+image token; default cap 1,024 tokens = 802,816 pixels, the checkpoints' own being 12,845,056).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from .qwen_common import (
     image_only_processor_class,
     load_image_only_processor,
     save_tiny,
+    set_image_size,
     text_ids,
     tiny_image_processor,
 )
@@ -102,4 +106,5 @@ FAMILY = Family(
     text_module="model.language_model",
     load_processor=load_processor,
     build_tiny=build_tiny,
+    image_size=set_image_size,
 )

@@ -2,6 +2,9 @@
 
 Batching: ``pixel_values`` (patches of every image) and ``image_grid_thw`` are concatenated in placeholder
 order, ``mm_token_type_ids`` (the model raises without it) is padded like ``input_ids``.
+
+Image size: :func:`~vlmtrain.models.families.qwen_common.set_image_size` (patch 16 x merge 2: 1,024 pixels
+per image token; default cap 1,024 tokens = 1,048,576 pixels, the checkpoints' own being 16,777,216).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from .qwen_common import (
     image_tokens,
     load_image_only_processor,
     save_tiny,
+    set_image_size,
     text_ids,
     tiny_image_processor,
 )
@@ -208,5 +212,6 @@ FAMILY = Family(
     text_module="model.language_model",
     load_processor=load_processor,
     build_tiny=build_tiny,
+    image_size=set_image_size,
     image_tokens=image_tokens,
 )

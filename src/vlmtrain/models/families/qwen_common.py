@@ -3,6 +3,14 @@
 Both families use ChatML with ``<|vision_start|><|image_pad|><|vision_end|>`` per image; the processor
 expands ``<|image_pad|>`` to one token per merged patch and returns ``pixel_values`` (all patches of all
 images, concatenated), ``image_grid_thw`` ([n_images, 3]) and ``mm_token_type_ids`` (1 on image tokens).
+
+Image size: the image processor resizes each image (``smart_resize``) to sides that are multiples of
+``factor = patch_size * merge_size`` with a pixel count within ``size = {"shortest_edge": min_pixels,
+"longest_edge": max_pixels}``, so an image becomes at most ``max_pixels / factor**2`` image tokens.
+:func:`set_image_size` sets that range from ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens``
+(tokens x factor**2 pixels); by default it caps an image at :data:`DEFAULT_MAX_IMAGE_TOKENS` image tokens (or
+the checkpoint's own max_pixels, if smaller). A Qwen3-VL checkpoint (patch 16, merge 2) itself allows 16.7 MP
+= 16,384 tokens per image: two 1080p images would be 4,080 tokens; under the default cap they are 1,008 each.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ VISION_PAD, VIDEO_PAD = "<|vision_pad|>", "<|video_pad|>"
 # Order fixes the ids after the 256 byte-level tokens: <|endoftext|> = 256, ...
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, VISION_PAD, IMAGE_PAD, VIDEO_PAD)
 TINY_VOCAB = 256 + len(SPECIAL_TOKENS) + 8  # a little slack, as real checkpoints have
+DEFAULT_MAX_IMAGE_TOKENS = 1024
+"""Image tokens per image unless data.max_pixels / max_image_tokens say otherwise."""
 
 # Batch layout shared by both: pixels of every image concatenated in placeholder order, one grid row per image,
 # the multimodal token types padded like input_ids.
@@ -30,6 +40,34 @@ def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
     grid = batch.get("image_grid_thw")
     merge = config.vision_config.spatial_merge_size ** 2
     return [] if grid is None else [(t * h * w, t * h * w // merge) for t, h, w in grid.tolist()]
+
+
+def set_image_size(processor: Any, max_pixels: int | None = None, min_pixels: int | None = None,
+                   max_image_tokens: int | None = None) -> None:
+    """Set the Qwen image processor's resize range (``size``) in place: ``max_pixels`` (or ``max_image_tokens``
+    x factor**2; default: the smaller of the checkpoint's own and DEFAULT_MAX_IMAGE_TOKENS x factor**2) and
+    ``min_pixels`` (default: the checkpoint's own, lowered to max_pixels if above it). The processor saved
+    with a checkpoint keeps the range, so inference resizes as training did."""
+    from transformers.image_utils import SizeDict
+
+    from ...errors import ConfigError
+
+    ip = processor.image_processor
+    factor = ip.patch_size * ip.merge_size
+    own_min, own_max = ip.size["shortest_edge"], ip.size["longest_edge"]
+    if max_image_tokens is not None:
+        max_pixels = max_image_tokens * factor**2
+    elif max_pixels is None:
+        max_pixels = min(own_max, DEFAULT_MAX_IMAGE_TOKENS * factor**2)
+    if max_pixels < factor**2:
+        raise ConfigError(f"data.max_pixels / max_image_tokens: {max_pixels} pixels is less than one image token "
+                          f"({factor}x{factor} = {factor**2} pixels for this checkpoint).")
+    if min_pixels is None:
+        min_pixels = min(own_min, max_pixels)
+    elif min_pixels > max_pixels:
+        raise ConfigError(f"data.min_pixels={min_pixels} is above the max_pixels of {max_pixels} "
+                          f"(data.max_pixels / max_image_tokens, or the default cap).")
+    ip.size = SizeDict(shortest_edge=int(min_pixels), longest_edge=int(max_pixels))
 
 
 def special_token_ids() -> dict[str, int]:
@@ -66,7 +104,10 @@ def build_tiny_tokenizer(chat_template: str) -> Any:
 
 
 def image_only_processor_class(base: type) -> type:
-    """A subclass of a Qwen processor class that takes no video processor (which would need torchvision)."""
+    """A subclass of a Qwen processor class that takes no video processor (which would need torchvision); it
+    saves under the real class's name (see :class:`~vlmtrain.models.families.base.SavedAsRealClass`)."""
+    from .base import saved_as_real_class
+
 
     class ImageOnlyProcessor(base):  # type: ignore[misc, valid-type]
         __doc__ = f"{base.__name__} with an image processor and a tokenizer only (no video processor)."
@@ -76,7 +117,7 @@ def image_only_processor_class(base: type) -> type:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{base.__name__}"
-    return ImageOnlyProcessor
+    return saved_as_real_class(ImageOnlyProcessor)  # saved as {base.__name__}: AutoProcessor loads the real one
 
 
 def load_image_only_processor(path: str, processor_class: type) -> Any:
@@ -96,7 +137,9 @@ def load_image_only_processor(path: str, processor_class: type) -> Any:
 
         raise ConfigError(f"{path}: no chat template found (tokenizer_config.json / chat_template.jinja / "
                           f"chat_template.json); a Hub VLM checkpoint needs its chat template.")
-    return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+    processor.source = path  # (its video processor settings go along when saved: SavedAsRealClass)
+    return processor
 
 
 def _processor_chat_template(path: str) -> str | None:

@@ -46,6 +46,10 @@ class ModelKind:
     load_generator: Callable[..., Callable[..., str]] | None = None
     """load_generator(checkpoint, device) -> answer(prompt, images, max_new_tokens): generate's model loaded
     once, for many prompts (e.g. an lmms-eval run); images are paths or PIL images."""
+    load_for_inference: Callable[..., dict[str, Any]] | None = None
+    """load_for_inference(checkpoint, device, dtype, max_length=None, max_images=None) -> parts: model (eval mode,
+    in dtype on device, with its heads), processor, process (raw sample -> item; raises SkipSample), collate
+    (items -> batch) and generate(samples, max_new_tokens) -> answers. What vlmtrain.load_for_inference uses."""
 
 
 def get_kind(name: str) -> ModelKind:

@@ -30,16 +30,19 @@ def check(cfg: Any) -> None:
 
 
 def validate(cfg: Any) -> None:
+    from vlmtrain.data.hub_processing import check_image_size
     from vlmtrain.models.families import family_of
 
-    family_of(cfg.model.pretrained)  # an unsupported model_type names the supported ones
+    # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
+    check_image_size(family_of(cfg.model.pretrained), cfg.data)
 
 
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
-               stop_token_id: int | None = None) -> Any:
+               stop_token_id: int | None = None, device: Any = None) -> Any:
     """The transformers VLM of a Hub id or directory (AutoModelForImageTextToText), with the family's module
     groups attached (module_learning_rates / LoRA aliases vision, projector, text); with ``stop_token_id``
-    (the family's end of turn), generation stops there too."""
+    (the family's end of turn), generation stops there too. ``device``: load the weights straight onto it
+    (``device_map``), in ``torch_dtype``, never a float32 copy first."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -49,6 +52,8 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
+    if device is not None:
+        kwargs["device_map"] = torch.device(device)
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
@@ -56,11 +61,16 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
     if family.image_tokens is not None:  # what the logged tflops count images by (trainer/flops.py)
         setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
+    _stop_at(model, stop_token_id)
+    return model
+
+
+def _stop_at(model: Any, stop_token_id: int | None) -> None:
+    """Generation stops at ``stop_token_id`` (the family's end of turn) too."""
     if stop_token_id is not None and model.generation_config is not None:
         eos = model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         model.generation_config.eos_token_id = [stop_token_id, *[e for e in eos if e != stop_token_id]]
-    return model
 
 
 def end_of_turn_id(processor: Any, family: Any) -> int | None:
@@ -77,7 +87,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     import torch
 
     from vlmtrain.data.hub_collate import HubVLMCollator
-    from vlmtrain.data.hub_processing import HubVLMProcessor, check_training_template
+    from vlmtrain.data.hub_processing import HubVLMProcessor, apply_image_size, check_training_template
     from vlmtrain.data.metrics import exact_match_metric
     from vlmtrain.models.families import family_of
     from vlmtrain.models.heads import check_head_labels, head_label_tensors
@@ -88,6 +98,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     has_processor = checkpoint and os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
     processor = family.load_processor(checkpoint if has_processor else m.pretrained)
     check_training_template(processor, family)  # a mismatch is an error, never an all-zero loss mask
+    apply_image_size(processor, family, d)  # (saved with the processor: inference resizes as training did)
     torch.manual_seed(cfg.train.seed)  # heads and adapters initialize under the run's seed
     stop = end_of_turn_id(processor, family)
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
@@ -106,7 +117,8 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     # without_packing twin), and only when evaluation generates.
     hub_processor = HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,
-        label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False)
+        label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
+        head_names=tuple(heads))
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
                               if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate)
@@ -144,58 +156,182 @@ def base_of_checkpoint(checkpoint: str) -> str:
     return base
 
 
-def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id: int | None = None) -> Any:
-    """A Hub VLM checkpoint as vlmtrain wrote it: full weights or base + LoRA adapter, plus its score heads
-    (heads.json / heads.safetensors) when it has them."""
-    from vlmtrain.trainer.checkpoint import load_model_weights
+def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id: int | None = None,
+                    device: Any = None) -> Any:
+    """A Hub VLM checkpoint as vlmtrain wrote it, in eval mode: full weights (model.safetensors, shards, or an
+    FSDP ``dcp/`` dump) or base + LoRA adapter, plus its score heads (heads.json / heads.safetensors) when it
+    has them, as a :class:`~vlmtrain.models.heads.WithHeads`. The base weights are read in ``torch_dtype``
+    straight onto ``device`` (default CPU); heads stay float32. A file that does not fit the model is a
+    CheckpointError naming it and what was expected."""
+    import torch
 
-    model = load_model(base_of_checkpoint(checkpoint), torch_dtype, stop_token_id=stop_token_id)
+    from vlmtrain.trainer.checkpoint import load_model_weights
+    from vlmtrain.trainer.fsdp import has_sharded_weights
+
+    if has_sharded_weights(checkpoint) and not _has_full_weights(checkpoint):
+        return _load_dcp(checkpoint, torch_dtype, stop_token_id, device)
+    model = load_model(base_of_checkpoint(checkpoint), torch_dtype, stop_token_id=stop_token_id, device=device)
     if os.path.isfile(os.path.join(checkpoint, "heads.json")):
         from vlmtrain.models.heads import WithHeads, read_head_configs
 
         model = WithHeads(model, read_head_configs(checkpoint))
+        model.heads.to(_device_of(model.base))
     if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
         from peft import PeftModel
 
-        if hasattr(model, "heads"):
-            model.base = PeftModel.from_pretrained(model.base, checkpoint)
-        else:
-            model = PeftModel.from_pretrained(model, checkpoint)
+        try:
+            if hasattr(model, "heads"):
+                model.base = PeftModel.from_pretrained(model.base, checkpoint)
+            else:
+                model = PeftModel.from_pretrained(model, checkpoint)
+        except (RuntimeError, ValueError, KeyError) as err:
+            from vlmtrain.trainer import CheckpointError
+
+            raise CheckpointError(f"{os.path.join(checkpoint, 'adapter_model.safetensors')} does not fit the base "
+                                  f"model {base_of_checkpoint(checkpoint)!r}: {str(err)[:300]}") from err
     if hasattr(model, "heads"):
+        from vlmtrain.models.heads import check_saved_heads
+
+        check_saved_heads(model, checkpoint)
         load_model_weights(model, checkpoint)  # the heads (the base was loaded above)
+    return (model.to(torch.device(device)) if device is not None else model).eval()
+
+
+def _has_full_weights(checkpoint: str) -> bool:
+    return any(os.path.isfile(os.path.join(checkpoint, n)) for n in ("model.safetensors", "model.safetensors.index.json",
+                                                                      "adapter_config.json"))
+
+
+def _device_of(model: Any) -> Any:
+    return next(model.parameters()).device
+
+
+def _load_dcp(checkpoint: str, torch_dtype: str, stop_token_id: int | None, device: Any) -> Any:
+    """An FSDP checkpoint (``dcp/``): the whole model's weights, gathered in this process (fsdp.read_model_weights),
+    put into the architecture of its config.json; heads from heads.json, else the run's config.yaml."""
+    import torch
+
+    from vlmtrain.models.heads import WithHeads, read_head_configs
+    from vlmtrain.trainer import CheckpointError
+    from vlmtrain.trainer.fsdp import read_model_weights
+
+    state = read_model_weights(checkpoint)
+    heads = None
+    if os.path.isfile(os.path.join(checkpoint, "heads.json")):
+        heads = read_head_configs(checkpoint)
+    elif any(k.startswith("heads.") for k in state):
+        heads = _run_config_value(checkpoint, "model", "heads")
+        if not heads:
+            raise CheckpointError(f"{checkpoint}/dcp holds score heads but neither {checkpoint}/heads.json nor the "
+                                  f"run's config.yaml (model.heads) says what they are.")
+    with torch.device(device or "cpu"):  # (random init where the weights go; they are overwritten below)
+        model = _from_config(checkpoint, getattr(torch, torch_dtype), stop_token_id)
+        if heads:
+            model = WithHeads(model, heads)
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    tied = [k for k in missing if k.endswith("lm_head.weight")]
+    if [k for k in missing if k not in tied] or unexpected:
+        raise CheckpointError(f"the weights in {os.path.join(checkpoint, 'dcp')} do not fit "
+                              f"{type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}.")
+    for key in list(state):  # one tensor at a time into the model's own (dtype, device)
+        own[key].copy_(state.pop(key))
+    return model.eval()
+
+
+def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmtrain.models.families import family_of
+    from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
+
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
+    setattr(model, MODULE_GROUPS_ATTR, dict(family_of(checkpoint).module_groups))
+    _stop_at(model, stop_token_id)
     return model
 
 
-def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
-    """Load a Hub VLM checkpoint (LoRA ones included) once; the returned answer(prompt, images,
-    max_new_tokens) generates greedily, stopping at the family's end-of-turn token."""
+def _run_config_value(checkpoint: str, section: str, key: str) -> Any:
+    """``section.key`` of the run's config.yaml (in the checkpoint directory or its parent run directory)."""
+    import yaml
+
+    for where in (checkpoint, os.path.dirname(os.path.abspath(checkpoint))):
+        path = os.path.join(where, "config.yaml")
+        if os.path.isfile(path):
+            with open(path) as f:
+                return ((yaml.safe_load(f) or {}).get(section) or {}).get(key)
+    return None
+
+
+def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int | None = None,
+                       max_images: int | None = None) -> dict[str, Any]:
+    """The parts :class:`vlmtrain.inference.InferenceModel` needs for a Hub VLM checkpoint: ``model`` (eval
+    mode, weights in ``dtype`` on ``device``; heads float32), ``processor`` (the family's image-only
+    processor, the checkpoint's own when it saved one), ``process`` (one the_cauldron sample -> per-sample
+    tensors, the training HubVLMProcessor; raises SkipSample), ``collate`` (processed items -> a batch) and
+    ``generate`` (samples -> answers). ``max_length`` / ``max_images`` default to the run's config.yaml
+    (data.max_length / data.max_images, next to the checkpoint or in its run directory), else no limit."""
     import torch
 
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
-    from vlmtrain.data.processing import SkipSample
     from vlmtrain.models.families import family_of
 
-    base = base_of_checkpoint(checkpoint)
+    base = checkpoint if os.path.isfile(os.path.join(checkpoint, "config.json")) else base_of_checkpoint(checkpoint)
     family = family_of(base)
     has_processor = os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
     processor = family.load_processor(checkpoint if has_processor else base)
-    device = torch.device(device or "cpu")
-    model = load_checkpoint(checkpoint, stop_token_id=end_of_turn_id(processor, family)).to(device).eval()
+    dtype_name = str(dtype).removeprefix("torch.")
+    model = load_checkpoint(checkpoint, dtype_name, stop_token_id=end_of_turn_id(processor, family), device=device)
+    model.eval()
+    if max_length is None:
+        max_length = _run_config_value(checkpoint, "data", "max_length") or 1 << 20
+    if max_images is None:
+        max_images = _run_config_value(checkpoint, "data", "max_images") or 1 << 10
+    heads = getattr(model, "head_configs", None) or {}
+    label_check = None
+    if heads:
+        from vlmtrain.models.heads import check_head_labels
 
-    def answer(prompt: str, images: list[Any] | None = None, max_new_tokens: int = 32) -> str:
-        hub = HubVLMProcessor(processor, family, max_length=1 << 20, max_images=len(images or []))
+        label_check = functools.partial(check_head_labels, heads)
+    hub = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, label_check=label_check,
+                          prompts=False)
+    collator = HubVLMCollator(hub)
+    prompts = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, prompts=True)
+    prompt_collator = HubVLMCollator(prompts)
+    device = torch.device(device)
+
+    def generate(samples: list[dict[str, Any]], max_new_tokens: int = 32) -> list[str]:
+        """Greedy answers to samples (each answering its last user turn), stopping at the end-of-turn token."""
+        from vlmtrain.data.processing import SkipSample
+
         try:
-            item = hub.process({"images": list(images or []), "texts": [{"user": prompt}]})
+            items = [prompts.process(s) for s in samples]
         except SkipSample as e:
             raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
-        batch = HubVLMCollator(hub)([item])
+        batch = prompt_collator(items)
         inputs = {k[len("prompt_"):]: v.to(device) if isinstance(v, torch.Tensor) else v
                   for k, v in batch.items() if k.startswith("prompt_")}
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=processor.tokenizer.pad_token_id)
-        return processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        new = out[:, inputs["input_ids"].shape[1]:]
+        return [processor.tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
+
+    return {"model": model, "processor": processor, "process": hub.process, "collate": collator,
+            "generate": generate}
+
+
+def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
+    """Load a Hub VLM checkpoint (LoRA ones included) once, float32; the returned answer(prompt, images,
+    max_new_tokens) generates greedily, stopping at the family's end-of-turn token."""
+    import torch
+
+    parts = load_for_inference(checkpoint, torch.device(device or "cpu"), torch.float32, max_length=1 << 20,
+                               max_images=1 << 10)
+
+    def answer(prompt: str, images: list[Any] | None = None, max_new_tokens: int = 32) -> str:
+        return parts["generate"]([{"images": list(images or []), "texts": [{"user": prompt}]}], max_new_tokens)[0]
 
     return answer
 
@@ -206,4 +342,4 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
 
 
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
-                 generate=generate, load_generator=load_generator)
+                 generate=generate, load_generator=load_generator, load_for_inference=load_for_inference)
