@@ -118,22 +118,11 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(directory, DCP_DIR))
 
 
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: str) -> None:
-    """Inverse of save_sharded (a collective); the shards are re-split if the world size changed. Without an
-    optimizer, the model's weights alone (e.g. the best checkpoint at the end of training)."""
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """Inverse of save_sharded (a collective); the shards are re-split if the world size changed."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if optimizer is None:
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
-        set_model_state_dict(model, state["model"])
-        return
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
@@ -149,14 +138,6 @@ def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
                                                                  ignore_frozen_params=True))
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in state.items() if k in trainable}  # (buffers stay out: nothing trains them)
-
-
-def load_trainable(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Inverse of gather_trainable: every rank passes the same full tensors (by parameter name); each keeps its
-    shard, whatever the world size that wrote them. A collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -221,47 +221,6 @@ def _check_heads(model: nn.Module, directory: str) -> None:
                               f"the model's {model.head_configs} (same model.heads as the run that wrote it?).")
 
 
-def read_trainable(model: nn.Module, directory: str) -> dict[str, torch.Tensor]:
-    """The trainable parameters of a LoRA model (adapters, modules_to_save, other trained base tensors, score
-    heads) from a checkpoint's adapter, trainable and heads files, keyed by the model's parameter names. Each
-    must be there with the model's shape, and nothing else: otherwise a CheckpointError names the file."""
-    from peft import get_peft_model_state_dict
-
-    base, heads = _split(model)
-    if not _is_peft(base) or not os.path.isfile(os.path.join(directory, ADAPTER_CONFIG)):
-        raise CheckpointError(f"{directory!r} has no {ADAPTER_CONFIG}: a LoRA model resumes from a checkpoint "
-                              f"holding its adapter (one written with the same model.lora).")
-    prefix = "base." if heads else ""
-    want = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    markers = {n[len(prefix):]: torch.empty(0) for n in want if n.startswith(prefix)}
-    by_id = {id(t): n for n, t in markers.items()}
-    # saved adapter key -> parameter name: the mapping peft applied when it wrote the file
-    names = {k: prefix + by_id[id(t)] for k, t in get_peft_model_state_dict(base, state_dict=markers).items()}
-    files = [(ADAPTER_NAME, names.get), (TRAINABLE_NAME, lambda k: prefix + k)]
-    if heads:
-        _check_heads(model, directory)
-        files.append((HEADS_NAME, lambda k: HEADS_PREFIX + k))
-    state: dict[str, torch.Tensor] = {}
-    for name, to_param in files:
-        path = os.path.join(directory, name)
-        if name == TRAINABLE_NAME and not os.path.isfile(path):
-            continue
-        for key, tensor in safetensors.torch.load_file(path).items():
-            param = to_param(key)
-            if param not in want:
-                raise CheckpointError(f"{path!r} holds {key!r}, which is no trainable parameter of the model "
-                                      f"(a checkpoint of another model or model.lora?).")
-            if tuple(tensor.shape) != tuple(want[param].shape):
-                raise CheckpointError(f"{path!r}: {key!r} has shape {tuple(tensor.shape)}, the model expects "
-                                      f"{tuple(want[param].shape)} (another model, or another model.lora.r?).")
-            state[param] = tensor
-    missing = sorted(set(want) - set(state))
-    if missing:
-        raise CheckpointError(f"{directory!r} lacks {len(missing)} trainable tensor(s) of the model, e.g. "
-                              f"{missing[:3]} (written with other model.lora / modules_to_save?).")
-    return state
-
-
 def _load_pretrained(base: nn.Module, directory: str) -> None:
     """Through the class's own from_pretrained (its key renaming included), then copied into base."""
     if missing_weight_files(directory):

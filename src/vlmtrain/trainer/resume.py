@@ -16,11 +16,11 @@ from . import fsdp
 from .async_checkpoint import AsyncCheckpointer, cpu_model_copy, cpu_snapshot
 from .model_files import (
     has_score_heads,
-    read_trainable,
     save_head_files,
     save_model_files,
     saves_trainable_only,
 )
+from .setup import load_model_state
 from .state import TrainerState
 
 
@@ -146,8 +146,8 @@ class CheckpointMixin:
                                                "weights." if sharded else "."))
         if sharded:
             fsdp.load_sharded(self.model, self.optimizer, path)
-        else:
-            self._load_model_weights(path)
+        else:  # (LoRA under FSDP: every rank reads the small adapter and heads files and keeps its shards)
+            load_model_state(self.model, path)
         saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
         if saved.max_steps != self.state.max_steps:
             warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
@@ -174,16 +174,6 @@ class CheckpointMixin:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))
         ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))
-
-    def _load_model_weights(self, path: str) -> None:
-        """A checkpoint's model weights (not its optimizer) into the model, sharded or not; under FSDP every
-        rank calls it (a collective), e.g. to load the best checkpoint at the end of training."""
-        if not fsdp.is_sharded(self.model):
-            ckpt.load_model_weights(self.model, path)
-        elif fsdp.has_sharded_weights(path):  # a full fine-tune's DCP shards
-            fsdp.load_sharded(self.model, None, path)
-        else:  # LoRA: every rank reads the (small) adapter and heads files and keeps its shards
-            fsdp.load_trainable(self.model, read_trainable(self.model, path))
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).
