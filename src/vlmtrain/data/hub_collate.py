@@ -38,7 +38,9 @@ class HubVLMCollator:
       sample has one; with ``label_collate`` its output (a dict of tensors) is merged into the batch instead.
       A training batch with head labels (``labels_<name>``) but no LM target (every sample score-only) has no
       ``labels``: the model then computes no vocabulary logits (the evaluation twin, :meth:`without_packing`,
-      keeps them, as ``score_only_labels`` says).
+      keeps them, as ``score_only_labels`` says). The evaluation twin also keeps a head model's samples that
+      have neither an answer nor a head label (training skips them as ``no_target``): they are scored, with
+      no loss.
 
     Bookkeeping as :class:`~vlmtrain.data.vlm_collate.VLMCollator`: ``skipped`` (this batch's counts by
     reason), ``skipped_keys`` (up to 5), ``pack_stats`` (never packed: rows = samples); ``self.skipped`` is the
@@ -58,10 +60,13 @@ class HubVLMCollator:
         self.pad_token_id = int(pad)
         self.skipped: Counter[str] = Counter()
         self.score_only_labels = False  # training batches: a score-only batch carries no `labels`
-        if eval_prompts and not hub_processor.prompts:  # a prompt is a second processor call per sample
-            with_prompts = copy.copy(hub_processor)
-            with_prompts.prompts = True
-            self._evaluation = HubVLMCollator(with_prompts, label_collate)
+        evaluation = copy.copy(hub_processor)
+        if eval_prompts:  # a prompt is a second processor call per sample: evaluation batches only
+            evaluation.prompts = True
+        if hub_processor.head_names:  # a model with heads scores unlabelled samples (no loss from them)
+            evaluation.head_names = None
+        if evaluation.prompts != hub_processor.prompts or evaluation.head_names != hub_processor.head_names:
+            self._evaluation = HubVLMCollator(evaluation, label_collate)
         else:
             self._evaluation = copy.copy(self)
         # Evaluation keeps them: its batches line up label for label with the predictions (and generation).
