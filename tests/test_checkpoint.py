@@ -285,11 +285,14 @@ def test_model_without_loss_names_output_keys(tmp_path):
     assert "logits" in str(err.value) and "labels" in str(err.value)
 
 
-def test_export_of_an_unsharded_checkpoint_says_it_is_already_whole(tmp_path, capsys):
+def test_export_of_an_unsharded_checkpoint_copies_its_model_files_without_the_training_state(tmp_path, capsys):
     from vlmtrain import cli
 
     ckpt = tmp_path / "checkpoint-1"
     ckpt.mkdir()
-    (ckpt / "model.safetensors").write_bytes(b"")
-    assert cli.main(["export", "--checkpoint", str(ckpt)]) == 2
-    assert "not a sharded checkpoint" in capsys.readouterr().err
+    for name in ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+                 "rng_state_0.pth", "loop_state_0.pt"):
+        (ckpt / name).write_bytes(b"")
+    assert cli.main(["export", "--checkpoint", str(ckpt)]) == 0
+    assert f"wrote {ckpt}-export" in capsys.readouterr().out
+    assert sorted(os.listdir(f"{ckpt}-export")) == ["config.json", "model.safetensors"]

@@ -21,8 +21,10 @@ COMMANDS = {
     "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
                 "--prompt TEXT",
     "demo": "Train a tiny VLM on shapes-VQA on CPU (6-10 minutes on 2 cores, by machine): vlmtrain demo [--config C] [--output-dir DIR]",
-    "export": "Write a sharded (train.fsdp) checkpoint as one model.safetensors: vlmtrain export --checkpoint DIR "
-              "[--output-dir OUT]",
+    "export": "Write a checkpoint's model without its training state: an FSDP full fine-tune's shards as one "
+              "model.safetensors (+ heads, config, processor), a LoRA or full checkpoint's model files as they are, "
+              "or with --merge the adapter merged into the base: vlmtrain export --checkpoint DIR [--output-dir OUT] "
+              "[--merge]",
     "data": "Data tools: vlmtrain data to-wds SRC OUT [--shard-size N] | vlmtrain data inspect SRC [--limit N]",
     "report": "Write RUN_DIR/report.html (curves, eval metrics, held-out samples) and curves.png: "
               "vlmtrain report RUN_DIR [--max-cards N]",
@@ -256,7 +258,8 @@ def _export(argv: list[str]) -> int:
                                          exit_on_error=False, allow_abbrev=False)
     parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP)
     parser.add_argument("--output-dir", "--output_dir", type=str | None, default=None,
-                        help="Where to write model.safetensors, config and tokenizer (default: the checkpoint).")
+                        help="Where to write the model, config and processor (default: the checkpoint itself for "
+                             "FSDP shards, else <checkpoint>-export).")
     parser.add_argument("--merge", action="store_true",
                         help="For a LoRA checkpoint: merge the adapter into the base model's weights and write the "
                              "full model (default output: <checkpoint>-merged).")
@@ -265,7 +268,7 @@ def _export(argv: list[str]) -> int:
     except jsonargparse.ArgumentError as e:
         raise ConfigError(f"{e}. See vlmtrain export --help.") from None
     from vlmtrain import run
-    from vlmtrain.trainer.fsdp import export_checkpoint
+    from vlmtrain.trainer.model_files import CheckpointError, export_checkpoint
 
     ckpt = run.resolve_checkpoint(ns.checkpoint, ns.checkpoint)
     try:
@@ -276,7 +279,7 @@ def _export(argv: list[str]) -> int:
             print(f"wrote {export_merged(ckpt, out)}")
         else:
             print(f"wrote {export_checkpoint(ckpt, ns.output_dir)}")
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointError) as e:
         raise ConfigError(str(e) + (" (--merge is for LoRA checkpoints.)" if ns.merge else "")) from None
     return 0
 

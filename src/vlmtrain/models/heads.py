@@ -371,12 +371,15 @@ def _heads_of(model: nn.Module) -> WithHeads:
     return model
 
 
-def save_heads(model: nn.Module, directory: str) -> None:
+def save_heads(model: nn.Module, directory: str, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
     """Write the heads' weights (`heads.safetensors`) and configs (`heads.json`) into `directory`, next to the
-    base model's own files."""
+    base model's own files. `tensors`: the weights to write instead of the model's own (keys as
+    ``model.heads.layers.state_dict()``'s, e.g. gathered from FSDP shards)."""
     model = _heads_of(model)
     os.makedirs(directory, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.heads.layers.state_dict().items()}
+    if tensors is None:
+        tensors = model.heads.layers.state_dict()
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     safetensors.torch.save_file(tensors, os.path.join(directory, HEADS_WEIGHTS), metadata={"format": "pt"})
     meta = {"hidden_size": model.hidden_size,
             "heads": {name: dataclasses.asdict(c) for name, c in model.head_configs.items()}}

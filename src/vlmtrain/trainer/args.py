@@ -130,8 +130,9 @@ class ImplementedArguments:
     fsdp: bool | str | list[str] | None = False
     """Under torchrun: shard parameters, gradients and optimizer state over the ranks with FSDP2 (fully_shard
     per transformer block) instead of replicating the model with DDP, for models that do not fit one device.
-    With bf16: bfloat16 compute from float32 master weights, float32 gradient reduction. Checkpoints hold DCP
-    shards (dcp/); `vlmtrain export` writes them as one model.safetensors. A single process trains unsharded.
+    With bf16: bfloat16 compute from float32 master weights, float32 gradient reduction. With LoRA a checkpoint
+    holds what trains (adapter, heads, optimizer state) as without FSDP; a full fine-tune's holds DCP shards (dcp/),
+    which `vlmtrain export` writes as one model.safetensors. A single process trains unsharded.
     transformers' values 'full_shard' and 'auto_wrap' (a string or list) mean true; other options are refused."""
     activation_checkpointing: bool | None = None
     """Recompute each transformer block's activations in backward instead of keeping them (less memory, ~20%

@@ -1,6 +1,9 @@
 """FSDP2 (`train.fsdp`): parameters, gradients and optimizer state sharded over the ranks with `fully_shard`,
-for models that do not fit one device. Checkpoints are torch.distributed.checkpoint (DCP) directories, each rank
-writing its shards; :func:`export_checkpoint` turns one into a single `model.safetensors`.
+for models that do not fit one device. A full fine-tune's checkpoints are torch.distributed.checkpoint (DCP)
+directories, each rank writing its shards (:func:`export_checkpoint` turns one into a single `model.safetensors`).
+A model with frozen weights (LoRA) saves only what trains: its trainable parameters gathered to rank 0
+(:func:`gather_trainable`) in the adapter / heads layout of model_files.py, and the optimizer state as one
+unsharded state dict keyed by parameter name (:func:`full_optimizer_state`), re-split over any world size at resume.
 
 Sharding units: every transformer block (the classes transformers lists in `_no_split_modules`), then the root
 module (embeddings, tied heads, norms, the VLM projector). With bf16, the blocks compute in bfloat16 from float32
@@ -10,7 +13,6 @@ master weights and reduce gradients in float32 (FSDP's MixedPrecisionPolicy).
 from __future__ import annotations
 
 import os
-import shutil
 import warnings
 from typing import Any
 
@@ -127,6 +129,45 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+def gather_trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters (requires_grad) as full tensors on CPU, on rank 0 (other ranks get {}), keyed by
+    parameter name; the frozen ones are never gathered. Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=True))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trainable}  # (buffers stay out: nothing trains them)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state unsharded on CPU, keyed by parameter name, on rank 0 ({} elsewhere); a collective.
+    Only trainable parameters have state: small next to the model when most of it is frozen."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load an optimizer state written by :func:`full_optimizer_state` (keyed by parameter name) into a sharded
+    or unsharded model's optimizer, or one written by ``optimizer.state_dict()`` (keyed by position) into a
+    sharded one's. Under FSDP every rank calls it with the same state (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    by_name = any(isinstance(p, str) for g in state.get("param_groups", []) for p in g["params"])
+    if not by_name:
+        if not is_sharded(model):
+            optimizer.load_state_dict(state)
+            return
+        # positions -> names: the optimizer was built over the same parameters, in the same order
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        state = {"state": {order[i]: v for i, v in state["state"].items()},
+                 "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights on CPU, on rank 0 (other ranks get {}); every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -156,32 +197,22 @@ def read_model_weights(directory: str) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def export_checkpoint(checkpoint: str, output_dir: str | None = None) -> str:
-    """Write the model of a sharded (DCP) checkpoint as one `model.safetensors` (+ config and tokenizer files,
-    copied) into output_dir (default: the checkpoint itself). Returns the safetensors path."""
-    from safetensors.torch import save_file
-
-    if not has_sharded_weights(checkpoint):
-        raise FileNotFoundError(f"{checkpoint!r} is not a sharded checkpoint (no {DCP_DIR}/.metadata): its "
-                                "model.safetensors is already the whole model.")
-    out = output_dir or checkpoint
-    os.makedirs(out, exist_ok=True)
-    if os.path.abspath(out) != os.path.abspath(checkpoint):
-        for name in os.listdir(checkpoint):  # config.json, tokenizer files, ...: what from_pretrained reads
-            src = os.path.join(checkpoint, name)
-            if os.path.isfile(src) and name.endswith((".json", ".txt", ".model", ".jinja")) and \
-                    name != "trainer_state.json":
-                shutil.copy2(src, os.path.join(out, name))
-    weights = {k: v.contiguous() for k, v in read_model_weights(checkpoint).items()}
-    path = os.path.join(out, "model.safetensors")
-    save_file(weights, path, metadata={"format": "pt"})
-    return path
+def gather_params(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """The parameters whose names start with `prefix` (e.g. the score heads, "heads."), as full CPU tensors on
+    every rank. A collective: every rank calls it."""
+    out = {}
+    for name, param in model.named_parameters():
+        if name.startswith(prefix):
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
+            out[name[len(prefix):]] = full.detach().cpu().clone()  # (its own storage, not the gather buffer's)
+    return out
 
 
 def save_full_model(model: nn.Module, directory: str, processing_class: Any, rank: int) -> None:
-    """Gather the sharded model and write it like an unsharded one (rank 0 writes; every rank must call)."""
-    from .checkpoint import save_model_files
+    """Gather the sharded model and write it like an unsharded one (rank 0 writes; every rank must call). With
+    LoRA only the trainable parameters are gathered: the files hold the adapter, never the frozen base."""
+    from .model_files import save_model_files, saves_trainable_only
 
-    state = full_state_dict(model)
+    state = gather_trainable(model) if saves_trainable_only(model) else full_state_dict(model)
     if rank == 0:
         save_model_files(model, directory, processing_class, state_dict=state)

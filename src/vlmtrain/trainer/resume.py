@@ -14,6 +14,13 @@ from typing import Any
 from . import checkpoint as ckpt
 from . import fsdp
 from .async_checkpoint import AsyncCheckpointer, cpu_model_copy, cpu_snapshot
+from .model_files import (
+    has_score_heads,
+    save_head_files,
+    save_model_files,
+    saves_trainable_only,
+)
+from .setup import load_model_state
 from .state import TrainerState
 
 
@@ -40,13 +47,24 @@ class CheckpointMixin:
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
         sharded = fsdp.is_sharded(self.model)
-        if self.args.async_checkpoint and not sharded:  # (FSDP's DCP saves stay synchronous)
+        if self.args.async_checkpoint and not sharded:  # (FSDP's saves stay synchronous)
             if self._async_saver is None:
                 self._async_saver = AsyncCheckpointer(out, self.rank, self._rotate_checkpoints)
             return self._async_saver.save(step, self._snapshot)
         files = self._checkpoint_files(sharded)
-        if sharded:  # each rank writes its shards of model and optimizer (DCP)
-            path = ckpt.write_checkpoint(out, step, files, self._save_model_config, rank=self.rank,
+        if sharded and saves_trainable_only(self.model):
+            # LoRA under FSDP: only the trainable parameters and their optimizer state are gathered (to rank 0)
+            # and written like an unsharded LoRA checkpoint's; the frozen base is never saved.
+            state = fsdp.gather_trainable(self.model)
+            optimizer = fsdp.full_optimizer_state(self.model, self.optimizer)
+            if self.rank == 0:
+                files["optimizer.pt"] = optimizer
+            path = ckpt.write_checkpoint(
+                out, step, files, lambda d: save_model_files(self.model, d, self.processing_class, state), rank=self.rank)
+        elif sharded:  # a full fine-tune: each rank writes its shards of model and optimizer (DCP)
+            heads = fsdp.gather_params(self.model, "heads.layers.") if has_score_heads(self.model) else None
+            path = ckpt.write_checkpoint(out, step, files, lambda d: self._save_model_config(d, heads),
+                                         rank=self.rank,
                                          write_sharded=lambda d: fsdp.save_sharded(self.model, self.optimizer, d))
         else:
             path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
@@ -107,25 +125,29 @@ class CheckpointMixin:
                 files["optimizer.pt"] = self.optimizer.state_dict()
         return files
 
-    def _save_model_config(self, directory: str) -> None:
-        """What from_pretrained needs besides the weights (config.json, tokenizer/processor files)."""
+    def _save_model_config(self, directory: str, heads: dict[str, Any] | None = None) -> None:
+        """What from_pretrained needs besides the weights (config.json, tokenizer/processor files), and the score
+        heads (`heads`: their gathered weights) as heads.safetensors + heads.json."""
         config = getattr(self.model, "config", None)
         if hasattr(config, "save_pretrained"):
             config.save_pretrained(directory)
         if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
             self.processing_class.save_pretrained(directory)
+        if heads is not None:
+            save_head_files(self.model, directory, heads)
 
     def _load_checkpoint(self, path: str) -> None:
-        sharded = fsdp.has_sharded_weights(path)
-        if sharded != fsdp.is_sharded(self.model):
+        sharded, sharded_model = fsdp.has_sharded_weights(path), fsdp.is_sharded(self.model)
+        trainable_only = saves_trainable_only(self.model)  # (LoRA: adapter files, under FSDP or not)
+        if sharded != sharded_model and not (trainable_only and not sharded):
             raise ckpt.CheckpointError(
                 f"{path!r} was written {'with' if sharded else 'without'} train.fsdp; resume it with train.fsdp="
                 f"{sharded} under torchrun" + (", or export it (vlmtrain export) to start a new run from its "
                                                "weights." if sharded else "."))
         if sharded:
             fsdp.load_sharded(self.model, self.optimizer, path)
-        else:
-            ckpt.load_model_weights(self.model, path)
+        else:  # (LoRA under FSDP: every rank reads the small adapter and heads files and keeps its shards)
+            load_model_state(self.model, path)
         saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
         if saved.max_steps != self.state.max_steps:
             warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
@@ -137,8 +159,8 @@ class CheckpointMixin:
         for cb in self.callback_handler.callbacks:
             if type(cb).__name__ in saved.stateful_callbacks and hasattr(cb, "load_state_dict"):
                 cb.load_state_dict(saved.stateful_callbacks[type(cb).__name__])
-        if not sharded:
-            self.optimizer.load_state_dict(ckpt.load_torch(os.path.join(path, "optimizer.pt")))
+        if not sharded:  # by position (written unsharded) or by parameter name (gathered from FSDP shards)
+            fsdp.load_optimizer_state(self.model, self.optimizer, ckpt.load_torch(os.path.join(path, "optimizer.pt")))
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
         loop = ckpt.load_torch(os.path.join(path, f"loop_state_{self.rank}.pt"))
         if loop["loader"] is not None:
