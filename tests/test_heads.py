@@ -15,17 +15,15 @@ from transformers.utils import ModelOutput
 
 from vlmtrain.data.processing import SkipSample
 from vlmtrain.errors import ConfigError
+from vlmtrain.models.head_files import load_heads, read_head_configs, save_heads
 from vlmtrain.models.heads import (
     HeadConfig,
     WithHeads,
     check_head_labels,
     compute_head_metrics,
     head_label_tensors,
-    load_heads,
     parse_heads,
     pool_last_token,
-    read_head_configs,
-    save_heads,
 )
 from vlmtrain.trainer import Trainer, TrainingArguments
 

@@ -25,7 +25,8 @@ from transformers import AutoModelForImageTextToText  # noqa: E402
 
 from vlmtrain.cli import main  # noqa: E402
 from vlmtrain.models.families.qwen3_vl import FAMILY  # noqa: E402
-from vlmtrain.models.heads import WithHeads, load_heads  # noqa: E402
+from vlmtrain.models.head_files import load_heads  # noqa: E402
+from vlmtrain.models.heads import WithHeads  # noqa: E402
 from vlmtrain.models.lora import apply_lora  # noqa: E402
 from vlmtrain.trainer import CheckpointError, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from vlmtrain.trainer import checkpoint as ckpt  # noqa: E402

@@ -16,7 +16,7 @@ import yaml
 from PIL import Image
 
 import vlmtrain
-from vlmtrain import cli, run
+from vlmtrain import cli, prediction, run
 from vlmtrain.config import ConfigError, load_run_config
 from vlmtrain.models.families import get_family
 
@@ -237,7 +237,7 @@ def test_checkpoint_of_other_heads_or_model_is_an_error_naming_the_file(trained,
     with pytest.raises(ConfigError, match=r"heads\.json: heads for hidden_size 64, but the model's hidden size is 32"):
         vlmtrain.attach_heads(other, os.path.join(run_dir, "checkpoint-2"))
     with pytest.raises(ConfigError, match="no file matches"):
-        run.predict_data(run_dir, str(tmp_path / "missing-*.tar"))
+        prediction.predict_data(run_dir, str(tmp_path / "missing-*.tar"))
 
 
 @pytest.mark.parametrize("heads_json", [True, False])
@@ -246,7 +246,7 @@ def test_fsdp_dcp_checkpoint_loads_for_inference(trained, tmp_path, heads_json):
     described by heads.json or, without it, by the run's config.yaml next to checkpoint-N/."""
     import torch.distributed.checkpoint as dcp
 
-    from vlmtrain.models.heads import save_heads
+    from vlmtrain.models.head_files import save_heads
     from vlmtrain.models.lora import merge_lora
 
     _, run_dir, folder = trained

@@ -1,7 +1,7 @@
 """vlmtrain: train vision-language models (and plain LMs) with the Trainer API you know."""
 
 from .inference import InferenceModel, load_for_inference
-from .models.heads import attach_heads
+from .models.head_files import attach_heads
 from .trainer import (
     EarlyStoppingCallback,
     EvalPrediction,

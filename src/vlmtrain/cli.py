@@ -162,16 +162,16 @@ def _predict(argv: list[str]) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", "vlmtrain", "predict", *argv]
         return subprocess.call(cmd)
-    from vlmtrain import run
+    from vlmtrain import prediction
 
     if data:
-        out = run.predict_data(ns.checkpoint, ns.data, output=ns.output, batch_size=ns.batch_size,
-                               num_workers=ns.num_workers, device=ns.device, dtype=ns.dtype)
+        out = prediction.predict_data(ns.checkpoint, ns.data, output=ns.output, batch_size=ns.batch_size,
+                                      num_workers=ns.num_workers, device=ns.device, dtype=ns.dtype)
         if _is_rank_zero():
             print(f"wrote {out}")
         return 0
     cfg, ns = _parse("predict", argv, checkpoint="required")
-    texts = run.predict(cfg, checkpoint=ns.checkpoint)
+    texts = prediction.predict(cfg, checkpoint=ns.checkpoint)
     if _is_rank_zero():
         print("\n".join(texts))
     return 0

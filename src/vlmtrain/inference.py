@@ -8,7 +8,7 @@
 
 Samples are in the training format (the_cauldron schema) and are processed exactly as training processed
 them (the same processor, template and limits), so a score equals the one evaluation computed for that sample.
-`vlmtrain predict --checkpoint DIR --data FILE_OR_SHARDS` runs `score` over a data set (see run.predict_data).
+`vlmtrain predict --checkpoint DIR --data FILE_OR_SHARDS` runs `score` over a data set (see vlmtrain.prediction.predict_data).
 """
 
 from __future__ import annotations

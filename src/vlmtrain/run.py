@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -186,122 +185,6 @@ def evaluate_all(run_dir: str, cfg: RunConfig) -> dict[int, dict[str, Any]]:
                      result_file=result)
         rows[step] = async_eval.log_result(run_dir, step)
     return rows
-
-
-def predict(cfg: RunConfig, checkpoint: str) -> list[str]:
-    """Predictions for the eval set with a checkpoint's weights: the generated answers, or for a model with
-    score heads one JSON object per eval sample, keyed by its place in the eval set (``index``; also ``id``
-    when the record has one, ``eval_set`` with several eval sets): each head's output (class and
-    probabilities, or value), or ``skipped`` (the reason) for a sample the processing skips. Head rows are
-    also written to <train.output_dir>/predictions.jsonl. Under torchrun each rank scores its share."""
-    ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir)
-    heads = bool(getattr(cfg.model, "heads", None))
-    args = dataclasses.replace(cfg.train, predict_with_generate=not heads)  # predict means generate, or heads
-    trainer = build(dataclasses.replace(cfg, train=args), checkpoint=ckpt)
-    if trainer.eval_dataset is None:
-        raise ConfigError("predict needs an eval set: set data.num_eval > 0 (or data.eval_file).")
-    datasets = trainer.eval_dataset if isinstance(trainer.eval_dataset, dict) else {None: trainer.eval_dataset}
-    if heads:
-        return _predict_heads(cfg, trainer, datasets)
-    lines: list[str] = []
-    for dataset in datasets.values():
-        out = trainer.predict(dataset)
-        if out.texts is not None:
-            lines += list(out.texts)
-        else:
-            ids = [[int(t) for t in row if t >= 0] for row in out.predictions]  # drop -100 padding
-            lines += trainer.processing_class.batch_decode(ids, skip_special_tokens=True)
-    return lines
-
-
-def _predict_heads(cfg: RunConfig, trainer: Any, datasets: dict[str | None, Any]) -> list[str]:
-    """Score-head rows of the eval set(s), each keyed by the sample's index (skipped samples keep theirs)."""
-    from vlmtrain.inference import InferenceModel, score_rows
-    from vlmtrain.trainer import distributed
-
-    collator = trainer.data_collator.without_packing()
-    model = trainer.model.to(trainer.device).eval()
-    inference = InferenceModel(model, trainer.processing_class, collator.processor.process, collator,
-                               device=trainer.device)
-    lines: list[str] = []
-    for name, dataset in datasets.items():
-        rows = score_rows(inference, _indexed_share(dataset, trainer.rank, trainer.world_size),
-                          batch_size=cfg.train.per_device_eval_batch_size,
-                          num_workers=cfg.train.dataloader_num_workers)
-        rows = _gather_rows(rows, distributed)
-        for row in rows:
-            order = row.pop("__order__")
-            lines.append(json.dumps({**({"eval_set": name} if name else {}), "index": order, **row}))
-    if trainer.rank == 0:
-        os.makedirs(cfg.train.output_dir, exist_ok=True)
-        path = os.path.join(cfg.train.output_dir, "predictions.jsonl")
-        _write_lines(path, lines)
-        logger.info("wrote %d head predictions to %s", len(lines), path)
-    return lines
-
-
-def _indexed_share(dataset: Any, rank: int, world_size: int) -> Any:
-    """A map-style eval set's samples r, r + W, ... for rank r of W (a stream: its own per-rank share, numbered
-    by rank and position), tagged with their index (``__order__``) and their record's id (``__id__``)."""
-    from torch.utils.data import IterableDataset, get_worker_info
-
-    class IndexedShare(IterableDataset):
-        def __iter__(self) -> Iterator[dict[str, Any]]:
-            info = get_worker_info()
-            workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-            if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-                for n, sample in enumerate(dataset):  # a stream splits itself across ranks
-                    if n % workers == worker:
-                        yield {**sample, "__order__": (rank, n), "__id__": sample.get("id")}
-                return
-            for i in range(rank + world_size * worker, len(dataset), world_size * workers):
-                sample = dict(dataset[i])
-                yield {**sample, "__order__": i, "__id__": sample.get("id")}
-
-    return IndexedShare()
-
-
-def _gather_rows(rows: list[dict[str, Any]], distributed: Any) -> list[dict[str, Any]]:
-    """Every rank's rows on every rank, in data-set order (by ``__order__``)."""
-    everyone = [row for part in distributed.all_gather_objects(rows) for row in part]
-    return sorted(everyone, key=lambda r: r["__order__"])
-
-
-def _write_lines(path: str, lines: list[str]) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(line + "\n" for line in lines)
-    os.replace(tmp, path)
-
-
-def predict_data(checkpoint: str, data: str | list[str], output: str = "predictions.jsonl", batch_size: int = 8,
-                 num_workers: int = 0, device: str | None = None, dtype: str | None = None) -> str:
-    """Score new data with a checkpoint's heads (``vlmtrain predict --checkpoint DIR --data ...``): ``data`` is
-    a JSONL file (image paths relative to it) or WebDataset shards in the training sample format (labels
-    optional). Writes ``output``: one JSON row per input sample, in data order, ``{"id": ..., <head>: ...}``
-    (see InferenceModel.score for the head fields) or ``{"id": ..., "skipped": reason, "detail": ...}``; ids
-    as NumberedSamples gives them. Samples are processed in ``num_workers`` data-loader workers and scored in
-    batches of ``batch_size`` on the GPU when there is one; under torchrun each rank scores its share and
-    rank 0 writes the file. No config needed (limits come from the run's config.yaml when there is one).
-    Returns ``output``."""
-    from vlmtrain.inference import NumberedSamples, load_for_inference, open_data, score_rows
-    from vlmtrain.trainer import distributed
-
-    distributed.init_from_env()
-    source = open_data(data)
-    inference = load_for_inference(checkpoint, device=device or distributed.default_device(), dtype=dtype)
-    rows = score_rows(inference, NumberedSamples(source, distributed.rank(), distributed.world_size()),
-                      batch_size=batch_size, num_workers=num_workers)
-    rows = _gather_rows(rows, distributed)
-    if distributed.rank() == 0:
-        if os.path.dirname(output):
-            os.makedirs(os.path.dirname(output), exist_ok=True)
-        for row in rows:
-            row.pop("__order__")
-        _write_lines(output, [json.dumps(row) for row in rows])
-        skipped = sum("skipped" in r for r in rows)
-        logger.info("wrote %d rows (%d skipped samples) to %s", len(rows), skipped, output)
-    return output
 
 
 def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:

@@ -5,21 +5,19 @@ batch plus one label tensor per head (`labels_<name>`, built by :func:`head_labe
 `labels: {<name>: value}`) and returns `loss` = LM loss (if the batch has `labels`) + sum(weight * loss_<name>),
 with `loss_<name>` / `num_items_<name>` per head (each head averages over the samples that have its label) and
 `logits_<name>`, so the Trainer logs every loss averaged over its own items and evaluation gets head metrics.
+The heads' files (heads.safetensors + heads.json) are written and read by :mod:`vlmtrain.models.head_files`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,12 +26,10 @@ from ..errors import ConfigError
 from .head_metrics import compute_head_metrics, head_metrics
 
 __all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_mask",
-           "head_label_tensors", "head_metrics", "load_heads", "parse_heads", "pool_last_token", "read_head_configs", "save_heads"]
+           "head_label_tensors", "head_metrics", "parse_heads", "pool_last_token"]
 
 HEAD_TYPES = ("classification", "regression")
 HEAD_LOSSES = {"classification": ("ce", "bce"), "regression": ("mse", "huber")}
-HEADS_WEIGHTS = "heads.safetensors"
-HEADS_CONFIG = "heads.json"
 
 
 @dataclass
@@ -361,90 +357,3 @@ def check_head_labels(head_configs: Mapping[str, HeadConfig], raw: Mapping[str, 
             cells = v if isinstance(v, (list, tuple)) else [v] if c.num_outputs == 1 else None
             if cells is None or len(cells) != c.num_outputs or not all(_number(x) and math.isfinite(x) for x in cells):
                 raise SkipSample("bad_head_label", f"{bad}: expected {c.num_outputs} finite number(s)")
-
-
-def _heads_of(model: nn.Module) -> WithHeads:
-    model = getattr(model, "module", model)  # DDP
-    model = getattr(model, "_orig_mod", model)  # torch.compile
-    if not isinstance(model, WithHeads):
-        raise TypeError(f"expected a WithHeads model, got {type(model).__name__}")
-    return model
-
-
-def save_heads(model: nn.Module, directory: str, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Write the heads' weights (`heads.safetensors`) and configs (`heads.json`) into `directory`, next to the
-    base model's own files. `tensors`: the weights to write instead of the model's own (keys as
-    ``model.heads.layers.state_dict()``'s, e.g. gathered from FSDP shards)."""
-    model = _heads_of(model)
-    os.makedirs(directory, exist_ok=True)
-    if tensors is None:
-        tensors = model.heads.layers.state_dict()
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    safetensors.torch.save_file(tensors, os.path.join(directory, HEADS_WEIGHTS), metadata={"format": "pt"})
-    meta = {"hidden_size": model.hidden_size,
-            "heads": {name: dataclasses.asdict(c) for name, c in model.head_configs.items()}}
-    with open(os.path.join(directory, HEADS_CONFIG), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2)
-        f.write("\n")
-
-
-def read_head_configs(directory: str) -> dict[str, HeadConfig]:
-    """The head configs saved in `directory` (by :func:`save_heads`), e.g. to build WithHeads before loading."""
-    path = os.path.join(directory, HEADS_CONFIG)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no {HEADS_CONFIG} (this checkpoint has no score heads)")
-    with open(path, encoding="utf-8") as f:
-        return parse_heads(json.load(f)["heads"])
-
-
-def load_heads(model: nn.Module, directory: str) -> None:
-    """Load the heads' weights saved by :func:`save_heads`; the saved heads must match the model's."""
-    model = _heads_of(model)
-    saved = read_head_configs(directory)
-    if saved != model.head_configs:
-        raise ValueError(f"{os.path.join(directory, HEADS_CONFIG)}: saved heads {saved} differ from the model's "
-                         f"{model.head_configs}")
-    state = safetensors.torch.load_file(os.path.join(directory, HEADS_WEIGHTS))
-    model.heads.layers.load_state_dict(state, strict=True)
-
-
-def check_saved_heads(model: nn.Module, directory: str) -> None:
-    """Raise ConfigError unless the heads saved in `directory` fit `model` (a WithHeads): heads.json's
-    hidden_size must be the base model's, and every tensor of heads.safetensors must have the shape its head
-    config gives (a checkpoint from a different model or head set names the file and what was expected)."""
-    model = _heads_of(model)
-    config_path, weights_path = os.path.join(directory, HEADS_CONFIG), os.path.join(directory, HEADS_WEIGHTS)
-    with open(config_path, encoding="utf-8") as f:
-        saved_hidden = json.load(f).get("hidden_size")
-    if saved_hidden is not None and saved_hidden != model.hidden_size:
-        raise ConfigError(f"{config_path}: heads for hidden_size {saved_hidden}, but the model's hidden size is "
-                          f"{model.hidden_size} (heads trained on a different model).")
-    if not os.path.isfile(weights_path):
-        raise ConfigError(f"{weights_path} is missing ({config_path} says there are heads {sorted(model.head_configs)}).")
-    expected = {k: tuple(v.shape) for k, v in model.heads.layers.state_dict().items()}
-    with safetensors.safe_open(weights_path, framework="pt") as f:
-        saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-    if saved != expected:
-        raise ConfigError(f"{weights_path} holds {saved}; {config_path} and the model expect {expected}.")
-
-
-def attach_heads(model: nn.Module, directory: str) -> WithHeads:
-    """The score heads saved in `directory` (heads.json + heads.safetensors, as every vlmtrain checkpoint and
-    `vlmtrain export --merge` folder holds them) put on `model`: returns ``WithHeads(model, heads)`` with the
-    saved weights, on the model's device (heads float32), in the model's train/eval mode.
-
-    After ``vlmtrain export --merge``::
-
-        model = AutoModelForImageTextToText.from_pretrained(out_dir)
-        scorer = vlmtrain.attach_heads(model, out_dir)
-        out = scorer(**batch)   # out["logits_<head>"]: [batch, num_outputs], read on each row's last
-                                # attention-mask-1 token (see WithHeads; batch from the processor, no labels)
-
-    A head set or model that does not fit (hidden size, shapes) is a ConfigError naming the file."""
-    wrapped = WithHeads(model, read_head_configs(directory))
-    check_saved_heads(wrapped, directory)
-    load_heads(wrapped, directory)
-    params = next(model.parameters(), None)
-    if params is not None:
-        wrapped.heads.to(params.device)
-    return wrapped.train(model.training)

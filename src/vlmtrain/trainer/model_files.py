@@ -144,7 +144,7 @@ def save_model_files(model: nn.Module, directory: str, processing_class: Any = N
     else:
         safetensors.torch.save_model(base, os.path.join(directory, MODEL_NAME), metadata={"format": "pt"})
     if heads:
-        from ..models.heads import save_heads
+        from ..models.head_files import save_heads
 
         save_heads(model, directory, head_state)
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
@@ -153,7 +153,7 @@ def save_model_files(model: nn.Module, directory: str, processing_class: Any = N
 
 def save_head_files(model: nn.Module, directory: str, tensors: dict[str, torch.Tensor]) -> None:
     """heads.safetensors (`tensors`: the heads' weights, e.g. gathered from FSDP shards) + heads.json."""
-    from ..models.heads import save_heads
+    from ..models.head_files import save_heads
 
     save_heads(model, directory, tensors)
 
@@ -200,14 +200,14 @@ def load_model_weights(model: nn.Module, directory: str) -> None:
     else:
         _load_by_key(base, directory, heads)
     if heads:
-        from ..models.heads import load_heads
+        from ..models.head_files import load_heads
 
         load_heads(model, directory)
 
 
 def _check_heads(model: nn.Module, directory: str) -> None:
     """The checkpoint's heads (heads.json) are the model's, and their weights are there."""
-    from ..models.heads import read_head_configs
+    from ..models.head_files import read_head_configs
 
     if not os.path.isfile(os.path.join(directory, HEADS_NAME)):
         raise CheckpointError(f"{directory!r} has no {HEADS_NAME}, but {type(model).__name__} has score heads "

@@ -172,7 +172,8 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
         return _load_dcp(checkpoint, torch_dtype, stop_token_id, device)
     model = load_model(base_of_checkpoint(checkpoint), torch_dtype, stop_token_id=stop_token_id, device=device)
     if os.path.isfile(os.path.join(checkpoint, "heads.json")):
-        from vlmtrain.models.heads import WithHeads, read_head_configs
+        from vlmtrain.models.head_files import read_head_configs
+        from vlmtrain.models.heads import WithHeads
 
         model = WithHeads(model, read_head_configs(checkpoint))
         model.heads.to(_device_of(model.base))
@@ -190,7 +191,7 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
             raise CheckpointError(f"{os.path.join(checkpoint, 'adapter_model.safetensors')} does not fit the base "
                                   f"model {base_of_checkpoint(checkpoint)!r}: {str(err)[:300]}") from err
     if hasattr(model, "heads"):
-        from vlmtrain.models.heads import check_saved_heads
+        from vlmtrain.models.head_files import check_saved_heads
 
         check_saved_heads(model, checkpoint)
         load_model_weights(model, checkpoint)  # the heads (the base was loaded above)
@@ -211,7 +212,8 @@ def _load_dcp(checkpoint: str, torch_dtype: str, stop_token_id: int | None, devi
     put into the architecture of its config.json; heads from heads.json, else the run's config.yaml."""
     import torch
 
-    from vlmtrain.models.heads import WithHeads, read_head_configs
+    from vlmtrain.models.head_files import read_head_configs
+    from vlmtrain.models.heads import WithHeads
     from vlmtrain.trainer import CheckpointError
     from vlmtrain.trainer.fsdp import read_model_weights
 
