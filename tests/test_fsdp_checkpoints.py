@@ -217,3 +217,36 @@ def test_full_fine_tune_checkpoint_stays_sharded_and_eval_and_export_read_it(tin
     heads = _tensors(tmp_path / "export" / "heads.safetensors")
     assert heads.keys() == {k[len("heads.layers."):] for k in shards if k.startswith("heads.")}
     assert all(torch.equal(t, shards[f"heads.layers.{k}"]) for k, t in heads.items())
+
+
+def test_new_data_scores_equal_the_runs_last_evaluation_also_after_export_merge(lora_run, tmp_path):
+    """`vlmtrain predict --data` on the eval samples written as a JSONL file gives, to 1e-5, the heads' outputs
+    of the 2-rank FSDP run's last evaluation (eval_samples_step_4.jsonl), and so does the `export --merge` folder
+    reloaded with vlmtrain.load_for_inference."""
+    from vlmtrain import load_for_inference
+    from vlmtrain.config import load_run_config
+    from vlmtrain.data.cauldron import write_cauldron_jsonl
+    from vlmtrain.data.registry import get_source
+
+    run, _ = lora_run
+    cfg = load_run_config(run / "config.yaml")
+    samples = get_source(cfg.data.source).build(cfg)["eval_dataset"]
+    data = write_cauldron_jsonl(samples, str(tmp_path / "data"), name="eval")
+    evaluated = [json.loads(line) for line in open(run / "eval_samples_step_4.jsonl")]
+    assert [row["index"] for row in evaluated] == list(range(8))
+
+    def check(rows: list[dict]) -> None:
+        assert len(rows) == len(evaluated)
+        for row, want in zip(rows, evaluated):
+            assert row["count"] == pytest.approx(want["heads"]["count"]["predicted"], abs=1e-5)
+            assert row["color"] == want["heads"]["color"]["predicted"]
+
+    assert main(["predict", "--checkpoint", str(run / "checkpoint-4"), "--data", data,
+                 "--output", str(tmp_path / "rows.jsonl")]) == 0
+    check([json.loads(line) for line in open(tmp_path / "rows.jsonl")])
+    assert main(["export", "--checkpoint", str(run / "checkpoint-4"), "--merge",
+                 "--output-dir", str(tmp_path / "merged")]) == 0
+    records = [json.loads(line) for line in open(data)]
+    for record in records:  # paths relative to the JSONL file, as `predict --data` resolves them
+        record["images"] = [os.path.join(os.path.dirname(data), path) for path in record["images"]]
+    check(load_for_inference(str(tmp_path / "merged")).score(records))
