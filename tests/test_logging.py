@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from extras import requires
 from tiny import tiny_llama, token_samples
 
 from vlmtrain import Trainer, TrainingArguments
@@ -34,8 +35,8 @@ def test_metrics_jsonl_schema(tmp_path):
     assert rows[-1]["train_runtime"] > 0 and "train_loss" in rows[-1]
 
 
+@requires("tensorboard", "tensorboard")
 def test_tensorboard_when_requested(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _train(tmp_path, report_to="tensorboard", run_name="tb", eval_strategy="steps", eval_steps=2)
