@@ -50,7 +50,7 @@ def _missing_package(report) -> str | None:
         return None
     longrepr = report.longrepr
     reason = str(longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr)
-    return reason if _MISSING_PACKAGE.search(reason) else None
+    return reason.removeprefix("Skipped: ") if _MISSING_PACKAGE.search(reason) else None
 
 
 class RequiredExtras:
