@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY=${PYTHON:-python3}
-# The dev extra is installed: a test skipped for a missing package of it fails the run (tests/extras.py).
+# The dev extra is installed: a test skipped for a missing package of it fails the run (tests/optional_extras.py).
 case "${VLMTRAIN_EXTRAS:-[dev]}" in
   *dev*) export VLMTRAIN_REQUIRE_EXTRAS=${VLMTRAIN_REQUIRE_EXTRAS:-1} ;;
 esac

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from extras import requires
+from optional_extras import requires
 
 from vlmtrain import cli, run
 from vlmtrain.config import load_run_config

@@ -14,7 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 import yaml
-from extras import requires
+from optional_extras import requires
 
 from tests.test_distributed import _losses, _run
 from vlmtrain.cli import main

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from extras import requires
+from optional_extras import requires
 from tiny import VOCAB, tiny_llama
 from torch import nn
 from transformers.utils import ModelOutput

@@ -9,7 +9,7 @@ import os
 import pytest
 import safetensors.torch
 import torch
-from extras import requires
+from optional_extras import requires
 from test_lora import (
     HEADS,
     collate,

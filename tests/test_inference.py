@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from extras import requires
+from optional_extras import requires
 from PIL import Image
 
 import vlmtrain

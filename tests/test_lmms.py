@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from extras import requires
+from optional_extras import requires
 from PIL import Image
 
 from tests.test_vlm_run import TINY

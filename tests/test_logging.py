@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from extras import requires
+from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
 from vlmtrain import Trainer, TrainingArguments

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from extras import requires
+from optional_extras import requires
 from torch import nn
 from transformers import AutoModelForImageTextToText
 

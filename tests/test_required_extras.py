@@ -1,7 +1,7 @@
-"""The extras check (extras.py, registered by conftest.py): a test skipped for a missing package fails the run
-where the extras are required (CI=true, VLMTRAIN_REQUIRE_EXTRAS=1) and is a skip with its reason otherwise; a gpu
-test's skip stays a skip. Each case is a pytest subprocess on two small test files next to the suite's own
-conftest.py and extras.py."""
+"""The extras check (optional_extras.py, registered by conftest.py): a test skipped for a missing package fails
+the run where the extras are required (CI=true, VLMTRAIN_REQUIRE_EXTRAS=1) and is a skip with its reason
+otherwise; a gpu test's skip stays a skip. Each case is a pytest subprocess on two small test files next to the
+suite's own conftest.py and optional_extras.py."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from extras import extras_required
+from optional_extras import extras_required
 
 HERE = Path(__file__).parent
 
 MARKED = '''
 import pytest
-from extras import requires
+from optional_extras import requires
 
 
 def test_runs():
@@ -47,7 +47,7 @@ def test_never_collected():
 
 
 def _pytest(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    for name in ("conftest.py", "extras.py"):
+    for name in ("conftest.py", "optional_extras.py"):
         shutil.copy(HERE / name, tmp_path / name)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs CUDA\n")
     (tmp_path / "test_marked.py").write_text(MARKED)

@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from extras import requires
+from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
 from vlmtrain.logging.writers import TensorBoardCallback

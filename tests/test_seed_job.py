@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from extras import requires
+from optional_extras import requires
 from PIL import Image
 from safetensors.torch import load_file
 

@@ -7,7 +7,7 @@ import os
 from collections import Counter
 
 import pytest
-from extras import requires
+from optional_extras import requires
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vlmtrain.data.cauldron import write_cauldron_jsonl

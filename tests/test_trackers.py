@@ -13,7 +13,7 @@ import time
 import warnings
 
 import pytest
-from extras import requires
+from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
 from vlmtrain.cli import main

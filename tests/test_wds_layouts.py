@@ -13,7 +13,7 @@ import tarfile
 from collections import Counter
 
 import pytest
-from extras import requires
+from optional_extras import requires
 from PIL import Image
 
 from vlmtrain.data.sources import KEY, StreamingDataset, WebDatasetSource, is_counts_only
