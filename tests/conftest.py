@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from optional_extras import RequiredExtras
 
 
 def _selects_gpu_tests(config) -> bool:
@@ -28,6 +29,9 @@ def pytest_configure(config):
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[name] = "1"
         torch.set_num_threads(1)
+    # CI=true or VLMTRAIN_REQUIRE_EXTRAS=1: a test skipped for a missing optional package fails the run
+    # (optional_extras.py)
+    config.pluginmanager.register(RequiredExtras(), "vlmtrain-required-extras")
 
 
 @pytest.fixture

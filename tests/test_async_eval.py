@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from optional_extras import requires
 
 from vlmtrain import cli, run
 from vlmtrain.config import load_run_config
@@ -220,8 +221,8 @@ def test_async_eval_settings_are_checked_up_front(tmp_path):
         _train(cfg)
 
 
+@requires("submitit", "submitit")
 def test_submitit_launcher_runs_the_evaluations_as_jobs(tmp_path):
-    pytest.importorskip("submitit")  # (the dev extra installs it: CI runs this)
     _, cfg = _config(tmp_path, async_eval_launcher="submitit", async_eval_max_pending=2,
                      async_eval_launcher_kwargs={"cluster": "local", "timeout_min": 5},
                      async_eval_command=fake_evaluator(seconds=0.2))

@@ -14,6 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 import yaml
+from optional_extras import requires
 
 from tests.test_distributed import _losses, _run
 from vlmtrain.cli import main
@@ -21,8 +22,7 @@ from vlmtrain.models.families import get_family
 from vlmtrain.trainer import CheckpointError
 from vlmtrain.trainer.checkpoint import load_torch
 
-pytest.importorskip("peft")
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [requires("peft", "lora"), pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP = ("--train.fsdp", "true")

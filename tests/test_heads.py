@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from optional_extras import requires
 from tiny import VOCAB, tiny_llama
 from torch import nn
 from transformers.utils import ModelOutput
@@ -184,8 +185,10 @@ def test_save_and_load_heads(tmp_path, one_thread):
         load_heads(WithHeads(tiny_llama(), {"cls": {"num_outputs": 4}}), str(tmp_path))
 
 
+@requires("peft", "lora")
 def test_with_heads_around_peft_model(one_thread):
-    peft = pytest.importorskip("peft")
+    import peft
+
     base = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     model = WithHeads(base, HEADS)
     out = model(**Collate(model.head_configs)(samples(4)))

@@ -9,10 +9,8 @@ import os
 import pytest
 import safetensors.torch
 import torch
-
-pytest.importorskip("peft")
-
-from test_lora import (  # noqa: E402
+from optional_extras import requires
+from test_lora import (
     HEADS,
     collate,
     collate_heads,
@@ -21,17 +19,17 @@ from test_lora import (  # noqa: E402
     tiny_dir,  # noqa: F401  (a fixture)
     vlm_samples,
 )
-from transformers import AutoModelForImageTextToText  # noqa: E402
+from transformers import AutoModelForImageTextToText
 
-from vlmtrain.cli import main  # noqa: E402
-from vlmtrain.models.families.qwen3_vl import FAMILY  # noqa: E402
-from vlmtrain.models.head_files import load_heads  # noqa: E402
-from vlmtrain.models.heads import WithHeads  # noqa: E402
-from vlmtrain.models.lora import apply_lora  # noqa: E402
-from vlmtrain.trainer import CheckpointError, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from vlmtrain.trainer import checkpoint as ckpt  # noqa: E402
+from vlmtrain.cli import main
+from vlmtrain.models.families.qwen3_vl import FAMILY
+from vlmtrain.models.head_files import load_heads
+from vlmtrain.models.heads import WithHeads
+from vlmtrain.models.lora import apply_lora
+from vlmtrain.trainer import CheckpointError, Trainer, TrainerCallback, TrainingArguments
+from vlmtrain.trainer import checkpoint as ckpt
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [requires("peft", "lora"), pytest.mark.usefixtures("one_thread")]
 
 LORA = {"r": 4, "alpha": 8, "dropout": 0.1}  # dropout: resume must restore the RNG too
 

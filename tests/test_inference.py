@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from optional_extras import requires
 from PIL import Image
 
 import vlmtrain
@@ -20,8 +21,7 @@ from vlmtrain import cli, prediction, run
 from vlmtrain.config import ConfigError, load_run_config
 from vlmtrain.models.families import get_family
 
-pytest.importorskip("peft")
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [requires("peft", "lora"), pytest.mark.usefixtures("one_thread")]
 
 COLORS = [(220, 40, 40), (40, 160, 40), (40, 40, 220)]
 HEADS = {"color": {"type": "classification", "num_outputs": 3},

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from optional_extras import requires
 from PIL import Image
 
 from tests.test_vlm_run import TINY
@@ -15,9 +16,7 @@ from vlmtrain.config import ConfigError, load_run_config
 from vlmtrain.evaluation.lmms import flatten_results
 from vlmtrain.evaluation.shapes_task import write_shapes_task
 
-NEEDS_LMMS = pytest.mark.skipif(
-    __import__("importlib").util.find_spec("lmms_eval") is None,
-    reason="lmms-eval is not installed (pip install 'vlmtrain[lmms]' && pip install --no-deps lmms-eval==0.7.3)")
+NEEDS_LMMS = requires("lmms_eval", "lmms", install="pip install 'vlmtrain[lmms]' && pip install --no-deps lmms-eval==0.7.3")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
 from vlmtrain import Trainer, TrainingArguments
@@ -34,8 +35,8 @@ def test_metrics_jsonl_schema(tmp_path):
     assert rows[-1]["train_runtime"] > 0 and "train_loss" in rows[-1]
 
 
+@requires("tensorboard", "tensorboard")
 def test_tensorboard_when_requested(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _train(tmp_path, report_to="tensorboard", run_name="tb", eval_strategy="steps", eval_steps=2)
@@ -55,13 +56,54 @@ def test_progress_bar_and_printer(tmp_path, capsys):
     assert "'loss'" in out and "'learning_rate'" in out
 
 
-def test_bf16_autocast_trains(tmp_path):
-    trainer, out = _train(tmp_path, bf16=True)
+def _linear_output_dtypes(trainer) -> dict[bool, set]:
+    """The dtypes a Linear (the first MLP's down_proj) outputs, by module.training (True: training steps)."""
+    seen: dict[bool, set] = {True: set(), False: set()}
+    linear = trainer.model.model.layers[0].mlp.down_proj
+    linear.register_forward_hook(lambda module, args, output: seen[module.training].add(output.dtype))
+    return seen
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_autocast_trains(tmp_path, bf16):
+    """bf16: the training steps' and the evaluation's matmuls compute in bfloat16 (autocast) from float32 master
+    weights; without it they stay float32."""
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=2,
+                             save_strategy="no", learning_rate=1e-3, disable_tqdm=True, bf16=bf16,
+                             eval_strategy="steps", eval_steps=2)
+    trainer = Trainer(tiny_llama(), args, train_dataset=token_samples(8), eval_dataset=token_samples(4, seed=3))
+    seen = _linear_output_dtypes(trainer)
+    out = trainer.train()
+    expected = torch.bfloat16 if bf16 else torch.float32
+    assert seen == {True: {expected}, False: {expected}}  # training steps and the evaluation
     assert math.isfinite(out.training_loss)
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # master weights stay fp32
 
 
+class _ModelRecordingTrainer(Trainer):
+    """Records the type of the model each training step runs."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.step_models.append(type(model))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
 @pytest.mark.slow
-def test_torch_compile_trains(tmp_path):
-    trainer, out = _train(tmp_path, torch_compile=True, max_steps=2)
+@pytest.mark.parametrize("compile", [True, False])
+def test_torch_compile_trains(tmp_path, compile):
+    """torch_compile: the training steps run the torch.compile wrapper of the model, and dynamo captured its
+    graphs (inductor, the default backend); without it the steps run the model itself and nothing is compiled."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=2,
+                             save_strategy="no", learning_rate=1e-3, disable_tqdm=True, torch_compile=compile)
+    trainer = _ModelRecordingTrainer(tiny_llama(), args, train_dataset=token_samples(8))
+    trainer.step_models = []
+    out = trainer.train()
     assert out.global_step == 2 and math.isfinite(out.training_loss)
+    compiled = torch._dynamo.eval_frame.OptimizedModule
+    assert trainer.step_models == [compiled if compile else type(trainer.model)] * 2
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0 if compile else graphs == 0
+    torch._dynamo.reset()

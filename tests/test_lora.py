@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from optional_extras import requires
 from torch import nn
+from transformers import AutoModelForImageTextToText
 
-pytest.importorskip("peft")
+from vlmtrain.errors import ConfigError
+from vlmtrain.models.families.qwen3_vl import FAMILY
+from vlmtrain.models.heads import WithHeads
+from vlmtrain.models.lora import apply_lora, is_lora, merge_lora
+from vlmtrain.trainer import TrainingArguments
+from vlmtrain.trainer.optim import build_param_groups
 
-from transformers import AutoModelForImageTextToText  # noqa: E402
-
-from vlmtrain.errors import ConfigError  # noqa: E402
-from vlmtrain.models.families.qwen3_vl import FAMILY  # noqa: E402
-from vlmtrain.models.heads import WithHeads  # noqa: E402
-from vlmtrain.models.lora import apply_lora, is_lora, merge_lora  # noqa: E402
-from vlmtrain.trainer import TrainingArguments  # noqa: E402
-from vlmtrain.trainer.optim import build_param_groups  # noqa: E402
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [requires("peft", "lora"), pytest.mark.usefixtures("one_thread")]
 
 HEADS = {"score": {"type": "regression"}, "kind": {"type": "classification", "num_outputs": 3}}
 IMAGE_TOKENS = 4  # a 32 px image: 4x4 patches of 8 px, merged 2x2

@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
 from vlmtrain.logging.writers import TensorBoardCallback
@@ -72,7 +73,7 @@ def test_a_fresh_run_appends_to_an_existing_metrics_file(tmp_path):
     assert [r["step"] for r in _rows(tmp_path)] == [9, 1, 2, 2]
 
 
-@pytest.mark.skipif(not TensorBoardCallback.available(), reason="tensorboard is not installed")
+@requires("tensorboard", "tensorboard")
 def test_tensorboard_purges_the_steps_after_the_checkpoint(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

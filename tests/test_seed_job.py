@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from optional_extras import requires
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -23,8 +24,7 @@ from vlmtrain.data.cauldron import write_cauldron_jsonl
 from vlmtrain.data.tools import write_webdataset
 from vlmtrain.models.families import get_family
 
-pytest.importorskip("peft")
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+pytestmark = [requires("peft", "lora"), pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "qwen3vl-8b-score-heads.yaml"

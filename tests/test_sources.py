@@ -7,6 +7,7 @@ import os
 from collections import Counter
 
 import pytest
+from optional_extras import requires
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vlmtrain.data.cauldron import write_cauldron_jsonl
@@ -204,8 +205,10 @@ def test_resume_with_other_reader_count_is_an_error(wds):
         next(iter(other))
 
 
+@requires("datasets", "hf")
 def test_hf_sources(shapes, tmp_path, jsonl):
-    datasets = pytest.importorskip("datasets")
+    import datasets
+
     from vlmtrain.data.hf import hf_source
 
     rows = [{"texts": shapes[i]["texts"], "images": shapes[i]["images"]} for i in range(10)]

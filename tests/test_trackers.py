@@ -13,6 +13,7 @@ import time
 import warnings
 
 import pytest
+from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
 from vlmtrain.cli import main
@@ -23,8 +24,7 @@ from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments
 
 pytestmark = pytest.mark.usefixtures("one_thread", "offline_trackers")
 
-INSTALLED = [pytest.param(name, marks=pytest.mark.skipif(not cls.available(), reason=f"{name} is not installed"))
-             for name, cls in TRACKERS.items()]
+INSTALLED = [pytest.param(name, marks=requires(cls.requires, name)) for name, cls in TRACKERS.items()]
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +273,7 @@ def test_a_tracker_that_fails_is_a_warning_and_training_goes_on(tmp_path, monkey
     assert broken.rows == (0 if fail_in == "start" else 2)
 
 
-@pytest.mark.skipif(not TRACKERS["mlflow"].available(), reason="mlflow is not installed")
+@requires("mlflow", "mlflow")
 def test_a_bad_mlflow_uri_is_a_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://nowhere")
     trainer = Trainer(tiny_llama(0), _args(tmp_path / "run", "mlflow", max_steps=2), train_dataset=token_samples(16))

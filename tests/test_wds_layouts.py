@@ -13,11 +13,13 @@ import tarfile
 from collections import Counter
 
 import pytest
-import webdataset
+from optional_extras import requires
 from PIL import Image
 
 from vlmtrain.data.sources import KEY, StreamingDataset, WebDatasetSource, is_counts_only
 from vlmtrain.data.tools import inspect_source
+
+pytestmark = requires("webdataset", "dev")  # a test-only package: the shards' writer
 
 COLORS = {"red": (255, 0, 0), "green": (0, 200, 0), "blue": (0, 0, 255)}
 
@@ -38,6 +40,8 @@ def _record(colors: list[str]) -> dict:
 
 
 def _write(pattern: str, samples: list[dict], maxcount: int = 3) -> None:
+    import webdataset
+
     with webdataset.ShardWriter(pattern, maxcount=maxcount, verbose=0) as sink:
         for sample in samples:
             sink.write(sample)
