@@ -111,13 +111,32 @@ def test_a_failed_background_write_raises_and_leaves_no_partial_checkpoint(tmp_p
             raise OSError(28, "No space left on device")
         return real_save(obj, path, *args, **kwargs)
 
+    class WriterDoneAtStep5(TrainerCallback):
+        """Joins checkpoint-4's writer in step 5's on_step_end (before that step end's poll), so the failure
+        is on disk by then: no timing decides at which step it is seen. Records the steps that began."""
+
+        def __init__(self) -> None:
+            self.began: list[int] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.began.append(state.global_step + 1)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 5:
+                for writer in _writers():
+                    writer.join()
+
     monkeypatch.setattr(torch, "save", full_disk)
-    trainer = Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(32))
+    steps = WriterDoneAtStep5()
+    trainer = Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(32),
+                      callbacks=[steps])
     with pytest.raises(OSError, match=r"could not write checkpoint-4 .*No space left on device.*checkpoint-2"):
         trainer.train()
     assert not _writers()
     assert sorted(n for n in os.listdir(tmp_path) if "checkpoint" in n) == ["checkpoint-2"]
-    assert trainer.state.global_step <= 6  # raised at a step end after step 4, not silently at the end
+    # Raised at step 5's end, the first step end after the failed write finished: step 6 never ran (not
+    # raised by step 6's save or at the end of training).
+    assert trainer.state.global_step == 5 and steps.began == [1, 2, 3, 4, 5]
 
 
 def test_an_error_in_training_waits_for_the_writer(tmp_path, monkeypatch):

@@ -13,6 +13,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from vlmtrain.config import load_run_config
+from vlmtrain.tasks.addition import split_pairs
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -254,12 +257,51 @@ def test_evaluation_is_sharded_over_ranks_and_gathered_in_order(tmp_path):
             done = subprocess.run([*prefix, command, *args], env=env, capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, done.stderr[-3000:]
             outputs[name, command] = done.stdout
+    # Six steps teach no sum (exact match 0 either way): a copy of checkpoint-6 rewired to answer "57" to every
+    # prompt is right on 2 of the 9 samples (a pair and its mirror image: samples 0 and 1, one on each rank).
+    truths = [str(a + b) for a, b in split_pairs(num_eval=9, seed=load_run_config(tmp_path / "run.yaml").data.seed)[1]]
+    assert truths.count("57") == 2 and truths.index("57") == 0, truths
+    _answering(run / "checkpoint-6", tmp_path / "answers-57" / "checkpoint-6", "57")
+    args57 = [*args[:-1], str(tmp_path / "answers-57" / "checkpoint-6")]
+    for name, prefix in (("one", single), ("two", torchrun)):
+        done = subprocess.run([*prefix, "eval", *args57], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[name, "eval57"] = json.loads(done.stdout[done.stdout.index("{\n"):])
     one, two = (json.loads(outputs[n, "eval"][outputs[n, "eval"].index("{\n"):]) for n in ("one", "two"))
     assert one["eval_samples"] == two["eval_samples"] == 9
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-6
     assert one["eval_exact_match"] == two["eval_exact_match"]
+    assert outputs["one", "eval57"]["eval_exact_match"] == outputs["two", "eval57"]["eval_exact_match"] \
+        == pytest.approx(2 / 9)
     texts = [t for t in outputs["one", "predict"].splitlines() if not t.startswith("{")]  # (minus log lines)
     assert len(texts) == 9 and texts == [t for t in outputs["two", "predict"].splitlines() if not t.startswith("{")]
+
+
+def _answering(src: Path, dst: Path, answer: str) -> None:
+    """A copy of the tiny LM checkpoint ``src`` whose greedy answer to every prompt is ``answer`` (then </s>):
+    the blocks' output projections are zeroed, so the last hidden state is the current token's embedding (one
+    -hot), and lm_head maps "=" to answer[0], each answer token to the next one, the last to </s>."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    shutil.copytree(src, dst)
+    tok = AutoTokenizer.from_pretrained(src)
+    chain = tok.convert_tokens_to_ids(["=", *answer, tok.eos_token])
+    weights = load_file(str(src / "model.safetensors"))
+    embed = weights["model.embed_tokens.weight"]
+    vocab, hidden = embed.shape
+    weights["model.embed_tokens.weight"] = torch.eye(vocab, hidden)
+    for key in weights:
+        if key.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[key] = torch.zeros_like(weights[key])
+    weights["model.norm.weight"] = torch.ones(hidden)
+    head = torch.zeros(vocab, hidden)
+    for current, following in zip(chain, chain[1:]):
+        head[following, current] = 1.0
+    weights["lm_head.weight"] = head
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
 
 
 def test_fsdp_trains_evaluates_and_exports_the_vlm(tmp_path):

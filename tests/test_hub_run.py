@@ -68,10 +68,55 @@ def test_heads_and_lora_train_eval_predict_generate(tiny_qwen, tmp_path, one_thr
     assert [p["index"] for p in predictions] == list(range(8))
     assert all(p["color"] in (0, 1, 2) and len(p["color_probs"]) == 3 and isinstance(p["level"], float)
                for p in predictions)
+    # generate: two steps move a LoRA adapter too little to change a greedy answer, so the adapter is seeded
+    # with large random B matrices; the answer must be the greedy decode of base + that adapter.
+    _seed_adapter(ckpt)
+    image = tmp_path / "0.png"
+    expected = _greedy_answer(tiny_qwen, ckpt, image, "Which colour?", 3)
+    assert expected and expected != _greedy_answer(tiny_qwen, None, image, "Which colour?", 3)  # the adapter counts
     capsys.readouterr()
-    assert cli.main(["generate", "--checkpoint", str(ckpt), "--image", str(tmp_path / "0.png"),
+    assert cli.main(["generate", "--checkpoint", str(ckpt), "--image", str(image),
                      "--prompt", "Which colour?", "--max-new-tokens", "3"]) == 0
-    assert isinstance(capsys.readouterr().out, str)
+    out = capsys.readouterr().out
+    assert out == f"{expected}\n" or out.endswith(f"\n{expected}\n"), (out, expected)  # (after any log lines)
+
+
+def _seed_adapter(ckpt) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = str(ckpt / "adapter_model.safetensors")
+    weights, gen = load_file(path), torch.Generator().manual_seed(0)
+    save_file({k: torch.randn(v.shape, generator=gen) if "lora_B" in k else v for k, v in weights.items()}, path)
+
+
+def _greedy_answer(base: str, adapter, image, prompt: str, max_new_tokens: int) -> str:
+    """The greedy answer decoded here: base model (+ the LoRA adapter in ``adapter``) loaded with transformers
+    and peft, the prompt from the processor's own chat template, the whole sequence recomputed each step (no
+    KV cache, no generate()), argmax until the end-of-turn token."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter))
+    model.eval()
+    processor = get_family("qwen3_vl").load_processor(base)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[Image.open(image).convert("RGB")], return_tensors="pt")
+    stop = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids, types, new = inputs["input_ids"], inputs["mm_token_type_ids"], []  # (types: 1 on image tokens)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                           pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]).logits
+            token = int(logits[0, -1].argmax())
+            if token == stop:
+                break
+            new.append(token)
+            ids, types = torch.cat([ids, torch.tensor([[token]])], 1), torch.cat([types, types.new_zeros(1, 1)], 1)
+    return processor.tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
 def test_bad_hub_configs_fail_before_any_work(tiny_qwen, tmp_path):

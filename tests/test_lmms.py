@@ -25,8 +25,9 @@ def tiny_run(tmp_path_factory) -> Path:
     subprocess) that also runs the local lmms-eval task written in task/."""
     root = tmp_path_factory.mktemp("lmms_run")
     write_shapes_task(str(root / "task"), num_samples=6, seed=3)
+    _answer_like_the_checkpoint(root)
     data = json.loads(json.dumps(TINY))
-    data["train"].update(output_dir=str(root / "run"), eval_strategy="no", save_steps=2, async_eval=True,
+    data["train"].update(output_dir=str(root / "run"), eval_strategy="no", save_steps=2, async_eval=True, seed=SEED,
                          lmms_eval_tasks=["shapes_vqa"], lmms_eval_include_path=str(root / "task"))
     (root / "cfg.yaml").write_text(yaml.safe_dump(data))
     env = {"LMMS_EVAL_DATASETS_CACHE": str(root / "hf_datasets")}  # (the evaluation process inherits it)
@@ -36,6 +37,32 @@ def tiny_run(tmp_path_factory) -> Path:
         run.train(load_run_config(root / "cfg.yaml"))
     assert (root / "run" / "checkpoint-2" / "model.safetensors").is_file()
     return root
+
+
+SEED = 3
+"""train.seed of the fixture's runs: its checkpoint-2 answers differ between documents and have letters in them
+(other seeds answer punctuation only, which the metric's ignore_punctuation turns into "" for every answer)."""
+
+
+def _answer_like_the_checkpoint(root: Path) -> None:
+    """Two steps teach the tiny VLM no right answer (an exact match of 0 proves nothing), so the task's answers
+    are seeded: the same training (same seed, so the same checkpoint-2) is run first without evaluation, and
+    the even documents' answers become that checkpoint's greedy answers; the odd ones keep their true answers."""
+    from vlmtrain.models.kinds import kind_of_checkpoint
+
+    data = json.loads(json.dumps(TINY))
+    data["train"].update(output_dir=str(root / "probe"), eval_strategy="no", save_steps=2, seed=SEED)
+    (root / "probe.yaml").write_text(yaml.safe_dump(data))
+    run.train(load_run_config(root / "probe.yaml"))
+    ckpt = str(root / "probe" / "checkpoint-2")
+    answer = kind_of_checkpoint(ckpt).load_generator(ckpt, "cpu")
+    path = root / "task" / "shapes_vqa.jsonl"
+    docs = [json.loads(line) for line in path.read_text().splitlines()]
+    for i, doc in enumerate(docs):
+        if i % 2 == 0:
+            images = [str(root / "task" / p) for p in doc["images"]]
+            doc["answer"] = answer(doc["question"], images, 4).split("\n")[0].strip()
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
 
 
 @pytest.fixture
@@ -114,6 +141,8 @@ def test_async_evaluation_logs_lmms_metrics_of_each_checkpoint(tiny_run):
     docs = [json.loads(line) for line in (task_dir / "shapes_vqa.jsonl").read_text().splitlines()]
     right = [_normalize(answer(d["question"], [str(task_dir / p) for p in d["images"]], 4).split("\n")[0].strip())
              == _normalize(d["answer"]) for d in docs]
+    assert right == [i % 2 == 0 for i in range(len(docs))], right  # (seeded: even documents answer as the model)
+    assert len({_normalize(d["answer"]) for d in docs[::2]}) > 1  # answers that differ, not one empty string
     assert row["eval_lmms_shapes_vqa_exact_match"] == pytest.approx(sum(right) / len(docs)), right
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from PIL import Image
 
@@ -24,15 +25,43 @@ from vlmtrain.tasks.shapes import QTYPES, ShapesVQA
 DATA_URI = re.compile(r"data:(image/(?:png|jpeg));base64,([A-Za-z0-9+/=]+)")
 
 
+SCRIPTED = ["1", "first", "cross left"]
+"""What the scripted generator answers to the i-th sample of each eval batch (a set's 3 samples are one batch):
+right for some samples (count 0, multi_count 1, side 2, ...), wrong for the rest."""
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> Path:
-    """The tiny VLM on shapes, evaluated (with generation) at steps 1 and 2: 7 eval sets of 3 samples."""
+    """The tiny VLM on shapes, evaluated (with generation) at steps 1 and 2: 7 eval sets of 3 samples. Two
+    steps teach it no right answer, so the model's generate() is scripted (SCRIPTED, then end of sequence):
+    everything after it (slicing, decoding, scoring, the eval_samples rows, the metrics) is the real code."""
+    from vlmtrain.data import processing
+    from vlmtrain.models.vlm import VisionLanguageModel
+
     tmp = tmp_path_factory.mktemp("report")
     data = {k: dict(v) for k, v in TINY.items()}
     data["data"] = {**data["data"], "num_eval": 3}
     data["train"] = {**data["train"], "eval_steps": 1, "save_steps": 2, "output_dir": str(tmp / "run")}
     (tmp / "cfg.yaml").write_text(yaml.safe_dump(data))
-    run.train(load_run_config(tmp / "cfg.yaml"))
+    tokenizers = []
+    build_tokenizer = processing.build_chat_tokenizer
+
+    def keep_tokenizer(*args, **kwargs):
+        tokenizers.append(build_tokenizer(*args, **kwargs))
+        return tokenizers[-1]
+
+    def scripted_generate(self, input_ids, attention_mask=None, pad_token_id=None, **kwargs):
+        tok = tokenizers[-1]
+        answers = [tok.encode(SCRIPTED[i], add_special_tokens=False) + [tok.eos_token_id]
+                   for i in range(len(input_ids))]
+        width = max(map(len, answers))
+        new = torch.tensor([a + [pad_token_id] * (width - len(a)) for a in answers], dtype=input_ids.dtype)
+        return torch.cat([input_ids, new], dim=1)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(processing, "build_chat_tokenizer", keep_tokenizer)
+        mp.setattr(VisionLanguageModel, "generate", scripted_generate)
+        run.train(load_run_config(tmp / "cfg.yaml"))
     return tmp / "run"
 
 
@@ -49,14 +78,20 @@ def test_evaluation_writes_one_row_per_eval_sample(tiny_run):
             assert row["step"] == step and row["id"] == sample["id"]
             assert row["question"] == sample["texts"][-1]["user"]
             assert row["truth"] == sample["texts"][-1]["assistant"]
-            assert isinstance(row["generated"], str) and row["correct"] == (row["generated"] == row["truth"])
+            assert row["generated"] == SCRIPTED[row["index"]]
+            assert row["correct"] == (SCRIPTED[row["index"]] == sample["texts"][-1]["assistant"])
             assert len(row["images"]) == row["num_images"] == len(sample["images"])
             for ref in row["images"]:
                 with Image.open(tiny_run / ref) as image:
                     assert max(image.size) <= eval_samples.THUMBNAIL_SIZE
     logged = _rows(tiny_run / "metrics.jsonl")
     exact = next(r["eval_exact_match"] for r in logged if r["step"] == 2 and "eval_exact_match" in r)
-    assert exact == pytest.approx(sum(r["correct"] for r in rows) / len(rows))  # scored as compute_metrics does
+    right = sum(r["correct"] for r in rows)
+    assert 0 < right < len(rows) and exact == pytest.approx(right / len(rows))  # scored as compute_metrics does
+    for q in QTYPES:  # and per eval set
+        per_set = [r["correct"] for r in rows if r["set"] == q]
+        assert next(r[f"eval_{q}_exact_match"] for r in logged if r["step"] == 2 and f"eval_{q}_exact_match" in r) \
+            == pytest.approx(sum(per_set) / len(per_set)), q
 
 
 def test_report_is_self_contained_with_one_card_per_sample(tiny_run):

@@ -63,7 +63,8 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
         paths.append(str(tmp_path / f"img{k}.png"))
         image.save(paths[-1])
     answer = run.generate(str(tmp_path / "run"), sample["texts"][0]["user"], images=paths, max_new_tokens=3)
-    assert isinstance(answer, str)
+    expected = _greedy_answer(tmp_path / "run" / "checkpoint-2", sample["texts"][0]["user"], paths, 3)
+    assert expected and answer == expected  # (2 steps: not a right answer, but a non-empty, known one)
     with pytest.raises(ConfigError, match="missing_image"):
         run.generate(str(tmp_path / "run"), "What color?", images=[str(tmp_path / "nope.png")])
 
@@ -83,6 +84,30 @@ def test_shapes_vlm_trains_and_evaluates_per_question_type(tmp_path):
             word, share = head["top_text"]
             assert isinstance(word, str) and 0.0 < share <= head["text"] + 1e-3
 
+
+
+def _greedy_answer(checkpoint: Path, question: str, images: list[str], max_new_tokens: int) -> str:
+    """The checkpoint's greedy answer, decoded here: the whole sequence recomputed each step (no KV cache,
+    no generate()), argmax of the last position's logits, until end of sequence."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from vlmtrain.data.processing import VLMProcessor
+    from vlmtrain.models.vlm import VisionLanguageModel
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = VisionLanguageModel.from_pretrained(checkpoint).eval()
+    processor = VLMProcessor.for_checkpoint(tokenizer, model.config, max_images=len(images))
+    sample = processor.process({"images": images, "texts": [{"user": question, "assistant": "-"}]})
+    ids, new = sample["prompt_input_ids"][None], []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(input_ids=ids, pixel_values=sample["pixel_values"])["logits"][0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            new.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokenizer.decode(new, skip_special_tokens=True).strip()
 
 
 def test_demo_workers_on_a_gpu_machine_and_the_same_run_with_them(tmp_path, capsys):
