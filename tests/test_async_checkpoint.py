@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -32,14 +31,24 @@ def _args(out, **kw) -> TrainingArguments:
     return TrainingArguments(output_dir=str(out), **kw)
 
 
-def _slow_saves(monkeypatch, seconds: float) -> None:
+HANG_S = 60  # a held checkpoint write gives up (and fails the save) after this long: a bound on a hang
+
+
+def _held_writes(monkeypatch) -> dict[int, threading.Event]:
+    """Holds each background write of checkpoint-N in its first torch.save until the test sets events[N]: the
+    test, not the machine's speed, decides how long a write is in flight."""
+    events: dict[int, threading.Event] = {}
     real_save = torch.save
 
     def save(*args, **kwargs):
-        time.sleep(seconds)
+        name = threading.current_thread().name
+        if name.startswith("vlmtrain-checkpoint-"):
+            event = events.setdefault(int(name.rsplit("-", 1)[1]), threading.Event())
+            assert event.wait(HANG_S), f"{name}: never released"
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(torch, "save", save)
+    return events
 
 
 def _writers() -> list[threading.Thread]:
@@ -47,14 +56,22 @@ def _writers() -> list[threading.Thread]:
 
 
 class WatchWrites(TrainerCallback):
-    """Records, at each step begin, which checkpoint directories exist (complete and temporary)."""
+    """Records, at each step begin, which checkpoint directories exist (complete and temporary); then releases
+    the held write of the checkpoint saved at the step before (see _held_writes; the last one is not held)."""
 
-    def __init__(self) -> None:
+    def __init__(self, release: dict[int, threading.Event] | None = None) -> None:
         self.seen: list[tuple[int, list[str]]] = []
+        self.release = release
 
     def on_step_begin(self, args, state, control, **kwargs):
         names = sorted(n for n in os.listdir(args.output_dir) if "checkpoint-" in n)
         self.seen.append((state.global_step, names))
+        if self.release is not None:
+            self.release.setdefault(state.global_step, threading.Event()).set()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.release is not None and state.global_step == state.max_steps:
+            self.release.setdefault(state.global_step, threading.Event()).set()
 
 
 def _same_checkpoint(a: Path, b: Path) -> None:
@@ -72,13 +89,14 @@ def _same_checkpoint(a: Path, b: Path) -> None:
 def test_async_saves_equal_sync_saves_while_steps_go_on(tmp_path, monkeypatch):
     data = token_samples(32)
     Trainer(tiny_llama(0), _args(tmp_path / "sync"), train_dataset=data).train()
-    _slow_saves(monkeypatch, 0.15)  # each save takes ~0.5 s in the background; a step takes a few ms
-    watch = WatchWrites()
+    # Each write is held until the next step begins: the steps must not wait for it.
+    watch = WatchWrites(release=_held_writes(monkeypatch))
     out = Trainer(tiny_llama(0), _args(tmp_path / "async", async_checkpoint=True), train_dataset=data,
                   callbacks=[watch]).train()
     assert out.global_step == 6 and not _writers()
-    # Steps 3 (and 5) began while checkpoint-2 (-4) was still being written: the save did not block them.
+    # Steps 3 and 5 began while checkpoint-2 and -4 were still being written: the save did not block them.
     assert (2, [f"{ckpt.TMP_PREFIX}2"]) in watch.seen, watch.seen
+    assert (4, sorted([f"{ckpt.TMP_PREFIX}4", "checkpoint-2"])) in watch.seen, watch.seen
     for step in (2, 4, 6):  # written from copies: later steps did not leak into them
         _same_checkpoint(tmp_path / "sync" / f"checkpoint-{step}", tmp_path / "async" / f"checkpoint-{step}")
     assert not [n for n in os.listdir(tmp_path / "async") if n.startswith(".")]
@@ -95,12 +113,13 @@ def test_resume_from_an_async_checkpoint_is_exact(tmp_path):
 
 
 def test_rotation_keeps_the_limit_and_never_touches_the_save_in_flight(tmp_path, monkeypatch):
-    _slow_saves(monkeypatch, 0.05)
-    watch = WatchWrites()
+    watch = WatchWrites(release=_held_writes(monkeypatch))  # each write in flight until the next step begins
     Trainer(tiny_llama(0), _args(tmp_path, max_steps=10, save_total_limit=2, async_checkpoint=True),
             train_dataset=token_samples(48), callbacks=[watch]).train()
     assert sorted(n for n in os.listdir(tmp_path) if "checkpoint" in n) == ["checkpoint-10", "checkpoint-8"]
     assert all(len([n for n in names if n.startswith("checkpoint-")]) <= 2 for _, names in watch.seen)
+    in_flight = [step for step, names in watch.seen if f"{ckpt.TMP_PREFIX}{step}" in names]
+    assert in_flight == [2, 4, 6, 8], watch.seen  # each save was in flight over the next step
 
 
 def test_a_failed_background_write_raises_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
@@ -143,12 +162,14 @@ def test_an_error_in_training_waits_for_the_writer(tmp_path, monkeypatch):
     class Boom(Exception):
         pass
 
-    class FailAfterSave(TrainerCallback):
+    class FailAfterSave(TrainerCallback):  # checkpoint-2's write is held until then: it is still going on
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 3:
+                release[2].set()
                 raise Boom()
 
-    _slow_saves(monkeypatch, 0.1)
+    release = _held_writes(monkeypatch)
+    release[2] = threading.Event()
     with pytest.raises(Boom):
         Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(32),
                 callbacks=[FailAfterSave()]).train()
@@ -185,14 +206,15 @@ def test_a_failed_async_write_on_one_rank_fails_every_rank(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "FAULT": "diskfull:1:4"}
-    start = time.time()
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "dist_fault_worker.py"), "train", "--config", str(path),
-                           "--train.output_dir", str(tmp_path / "run"), "--train.per_device_train_batch_size", "2"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    try:  # ddp_timeout (600 s) is longer than this bound: a rank waiting for the collective timeout fails here
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(ROOT / "tests" / "dist_fault_worker.py"), "train", "--config", str(path),
+                               "--train.output_dir", str(tmp_path / "run"), "--train.per_device_train_batch_size",
+                               "2"], env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the healthy rank waited for the collective timeout")
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    assert time.time() - start < 120, "the healthy rank waited for the collective timeout"
     assert out.count("could not write checkpoint-4") >= 2 and "failed on rank(s) [1]" in out, out[-3000:]
     assert not any(n.startswith(".tmp") for n in os.listdir(tmp_path / "run")), os.listdir(tmp_path / "run")
     assert (tmp_path / "run" / "checkpoint-2").is_dir() and not (tmp_path / "run" / "checkpoint-4").exists()

@@ -17,6 +17,7 @@ from optional_extras import requires
 
 from vlmtrain import cli, run
 from vlmtrain.config import load_run_config
+from vlmtrain.trainer import async_eval
 from vlmtrain.trainer.callbacks import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,17 +31,48 @@ LM = {
 }
 
 
-def fake_evaluator(seconds: float = 0.0, code: int = 0, result: str = "ok") -> list[str]:
-    """An evaluation command that sleeps, checks its checkpoint is there, then writes a result naming its step
-    (result 'ok'), a corrupt one ('corrupt') or none ('none'), and exits with ``code``."""
+HANG_S = 60  # an evaluator held at a gate gives up after this long (exit 7): a bound on a hang, never reached
+
+
+def fake_evaluator(gates: Path | None = None, code: int = 0, result: str = "ok") -> list[str]:
+    """An evaluation command that checks its checkpoint is there, then writes a result naming its step (result
+    'ok'), a corrupt one ('corrupt') or none ('none'), and exits with ``code``.
+
+    With ``gates``, it first waits until the test creates ``gates/all`` or ``gates/step-<its step>``: the
+    test, not the machine's speed, decides when an evaluation can finish; it exits (7) without a result if
+    none opens within HANG_S."""
     script = ("import json, os, sys, time\n"
-              f"time.sleep({seconds})\n"
               "checkpoint, out, step = sys.argv[1:4]\n"
+              f"gates = {str(gates) if gates else ''!r}\n"
+              f"deadline = time.monotonic() + {HANG_S}\n"
+              "while gates and not any(os.path.exists(os.path.join(gates, n)) for n in ('all', 'step-' + step)):\n"
+              "    if time.monotonic() > deadline: print('no gate opened'); sys.exit(7)\n"
+              "    time.sleep(0.01)\n"
               "assert os.path.isfile(os.path.join(checkpoint, 'trainer_state.json')), checkpoint\n"
               f"text = json.dumps({{'metrics': {{'eval_fake_step': int(step)}}}}) if {result!r} == 'ok' else '{{not'\n"
               f"if {result!r} != 'none': open(out, 'w').write(text)\n"
               f"sys.exit({code})\n")
     return [sys.executable, "-c", script, "{checkpoint}", "{result_file}", "{step}"]
+
+
+def _gates(tmp_path: Path) -> Path:
+    gates = tmp_path / "gates"
+    gates.mkdir(parents=True, exist_ok=True)
+    return gates
+
+
+def _evaluators_alive(marker: Path) -> list[int]:
+    """Processes whose command line names ``marker`` (the fake evaluators of one run)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if str(marker).encode() in cmdline and state != "Z":
+            alive.append(int(entry))
+    return alive
 
 
 def _config(tmp_path: Path, **train) -> tuple[Path, object]:
@@ -64,23 +96,43 @@ def _async_rows(run_dir: Path) -> dict[int, list[dict]]:
     return rows
 
 
-class StepClock(TrainerCallback):
-    """Wall time from the start of training to the end of its last step (evaluations waited for after it
-    are not steps)."""
+class OpenGates(TrainerCallback):
+    """Opens ``gates/all`` (every held evaluation may finish) at a chosen point of training, and records what
+    the run had done by then: which evaluations were launched (their log files) and the async rows logged."""
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
+    def __init__(self, gates: Path, at: str) -> None:
+        self.gates, self.at = gates, at
+        self.launched: list[str] | None = None
+        self.logged: list[dict] | None = None
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == state.max_steps:
-            self.steps_time = time.perf_counter() - self.start
+    def _open(self, args, state) -> None:
+        if self.launched is None:
+            self.launched = sorted(p.name for p in (Path(args.output_dir) / "async_eval").glob("step-*.log"))
+            self.logged = [r for r in state.log_history if r.get("eval_async")]
+            (self.gates / "all").touch()
+
+    def on_step_end(self, args, state, control, **kwargs):  # before that step's save
+        if self.at == "last step end" and state.global_step == state.max_steps:
+            self._open(args, state)
+
+    def on_save(self, args, state, control, **kwargs):  # after the save and its rotation
+        if self.at == "last save" and state.global_step == state.max_steps:
+            self._open(args, state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.at == "last step skipped" and logs.get("step") == state.max_steps and "eval_async_status" in logs:
+            self._open(args, state)
 
 
-def _train(cfg, clock: StepClock | None = None):
+def _train(cfg, *callbacks: TrainerCallback):
     trainer = run.build(cfg)
-    if clock is not None:
-        trainer.add_callback(clock)
+    for callback in callbacks:
+        trainer.add_callback(callback)
     return trainer, trainer.train()
+
+
+def _fake_steps(rows: dict[int, list[dict]]) -> dict[int, list]:
+    return {s: [r.get("eval_fake_step") for r in rs] for s, rs in rows.items()}
 
 
 def test_async_results_for_each_checkpoint_equal_inline_evaluation_at_that_step(tmp_path):
@@ -97,36 +149,54 @@ def test_async_results_for_each_checkpoint_equal_inline_evaluation_at_that_step(
 
 
 def test_a_slow_evaluator_does_not_slow_training_steps(tmp_path):
-    _, plain = _config(tmp_path / "plain", async_eval=False, max_steps=8)
-    plain_clock = StepClock()
-    _train(plain, plain_clock)
-    _, slow = _config(tmp_path / "slow", max_steps=8, async_eval_command=fake_evaluator(seconds=2.0),
-                      async_eval_max_pending=4)
-    slow_clock = StepClock()
-    start = time.perf_counter()
-    _train(slow, slow_clock)
-    total = time.perf_counter() - start
-    # Evaluated inline, the 4 checkpoints would add 4 x 2 s to the steps; here the steps run beside them, and
-    # train() waits for the evaluations at the end (measured: ~0.5 s of steps either way, 2.6 s in all).
-    assert slow_clock.steps_time < 2 * plain_clock.steps_time + 1.5, (slow_clock.steps_time, plain_clock.steps_time)
-    assert total >= 2.0  # it did wait for the last evaluations
-    rows = _async_rows(tmp_path / "slow" / "run")
-    assert {s: [r["eval_fake_step"] for r in rs] for s, rs in rows.items()} == {2: [2], 4: [4], 6: [6], 8: [8]}
+    """The evaluations cannot finish before the last step has ended (they are held until then): training gets
+    there with the earlier ones launched and running, then train() waits for all of them. (How much time this
+    hides: benchmarks/async_eval.py.)"""
+    gates = _gates(tmp_path)
+    _, cfg = _config(tmp_path, max_steps=8, async_eval_command=fake_evaluator(gates), async_eval_max_pending=4)
+    opener = OpenGates(gates, at="last step end")
+    _train(cfg, opener)
+    assert opener.launched == ["step-2.log", "step-4.log", "step-6.log"]  # running beside steps 3..8
+    assert opener.logged == []  # none had finished: the steps did not wait for them
+    assert _fake_steps(_async_rows(tmp_path / "run")) == {2: [2], 4: [4], 6: [6], 8: [8]}  # train() did
 
 
-def test_when_full_skip_logs_the_skipped_checkpoint_and_wait_evaluates_every_one(tmp_path):
-    _, skip = _config(tmp_path / "skip", save_steps=1, async_eval_command=fake_evaluator(seconds=1.5),
+class SeenRunningJob(async_eval._SubprocessJob):
+    """The subprocess launcher, whose evaluation of checkpoint-N is held until the trainer has polled it and
+    found it still running (then ``gates/step-N`` opens)."""
+
+    gates: Path
+
+    def done(self) -> bool:
+        finished = super().done()
+        if not finished:
+            (self.gates / Path(self.log_path).stem).touch()
+        return finished
+
+
+def test_when_full_skip_logs_the_skipped_checkpoint_and_wait_evaluates_every_one(tmp_path, monkeypatch):
+    # skip: checkpoint-1's evaluation is held until step 4 has been logged as skipped, so the one slot is busy
+    # at the saves of steps 2, 3 and 4.
+    gates = _gates(tmp_path / "skip")
+    _, skip = _config(tmp_path / "skip", save_steps=1, async_eval_command=fake_evaluator(gates),
                       async_eval_when_full="skip")
-    _train(skip)
+    _train(skip, OpenGates(gates, at="last step skipped"))
     rows = _async_rows(tmp_path / "skip" / "run")
     assert sorted(rows) == [1, 2, 3, 4] and all(len(r) == 1 for r in rows.values())
-    skipped = [s for s, (r,) in rows.items() if "eval_async_status" in r]
-    assert skipped and 1 not in skipped and all("skipped" in rows[s][0]["eval_async_status"] for s in skipped)
-    assert rows[1][0]["eval_fake_step"] == 1
-    _, wait = _config(tmp_path / "wait", save_steps=1, async_eval_command=fake_evaluator(seconds=0.3))
+    assert rows[1][0]["eval_fake_step"] == 1 and "eval_async_status" not in rows[1][0]
+    for step in (2, 3, 4):
+        assert "skipped" in rows[step][0]["eval_async_status"] and "eval_fake_step" not in rows[step][0]
+    # wait: checkpoint-N's evaluation is still running when checkpoint-N+1 is saved (it finishes only once the
+    # trainer has seen it running): the trainer waits for it there, then evaluates N+1.
+    gates = _gates(tmp_path / "wait")
+    monkeypatch.setattr(SeenRunningJob, "gates", gates, raising=False)
+    monkeypatch.setitem(async_eval.LAUNCHERS, "subprocess", SeenRunningJob)
+    _, wait = _config(tmp_path / "wait", save_steps=1, async_eval_command=fake_evaluator(gates))
     _train(wait)
     rows = _async_rows(tmp_path / "wait" / "run")
-    assert {s: [r.get("eval_fake_step") for r in rs] for s, rs in rows.items()} == {1: [1], 2: [2], 3: [3], 4: [4]}
+    assert _fake_steps(rows) == {1: [1], 2: [2], 3: [3], 4: [4]}
+    assert {s: r["eval_arrived_step"] for s, (r,) in rows.items()} == {1: 2, 2: 3, 3: 4, 4: 4}
+    assert sorted(p.name for p in gates.iterdir()) == ["step-1", "step-2", "step-3", "step-4"]
 
 
 def test_failed_timed_out_and_corrupt_evaluations_are_logged_rows_not_training_failures(tmp_path):
@@ -139,13 +209,18 @@ def test_failed_timed_out_and_corrupt_evaluations_are_logged_rows_not_training_f
         log = tmp_path / "fail" / "run" / "async_eval" / f"step-{step}.log"
         assert "exit code 3" in row["eval_async_error"] and str(log) in row["eval_async_error"] and log.is_file()
 
-    _, slow = _config(tmp_path / "timeout", max_steps=2, async_eval_command=fake_evaluator(seconds=30),
+    # An evaluation that never finishes (its gate never opens; on its own it would end after HANG_S with exit
+    # code 7): timed out after 1 s, and its process is gone when train() returns.
+    gates = _gates(tmp_path / "timeout")
+    _, slow = _config(tmp_path / "timeout", max_steps=2, async_eval_command=fake_evaluator(gates),
                       async_eval_timeout_s=1)
-    start = time.perf_counter()
-    _train(slow)
-    assert time.perf_counter() - start < 25
-    ((row,),) = _async_rows(tmp_path / "timeout" / "run").values()
-    assert "timed out after 1 s" in row["eval_async_error"]
+    try:
+        _train(slow)
+        ((row,),) = _async_rows(tmp_path / "timeout" / "run").values()
+        assert "timed out after 1 s" in row["eval_async_error"], row
+        assert _evaluators_alive(tmp_path / "timeout") == []
+    finally:
+        (gates / "all").touch()  # (a process left by a failure ends)
 
     _, corrupt = _config(tmp_path / "corrupt", max_steps=2, async_eval_command=fake_evaluator(result="corrupt"))
     with pytest.warns(UserWarning, match="missing or corrupt"):
@@ -156,36 +231,45 @@ def test_failed_timed_out_and_corrupt_evaluations_are_logged_rows_not_training_f
 
 
 def test_rotation_keeps_checkpoints_until_their_evaluation_is_logged(tmp_path):
-    # The evaluator checks that its checkpoint still exists after 1 s, while later saves rotate (limit 1).
-    _, cfg = _config(tmp_path, max_steps=6, save_total_limit=1, async_eval_command=fake_evaluator(seconds=1.0),
+    # The evaluations are held until checkpoint-6 is saved (and rotation, limit 1, has run at steps 4 and 6);
+    # then each checks that its checkpoint still exists.
+    gates = _gates(tmp_path)
+    _, cfg = _config(tmp_path, max_steps=6, save_total_limit=1, async_eval_command=fake_evaluator(gates),
                      async_eval_max_pending=3)
-    _train(cfg)
-    rows = _async_rows(tmp_path / "run")
-    assert {s: [r.get("eval_fake_step") for r in rs] for s, rs in rows.items()} == {2: [2], 4: [4], 6: [6]}
+    opener = OpenGates(gates, at="last save")
+    _train(cfg, opener)
+    assert opener.launched == ["step-2.log", "step-4.log"] and opener.logged == []  # (6: launched after it)
+    assert _fake_steps(_async_rows(tmp_path / "run")) == {2: [2], 4: [4], 6: [6]}
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-6"]
 
 
 def test_kill_9_with_an_evaluation_pending_then_resume_logs_each_step_once(tmp_path):
-    # Each evaluation takes 1.5 s and only one runs at a time: training waits at each save, so a kill lands
-    # while checkpoint-4's evaluation (at least) is pending.
-    path, _ = _config(tmp_path, max_steps=12, async_eval_command=fake_evaluator(seconds=1.5))
+    # The first run's evaluations are held (no gate opens) and only one runs at a time: training waits at the
+    # save of step 4 for checkpoint-2's evaluation, and is killed there with both 2 and 4 pending.
+    gates = _gates(tmp_path)
+    path, _ = _config(tmp_path, max_steps=12, async_eval_command=fake_evaluator(gates))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "vlmtrain", "train", "--config", str(path)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     run_dir = tmp_path / "run"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # (a bound on a hang)
     while not (run_dir / "checkpoint-4" / "trainer_state.json").is_file():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not (run_dir / "checkpoint-12").exists()
+    for pid in _evaluators_alive(tmp_path):  # checkpoint-2's held evaluation, orphaned: it never reports
+        os.kill(pid, signal.SIGKILL)
+    while _evaluators_alive(tmp_path):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not (run_dir / "checkpoint-6").exists() and not (run_dir / "async_eval" / "step-2.json").exists()
+    assert not [r for r in _rows(run_dir) if r.get("eval_async")]
+    (gates / "all").touch()
     done = subprocess.run(cmd + ["--train.resume_from_checkpoint", "true"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = _async_rows(run_dir)
-    assert {s: [r.get("eval_fake_step") for r in rs] for s, rs in rows.items()} == {
-        2: [2], 4: [4], 6: [6], 8: [8], 10: [10], 12: [12]}
+    assert _fake_steps(_async_rows(run_dir)) == {2: [2], 4: [4], 6: [6], 8: [8], 10: [10], 12: [12]}
 
 
 def test_eval_all_evaluates_the_checkpoints_that_have_no_evaluation(tmp_path, capsys):
@@ -225,7 +309,7 @@ def test_async_eval_settings_are_checked_up_front(tmp_path):
 def test_submitit_launcher_runs_the_evaluations_as_jobs(tmp_path):
     _, cfg = _config(tmp_path, async_eval_launcher="submitit", async_eval_max_pending=2,
                      async_eval_launcher_kwargs={"cluster": "local", "timeout_min": 5},
-                     async_eval_command=fake_evaluator(seconds=0.2))
+                     async_eval_command=fake_evaluator())
     _train(cfg)
     rows = _async_rows(tmp_path / "run")
     assert {s: [r.get("eval_fake_step") for r in rs] for s, rs in rows.items()} == {2: [2], 4: [4]}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -202,13 +201,11 @@ def test_cli_help_lists_keys_with_docstrings(capsys):
 def test_python_m_vlmtrain_bad_config(tmp_path):
     path = write(tmp_path, {**TINY, "train": {**TINY["train"], "max_steps": "abc"}}, "bad.yaml")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "vlmtrain", "train", "--config", path],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == "error: train.max_steps: expected int, got abc."
     assert not (tmp_path / "runs").exists()  # nothing was written: it failed before any work
-    assert time.perf_counter() - start < 60
 
 
 def test_unknown_model_type_fails_before_data_is_built(tmp_path, monkeypatch):

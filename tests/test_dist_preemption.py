@@ -36,11 +36,12 @@ def _config(tmp_path: Path) -> Path:
 
 
 def _wait_for_training(out: Path, proc: subprocess.Popen) -> None:
-    deadline = time.time() + 180
-    while time.time() < deadline and not (out / "metrics.jsonl").is_file():
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        time.sleep(0.2)
-    time.sleep(1.0)
+    """Until rank 0 has logged a step: both ranks took part in it (DDP), so both have their preemption handlers
+    in place, as has the launcher (it installs its forwarding handler as it starts torchrun)."""
+    deadline = time.monotonic() + 300  # (a bound on a hang)
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
 
 
 def _one_checkpoint_from_both_ranks(out: Path) -> int:
