@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from tiny import tiny_llama, token_samples
 
@@ -199,20 +196,11 @@ def test_cpu_model_copy_keeps_ties_and_shares_frozen_weights():
 def test_a_failed_async_write_on_one_rank_fails_every_rank(tmp_path):
     """Rank 1 cannot write checkpoint-4 in the background: both ranks raise within seconds naming rank 1, no
     partial directory is left, checkpoint-2 stays, and resume from it ends like an uninterrupted run."""
-    from tests.test_distributed import LM, _run, _weights
+    from tests.test_distributed import LM, _run, _weights, run_with_full_disk_on_rank1
 
     cfg = json.loads(json.dumps(LM))
     cfg["train"].update(save_steps=2, ddp_timeout=600, async_checkpoint=True, predict_with_generate=False)
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "FAULT": "diskfull:1:4"}
-    try:  # ddp_timeout (600 s) is longer than this bound: a rank waiting for the collective timeout fails here
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(ROOT / "tests" / "dist_fault_worker.py"), "train", "--config", str(path),
-                               "--train.output_dir", str(tmp_path / "run"), "--train.per_device_train_batch_size",
-                               "2"], env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the healthy rank waited for the collective timeout")
+    done = run_with_full_disk_on_rank1(tmp_path, cfg)
     out = done.stdout + done.stderr
     assert done.returncode != 0
     assert out.count("could not write checkpoint-4") >= 2 and "failed on rank(s) [1]" in out, out[-3000:]

@@ -142,21 +142,26 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
-def test_a_full_disk_on_one_rank_fails_every_rank_at_once_and_keeps_older_checkpoints(tmp_path):
-    """Rank 1 cannot write checkpoint-4 (ENOSPC): both ranks raise within seconds (not after ddp_timeout), the
-    error names the failing rank, no partial directory is left, and checkpoint-2 resumes to the normal end."""
-    cfg = json.loads(json.dumps(LM))
-    cfg["train"].update(save_steps=2, ddp_timeout=600)
+def run_with_full_disk_on_rank1(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
+    """2 ranks under torchrun where rank 1 cannot write checkpoint-4 (ENOSPC, tests/dist_fault_worker.py)."""
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "FAULT": "diskfull:1:4"}
     try:  # ddp_timeout (600 s) is longer than this bound: a rank waiting for the collective timeout fails here
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                str(ROOT / "tests" / "dist_fault_worker.py"), "train", "--config", str(path),
                                "--train.output_dir", str(tmp_path / "run"), "--train.per_device_train_batch_size",
                                "2"], env=env, capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         pytest.fail("the healthy rank waited for the collective timeout")
+
+
+def test_a_full_disk_on_one_rank_fails_every_rank_at_once_and_keeps_older_checkpoints(tmp_path):
+    """Rank 1 cannot write checkpoint-4 (ENOSPC): both ranks raise within seconds (not after ddp_timeout), the
+    error names the failing rank, no partial directory is left, and checkpoint-2 resumes to the normal end."""
+    cfg = json.loads(json.dumps(LM))
+    cfg["train"].update(save_steps=2, ddp_timeout=600)
+    done = run_with_full_disk_on_rank1(tmp_path, cfg)
     out = done.stdout + done.stderr
     assert done.returncode != 0
     assert "could not write checkpoint-4" in out and "failed on rank(s) [1]" in out, out[-3000:]
