@@ -73,6 +73,20 @@ def test_a_fresh_run_appends_to_an_existing_metrics_file(tmp_path):
     assert [r["step"] for r in _rows(tmp_path)] == [9, 1, 2, 2]
 
 
+def test_a_resume_that_finds_no_checkpoint_drops_the_killed_attempts_rows(tmp_path):
+    data = token_samples(32)
+    with pytest.raises(Crash):  # killed after step 3's row, before the first checkpoint (save_steps 4)
+        Trainer(tiny_llama(0), _args(tmp_path, save_steps=4), train_dataset=data, callbacks=[CrashAt(3, "log")]).train()
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3]
+    with pytest.warns(UserWarning, match="3 rows of an attempt that left no checkpoint"):
+        Trainer(tiny_llama(0), _args(tmp_path, save_steps=4, max_steps=5),
+                train_dataset=data).train(resume_from_checkpoint=True)
+    straight = tmp_path / "straight"
+    Trainer(tiny_llama(0), _args(straight, save_steps=4, max_steps=5), train_dataset=data).train()
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2, 3, 4, 5, 5]
+    assert _comparable(_rows(tmp_path)) == _comparable(_rows(straight))
+
+
 @requires("tensorboard", "tensorboard")
 def test_tensorboard_purges_the_steps_after_the_checkpoint(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

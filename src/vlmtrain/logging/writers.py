@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 
 from ..trainer.callbacks import TrainerCallback
 from .tensorboard import TensorBoardCallback  # noqa: F401 - its old home
@@ -19,13 +20,16 @@ def _clean(value):
 class JsonlLoggerCallback(TrainerCallback):
     """Appends one JSON object per log event to `<output_dir>/metrics.jsonl` (world process zero only):
     `step`, `epoch`, and every logged key (`loss`, `loss_*`, `learning_rate`, `grad_norm`, throughput,
-    `eval_*`). A run resumed from checkpoint-N first drops the rows logged after that checkpoint was taken (the
-    file is rewritten atomically), so a crash and resume leave no duplicate or stale rows."""
+    `eval_*`). A run resumed from checkpoint-N first drops the rows logged after that checkpoint was taken; a run
+    asked to resume that finds no checkpoint (its earlier attempt was killed before the first one) drops the
+    earlier attempt's rows. The file is rewritten atomically, so a crash and resume leave no duplicate or stale
+    rows. A fresh run (no resume asked for) appends to an existing file."""
 
     def __init__(self, output_dir: str) -> None:
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self.rows = 0  # rows in the file (this run's and earlier runs')
         self._saved_rows: int | None = None  # rows when the checkpoint resumed from was taken
+        self._earlier_rows = len(_read_lines(self.path))  # rows written before this process started
 
     def state_dict(self) -> dict:
         return {"path": os.path.abspath(self.path), "rows": self.rows}
@@ -34,7 +38,7 @@ class JsonlLoggerCallback(TrainerCallback):
         same_file = state.get("path") == os.path.abspath(self.path)
         self._saved_rows = state.get("rows") if same_file else None
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, resume_requested=False, **kwargs):
         if not state.is_world_process_zero:
             return
         lines = _read_lines(self.path)
@@ -43,7 +47,12 @@ class JsonlLoggerCallback(TrainerCallback):
             if kept != lines:
                 _rewrite(self.path, kept)
             lines = kept
-        self.rows, self._saved_rows = len(lines), None
+        elif resume_requested and self._earlier_rows:  # the same job from step 0: its rows would repeat
+            warnings.warn(f"{self.path} held {self._earlier_rows} rows of an attempt that left no checkpoint: "
+                          "they are dropped, the run starts again from step 0.", stacklevel=2)
+            lines = lines[self._earlier_rows:]  # keeps what this process logged before train()
+            _rewrite(self.path, lines)
+        self.rows, self._saved_rows, self._earlier_rows = len(lines), None, 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -256,10 +256,15 @@ def rotate_checkpoints(output_dir: str, limit: int | None, best: str | None, kee
     return deleted
 
 
+def resume_requested(resume: str | bool | None) -> bool:
+    """Whether a resume_from_checkpoint value asks to resume (a path, True, 'true', 'latest')."""
+    return not (resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")))
+
+
 def resolve_resume(resume: str | bool | None, output_dir: str, rank: int = 0) -> str | None:
     """A complete checkpoint to resume from: an explicit path, or for True/'true'/'latest' the newest
     complete one in output_dir (None, with a warning, when there is none)."""
-    if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")):
+    if not resume_requested(resume):
         return None
     if resume is True or (isinstance(resume, str) and resume.lower() in ("true", "latest")):
         remove_stale_tmp(output_dir)

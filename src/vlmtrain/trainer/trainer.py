@@ -164,7 +164,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         if resume is not None:
             self._load_checkpoint(resume)
         start = time.time()
-        self.control = self._event("on_train_begin")
+        requested = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
+        self.control = self._event("on_train_begin", resume_requested=ckpt.resume_requested(requested))
         if self.state.global_step >= self.state.max_steps:  # resumed from the run's final checkpoint: done
             self.control.should_training_stop = True
         if args.eval_on_start:  # a sanity check of the eval setup, logged at the current step (0 unless resumed)
