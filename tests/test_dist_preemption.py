@@ -1,5 +1,5 @@
 """Preemption of a multi-process run: a signal to `vlmtrain train --nproc 2` (or, as SLURM's --signal=B:USR1
-delivers it, to the batch shell of the README's recipe) reaches both ranks, which save one checkpoint at the
+delivers it, to the batch shell of docs/multi-gpu.md's recipe) reaches both ranks, which save one checkpoint at the
 same step and exit 0; resuming it ends like an uninterrupted run."""
 
 from __future__ import annotations
@@ -113,19 +113,19 @@ def test_sigterm_to_the_launcher_saves_one_checkpoint_on_both_ranks_and_resumes_
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
-def _readme_sbatch_script() -> str:
-    """The README's single-node preemptible sbatch script (the bash block with --signal=B:USR1)."""
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+def _docs_sbatch_script() -> str:
+    """docs/multi-gpu.md's single-node preemptible sbatch script (the bash block with --signal=B:USR1)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / "multi-gpu.md").read_text(), flags=re.S)
     scripts = [b for b in blocks if "#SBATCH" in b and "--signal=B:USR1" in b]
-    assert len(scripts) == 1, "README: expected one sbatch script with --signal=B:USR1"
+    assert len(scripts) == 1, "docs/multi-gpu.md: expected one sbatch script with --signal=B:USR1"
     return scripts[0]
 
 
 @pytest.mark.slow
-def test_the_readme_slurm_recipe_forwards_usr1_from_the_batch_shell_to_the_ranks(tmp_path):
+def test_the_documented_slurm_recipe_forwards_usr1_from_the_batch_shell_to_the_ranks(tmp_path):
     """SLURM's --signal=B:USR1@120 signals only the batch shell; the recipe's trap hands it to the launcher."""
     script = tmp_path / "job.sbatch"
-    script.write_text(_readme_sbatch_script())
+    script.write_text(_docs_sbatch_script())
     out = tmp_path / "run"
     bin_dir = tmp_path / "bin"  # `vlmtrain` on PATH runs this checkout
     bin_dir.mkdir()

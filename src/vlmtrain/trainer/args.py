@@ -99,7 +99,7 @@ class ImplementedArguments:
     """Evaluate once before the first training step (logged at step 0), as a sanity check of the eval setup."""
     lmms_eval_tasks: list[str] | None = None
     """lmms-eval tasks that `vlmtrain eval --checkpoint` (and so async evaluation) also runs on the checkpoint,
-    logged as eval_lmms_{task}_{metric}; needs the lmms extra (README "lmms-eval tasks"). None: none."""
+    logged as eval_lmms_{task}_{metric}; needs the lmms extra (docs: Evaluation and tracking). None: none."""
     lmms_eval_include_path: str | None = None
     """Directory of lmms-eval task YAMLs (searched recursively) that defines lmms_eval_tasks; None: lmms-eval's
     built-in tasks only (most download from the Hugging Face Hub)."""
@@ -224,7 +224,7 @@ class ImplementedArguments:
     """Trackers besides metrics.jsonl (always written), as transformers names them: none, tensorboard, wandb,
     mlflow, trackio, a list of them, or all (every installed one). Each needs its extra (pip install
     'vlmtrain[wandb]'); one that is missing or cannot start is a warning, and training goes on with the rest.
-    A resumed run continues the same tracker run. README "Trackers" says where each one writes."""
+    A resumed run continues the same tracker run. The docs page Evaluation and tracking says where each one writes."""
     run_name: str | None = None
     """Name of the run in metrics writers and trackers; defaults to output_dir's basename."""
     project: str = "huggingface"
