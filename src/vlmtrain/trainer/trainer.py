@@ -165,7 +165,10 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             self._load_checkpoint(resume)
         start = time.time()
         requested = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-        self.control = self._event("on_train_begin", resume_requested=ckpt.resume_requested(requested))
+        if resume is None and ckpt.resume_requested(requested):  # asked to resume, found nothing: from step 0
+            for cb in self.callback_handler.callbacks:  # (not an event: transformers' callbacks never see it)
+                getattr(cb, "on_restart_without_checkpoint", lambda: None)()
+        self.control = self._event("on_train_begin")
         if self.state.global_step >= self.state.max_steps:  # resumed from the run's final checkpoint: done
             self.control.should_training_stop = True
         if args.eval_on_start:  # a sanity check of the eval setup, logged at the current step (0 unless resumed)
