@@ -61,7 +61,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_rows = torch.empty_like(rows) if need_rows else None
         grad_weight = grad_bias = None
         for start in range(0, rows.shape[0], chunk_rows):
-            x, y = rows[start:start + chunk_rows], targets[start:start + chunk_rows]
+            x, y = rows[start:start + chunk_rows].detach(), targets[start:start + chunk_rows]
             logits = head(x)  # (the module: its hooks run, autocast applies as in the full path)
             dtype = logits.dtype
             z = logits.float()
@@ -82,10 +82,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_weight:
                 if grad_weight is None:
                     grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-                grad_weight.addmm_(grad.t(), x.to(dtype))
+                torch.addmm(grad_weight, grad.t(), x.to(dtype), out=grad_weight)  # (FlopCounterMode sees it)
             if need_bias:
                 part = grad.sum(dim=0)
                 grad_bias = part if grad_bias is None else grad_bias + part
+            del grad  # (before the next chunk's logits)
         if need_weight and grad_weight is None:  # no target: a zero gradient, so every rank reaches the weight
             grad_weight = torch.zeros_like(weight)
         if need_bias and grad_bias is None:
