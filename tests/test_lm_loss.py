@@ -199,6 +199,8 @@ def test_hub_lora_loss_and_gradients_equal_the_full_logits(tmp_path_factory, mon
     full, want = _loss_and_grads(model, batch)
     got, grads = _loss_and_grads(model, batch, loss_only=True)
     assert any("lora_A" in n for n in want) and not any("lm_head" in n for n in want)  # (the head is frozen)
+    assert "logits" not in model(**batch, loss_only=True) and got["num_items" if not heads else "num_items_lm"] == int(
+        (batch["labels"][:, 1:] != -100).sum())
     for key, value in full.items():
         assert got[key] == pytest.approx(value, rel=1e-5), key
     _assert_close_grads(grads, want)
