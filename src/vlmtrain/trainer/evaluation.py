@@ -272,6 +272,8 @@ class EvaluationMixin:
         # Forward for the loss, for score heads' outputs, and under FSDP in step (every rank runs the same calls)
         forward = (labels is not None or not generating or getattr(self, "_eval_lockstep", False)
                    or callable(getattr(self.model, "head_metrics", None)))
+        if getattr(self, "_forward_takes_loss_only", False) and (prediction_loss_only or generating):
+            inputs = {**inputs, "loss_only": True}  # (no logits kept: the LM head only at the targets)
         with torch.no_grad(), self.autocast():
             if forward:
                 outputs = model(**inputs)

@@ -58,6 +58,7 @@ from .setup import SetupMixin
 from .state import TrainerControl, TrainerState, TrainOutput
 from .stats import (
     BOOKKEEPING_KEYS,
+    LOSS_ONLY_ATTR,
     dropped_for_rank_sync,
     extra_losses,
     is_empty_batch,
@@ -119,6 +120,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         # train.async_eval: rank 0 has saved checkpoints evaluated by other processes
         self._async_eval = AsyncEvaluator(self.args) if self.args.async_eval and self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
+        self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
         self.control = self._event("on_init_end")
 
     # -- callbacks -------------------------------------------------------------------------------------
@@ -282,6 +284,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         inputs = self._prepare_inputs(inputs)
         if self._forward_takes_use_cache:
             inputs.setdefault("use_cache", False)  # a KV cache is wasted work in training
+        if self._forward_takes_loss_only:
+            inputs.setdefault("loss_only", True)  # no logits: training uses the losses alone
         with self.autocast():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
                                               num_items_in_batch=num_items_in_batch)

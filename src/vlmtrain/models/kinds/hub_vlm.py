@@ -40,13 +40,15 @@ def validate(cfg: Any) -> None:
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
                stop_token_id: int | None = None, device: Any = None) -> Any:
     """The transformers VLM of a Hub id or directory (AutoModelForImageTextToText), with the family's module
-    groups attached (module_learning_rates / LoRA aliases vision, projector, text); with ``stop_token_id``
+    groups attached (module_learning_rates / LoRA aliases vision, projector, text) and a ``loss_only`` forward
+    (models/lm_loss.enable_lm_loss); with ``stop_token_id``
     (the family's end of turn), generation stops there too. ``device``: load the weights straight onto it
     (``device_map``), in ``torch_dtype``, never a float32 copy first."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
+    from vlmtrain.models.lm_loss import enable_lm_loss
     from vlmtrain.models.meta import from_pretrained
     from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
@@ -62,6 +64,7 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     if family.image_tokens is not None:  # what the logged tflops count images by (trainer/flops.py)
         setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
     _stop_at(model, stop_token_id)
+    enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/lm_loss.py)
     return model
 
 
