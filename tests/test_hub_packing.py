@@ -259,7 +259,7 @@ def test_config_trains_packed_and_window_packed_rows_resume_exactly(root, tmp_pa
 
     config = _config(tmp_path, _tiny("qwen3_vl", root))
     trainer = run.build(load_run_config(config))
-    batch = trainer.data_collator(_samples())
+    batch = trainer.data_collator(_samples() + [_sample(0, 40)])  # (packed: fills rows better than padding)
     assert batch["position_ids"].shape[0] == 4 and "attention_mask" not in batch
     assert "attention_mask" in trainer.data_collator.without_packing()(_samples())
     metrics = run.train(load_run_config(config))
@@ -271,20 +271,23 @@ def test_config_trains_packed_and_window_packed_rows_resume_exactly(root, tmp_pa
         return trainer.train_dataset, trainer.data_collator
 
     def loader(ds, collate):
-        return StatefulDataLoader(ds, batch_size=2, num_workers=0, collate_fn=collate)
+        return StatefulDataLoader(ds, batch_size=3, num_workers=0, collate_fn=collate)
 
     ds, collate = stream()
-    full = [b for _, b in zip(range(6), loader(ds, collate))]
-    assert all(b["position_ids"].shape[0] == 4 for b in full if "input_ids" in b)
+    full = list(loader(ds, collate))
+    assert len(full) >= 2 and all(b["position_ids"].shape[0] == 4 for b in full)
+    assert sum(b["pack_stats"]["samples"] for b in full) == len(IMAGES) * 2  # every sample, once
     ds, collate = stream()
     first = loader(ds, collate)
     it = iter(first)
-    head = [next(it) for _ in range(3)]  # a window of 4 samples makes 2-3 rows: not at a batch boundary
+    head = [next(it)]  # 3 rows from windows of 4 samples
     state = first.state_dict()
+    assert state["dataset_state"]["rows_done"] > 0  # resumed inside a window: re-packed, its first rows skipped
     ds, collate = stream()
     resumed = loader(ds, collate)
     resumed.load_state_dict(state)
-    tail = [b for _, b in zip(range(3), resumed)]
+    tail = list(resumed)
+    assert len(head + tail) == len(full)
     for a, b in zip(head + tail, full):
         for key in ("input_ids", "labels", "position_ids", "pixel_values", "image_grid_thw"):
             assert torch.equal(a[key], b[key]), key
