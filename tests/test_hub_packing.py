@@ -259,9 +259,10 @@ def test_config_trains_packed_and_window_packed_rows_resume_exactly(root, tmp_pa
 
     config = _config(tmp_path, _tiny("qwen3_vl", root))
     trainer = run.build(load_run_config(config))
-    batch = trainer.data_collator(_samples() + [_sample(0, 40)])  # (packed: fills rows better than padding)
+    varied = _samples() + [_sample(0, 40)]  # (packed: fills rows better than padding)
+    batch = trainer.data_collator(varied)
     assert batch["position_ids"].shape[0] == 4 and "attention_mask" not in batch
-    assert "attention_mask" in trainer.data_collator.without_packing()(_samples())
+    assert "attention_mask" in trainer.data_collator.without_packing()(varied)  # evaluation: one sample per row
     metrics = run.train(load_run_config(config))
     assert np.isfinite(metrics["train_loss"])
 
@@ -291,3 +292,27 @@ def test_config_trains_packed_and_window_packed_rows_resume_exactly(root, tmp_pa
     for a, b in zip(head + tail, full):
         for key in ("input_ids", "labels", "position_ids", "pixel_values", "image_grid_thw"):
             assert torch.equal(a[key], b[key]), key
+
+
+def test_flops_count_each_packed_sample_as_its_own_sequence(root):
+    """The logged TFLOP/s read documents from the text row of Qwen's [4, rows, L] positions."""
+    from vlmtrain.trainer.flops import document_lengths
+
+    family, processor, model = _parts("qwen3_vl", root)
+    pack, pad = _collators(family, processor, model, pack_length=400)
+    samples = _samples()
+    lengths = sorted(pad(samples)["attention_mask"].sum(1).tolist())
+    assert sorted(document_lengths(pack(samples)).tolist()) == lengths  # (row-end padding left out)
+
+
+def test_no_target_crosses_a_sample_boundary():
+    """A sample's first label is -100 in a row (the previous sample's last token never predicts it), even where
+    the sample supervises its first token; the row's end is padding with its own positions."""
+    from vlmtrain.data.hub_packing import pack_hub_items
+
+    items = [{"input_ids": torch.tensor([5, 6, 7]), "labels": torch.tensor([5, 6, 7])},
+             {"input_ids": torch.tensor([8, 9]), "labels": torch.tensor([8, 9])}]
+    batch = pack_hub_items(items, [[0, 1]], 7, get_family("idefics3"), pad_token_id=0)
+    assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9, -100, -100]]
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1]]

@@ -94,9 +94,9 @@ class HubVLMCollator:
         self._evaluation.pack_length = None  # evaluation and prediction: one sample per row
 
     def without_packing(self) -> HubVLMCollator:
-        """What evaluation and prediction use (Hub VLM batches are never packed): a twin of this collator that
-        keeps score-only batches' all -100 `labels`, and with ``eval_prompts`` also the generation prompts, which
-        training never reads."""
+        """What evaluation and prediction use (padded, one sample per row, never packed): a twin of this collator
+        that keeps score-only batches' all -100 `labels`, and with ``eval_prompts`` also the generation prompts,
+        which training never reads."""
         return self._evaluation
 
     def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
