@@ -230,6 +230,8 @@ def test_bad_packing_combinations_fail_before_any_work(root, tmp_path):
     with pytest.raises(ConfigError, match="pack_length=100 is below data.max_length=300"):
         load_run_config(config, {"data.pack_length": 100})
     load_run_config(config, {"model.heads": heads, "data.packing": False})  # heads pad: fine
+    with pytest.raises(ConfigError, match="data.pack_window=8 packs rows, but Hub VLM batches are packed only"):
+        load_run_config(config, {"data.packing": None, "data.pack_window": 8})
     if importlib.util.find_spec("flash_attn") is None:
         from vlmtrain.models.kinds import get_kind
 
