@@ -68,11 +68,13 @@ def _window_packing(cfg: RunConfig, parts: dict[str, Any]) -> None:
                           "set data.pack_window: null, or turn the curriculum off.")
     if not isinstance(train, StreamingDataset):  # map-style: the same samples as a stream of shuffled blocks
         train = StreamingDataset([IndexedSource(train, name=d.source)], seed=d.seed)
-    pack_length = parts["data_collator"].pack_length
-    parts["train_dataset"] = PackedDataset(train, parts["process"], pack_length,
-                                           parts["tokenizer"].pad_token_id, window=d.pack_window,
-                                           max_images_per_pack=d.max_images_per_pack)
-    parts["data_collator"] = RowCollator(parts["padded_collator"])
+    collator = parts["data_collator"]
+    own_rows = getattr(collator, "collate_rows", None)  # a collator that lays packed rows out itself (hub_vlm)
+    tokenizer = getattr(parts["tokenizer"], "tokenizer", parts["tokenizer"])  # (a processor's tokenizer)
+    parts["train_dataset"] = PackedDataset(train, parts["process"], collator.pack_length, tokenizer.pad_token_id,
+                                           window=d.pack_window, max_images_per_pack=d.max_images_per_pack,
+                                           keep_items=own_rows is not None)
+    parts["data_collator"] = RowCollator(parts["padded_collator"], collate=own_rows)
 
 
 @contextlib.contextmanager

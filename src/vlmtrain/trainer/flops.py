@@ -114,6 +114,8 @@ def document_lengths(batch: Mapping[str, Any]) -> torch.Tensor:
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return mask.sum(-1)
     pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() == 3 and pos.shape[1:] == ids.shape:
+        pos = pos[0]  # multimodal rotary positions [4, B, L]: row 0 is the text position, restarting per sample
     if isinstance(pos, torch.Tensor) and pos.shape == ids.shape and ids.dim() == 2:
         return _packed_documents(ids, pos, batch.get("labels"))
     return torch.full(ids.shape[:1], ids.shape[-1]) if ids.dim() == 2 else torch.tensor([ids.numel()])

@@ -59,6 +59,14 @@ class Family:
     processor resizes each image (``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens``; None: the
     family's default). None: this family's image size is fixed by the checkpoint (a fixed view size or a
     bounded tiling) and those keys do not apply."""
+    rope_positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
+    """rope_positions(model config, one processed sample) -> that sample's multimodal rotary positions [3, L],
+    as the model computes them for the sample alone (Qwen's ``get_rope_index``). Packing concatenates them per
+    row under a text-position row that restarts at 0 per sample (position_ids [4, rows, L]). None: the model
+    takes ordinary 1-D positions, restarting per packed sample."""
+    packing_unsupported: str | None = None
+    """Why this family's samples cannot be packed (data.packing: true is then a ConfigError with this reason);
+    None: they can."""
     pad_values: Mapping[str, int | float] = field(default_factory=dict)
     """Padding value per 'pad' key (input_ids: the tokenizer's pad id is used; labels: -100; others 0)."""
     extra: Mapping[str, Any] = field(default_factory=dict)

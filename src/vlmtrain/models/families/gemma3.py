@@ -13,6 +13,8 @@
 - Image size: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` do not apply: every image is
   resized to the checkpoint's fixed size (896 x 896 for gemma-3-it) and becomes ``image_seq_length`` (256)
   tokens whatever its size.
+- Packing (``data.packing``): refused (``packing_unsupported``): transformers' sliding-window mask looks the
+  bidirectional image blocks up at per-sample positions inside a packed row.
 - Modules: ``model.vision_tower`` (SigLIP), ``model.multi_modal_projector``, ``model.language_model``
   and ``lm_head`` (tied to the embeddings). save_pretrained writes legacy key names: reload with
   ``from_pretrained``.
@@ -161,4 +163,8 @@ FAMILY = Family(
     text_module="model.language_model",
     load_processor=load_processor,
     build_tiny=build_tiny,
+    packing_unsupported=(
+        "its image tokens attend to each other bidirectionally (token_type_ids), and transformers' mask for its "
+        "sliding-window layers looks those image blocks up at each sample's own positions inside a packed row, "
+        "so packed samples would see wrong tokens (measured: packed logits differ from unpacked ones)."),
 )

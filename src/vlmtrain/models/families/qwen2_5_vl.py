@@ -9,6 +9,7 @@ image token; default cap 1,024 tokens = 802,816 pixels, the checkpoints' own bei
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .base import Family
@@ -18,6 +19,7 @@ from .qwen_common import (
     build_tiny_tokenizer,
     image_only_processor_class,
     load_image_only_processor,
+    rope_positions,
     save_tiny,
     set_image_size,
     text_ids,
@@ -107,4 +109,6 @@ FAMILY = Family(
     load_processor=load_processor,
     build_tiny=build_tiny,
     image_size=set_image_size,
+    rope_positions=functools.partial(rope_positions, "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+                                     "Qwen2_5_VLModel"),
 )

@@ -21,12 +21,28 @@ def check(cfg: Any) -> None:
         raise ConfigError("model.kind='hub_vlm' needs model.pretrained: a Hub id (e.g. Qwen/Qwen3-VL-8B-Instruct) "
                           "or a local directory written by save_pretrained.")
     if cfg.data.packing:
-        raise ConfigError("data.packing=true: Hub VLM batches are padded, never packed (their position ids and "
-                          "image splicing assume one sample per row). Set data.packing: null or false.")
+        check_packing(cfg)
     if m.heads is not None:
         from vlmtrain.models.heads import parse_heads
 
         parse_heads(m.heads)  # an unknown head type or loss fails before anything is loaded
+
+
+PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2")
+"""model.attn_implementation values that keep packed samples apart (null is transformers' default, sdpa)."""
+
+
+def check_packing(cfg: Any) -> None:
+    """data.packing: true with a Hub VLM: a ConfigError for what cannot pack (score heads; an attention kernel
+    other than those in PACKING_ATTENTION). The family is checked in validate (it needs the checkpoint)."""
+    m = cfg.model
+    if m.heads:
+        raise ConfigError("data.packing=true with model.heads: score heads pool each row's last token, and a "
+                          "packed row holds several samples. Set data.packing: false (or null) for a model with heads.")
+    if m.attn_implementation is not None and m.attn_implementation not in PACKING_ATTENTION:
+        raise ConfigError(f"data.packing=true with model.attn_implementation={m.attn_implementation!r}: packed Hub VLM "
+                          f"rows are kept apart only with {', '.join(PACKING_ATTENTION)} (or null, sdpa). Set one of "
+                          f"those, or data.packing: false.")
 
 
 def validate(cfg: Any) -> None:
@@ -34,7 +50,18 @@ def validate(cfg: Any) -> None:
     from vlmtrain.models.families import family_of
 
     # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
-    check_image_size(family_of(cfg.model.pretrained), cfg.data)
+    family = family_of(cfg.model.pretrained)
+    check_image_size(family, cfg.data)
+    if cfg.data.packing and family.packing_unsupported:
+        raise ConfigError(f"data.packing=true: the {family.name} family cannot pack: {family.packing_unsupported} "
+                          f"Set data.packing: false (or null).")
+    if cfg.data.packing and cfg.model.attn_implementation == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("data.packing=true with model.attn_implementation='flash_attention_2', but the "
+                              "flash_attn package is not installed (pip install flash-attn), or set "
+                              "model.attn_implementation: sdpa.")
 
 
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
@@ -106,6 +133,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     stop = end_of_turn_id(processor, family)
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
         model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation, stop_token_id=stop)
+        model_config = model.config  # (packing: Qwen's multimodal positions are computed from it per sample)
         heads = {}
         if m.heads:
             from vlmtrain.models.heads import WithHeads
@@ -123,8 +151,14 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
         label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
         head_names=tuple(heads))
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
+    packing = {}
+    if d.packing:  # (check_packing refused heads; flash-attention finds documents from one row's positions)
+        packing = {"pack_length": d.pack_length or d.max_length, "model_config": model_config,
+                   "max_images_per_pack": d.max_images_per_pack,
+                   "flatten": m.attn_implementation == "flash_attention_2"}
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
-                              if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate)
+                              if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate,
+                              **packing)
     tokenizer = processor.tokenizer
     metrics = None
     if cfg.train.predict_with_generate:
