@@ -229,7 +229,8 @@ def parameter_count(config: Any) -> int:
 
 
 def release() -> None:
-    """Free what the previous contender left (reference cycles, the allocator's cache)."""
+    """Free what the previous contender left (compiled graphs, reference cycles, the allocator's cache)."""
+    torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
