@@ -28,7 +28,8 @@ optimizer state, activations), the data-wait fraction (time the training loop wa
 wall time), the loss at step 1 and the ratios to transformers. Timestamps after a CUDA sync at every step end;
 batch counts are made where the collator runs (a loader worker), so counting never syncs the GPU. Checks
 (exit 1 when one fails): every contender trained the same first batch (target count and id sum) from the same
-weights, and the step-1 losses agree within bf16 tolerance (relative 1e-2).
+weights with the same number of trainable parameters, and the step-1 losses agree within bf16 tolerance
+(relative 1e-2).
 
     python benchmarks/gpu_hub_vlm.py                       # both setups, ~20 steps each: a few minutes on an H100
     python benchmarks/gpu_hub_vlm.py --only 8b-lora --steps 30 --batch-size 8
@@ -152,7 +153,7 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
             continue
         rates = meter.window(opts.warmup)
         results[contender] = {**rates, "loss1": parts.first_loss(history), "first": meter.first_batch,
-                              "init": meter.init,
+                              "init": meter.init, "trainable": meter.trainable,
                               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
                               if device.type == "cuda" else math.nan}
     return report(results, peak)
@@ -161,7 +162,7 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
 def report(results: dict[str, dict], peak: float | None) -> bool:
     base = results.get("transformers", {})
     print(f"  {'contender':<16} {'tokens/s':>10} {'x tf':>6} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
-          f"{'x tf':>6} {'data wait':>9} {'loss @1':>9}")
+          f"{'x tf':>6} {'data wait':>9} {'fill':>5} {'loss @1':>9}")
     for name in CONTENDERS:
         r = results.get(name, {})
         if "skipped" in r:
@@ -173,18 +174,22 @@ def report(results: dict[str, dict], peak: float | None) -> bool:
         mfu = f"{tf / peak:.1%}" if peak else "-"
         mem_s, mem_r = (f"{mem:.2f}", f"{mem_ratio:.2f}") if math.isfinite(mem) else ("-", "-")
         print(f"  {name:<16} {r['tokens_per_s']:>10.1f} {ratio:>6.2f} {tf:>8.2f} {mfu:>6} {mem_s:>9} "
-              f"{mem_r:>6} {r['data_wait']:>9.1%} {r['loss1']:>9.5f}")
+              f"{mem_r:>6} {r['data_wait']:>9.1%} {r['fill']:>5.2f} {r['loss1']:>9.5f}")
     ran = {k: r for k, r in results.items() if "skipped" not in r}
     firsts = {r["first"] for r in ran.values()}
     losses = [r["loss1"] for r in ran.values()]
     same_data = len(firsts) == 1 and None not in firsts
     inits = {r["init"] for r in ran.values()}
     same_init = len(inits) == 1 and None not in inits
+    trains = {r["trainable"] for r in ran.values()}
+    same_trainable = len(trains) == 1 and None not in trains
     agree = all(math.isfinite(v) for v in losses) and (max(losses) - min(losses)) <= LOSS_RTOL * abs(min(losses))
     print(f"  same weights at the start (checksums {sorted(inits, key=str)}): {'yes' if same_init else 'NO'} | "
+          f"same trainable parameters ({', '.join(f'{t:,}' for t in sorted(trains, key=str) if t)}): "
+          f"{'yes' if same_trainable else 'NO'} | "
           f"same first batch (targets, id sum) {sorted(firsts, key=str)}: {'yes' if same_data else 'NO'} | "
           f"step-1 losses within {LOSS_RTOL:g} relative: {'yes' if agree else 'NO'}")
-    return same_init and same_data and agree and len(ran) >= 2
+    return same_init and same_trainable and same_data and agree and len(ran) >= 2
 
 
 def main(argv: list[str] | None = None) -> int:

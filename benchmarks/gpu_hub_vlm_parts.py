@@ -139,7 +139,8 @@ def batch_stats(batch: dict[str, Any], count: Any) -> dict[str, Any]:
         int(mask.sum()) if mask is not None else batch["input_ids"].numel())
     labels = batch["labels"]
     kept = labels[labels != -100]
-    return {"tokens": tokens, "flops": float(count(batch)) if count is not None else math.nan,
+    return {"tokens": tokens, "capacity": batch["input_ids"].numel(),
+            "flops": float(count(batch)) if count is not None else math.nan,
             "fingerprint": (int(kept.numel()), int(kept.long().sum()))}
 
 
@@ -169,8 +170,9 @@ class Meter:
 
     device: torch.device = torch.device("cpu")
     init: float | None = None  # checksum of the weights the contender started from
+    trainable: int | None = None  # parameters that train
     stamps: list[float] = field(default_factory=list)
-    fetches: list[tuple[int, float, int, float]] = field(default_factory=list)
+    fetches: list[tuple[int, float, int, float, int]] = field(default_factory=list)
     first_batch: tuple[int, int] | None = None
 
     def stamp(self) -> None:
@@ -184,7 +186,7 @@ class Meter:
             return
         if self.first_batch is None:
             self.first_batch = tuple(stats["fingerprint"])
-        self.fetches.append((len(self.stamps), waited, stats["tokens"], stats["flops"]))
+        self.fetches.append((len(self.stamps), waited, stats["tokens"], stats["flops"], stats["capacity"]))
 
     def wrap(self, iterator: Iterator[Any]) -> Iterator[Any]:
         while True:
@@ -205,7 +207,8 @@ class Meter:
         wall = self.stamps[-1] - self.stamps[first - 1]
         timed = [f for f in self.fetches if first <= f[0] < steps]
         return {"steps": steps - first, "wall": wall, "tokens_per_s": sum(f[2] for f in timed) / wall,
-                "flops_per_s": sum(f[3] for f in timed) / wall, "data_wait": sum(f[1] for f in timed) / wall}
+                "flops_per_s": sum(f[3] for f in timed) / wall, "data_wait": sum(f[1] for f in timed) / wall,
+                "fill": sum(f[2] for f in timed) / max(1, sum(f[4] for f in timed))}
 
 
 def clock_callback(meter: Meter, base: type) -> Any:
@@ -221,6 +224,10 @@ def clock_callback(meter: Meter, base: type) -> Any:
 
 def first_loss(history: list[dict[str, Any]]) -> float:
     return next((float(r["loss"]) for r in history if "loss" in r and r.get("step") == 1), math.nan)
+
+
+def trainable(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def parameter_count(config: Any) -> int:
@@ -291,6 +298,7 @@ def run_transformers(s: Setup, meter: Meter) -> list[dict[str, Any]]:
     args = transformers.TrainingArguments(output_dir=os.path.join(s.out, "transformers"), use_cpu=s.device.type
                                           != "cuda", remove_unused_columns=False, **s.common_args())
     collator = Counted(BatchedCollator(s.processor), flop_counter(model))
+    meter.trainable = trainable(model)
     trainer = Metered(model=model, args=args, train_dataset=dataset, data_collator=collator,
                       callbacks=[clock_callback(meter, transformers.TrainerCallback)])
     with transformers_quiet(), contextlib.redirect_stdout(io.StringIO()):
@@ -328,6 +336,7 @@ def run_vlmtrain(s: Setup, meter: Meter, packed: bool) -> list[dict[str, Any]]:
     with hub_models_from(make):
         trainer = run.build(load_run_config(path))
     trainer.data_collator = Counted(trainer.data_collator, flop_counter(trainer.model))  # (PeftModel with LoRA)
+    meter.trainable = trainable(trainer.model)
     trainer.add_callback(clock_callback(meter, vlmtrain.TrainerCallback))
     make_loader = trainer.get_train_dataloader
 
