@@ -34,7 +34,8 @@ weights with the same number of trainable parameters, and the step-1 losses agre
     python benchmarks/gpu_hub_vlm.py                       # both setups, ~20 steps each: a few minutes on an H100
     python benchmarks/gpu_hub_vlm.py --only 8b-lora --steps 30 --batch-size 8
     python benchmarks/gpu_hub_vlm.py --no-activation-checkpointing --torch-compile
-    python benchmarks/gpu_hub_vlm.py --smoke               # CPU: the whole pipeline on tiny configs (the test)
+    python benchmarks/gpu_hub_vlm.py --smoke               # the whole pipeline on tiny configs, 3 steps: on the GPU
+                                                           # if there is one (a minute), else on CPU (the test)
 
 Without CUDA (and without --smoke) it says so and exits 0.
 """
@@ -84,8 +85,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "(default: 989 on H100/H200, 312 on A100; none elsewhere)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="where data and run dirs go (default: a temporary directory)")
-    p.add_argument("--smoke", action="store_true", help="tiny Qwen3-VL configs on CPU, 3 steps: checks the "
-                   "script end to end (numbers meaningless)")
+    p.add_argument("--smoke", action="store_true", help="tiny Qwen3-VL configs, 3 steps, on the GPU if there "
+                   "is one, else on CPU: checks the script end to end (numbers meaningless)")
     opts = p.parse_args(argv)
     if opts.smoke:
         opts.steps, opts.warmup, opts.batch_size = min(opts.steps, 3), 1, min(opts.batch_size, 2)
@@ -102,7 +103,8 @@ def peak_tflops(opts: argparse.Namespace, device: torch.device) -> float | None:
 
 
 def header(opts: argparse.Namespace, device: torch.device, workers: int) -> None:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (--smoke)"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu += " (--smoke: tiny models, numbers meaningless)" if opts.smoke else ""
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  device {gpu}  torch {torch.__version__}  "
           f"transformers {transformers.__version__}  vlmtrain {vlmtrain.__version__}  python "
           f"{platform.python_version()}  cpus {os.cpu_count()}")
@@ -198,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks/gpu_hub_vlm.py needs a CUDA GPU (none is visible here); nothing was measured. "
               "Run it on a GPU machine, or with --smoke to check the script on CPU with tiny models.")
         return 0
-    device = torch.device("cpu") if opts.smoke else torch.device("cuda", torch.cuda.current_device())
-    if opts.smoke:
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":
         torch.set_num_threads(1)
     workers = dataloader_workers(int(opts.workers) if opts.workers != "auto" else "auto",
                                  cuda=device.type == "cuda")

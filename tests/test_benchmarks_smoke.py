@@ -61,3 +61,16 @@ def test_smoke_runs_every_contender_on_the_same_start_and_data(bench, capsys, tm
         assert "same first batch (targets, id sum) [(" in block and ": yes | step-1 losses" in block, block
         assert "step-1 losses within 0.01 relative: yes" in block
     assert out.rstrip().endswith("all checks passed")
+
+
+@pytest.mark.gpu
+@requires("peft", "lora")
+def test_smoke_on_cuda_measures_peak_memory(bench, capsys, tmp_path):
+    """On a GPU machine --smoke runs the CUDA paths (bf16, fused AdamW, workers beside CUDA, peak memory)."""
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for block in out.split("\n== ")[1:]:
+        rows = _rows(block)
+        for name in ("transformers", "vlmtrain padded"):
+            assert float(rows[name].split()[4]) > 0, block  # peak GiB
+    assert out.rstrip().endswith("all checks passed")

@@ -126,3 +126,16 @@ def test_skips_counted_in_workers_reach_the_logs(tmp_path, checkpoint, on_a_gpu_
     losses, per_window, totals = results["auto"]
     assert per_window == totals == BAD
     assert len(losses) == 3 and losses == results["main"][0]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_machine_auto_processes_in_workers_and_counts_skips(tmp_path, checkpoint):
+    """Nothing injected: on this CUDA machine 'auto' gives the rule's workers, and the skips reach the logs."""
+    _data(tmp_path)
+    trainer = _trainer(tmp_path, checkpoint, "gpu")
+    assert trainer.device.type == "cuda"
+    workers = trainer.get_train_dataloader().num_workers
+    assert workers == dataloader_workers("auto", cuda=True) and (workers > 0 or (os.cpu_count() or 1) < 3)
+    with pytest.warns(UserWarning, match="3 training samples were skipped"):
+        out = trainer.train()
+    assert {r: out.metrics.get(f"train_skipped_{r}") for r in BAD} == BAD
