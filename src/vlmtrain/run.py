@@ -263,16 +263,18 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
     return metrics
 
 
-def demo_workers(configured: int, cuda: bool | None = None, cpus: int | None = None) -> int:
-    """Data-loader workers for the demo: the config's number, except that a config with none gets 4 on a CUDA
-    machine with 6+ cores. There the tiny model waits for its data: on one H100 (16 cores) the demo config ran
-    12-15 steps/s with 0 workers (data wait 55-60% of the time) and 37.7 with 4 (1.6%). On a CPU machine
-    workers take cores from the torch threads (on 2 cores, 4.6 vs 3.8-4.1 steps/s with 1 worker)."""
+def demo_workers(configured: int | str, cuda: bool | None = None, cpus: int | None = None) -> int:
+    """Data-loader workers for the demo: the config's number, except that a config with none (0 or 'auto') gets
+    the ``'auto'`` rule (:func:`vlmtrain.trainer.setup.dataloader_workers`: 4 on a CUDA machine with 6+ cores).
+    There the tiny model waits for its data: on one H100 (16 cores) the demo config ran 12-15 steps/s with 0
+    workers (data wait 55-60% of the time) and 37.7 with 4 (1.6%). On a CPU machine workers take cores from the
+    torch threads (on 2 cores, 4.6 vs 3.8-4.1 steps/s with 1 worker)."""
     import torch
 
+    from vlmtrain.trainer.setup import dataloader_workers
+
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    cpus = (os.cpu_count() or 1) if cpus is None else cpus
-    return 4 if configured == 0 and cuda and cpus >= 6 else configured
+    return dataloader_workers("auto" if configured in (0, "auto") else configured, cuda=cuda, cpus=cpus)
 
 
 def _write_report(run_dir: str) -> str:

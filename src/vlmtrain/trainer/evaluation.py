@@ -115,7 +115,7 @@ class EvaluationMixin:
         unpacked = getattr(self.data_collator, "without_packing", None)  # predictions line up with samples
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
                           collate_fn=unpacked() if unpacked else self.data_collator,
-                          num_workers=self.args.dataloader_num_workers,
+                          num_workers=self.dataloader_workers(),
                           pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
 
     def _eval_sharding(self, dataset: Any) -> str | None:
