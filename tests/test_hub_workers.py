@@ -12,7 +12,7 @@ import torch
 import yaml
 from PIL import Image
 
-from vlmtrain import run
+from vlmtrain import TrainingArguments, run
 from vlmtrain.config import load_run_config
 from vlmtrain.models.families import get_family
 from vlmtrain.trainer import setup
@@ -78,8 +78,9 @@ def test_auto_workers_rule():
 def test_auto_is_the_default_and_cpu_keeps_processing_in_the_main_process(tmp_path, checkpoint):
     _data(tmp_path)
     trainer = _trainer(tmp_path, checkpoint, "cpu")
-    assert trainer.args.dataloader_num_workers == "auto"
+    assert trainer.args.dataloader_num_workers == "auto"  # a config run's default
     assert trainer.get_train_dataloader().num_workers == 0
+    assert TrainingArguments().dataloader_num_workers == 0  # in Python: transformers' default
 
 
 def _batches(trainer):

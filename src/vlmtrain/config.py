@@ -241,6 +241,9 @@ def build_parser(prog: str = "vlmtrain train", description: str | None = None) -
                         help="YAML file with sections model, data, train. Later options override it.")
     for section, cls in SECTIONS.items():
         parser.add_class_arguments(cls, section)
+    # A config run processes its own data (Hub processors, images): workers on a GPU machine unless set.
+    # TrainingArguments in Python keeps transformers' 0.
+    parser.set_defaults({"train.dataloader_num_workers": "auto"})
     return parser
 
 

@@ -205,11 +205,12 @@ class ImplementedArguments:
     tf32: bool | None = None
     """On CUDA: allow (true) or forbid (false) TF32 matmuls and convolutions; None leaves torch's setting. Ignored
     with a warning on a machine without a GPU."""
-    dataloader_num_workers: int | str = "auto"
+    dataloader_num_workers: int | str = 0
     """Worker processes of the data loaders, or auto: on a CUDA machine min(4, CPU cores per process - 2), so
     that processing (Hub processor calls, image decoding and resizing, collation, skipped samples counted)
     runs beside the training step instead of inside it; 0 without a GPU, where workers would take the cores
-    the torch threads compute on. A number is used as given."""
+    the torch threads compute on. A number is used as given. Default: auto in a YAML run config
+    (`vlmtrain train`), 0 in Python (transformers' default)."""
     dataloader_pin_memory: bool = True
     """Pin host memory for faster copies to the accelerator (ignored on CPU)."""
     dataloader_drop_last: bool = False
