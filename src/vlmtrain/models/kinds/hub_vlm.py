@@ -42,12 +42,15 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     """The transformers VLM of a Hub id or directory (AutoModelForImageTextToText), with the family's module
     groups attached (module_learning_rates / LoRA aliases vision, projector, text); with ``stop_token_id``
     (the family's end of turn), generation stops there too. ``device``: load the weights straight onto it
-    (``device_map``), in ``torch_dtype``, never a float32 copy first."""
+    (``device_map``), in ``torch_dtype``, never a float32 copy first. A patch embedding Conv3d whose stride is
+    its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/patch_embed.py; same weights and
+    state dict)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
     from vlmtrain.models.meta import from_pretrained
+    from vlmtrain.models.patch_embed import linear_patch_embeddings
     from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
@@ -57,6 +60,7 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
+    linear_patch_embeddings(model)
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
     if family.image_tokens is not None:  # what the logged tflops count images by (trainer/flops.py)
@@ -245,9 +249,11 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
+    from vlmtrain.models.patch_embed import linear_patch_embeddings
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
+    linear_patch_embeddings(model)
     setattr(model, MODULE_GROUPS_ATTR, dict(family_of(checkpoint).module_groups))
     _stop_at(model, stop_token_id)
     return model
