@@ -51,7 +51,6 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     from vlmtrain.models.families import family_of
     from vlmtrain.models.meta import from_pretrained
     from vlmtrain.models.patch_embed import linear_patch_embeddings
-    from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
@@ -63,10 +62,21 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     linear_patch_embeddings(model)
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
-    if family.image_tokens is not None:  # what the logged tflops count images by (trainer/flops.py)
-        setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
+    _attach_flop_info(model, family)
     _stop_at(model, stop_token_id)
     return model
+
+
+def _attach_flop_info(model: Any, family: Any) -> None:
+    """What the logged tflops count a family's images and odd matmuls by (trainer/flops.py)."""
+    from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR, MATMUL_PARAMETERS_ATTR, WINDOWED_ATTENTION_ATTR
+
+    if family.image_tokens is not None:
+        setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
+    if family.windowed_attention is not None:
+        setattr(model, WINDOWED_ATTENTION_ATTR, family.windowed_attention(model.config))
+    if family.matmul_parameters:
+        setattr(model, MATMUL_PARAMETERS_ATTR, family.matmul_parameters)
 
 
 def _stop_at(model: Any, stop_token_id: int | None) -> None:
