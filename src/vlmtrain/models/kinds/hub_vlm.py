@@ -51,6 +51,7 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     from vlmtrain.models.families import family_of
     from vlmtrain.models.meta import from_pretrained
     from vlmtrain.models.patch_embed import linear_patch_embeddings
+    from vlmtrain.trainer.model_prep import REGIONAL_COMPILE_ATTR
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
@@ -63,6 +64,7 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
     _attach_flop_info(model, family)
+    setattr(model, REGIONAL_COMPILE_ATTR, True)  # train.torch_compile compiles each layer (trainer/model_prep.py)
     _stop_at(model, stop_token_id)
     return model
 
