@@ -126,7 +126,7 @@ def test_padded_and_packed_batches_count_real_tokens_and_documents(tmp_path, tok
     assert measured_packed > 1.05 * count(packed)  # the row-long masked attention and the row padding
 
 
-HUB_FAMILIES = ("qwen3_vl", "qwen2_5_vl", "idefics3", "llava_onevision", "gemma3")
+HUB_FAMILIES = ("qwen3_vl", "qwen2_5_vl", "idefics3", "smolvlm", "llava_onevision", "gemma3")
 
 
 def _tiny_hub(tmp_path, name):
@@ -136,8 +136,9 @@ def _tiny_hub(tmp_path, name):
     from vlmtrain.data.hub_processing import HubVLMProcessor
     from vlmtrain.models.families import get_family
 
-    family = get_family(name)
-    path = family.build_tiny(str(tmp_path / "ckpt"), seed=0)
+    family = get_family("idefics3" if name == "smolvlm" else name)
+    extra = {"model_type": "smolvlm"} if name == "smolvlm" else {}  # (SmolVLM2's model class)
+    path = family.build_tiny(str(tmp_path / "ckpt"), seed=0, **extra)
     if name == "gemma3":
         config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
         config["text_config"]["sliding_window"] = 512
@@ -153,7 +154,7 @@ def _hub_sample(sizes, i=0):
 @pytest.mark.parametrize("name", HUB_FAMILIES)
 def test_hub_vlm_step_matches_flop_counter(tmp_path, name):
     """Every Hub family (its image_tokens: Qwen patches from image_grid_thw and Qwen2.5-VL's windows, Idefics3's
-    real crops, LLaVA-OneVision's anyres views, Gemma 3's fixed view and bare projection weight), all trainable
+    real crops (SmolVLM2 too), LLaVA-OneVision's anyres views, Gemma 3's fixed view and bare projection weight), all trainable
     and frozen vision: a real step's FLOPs, exactly (eager attention, no padding); and a batch of mixed image
     sizes and a two-image sample counts exactly what its samples cost run one by one."""
     from vlmtrain.models.kinds.hub_vlm import load_model
