@@ -244,7 +244,8 @@ class ImplementedArguments:
     resume_from_checkpoint: str | None = None
     """Checkpoint dir to resume from, or 'true'/'latest' for the newest complete one in output_dir."""
     torch_compile: bool = False
-    """Compile the model with torch.compile before training."""
+    """Compile the model with torch.compile before training: a Hub VLM (model.kind hub_vlm) layer by layer (each
+    decoder layer and vision block compiled on its own), any other model whole."""
     torch_compile_backend: str | None = None
     """torch.compile's backend (e.g. inductor, aot_eager); setting it turns torch_compile on."""
     torch_compile_mode: str | None = None

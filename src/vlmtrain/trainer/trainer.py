@@ -50,7 +50,7 @@ from .callbacks import (
     TrainerCallback,
 )
 from .evaluation import EvaluationMixin
-from .model_prep import enable_activation_checkpointing, set_tf32
+from .model_prep import compile_model, enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
@@ -160,8 +160,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             freeze_zero_lr(self.model, args)
         # Before the optimizer: FSDP replaces the parameters.
         model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs())
-        if args.torch_compile:
-            model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
+        if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: model_prep.compile_model)
+            model = compile_model(self.model, model, args.torch_compile_backend or "inductor", args.torch_compile_mode)
         epochs = self._setup_training(loader)
         if resume is not None:
             self._load_checkpoint(resume)

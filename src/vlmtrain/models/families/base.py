@@ -52,8 +52,16 @@ class Family:
     save_pretrained, offline (tests, the demo, benchmarks)."""
     image_tokens: Callable[[Any, Mapping[str, Any]], list[tuple[int, int]]] | None = None
     """image_tokens(model config, batch) -> (patches the vision tower attends over, tokens the projector emits)
-    per image of the batch, for the logged tflops_per_second (trainer/flops.py). None: not counted (no tflops
-    for this family: its vision attention or projector is not a per-image full attention + per-token map)."""
+    per image of the batch (a crop or tile counts as an image when the vision tower sees it alone), for the
+    logged tflops_per_second (trainer/flops.py); with ``windowed_attention``, a third value per image: its
+    query-key pairs in one windowed layer. None: not counted (no tflops for this family)."""
+    windowed_attention: Callable[[Any], tuple[str, ...]] | None = None
+    """windowed_attention(model config) -> names of the vision attention modules that attend within windows of an
+    image rather than over all of it (Qwen2.5-VL), for the FLOP count. None: every vision layer attends over the
+    whole image."""
+    matmul_parameters: tuple[str, ...] = ()
+    """Parameters applied as a matmul weight outside nn.Linear / nn.Conv modules (Gemma 3's projector weight),
+    for the FLOP count."""
     image_size: Callable[[Any, int | None, int | None, int | None], None] | None = None
     """image_size(processor, max_pixels, min_pixels, max_image_tokens) bounds, in place, how large the
     processor resizes each image (``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens``; None: the

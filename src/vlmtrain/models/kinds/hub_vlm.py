@@ -70,14 +70,17 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     groups attached (module_learning_rates / LoRA aliases vision, projector, text) and a ``loss_only`` forward
     (models/lm_loss.enable_lm_loss); with ``stop_token_id``
     (the family's end of turn), generation stops there too. ``device``: load the weights straight onto it
-    (``device_map``), in ``torch_dtype``, never a float32 copy first."""
+    (``device_map``), in ``torch_dtype``, never a float32 copy first. A patch embedding Conv3d whose stride is
+    its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/patch_embed.py; same weights and
+    state dict)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
     from vlmtrain.models.lm_loss import enable_lm_loss
     from vlmtrain.models.meta import from_pretrained
-    from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR
+    from vlmtrain.models.patch_embed import linear_patch_embeddings
+    from vlmtrain.trainer.model_prep import REGIONAL_COMPILE_ATTR
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
@@ -86,13 +89,26 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
+    linear_patch_embeddings(model)
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
-    if family.image_tokens is not None:  # what the logged tflops count images by (trainer/flops.py)
-        setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
+    _attach_flop_info(model, family)
+    setattr(model, REGIONAL_COMPILE_ATTR, True)  # train.torch_compile compiles each layer (trainer/model_prep.py)
     _stop_at(model, stop_token_id)
     enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/lm_loss.py)
     return model
+
+
+def _attach_flop_info(model: Any, family: Any) -> None:
+    """What the logged tflops count a family's images and odd matmuls by (trainer/flops.py)."""
+    from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR, MATMUL_PARAMETERS_ATTR, WINDOWED_ATTENTION_ATTR
+
+    if family.image_tokens is not None:
+        setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
+    if family.windowed_attention is not None:
+        setattr(model, WINDOWED_ATTENTION_ATTR, family.windowed_attention(model.config))
+    if family.matmul_parameters:
+        setattr(model, MATMUL_PARAMETERS_ATTR, family.matmul_parameters)
 
 
 def _stop_at(model: Any, stop_token_id: int | None) -> None:
@@ -282,9 +298,11 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
+    from vlmtrain.models.patch_embed import linear_patch_embeddings
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
+    linear_patch_embeddings(model)
     setattr(model, MODULE_GROUPS_ATTR, dict(family_of(checkpoint).module_groups))
     _stop_at(model, stop_token_id)
     return model
