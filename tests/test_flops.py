@@ -79,9 +79,12 @@ def _train_one_step(tmp_path, model, samples, collator, **args):
 
 
 def _alone(model, batch):
-    """FlopCounterMode's FLOPs of forward + backward of a batch."""
+    """FlopCounterMode's FLOPs of forward + backward of a batch, as a training step runs it (the LM head at the
+    targets only where the model takes loss_only)."""
     model.zero_grad(set_to_none=True)
     inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and not k.startswith("prompt_")}
+    if getattr(model, "vlmtrain_accepts_loss_only", False):
+        inputs["loss_only"] = True
     mode = FlopCounterMode(display=False)
     with mode:
         model(**inputs)["loss"].backward()

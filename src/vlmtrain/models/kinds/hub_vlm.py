@@ -22,6 +22,10 @@ def check(cfg: Any) -> None:
                           "or a local directory written by save_pretrained.")
     if cfg.data.packing:
         check_packing(cfg)
+    elif cfg.data.pack_window:  # (never a silent padded run)
+        raise ConfigError(f"data.pack_window={cfg.data.pack_window} packs rows, but Hub VLM batches are packed only "
+                          f"with data.packing: true (got {cfg.data.packing!r}). Set data.packing: true, or drop "
+                          f"data.pack_window.")
     if m.heads is not None:
         from vlmtrain.models.heads import parse_heads
 
