@@ -121,8 +121,15 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     return _train(cfg)[1]
 
 
-def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
+def _train(cfg: RunConfig, console: Any = None) -> tuple[Any, dict[str, Any]]:
+    """console: a callback that replaces the progress bar and log lines (the demo's EvalLinesCallback)."""
     trainer = build(cfg)
+    if console is not None:
+        from vlmtrain.trainer import PrinterCallback, ProgressCallback
+
+        trainer.pop_callback(ProgressCallback)
+        trainer.pop_callback(PrinterCallback)
+        trainer.add_callback(console)
     if trainer.rank == 0:
         save_run_config(cfg, cfg.train.output_dir)
     out = trainer.train(resume_from_checkpoint=resume_arg(cfg.train.resume_from_checkpoint))
@@ -236,9 +243,9 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
         cfg.train.dataloader_num_workers = demo_workers(cfg.train.dataloader_num_workers)
     workers = cfg.train.dataloader_num_workers
     start = time.perf_counter()
-    trainer, metrics = _train(cfg)
-    out = cfg.train.output_dir
     source = get_source(cfg.data.source)
+    trainer, metrics = _train(cfg, console=demo_console(cfg))
+    out = cfg.train.output_dir
     if source.demo_report is not None:
         report = source.demo_report(trainer, metrics)
     else:
@@ -259,6 +266,17 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
           f"  report:      {_write_report(out)}\n"
           f"  next: vlmtrain eval --config {path} --checkpoint {out}")
     return metrics
+
+
+def demo_console(cfg: RunConfig) -> Any:
+    """What the demo prints while it trains: the progress bar and one line per evaluation, with the data
+    source's summary and, for eval sets the training data has not asked yet (a warm-up), why they are at 0."""
+    from vlmtrain.data.registry import get_source
+    from vlmtrain.logging.console import EvalLinesCallback
+
+    source = get_source(cfg.data.source)
+    untrained = (lambda step: source.untrained(cfg.data, step)) if source.untrained is not None else None
+    return EvalLinesCallback(summary=source.summary, untrained=untrained)
 
 
 def demo_workers(configured: int, cuda: bool | None = None, cpus: int | None = None) -> int:
