@@ -185,6 +185,20 @@ def test_demo_console_is_the_bar_a_line_per_evaluation_and_the_table(tmp_path, c
     assert "held-out exact match" in out.out and "blank images" in out.out
 
 
+def test_eval_line_of_one_eval_set_and_of_named_sets():
+    from vlmtrain.logging.console import eval_line
+
+    assert eval_line(500, {"eval_loss": 0.25, "eval_exact_match": 0.875, "eval_samples": 8}, 1000) == \
+        "[step 500/1000] eval exact match 0.875, loss 0.250"
+    assert eval_line(7, {"eval_loss": 1.5, "eval_runtime": 2.0}) == "[step 7] eval loss 1.500"
+    named = {"eval_a_loss": 1.0, "eval_a_exact_match": 0.5, "eval_a_samples": 2, "eval_b_loss": 2.0,
+             "eval_b_exact_match": 0.0, "eval_b_samples": 2, "eval_loss": 1.5, "eval_exact_match": 0.25}
+    assert eval_line(4, named, 8, summary=lambda m, p: {f"{p}_mean_exact_match": 0.25, f"{p}_x_loss": 9.0},
+                     untrained={"b": "data.k: 5", "c": "not an eval set"}) == (
+        "[step 4/8] eval exact match 0.250, loss 1.500 | mean 0.250 | a 0.500, b 0.000*\n"
+        "  * by design, not asked in training yet (a warm-up curriculum, see docs/own-vlm.md): b (data.k: 5)")
+
+
 @pytest.mark.parametrize("options", [
     {"lookup_warmup_steps": 3, "side_warmup_steps": 2, "side_fraction": 0.4, "questions_per_sample": 3},
     {"side_fraction": 1.0, "multi_image_fraction": 0.0},

@@ -17,7 +17,7 @@ Summary = Callable[[dict[str, Any], str], dict[str, float]]
 def eval_sets(metrics: dict[str, Any], prefix: str = "eval") -> list[str]:
     """The named eval sets of an evaluation (a dict of eval datasets logs `<prefix>_<set>_samples` per set)."""
     pattern = re.compile(rf"^{re.escape(prefix)}_(.+)_samples$")
-    return [m.group(1) for m in map(pattern.match, metrics) if m]
+    return [m.group(1) for m in map(pattern.match, metrics) if m and not m.group(1).startswith("skipped_")]
 
 
 def eval_line(step: int, metrics: dict[str, Any], max_steps: int | None = None, summary: Summary | None = None,
