@@ -226,10 +226,11 @@ def _summary(cfg: RunConfig, metrics: dict[str, Any]) -> dict[str, float]:
 def demo(output_dir: str | None = None, config: str | None = None, seed: int | None = None,
          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU, showing the
-    progress bar and a line per evaluation (:func:`demo_console`), and print the results (per question type and against blank images for shapes-VQA, with examples), the time spent
-    and where everything went (on a CUDA machine with data-loader workers: :func:`demo_workers`). ``seed``
-    sets both train.seed (initialization) and data.seed (the questions); ``overrides``
-    ({'train.eval_strategy': 'no'}, ...) win over the config, the seed and the workers."""
+    progress bar and a line per evaluation (:func:`demo_console`), and print the results (per question type
+    and against blank images for shapes-VQA, with examples), the time spent and where everything went (on a
+    CUDA machine with data-loader workers: :func:`demo_workers`). ``seed`` sets both train.seed
+    (initialization) and data.seed (the questions); ``overrides`` ({'train.eval_strategy': 'no'}, ...) win
+    over the config, the seed and the workers."""
     from vlmtrain.data.registry import get_source
 
     path = Path(config) if config else find_demo_config()
