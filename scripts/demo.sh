@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The demo command: install what is needed, then train the demo model and print where its results are.
+# The demo command: install the core (what the demo needs; VLMTRAIN_EXTRAS adds extras), then train the demo
+# model and print where its results are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

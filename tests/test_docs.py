@@ -106,3 +106,34 @@ def test_a_broken_link_or_a_page_outside_the_nav_fails_the_build_naming_the_file
     assert done.returncode != 0
     assert "data.md" in out and "no-such-page.md" in out, out
     assert "orphan.md" in out, out
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading anchors of a Markdown page as the site builds them (the toc extension's slugs)."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in headings}
+
+
+def _named_pages(text: str) -> list[str]:
+    return re.findall(r"docs/[\w/-]+\.md(?:#[\w-]+)?", text)
+
+
+def test_vlmtrain_help_and_every_command_help_name_their_docs_page(capsys):
+    """`vlmtrain --help` names each command's page, and `vlmtrain COMMAND --help` its own: every named page is
+    a file in docs/ and every #anchor one of its headings."""
+    from vlmtrain.cli import COMMANDS, DOCS, main
+
+    assert main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert set(DOCS) == set(COMMANDS)
+    for command in COMMANDS:
+        assert main([command, "--help"]) == 0
+        own = capsys.readouterr().out
+        first = DOCS[command].split()[0]
+        assert f"Documentation: {first}" in own, (command, own)
+        assert f"docs: {DOCS[command]}" in usage
+        for named in _named_pages(own):
+            path, _, anchor = named.partition("#")
+            assert (ROOT / path).is_file(), f"vlmtrain {command} --help names {path}, which does not exist"
+            assert not anchor or anchor in _anchors(ROOT / path), f"{path} has no heading #{anchor}"
+    assert len(_named_pages(usage)) >= len(COMMANDS) + 1 and "docs/index.md" in usage

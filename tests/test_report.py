@@ -151,6 +151,36 @@ def test_async_rows_are_marked_and_ordered(tmp_path):
     assert "No eval_samples_step_N.jsonl" in page
 
 
+def test_shapes_report_shows_blank_image_and_chance_baselines_beside_the_scores(tmp_path):
+    """The demo logs an evaluation with blank images (blank_* keys); the report puts it and the data source's
+    chance values in columns beside the model's scores, with the single-/multi-image means of each."""
+    from vlmtrain.tasks.shapes import CHANCE, MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
+
+    model = {q: 0.5 + i / 20 for i, q in enumerate(QTYPES)}
+    blank = {q: i / 100 for i, q in enumerate(QTYPES)}
+    rows = [{"step": 4, "loss": 1.0},
+            *({"step": 4, f"eval_{q}_exact_match": v, f"eval_{q}_samples": 2} for q, v in model.items()),
+            {"step": 4, "eval_exact_match": 0.6, "eval_loss": 1.0, "eval_samples": 14},
+            *({"step": 4, f"blank_{q}_exact_match": v} for q, v in blank.items())]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"data": {"source": "shapes"}}))
+    page = Path(write_report(str(tmp_path))).read_text()
+    header = re.search(r"<thead>.*?</thead>", page, re.S).group(0)
+    assert re.findall(r'<th class="baseline">([^<]+)</th>', header) == ["blank images (step 4)", "chance"]
+
+    def row(name: str) -> list[str]:
+        cells = re.search(rf"<tr><td>eval_{name}</td>(.*?)</tr>", page).group(1)
+        return re.findall(r"<td[^>]*>([^<]*)</td>", cells)
+
+    for q in QTYPES:
+        assert row(f"{q}_exact_match") == [plot.format_number(v) for v in (model[q], blank[q], CHANCE[q])]
+    single = [sum(d[q] for q in SINGLE_IMAGE_QTYPES) / len(SINGLE_IMAGE_QTYPES) for d in (model, blank, CHANCE)]
+    assert row("single_image_exact_match") == [plot.format_number(v) for v in single]
+    multi = sum(CHANCE[q] for q in MULTI_IMAGE_QTYPES) / len(MULTI_IMAGE_QTYPES)
+    assert row("multi_image_exact_match")[2] == plot.format_number(multi)
+    assert row("exact_match") == ["0.6", "", plot.format_number(sum(CHANCE.values()) / len(CHANCE))]
+
+
 def test_bad_input_gives_a_clear_error_or_skip(tmp_path, capsys):
     with pytest.raises(ConfigError, match="no metrics.jsonl"):
         write_report(str(tmp_path))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -228,6 +229,24 @@ def test_generate_cache_matches_no_cache_and_per_sample():
     hf = model.decoder.generate(inputs_embeds=model.embed(ids, pixels), attention_mask=mask, max_new_tokens=8,
                                 do_sample=False, eos_token_id=None, pad_token_id=PAD)
     assert torch.equal(hf, cached[:, ids.shape[1]:])
+
+
+def test_generate_with_a_cache_logs_no_deprecation(monkeypatch):
+    """The KV-cache loop uses the decoder's own name for the cache: no transformers deprecation line on the
+    console of every evaluation (the demo's included)."""
+    import transformers.utils.logging as hf_logging
+
+    said = []
+    monkeypatch.setattr(hf_logging.logging.Logger, "warning", lambda self, msg, *a, **k: said.append(str(msg)))
+    hf_logging.warning_once.cache_clear()  # a warning another test already triggered would not show again
+    model = tiny_vlm(seed=1)
+    ids, mask = pad([sample(1, 2, 3)], "left")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model.generate(ids, mask, torch.randn(1, 3, 32, 32), max_new_tokens=3, eos_token_id=[])
+    assert out.shape == (1, ids.shape[1] + 3)
+    said += [str(w.message) for w in caught]
+    assert not [m for m in said if "deprecated" in m], said
 
 
 def test_generate_stops_at_eos_per_sample():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -156,6 +158,70 @@ def test_demo_report_for_a_shapes_config(tmp_path, capsys):
     assert report.is_file() and f"report:      {report}" in printed and "step 2:" in report.read_text()
     with pytest.raises(ConfigError, match="does not exist"):
         run.demo(config=str(tmp_path / "nope.yaml"))
+
+
+def test_demo_console_is_the_bar_a_line_per_evaluation_and_the_table(tmp_path, capsys):
+    """While the demo trains it prints one line per evaluation (headline numbers, no line per log or per eval
+    set), marks a type the warm-up has not asked yet and says why, and starts without library warnings."""
+    _config(tmp_path, data={"lookup_warmup_steps": 2, "side_fraction": 0.5, "num_eval": 2},
+            train={"max_steps": 4, "eval_steps": 2, "save_steps": 4, "disable_tqdm": False})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = run.demo(config=str(tmp_path / "cfg.yaml"))
+    assert not [str(w.message) for w in caught if "deprecated" in str(w.message)]
+    out = capsys.readouterr()
+    lines = [line for line in out.out.splitlines() if line.strip()]
+    evals = [line for line in lines if line.startswith("[step ")]
+    assert [line.split("]")[0] for line in evals] == ["[step 2/4", "[step 4/4"], evals
+    assert f"eval exact match {metrics['eval_exact_match']:.3f}, loss {metrics['eval_loss']:.3f}" in evals[1]
+    assert f"single-image {metrics['eval_single_image_exact_match']:.3f}" in evals[1]
+    for q in QTYPES:
+        assert f"{q} {metrics[f'eval_{q}_exact_match']:.3f}" in evals[1]
+    note = lines[lines.index(evals[0]) + 1]  # steps 0-1 asked look-up questions only: no count question yet
+    assert re.search(r" count \d\.\d{3}\*,", evals[0]) and evals[0].count("*") == 1 and "*" not in evals[1]
+    assert note.startswith("  * by design, not asked in training yet") and "count (data.lookup_warmup_steps: 2" in note
+    assert lines[lines.index(evals[1]) + 1].startswith("vlmtrain demo (")  # then the final table
+    assert not [line for line in lines if "loss=" in line or line.startswith("[step") and "blank" in line]
+    assert "held-out exact match" in out.out and "blank images" in out.out
+
+
+def test_eval_line_of_one_eval_set_and_of_named_sets():
+    from vlmtrain.logging.console import eval_line
+
+    assert eval_line(500, {"eval_loss": 0.25, "eval_exact_match": 0.875, "eval_samples": 8}, 1000) == \
+        "[step 500/1000] eval exact match 0.875, loss 0.250"
+    assert eval_line(7, {"eval_loss": 1.5, "eval_runtime": 2.0}) == "[step 7] eval loss 1.500"
+    named = {"eval_a_loss": 1.0, "eval_a_exact_match": 0.5, "eval_a_samples": 2, "eval_b_loss": 2.0,
+             "eval_b_exact_match": 0.0, "eval_b_samples": 2, "eval_loss": 1.5, "eval_exact_match": 0.25}
+    assert eval_line(4, named, 8, summary=lambda m, p: {f"{p}_mean_exact_match": 0.25, f"{p}_x_loss": 9.0},
+                     untrained={"b": "data.k: 5", "c": "not an eval set"}) == (
+        "[step 4/8] eval exact match 0.250, loss 1.500 | mean 0.250 | a 0.500, b 0.000*\n"
+        "  * by design, not asked in training yet (a warm-up curriculum, see docs/own-vlm.md): b (data.k: 5)")
+
+
+@pytest.mark.parametrize("options", [
+    {"lookup_warmup_steps": 3, "side_warmup_steps": 2, "side_fraction": 0.4, "questions_per_sample": 3},
+    {"side_fraction": 1.0, "multi_image_fraction": 0.0},
+    {"multi_image_fraction": 1.0, "lookup_warmup_steps": 2},
+])
+def test_shapes_questions_asked_before_a_step_are_what_the_training_items_ask(options):
+    """qtypes_asked_before(step), which the demo uses to explain a type at 0 by design, is exactly the set of
+    question types (first questions and extra turns) that training items of the steps before ask."""
+    train = ShapesVQA("train", 400, seed=0, **options)
+    for step in (1, 2, 3, 4, 6):
+        drawn = {q for at in range(step) for i in range(0, 400, 2) for q in train.get_item_at_step(i, at)["turn_qtypes"]}
+        assert drawn == train.qtypes_asked_before(step), (step, options)
+    assert train.qtypes_asked_before(0) == set()
+
+
+def test_demo_names_the_types_a_warm_up_has_not_asked(tmp_path):
+    from vlmtrain.tasks.shapes_source import untrained
+
+    data = _config(tmp_path, data={"lookup_warmup_steps": 1000, "side_fraction": 0.4}).data
+    assert set(untrained(data, 1000)) == {"count"} and "data.lookup_warmup_steps: 1000" in untrained(data, 1000)["count"]
+    assert untrained(data, 1001) == {} and untrained(data, 0) == {}
+    data = _config(tmp_path, data={"multi_image_fraction": 0.0}).data
+    assert set(untrained(data, 5)) == {"multi_count", "multi_color", "side"}
 
 
 def test_demo_examples_show_right_and_wrong_answers_per_type():

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vlmtrain.config import ConfigError, build_parser, parse_with
+from vlmtrain.config import ConfigError, build_parser, help_formatter, parse_with
 
 COMMANDS = {
     "train": "Train a model: vlmtrain train --config FILE.yaml [--nproc N] [--train.learning_rate 3e-4 ...]",
@@ -31,20 +31,40 @@ COMMANDS = {
     "sync": "Replay RUN_DIR/metrics.jsonl into a tracker: vlmtrain sync RUN_DIR --to wandb|mlflow|trackio|tensorboard "
             "[--project P] [--run-name N]",
 }
+# Each command's page in the documentation (docs/ of the repository; `mkdocs serve` renders it as a site).
+DOCS = {
+    "train": "docs/trainer.md#from-the-command-line (every key: docs/configuration.md)",
+    "eval": "docs/evaluation.md#evaluation",
+    "predict": "docs/hub-vlms.md#inference",
+    "generate": "docs/own-vlm.md#generation-and-evaluation",
+    "demo": "docs/own-vlm.md#the-demo",
+    "export": "docs/hub-vlms.md#export",
+    "data": "docs/data.md",
+    "report": "docs/evaluation.md#the-run-report",
+    "sync": "docs/evaluation.md#trackers",
+}
 _CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
                     "or 'latest' for the newest checkpoint in train.output_dir.")
 
 
 def _usage() -> str:
     lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data,report,sync} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
-    lines += [f"  {name:<8} {text}" for name, text in COMMANDS.items()]
+    for name, text in COMMANDS.items():
+        lines += [f"  {name:<8} {text}", f"  {'':<8} docs: {DOCS[name]}"]
+    lines += ["", "Documentation: docs/index.md in the repository, one page per topic "
+              "(pip install -e '.[docs]' && mkdocs serve: the same pages as a site)."]
     return "\n".join(lines)
+
+
+def _description(command: str) -> str:
+    """A command's --help text: what it does, and its page in the documentation."""
+    return f"{COMMANDS[command]}\nDocumentation: {DOCS[command]}"
 
 
 def _parse(command: str, argv: list[str], checkpoint: str | None = None,
            extra: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
     """checkpoint: None (no --checkpoint option), 'optional' or 'required'; extra adds options to the parser."""
-    parser = build_parser(prog=f"vlmtrain {command}", description=COMMANDS[command])
+    parser = build_parser(prog=f"vlmtrain {command}", description=_description(command))
     if checkpoint:
         parser.add_argument("--checkpoint", type=str | None, default=None, help=_CHECKPOINT_HELP)
     if extra is not None:
@@ -181,7 +201,7 @@ def _parse_predict_data(argv: list[str]) -> Any:
     """Options of ``vlmtrain predict --checkpoint DIR --data ...`` (no config: the checkpoint says it all)."""
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain predict", description=COMMANDS["predict"],
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain predict", description=_description("predict"), formatter_class=help_formatter(),
                                          exit_on_error=False, allow_abbrev=False)
     parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP.replace(
         ", or 'latest' for the newest checkpoint in train.output_dir", ", or an exported folder"))
@@ -211,7 +231,7 @@ def _parse_predict_data(argv: list[str]) -> Any:
 def _demo(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain demo", description=COMMANDS["demo"], exit_on_error=False,
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain demo", description=_description("demo"), formatter_class=help_formatter(), exit_on_error=False,
                                          allow_abbrev=False)
     parser.add_argument("--output-dir", "--output_dir", type=str | None, default=None,
                         help="Where to write checkpoints, metrics.jsonl and config.yaml (default: the config's).")
@@ -233,7 +253,7 @@ def _demo(argv: list[str]) -> int:
 def _generate(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain generate", description=COMMANDS["generate"],
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain generate", description=_description("generate"), formatter_class=help_formatter(),
                                          exit_on_error=False, allow_abbrev=False)
     parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP)
     parser.add_argument("--prompt", type=str, required=True, help="The question or text to continue.")
@@ -254,7 +274,7 @@ def _generate(argv: list[str]) -> int:
 def _export(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain export", description=COMMANDS["export"],
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain export", description=_description("export"), formatter_class=help_formatter(),
                                          exit_on_error=False, allow_abbrev=False)
     parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP)
     parser.add_argument("--output-dir", "--output_dir", type=str | None, default=None,
@@ -287,7 +307,7 @@ def _export(argv: list[str]) -> int:
 def _data(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain data", description=COMMANDS["data"], exit_on_error=False)
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain data", description=_description("data"), formatter_class=help_formatter(), exit_on_error=False)
     sub = parser.add_subcommands(required=True, dest="tool")
     src_help = "shapes[:N], a .jsonl file/glob, .tar shards (path, glob or {000..009}) or a load_from_disk dir"
     to_wds = jsonargparse.ArgumentParser(description="Write a source as WebDataset tar shards (KEY.json + KEY.N.png).")
@@ -322,7 +342,7 @@ def _data(argv: list[str]) -> int:
 def _report(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain report", description=COMMANDS["report"],
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain report", description=_description("report"), formatter_class=help_formatter(),
                                          exit_on_error=False, allow_abbrev=False)
     parser.add_argument("run_dir", type=str, help="A run's train.output_dir (holding metrics.jsonl).")
     parser.add_argument("--max-cards", "--max_cards", type=int, default=48,
@@ -342,7 +362,7 @@ def _sync(argv: list[str]) -> int:
 
     from vlmtrain.logging.trackers import TRACKERS
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain sync", description=COMMANDS["sync"], exit_on_error=False,
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain sync", description=_description("sync"), formatter_class=help_formatter(), exit_on_error=False,
                                          allow_abbrev=False)
     parser.add_argument("run_dir", type=str, help="A run's train.output_dir (holding metrics.jsonl).")
     parser.add_argument("--to", type=str, required=True, help=f"The tracker: {', '.join(TRACKERS)}.")

@@ -229,6 +229,22 @@ SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": 
 
 
 # -- parsing -------------------------------------------------------------------------------------------
+def help_formatter() -> type:
+    """The --help formatter of every vlmtrain command: jsonargparse's, except that a description keeps its
+    lines and wraps without breaking at hyphens (a docs path such as docs/own-vlm.md stays whole)."""
+    import textwrap
+
+    import jsonargparse
+
+    class HelpFormatter(jsonargparse.DefaultHelpFormatter):
+        def _fill_text(self, text: str, width: int, indent: str) -> str:
+            return "\n".join(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent,
+                                            break_on_hyphens=False, break_long_words=False)
+                              for line in text.splitlines())
+
+    return HelpFormatter
+
+
 def build_parser(prog: str = "vlmtrain train", description: str | None = None) -> Any:
     """A jsonargparse parser with --config FILE and one option per key (--train.learning_rate ...)."""
     import jsonargparse
@@ -236,7 +252,7 @@ def build_parser(prog: str = "vlmtrain train", description: str | None = None) -
     # Field docstrings (the string under each field) become the --help text of each key.
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = jsonargparse.ArgumentParser(prog=prog, description=description, exit_on_error=False,
-                                         allow_abbrev=False)
+                                         allow_abbrev=False, formatter_class=help_formatter())
     parser.add_argument("--config", action=jsonargparse.ActionConfigFile,
                         help="YAML file with sections model, data, train. Later options override it.")
     for section, cls in SECTIONS.items():

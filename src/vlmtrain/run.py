@@ -123,8 +123,15 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     return _train(cfg)[1]
 
 
-def _train(cfg: RunConfig) -> tuple[Any, dict[str, Any]]:
+def _train(cfg: RunConfig, console: Any = None) -> tuple[Any, dict[str, Any]]:
+    """console: a callback that replaces the progress bar and log lines (the demo's EvalLinesCallback)."""
     trainer = build(cfg)
+    if console is not None:
+        from vlmtrain.trainer import PrinterCallback, ProgressCallback
+
+        trainer.pop_callback(ProgressCallback)
+        trainer.pop_callback(PrinterCallback)
+        trainer.add_callback(console)
     if trainer.rank == 0:
         save_run_config(cfg, cfg.train.output_dir)
     out = trainer.train(resume_from_checkpoint=resume_arg(cfg.train.resume_from_checkpoint))
@@ -220,11 +227,12 @@ def _summary(cfg: RunConfig, metrics: dict[str, Any]) -> dict[str, float]:
 
 def demo(output_dir: str | None = None, config: str | None = None, seed: int | None = None,
          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU and print
-    the results (per question type and against blank images for shapes-VQA, with examples), the time spent
-    and where everything went (on a CUDA machine with data-loader workers: :func:`demo_workers`). ``seed``
-    sets both train.seed (initialization) and data.seed (the questions); ``overrides``
-    ({'train.eval_strategy': 'no'}, ...) win over the config, the seed and the workers."""
+    """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU, showing the
+    progress bar and a line per evaluation (:func:`demo_console`), and print the results (per question type
+    and against blank images for shapes-VQA, with examples), the time spent and where everything went (on a
+    CUDA machine with data-loader workers: :func:`demo_workers`). ``seed`` sets both train.seed
+    (initialization) and data.seed (the questions); ``overrides`` ({'train.eval_strategy': 'no'}, ...) win
+    over the config, the seed and the workers."""
     from vlmtrain.data.registry import get_source
 
     path = Path(config) if config else find_demo_config()
@@ -238,9 +246,9 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
         cfg.train.dataloader_num_workers = demo_workers(cfg.train.dataloader_num_workers)
     workers = cfg.train.dataloader_num_workers
     start = time.perf_counter()
-    trainer, metrics = _train(cfg)
-    out = cfg.train.output_dir
     source = get_source(cfg.data.source)
+    trainer, metrics = _train(cfg, console=demo_console(cfg))
+    out = cfg.train.output_dir
     if source.demo_report is not None:
         report = source.demo_report(trainer, metrics)
     else:
@@ -261,6 +269,17 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
           f"  report:      {_write_report(out)}\n"
           f"  next: vlmtrain eval --config {path} --checkpoint {out}")
     return metrics
+
+
+def demo_console(cfg: RunConfig) -> Any:
+    """What the demo prints while it trains: the progress bar and one line per evaluation, with the data
+    source's summary and, for eval sets the training data has not asked yet (a warm-up), why they are at 0."""
+    from vlmtrain.data.registry import get_source
+    from vlmtrain.logging.console import EvalLinesCallback
+
+    source = get_source(cfg.data.source)
+    untrained = (lambda step: source.untrained(cfg.data, step)) if source.untrained is not None else None
+    return EvalLinesCallback(summary=source.summary, untrained=untrained)
 
 
 def demo_workers(configured: int | str, cuda: bool | None = None, cpus: int | None = None) -> int:

@@ -42,6 +42,12 @@ class DataSource:
     """summary(metrics, prefix) -> extra metrics computed from an evaluation's (e.g. group means)."""
     demo_report: Callable[[Any, dict[str, Any]], str] | None = None
     """demo_report(trainer, metrics) -> the text `vlmtrain demo` prints for this source."""
+    untrained: Callable[[Any, int], dict[str, str]] | None = None
+    """untrained(data_config, step) -> {eval set: why the training data has not asked its kind of question in
+    steps 0 to step - 1}: a set at 0 there is by design (e.g. a warm-up curriculum), and the demo says so."""
+    chance: Callable[[], dict[str, float]] | None = None
+    """chance() -> {metric without its prefix: its value for random answers}, e.g. {'color_exact_match': 1/6}:
+    the run report shows it next to the model's scores."""
 
 
 def get_source(name: str) -> DataSource:

@@ -172,8 +172,43 @@ def _format(value: Any) -> str:
     return str(int(number)) if number.is_integer() and abs(number) < 1e6 else plot.format_number(number)
 
 
-def eval_table(records: list[EvalRecord]) -> str:
-    """Metrics as rows, evaluated steps as columns (a run has few evaluations and many metrics)."""
+def baselines(rows: list[dict[str, Any]], run_dir: str) -> dict[str, dict[str, float]]:
+    """Column title -> {metric without `eval_`: value} to show beside the model's scores: the blank-image
+    evaluation the shapes demo logs (`blank_*` keys, its last step) and the data source's chance values."""
+    source = _source(run_dir)
+    out: dict[str, dict[str, float]] = {}
+    blank_rows = [r for r in rows if any(k.startswith("blank_") for k in r)]
+    if blank_rows:
+        step = max(int(r["step"]) for r in blank_rows)
+        blank = {k: v for r in blank_rows if int(r["step"]) == step for k, v in r.items() if k.startswith("blank_")}
+        if source is not None and source.summary is not None:
+            blank.update(source.summary(blank, "blank"))
+        out[f"blank images (step {step})"] = {k[len("blank_"):]: v for k, v in blank.items()
+                                               if _number(v) is not None}
+    if source is not None and source.chance is not None:
+        out["chance"] = source.chance()
+    return out
+
+
+def _source(run_dir: str) -> Any:
+    """The data source (vlmtrain.data.registry) named by RUN_DIR/config.yaml, or None."""
+    import yaml
+
+    from vlmtrain.data.registry import SOURCES, get_source
+
+    path = os.path.join(run_dir, "config.yaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            name = ((yaml.safe_load(f) or {}).get("data") or {}).get("source")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    return get_source(name) if name in SOURCES else None
+
+
+def eval_table(records: list[EvalRecord], baseline: dict[str, dict[str, float]] | None = None) -> str:
+    """Metrics as rows, evaluated steps as columns (a run has few evaluations and many metrics); then one
+    column per baseline (title -> {metric without `eval_`: value}), e.g. blank images and chance."""
+    baseline = baseline or {}
     head = ["<th>metric</th>"]
     for r in records:
         tag = ('<span class="tag async">async</span>' if r.is_async else '<span class="tag inline">inline</span>')
@@ -182,6 +217,7 @@ def eval_table(records: list[EvalRecord]) -> str:
         notes = "".join(f'<br><span class="note" title="{html.escape(n)}">{html.escape(n[:60])}</span>'
                         for n in r.notes)
         head.append(f"<th>step {r.step} {tag}{ckpt}{extra}{notes}</th>")
+    head += [f'<th class="baseline">{html.escape(title)}</th>' for title in baseline]
     names = {k[len("eval_"):] for r in records for k in r.metrics}
     groups = metric_groups(n for n in names if _charted(n))
     other = sorted(n for n in names if n in _NOT_CHARTED or n.startswith("skipped_"))  # not per set: noise
@@ -190,9 +226,11 @@ def eval_table(records: list[EvalRecord]) -> str:
     body = []
     for base, members in groups.items():
         if len(members) > 1:
-            body.append(f'<tr class="group"><td colspan="{len(records) + 1}">{html.escape(base)}</td></tr>')
+            body.append(f'<tr class="group"><td colspan="{len(records) + len(baseline) + 1}">'
+                        f'{html.escape(base)}</td></tr>')
         for name in sorted(members, key=lambda n: (n != base, n)):
             cells = "".join(f"<td>{_format(r.metrics.get(f'eval_{name}'))}</td>" for r in records)
+            cells += "".join(f'<td class="baseline">{_format(values.get(name))}</td>' for values in baseline.values())
             body.append(f"<tr><td>eval_{html.escape(name)}</td>{cells}</tr>")
     return (f'<div class="table-wrap"><table class="metrics"><thead><tr>{"".join(head)}</tr></thead>'
             f'<tbody>{"".join(body)}</tbody></table></div>')
@@ -219,13 +257,18 @@ def write_report(run_dir: str, max_cards: int = MAX_CARDS) -> str:
                           "that logged at least once).")
     rows, bad = read_jsonl(metrics_path)
     records = eval_records(rows, run_dir)
+    source = _source(run_dir)
+    if source is not None and source.summary is not None:  # e.g. shapes' single-/multi-image means
+        for record in records:
+            record.metrics = {**source.summary(record.metrics, "eval"), **record.metrics}
     train = [(title, plot.line_chart(title, series)) for title, series in train_series(rows).items()]
     evals = eval_charts(records)
     plot.grid([chart for _, chart in train + evals]).save(os.path.join(run_dir, "curves.png"), optimize=True)
     warnings = [f"metrics.jsonl: {bad} line(s) were not JSON objects with a step and were skipped."] if bad else []
     gallery_html, styles, gallery_warnings = gallery(run_dir, max_cards)
     warnings += gallery_warnings
-    eval_section = (f'<div class="charts">{_chart_tags(evals)}</div>{eval_table(records)}' if records
+    eval_section = (f'<div class="charts">{_chart_tags(evals)}</div>{eval_table(records, baselines(rows, run_dir))}'
+                    if records
                     else '<p class="note">No evaluation was logged (eval_* keys in metrics.jsonl).</p>')
     page = PAGE.substitute(
         title=html.escape(os.path.basename(os.path.abspath(run_dir))),

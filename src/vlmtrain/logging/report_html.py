@@ -30,6 +30,7 @@ table.metrics th, table.metrics td { border: 1px solid #ddd; padding: 3px 8px; t
 table.metrics th:first-child, table.metrics td:first-child { text-align: left; }
 table.metrics thead th { background: #f5f5f5; vertical-align: bottom; }
 table.metrics tr.group td { background: #fafafa; font-weight: 600; text-align: left; }
+table.metrics th.baseline, table.metrics td.baseline { background: #f7f7fb; color: #555; }
 .tag { display: inline-block; font-size: 11px; padding: 0 5px; border-radius: 3px; font-weight: 600; }
 .tag.inline { background: #e3effa; color: #1f5f99; }
 .tag.async { background: #fdebd3; color: #9a5300; }

@@ -7,6 +7,7 @@ mean cross-entropy over target tokens (``labels != -100``) and ``num_items`` cou
 from __future__ import annotations
 
 import difflib
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -305,14 +306,15 @@ class VisionLanguageModel(PreTrainedModel):
         embeds, mask = self.embed(input_ids, pixel_values, image_counts), attention_mask
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         past, step_embeds, new = None, embeds, []
+        cache_name = _cache_argument(self.decoder)
         for _ in range(max_new_tokens):
             if past is None:  # prefill (and every step without a cache)
                 out = self.decoder(inputs_embeds=step_embeds, attention_mask=mask, use_cache=use_cache,
                                    position_ids=position_ids_from_mask(mask), logits_to_keep=1)
             else:  # one token; its position is the count of real tokens before it
-                out = self.decoder(inputs_embeds=step_embeds, attention_mask=mask, past_key_values=past,
+                out = self.decoder(inputs_embeds=step_embeds, attention_mask=mask, **{cache_name: past},
                                    position_ids=mask.sum(-1, keepdim=True) - 1, use_cache=True, logits_to_keep=1)
-            past = out.past_key_values if use_cache else None
+            past = out.get(cache_name) if use_cache else None
             token = _next_token(out.logits[:, -1].float(), do_sample, temperature, top_k)
             token = torch.where(done, torch.full_like(token, pad_token_id), token)
             new.append(token)
@@ -328,6 +330,12 @@ class VisionLanguageModel(PreTrainedModel):
         if not new:
             return input_ids
         return torch.cat([input_ids, torch.stack(new, dim=1)], dim=1)
+
+
+def _cache_argument(decoder: nn.Module) -> str:
+    """The decoder's name for the KV cache, in its forward and its output: ``cache`` (recent transformers, where
+    ``past_key_values`` still works but warns) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(type(decoder).forward).parameters else "past_key_values"
 
 
 def _eos_ids(eos_token_id: int | list[int] | None, decoder: PreTrainedModel) -> list[int]:

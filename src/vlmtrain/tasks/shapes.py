@@ -144,6 +144,28 @@ class ShapesVQA(Dataset):
             return rng.choice(qtypes)  # the draw of the unweighted dataset: its items stay what they were
         return rng.choices(qtypes, weights=weights)[0]
 
+    def qtypes_asked_before(self, step: int) -> set[str]:
+        """The question types that training items of steps 0 to ``step - 1`` can ask, as a first question or an
+        extra turn (:meth:`get_item_at_step` draws them; a warm-up leaves some out at first)."""
+        kinds = {False} if self.multi_image_fraction <= 0 else {True} if self.multi_image_fraction >= 1 else {False, True}
+        asked: set[str] = set()
+        for at in {0, self.lookup_warmup_steps, self.side_warmup_steps}:  # what an item asks changes only there
+            if not 0 <= at < step:
+                continue
+            for multi in kinds:
+                group = (self._multi if multi else self._single) or self._single or self._multi
+                if at < self.lookup_warmup_steps:
+                    group = [q for q in group if q in LOOKUP_QTYPES] or group
+                first = set(group)
+                sides = "position" in group and (self.side_fraction > 0 or self.side_warmup_steps > 0)
+                if sides:
+                    warmup = at < self.side_warmup_steps
+                    first |= {"side"} if warmup or self.side_fraction > 0 else set()
+                    first -= {"position"} if warmup or self.side_fraction >= 1 else set()
+                extra = set(group) | ({"side"} if sides else set()) if self.questions_per_sample > 1 else set()
+                asked |= first | extra
+        return asked
+
     def get_item_at_step(self, index: int, step: int) -> dict[str, Any]:
         """Item ``index`` as the training step ``step`` (optimizer steps done before it) sees it."""
         if not -self.num_samples <= index < self.num_samples:

@@ -81,6 +81,42 @@ def summary(metrics: dict[str, Any], prefix: str = "eval") -> dict[str, float]:
     return out
 
 
+def untrained(data: Any, step: int) -> dict[str, str]:
+    """The question types that the training questions of steps 0 to step - 1 never asked, each with the
+    `data.*` key that says so (an evaluation then scores them near 0: by design, not a failure)."""
+    from vlmtrain.tasks.shapes import LOOKUP_QTYPES, MULTI_IMAGE_QTYPES, QTYPES, ShapesVQA
+
+    train = ShapesVQA("train", 1, seed=data.seed, multi_image_fraction=data.multi_image_fraction,
+                      questions_per_sample=data.questions_per_sample, side_fraction=data.side_fraction,
+                      side_warmup_steps=data.side_warmup_steps, lookup_warmup_steps=data.lookup_warmup_steps,
+                      qtype_weights=data.qtype_weights)
+    asked, why = train.qtypes_asked_before(step), {}
+    for q in (q for q in QTYPES if q not in asked and step > 0):
+        if q not in LOOKUP_QTYPES and step <= data.lookup_warmup_steps:
+            why[q] = f"data.lookup_warmup_steps: {data.lookup_warmup_steps} asks look-up questions only until then"
+        elif q in MULTI_IMAGE_QTYPES and data.multi_image_fraction <= 0:
+            why[q] = "data.multi_image_fraction: 0 asks no two-image questions"
+        elif q not in MULTI_IMAGE_QTYPES and data.multi_image_fraction >= 1:
+            why[q] = "data.multi_image_fraction: 1 asks only two-image questions"
+        elif q == "side":
+            why[q] = "data.side_fraction: 0 asks no side questions"
+        else:
+            why[q] = "the training questions do not include this type"
+    return why
+
+
+def chance() -> dict[str, float]:
+    """Exact match of random answers, per question type, for the single-/multi-image means and for all eval
+    sets together."""
+    from vlmtrain.tasks.shapes import CHANCE, MULTI_IMAGE_QTYPES, SINGLE_IMAGE_QTYPES
+
+    out = {f"{q}_exact_match": p for q, p in CHANCE.items()}
+    out["exact_match"] = sum(CHANCE.values()) / len(CHANCE)  # one eval set of data.num_eval per type
+    for group, qtypes in (("single_image", SINGLE_IMAGE_QTYPES), ("multi_image", MULTI_IMAGE_QTYPES)):
+        out[f"{group}_exact_match"] = sum(CHANCE[q] for q in qtypes) / len(qtypes)
+    return out
+
+
 def demo_report(trainer: Any, metrics: dict[str, Any]) -> str:
     """Per-type exact match next to blank images and chance (blank_* keys are added to metrics), then a few
     held-out questions per type, right and wrong ones, with the model's answer and the truth."""
@@ -139,4 +175,5 @@ def _examples(trainer: Any, per_kind: int = 2, pool: int = 12) -> str:
 
 
 SOURCE = DataSource("shapes", kinds=("vlm", "hub_vlm"), build=build, options=ShapesOptions,
-                    check_options=check_options, check=check, summary=summary, demo_report=demo_report)
+                    check_options=check_options, check=check, summary=summary, demo_report=demo_report,
+                    untrained=untrained, chance=chance)

@@ -141,11 +141,14 @@ class SetupMixin:
             workers = {"persistent_workers": args.dataloader_persistent_workers,
                        "prefetch_factor": args.dataloader_prefetch_factor,
                        "multiprocessing_context": args.dataloader_multiprocessing_context}
-        return StatefulDataLoader(
-            dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-            collate_fn=self.data_collator, num_workers=num_workers, drop_last=args.dataloader_drop_last,
-            pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed), **workers)
+        # torchdata's constructor calls torch.set_vital, which torch deprecates: a warning no user can act on.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".set_vital. is deprecated", category=UserWarning)
+            return StatefulDataLoader(
+                dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+                collate_fn=self.data_collator, num_workers=num_workers,
+                drop_last=args.dataloader_drop_last, pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
+                generator=torch.Generator().manual_seed(seed), **workers)
 
     def dataloader_workers(self) -> int:
         """Worker processes of this Trainer's data loaders: ``args.dataloader_num_workers`` resolved for the
