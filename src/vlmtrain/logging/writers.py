@@ -30,6 +30,7 @@ class JsonlLoggerCallback(TrainerCallback):
         self.rows = 0  # rows in the file (this run's and earlier runs')
         self._saved_rows: int | None = None  # rows when the checkpoint resumed from was taken
         self._earlier_rows = len(_read_lines(self.path))  # rows written before this process started
+        self.resume_requested = False  # set by the Trainer before on_train_begin: train(resume_from_checkpoint=...)
 
     def state_dict(self) -> dict:
         return {"path": os.path.abspath(self.path), "rows": self.rows}
@@ -38,7 +39,7 @@ class JsonlLoggerCallback(TrainerCallback):
         same_file = state.get("path") == os.path.abspath(self.path)
         self._saved_rows = state.get("rows") if same_file else None
 
-    def on_train_begin(self, args, state, control, resume_requested=False, **kwargs):
+    def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
             return
         lines = _read_lines(self.path)
@@ -47,7 +48,7 @@ class JsonlLoggerCallback(TrainerCallback):
             if kept != lines:
                 _rewrite(self.path, kept)
             lines = kept
-        elif resume_requested and self._earlier_rows:  # the same job from step 0: its rows would repeat
+        elif self.resume_requested and self._earlier_rows:  # the same job from step 0: its rows would repeat
             warnings.warn(f"{self.path} held {self._earlier_rows} rows of an attempt that left no checkpoint: "
                           "they are dropped, the run starts again from step 0.", stacklevel=2)
             lines = lines[self._earlier_rows:]  # keeps what this process logged before train()
