@@ -97,7 +97,7 @@ class TransformersMethodsMixin:
             from .model_prep import enable_activation_checkpointing
 
             enable_activation_checkpointing(self.model, self.args.activation_checkpointing_kwargs)
-        self.optimizer = self.lr_scheduler = None
+        self.optimizer = self.lr_scheduler = self._flos_params = None
         self.callback_handler.refs["model"] = self.model
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
