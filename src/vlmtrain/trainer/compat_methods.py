@@ -38,7 +38,8 @@ def set_seed(seed: int) -> None:
 
 
 def _refuse(method: str, why: str, instead: str) -> None:
-    raise NotImplementedError(f"Trainer.{method}() is not supported by vlmtrain: {why}. Instead: {instead}.")
+    call = method if "(" in method else f"{method}()"
+    raise NotImplementedError(f"Trainer.{call} is not supported by vlmtrain: {why}. Instead: {instead}.")
 
 
 def _input_tokens_mode(args: Any) -> str:
