@@ -224,7 +224,11 @@ def test_dataloader_worker_options_pass_through(tmp_path):
     args = _args(tmp_path, dataloader_persistent_workers=True)
     assert Trainer(tiny_llama(0), args, train_dataset=data).get_train_dataloader().persistent_workers is False
     with pytest.raises(ConfigError, match="dataloader_prefetch_factor needs dataloader_num_workers > 0"):
-        _args(tmp_path, dataloader_prefetch_factor=2)
+        _args(tmp_path, dataloader_num_workers=0, dataloader_prefetch_factor=2)
+    # 'auto' (the default) has no workers on this CPU machine: the worker options are left out there
+    args = _args(tmp_path, dataloader_prefetch_factor=2, dataloader_persistent_workers=True)
+    loader = Trainer(tiny_llama(0), args, train_dataset=data).get_train_dataloader()
+    assert (loader.num_workers, loader.prefetch_factor, loader.persistent_workers) == (0, None, False)
 
 
 @pytest.mark.filterwarnings("ignore:`broadcast_buffers` is deprecated")

@@ -79,9 +79,12 @@ def _train_one_step(tmp_path, model, samples, collator, **args):
 
 
 def _alone(model, batch):
-    """FlopCounterMode's FLOPs of forward + backward of a batch."""
+    """FlopCounterMode's FLOPs of forward + backward of a batch, as a training step runs it (the LM head at the
+    targets only where the model takes loss_only)."""
     model.zero_grad(set_to_none=True)
     inputs = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS and not k.startswith("prompt_")}
+    if getattr(model, "vlmtrain_accepts_loss_only", False):
+        inputs["loss_only"] = True
     mode = FlopCounterMode(display=False)
     with mode:
         model(**inputs)["loss"].backward()
@@ -126,26 +129,53 @@ def test_padded_and_packed_batches_count_real_tokens_and_documents(tmp_path, tok
     assert measured_packed > 1.05 * count(packed)  # the row-long masked attention and the row padding
 
 
-def test_hub_vlm_step_matches_flop_counter(tmp_path):
-    """Qwen3-VL (the family's image_tokens: patches from image_grid_thw), all trainable and frozen vision: exact."""
+HUB_FAMILIES = ("qwen3_vl", "qwen2_5_vl", "idefics3", "smolvlm", "llava_onevision", "gemma3")
+
+
+def _tiny_hub(tmp_path, name):
+    """A family's tiny checkpoint and collator. Gemma 3's text layers slide a 32-token window, which eager attention
+    computes as the full square (FlopCounterMode sees it, the count does not): widened past these samples here."""
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
     from vlmtrain.models.families import get_family
+
+    family = get_family("idefics3" if name == "smolvlm" else name)
+    extra = {"model_type": "smolvlm"} if name == "smolvlm" else {}  # (SmolVLM2's model class)
+    path = family.build_tiny(str(tmp_path / "ckpt"), seed=0, **extra)
+    if name == "gemma3":
+        config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+        config["text_config"]["sliding_window"] = 512
+        (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    return family, path, HubVLMCollator(HubVLMProcessor(family.load_processor(path), family))
+
+
+def _hub_sample(sizes, i=0):
+    return {"images": [Image.new("RGB", size, (40 * i, 90, 20 * j)) for j, size in enumerate(sizes)],
+            "texts": [{"user": "What colour?", "assistant": "Red."}]}
+
+
+@pytest.mark.parametrize("name", HUB_FAMILIES)
+def test_hub_vlm_step_matches_flop_counter(tmp_path, name):
+    """Every Hub family (its image_tokens: Qwen patches from image_grid_thw and Qwen2.5-VL's windows, Idefics3's
+    real crops (SmolVLM2 too), LLaVA-OneVision's anyres views, Gemma 3's fixed view and bare projection weight), all trainable
+    and frozen vision: a real step's FLOPs, exactly (eager attention, no padding); and a batch of mixed image
+    sizes and a two-image sample counts exactly what its samples cost run one by one."""
     from vlmtrain.models.kinds.hub_vlm import load_model
 
-    family = get_family("qwen3_vl")
-    path = family.build_tiny(str(tmp_path / "ckpt"), seed=0)
-    collator = HubVLMCollator(HubVLMProcessor(family.load_processor(path), family))
-    samples = [{"images": [Image.new("RGB", (32, 48), (40 * i, 0, 0))],
-                "texts": [{"user": "What colour?", "assistant": "Red."}]} for i in range(3)]
+    family, path, collator = _tiny_hub(tmp_path, name)
+    samples = [_hub_sample([(32, 48)], i) for i in range(3)]
     for frozen in (None, "vision"):
         model = load_model(path, attn_implementation="eager")
         rates = {frozen: 0.0} if frozen else None
         measured, batch, count = _train_one_step(tmp_path / str(frozen), model, samples, collator,
                                                  module_learning_rates=rates)
-        assert bool(batch["attention_mask"].all()) and batch["image_grid_thw"].shape[0] == 3
-        print(f"qwen3_vl frozen={frozen}: counted / measured = {count(batch) / measured:.4f}")
+        assert bool(batch["attention_mask"].all()) and len(count.image_tokens(batch)) >= 3
+        print(f"{name} frozen={frozen}: counted / measured = {count(batch) / measured:.4f}")
         assert count(batch) == pytest.approx(measured, rel=1e-6)
+    mixed = [_hub_sample([(32, 48)]), _hub_sample([(64, 40)], 1), _hub_sample([(96, 80)], 2),
+             _hub_sample([(40, 56), (72, 32)], 3)]
+    one_by_one = sum(_alone(model, collator([s])) for s in mixed)
+    assert count(collator(mixed)) == pytest.approx(one_by_one, rel=1e-6)
 
 
 def test_metrics_rows_carry_tflops_and_mfu(tmp_path):

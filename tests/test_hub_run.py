@@ -123,7 +123,7 @@ def test_bad_hub_configs_fail_before_any_work(tiny_qwen, tmp_path):
     config = _config(tmp_path, tiny_qwen)
     with pytest.raises(ConfigError, match="model.heads.color"):
         load_run_config(config, {"model.heads": {"color": {"type": "classification", "loss": "dice"}}})
-    with pytest.raises(ConfigError, match="Hub VLM batches are padded, never packed"):
+    with pytest.raises(ConfigError, match="data.packing=true with model.heads: score heads pool"):
         load_run_config(config, {"data.packing": True})
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"model_type": "bert"}))

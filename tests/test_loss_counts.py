@@ -31,7 +31,9 @@ def _assert_same_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
     assert sorted(got) == sorted(want)
     for name, g in want.items():
         err = float((got[name] - g).norm())
-        assert err <= 1e-6 * float(g.norm()) + 1e-12, (name, err, float(g.norm()))
+        # + 2 float32 ulps at 1.0: a gradient summed from terms of size ~1 that nearly cancel (a bias of norm 0.04)
+        # differs by that much when two ranks add in another order (seen: 5.96e-8); a count bug is ~10% off
+        assert err <= 1e-6 * float(g.norm()) + 2.4e-7, (name, err, float(g.norm()))
 
 
 def _answers(ids: list[int]) -> bool:

@@ -96,9 +96,11 @@ def test_forward_with_two_and_zero_images():
     ids, mask = pad([sample(2, 3, 0), sample(0, 5, 1)], "right")
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :2] = -100
+    rows = []  # the LM head's input rows: only the positions that predict a label
+    model.decoder.lm_head.register_forward_hook(lambda m, inputs, output: rows.append(output.shape))
     out = model(ids, mask, torch.randn(2, 3, 32, 32), labels=labels)
     n = int((labels[:, 1:] != -100).sum())
-    assert torch.isfinite(out["loss"]) and out["target_logits"].shape == (n, VOCAB) and "logits" not in out
+    assert torch.isfinite(out["loss"]) and rows == [(n, VOCAB)] and "logits" not in out
     assert int(out["num_items"]) == n
     out["loss"].backward()
     assert model.projector.proj.weight.grad.abs().sum() > 0
@@ -131,9 +133,13 @@ def test_training_loss_from_target_logits_equals_full_logits(softcap):
     full["loss"].backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    rows = []
+    model.decoder.lm_head.register_forward_hook(lambda m, inputs, output: rows.append(output.shape[:-1]))
     part = model.train()(ids, mask, pixels, labels=labels)
     part["loss"].backward()
-    assert ("target_logits" in part) == (softcap is None) == (model.vlmtrain_target_logits_module is not None)
+    targets_only = rows == [(int(part["num_items"]),)]  # else the full [B, L] logits
+    assert ("logits" not in part) == targets_only == (softcap is None) == (model.vlmtrain_target_logits_module
+                                                                           is not None)
     assert torch.allclose(part["loss"], full["loss"], atol=1e-6) and int(part["num_items"]) == int(full["num_items"])
     for name, param in model.named_parameters():
         assert torch.allclose(param.grad, grads[name], atol=1e-6), name

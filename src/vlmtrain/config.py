@@ -147,16 +147,17 @@ class DataCore:
     """Pack each training batch's samples into rows of pack_length tokens, every sample attending only to
     itself (positions restart per sample). null: on where safe, i.e. when a check on the model finds packed
     logits equal to unpacked ones; true: required (an error if the model fails the check); false: pad.
+    hub_vlm: null pads; true packs (Qwen's multimodal positions per sample; not Gemma 3, not with model.heads).
     Evaluation never packs."""
     pack_length: int | None = None
-    """Tokens per packed row (default: max_length for a VLM, 64 for addition)."""
+    """Tokens per packed row (default: max_length for a VLM or Hub VLM, 64 for addition)."""
     pack_window: int | None = None
     """Pack rows from windows of this many consecutive samples instead of from each batch: rows come out
     nearly full (only a window's last row is partial) and per_device_train_batch_size counts rows of
     pack_length tokens (a step then holds as many samples as fit). Resume re-reads one window at most.
     null: pack each batch's own samples (a step keeps exactly its batch's samples)."""
     max_images_per_pack: int | None = None
-    """(vlm) At most this many images (tiles count) in one packed row; null: no cap."""
+    """(vlm, hub_vlm) At most this many images (own VLM: tiles count) in one packed row; null: no cap."""
     tokenizer_vocab_size: int = 400
     """(vlm) Vocabulary size of the byte-level BPE trained on the training texts when model.tokenizer is null
     (>= ~400: below that its 263 base symbols leave no room for merges and answers are spelled out)."""
@@ -240,6 +241,9 @@ def build_parser(prog: str = "vlmtrain train", description: str | None = None) -
                         help="YAML file with sections model, data, train. Later options override it.")
     for section, cls in SECTIONS.items():
         parser.add_class_arguments(cls, section)
+    # A config run processes its own data (Hub processors, images): workers on a GPU machine unless set.
+    # TrainingArguments in Python keeps transformers' 0.
+    parser.set_defaults({"train.dataloader_num_workers": "auto"})
     return parser
 
 

@@ -57,7 +57,7 @@ def _predict_heads(cfg: RunConfig, trainer: Any, datasets: dict[str | None, Any]
     for name, dataset in datasets.items():
         rows = score_rows(inference, _indexed_share(dataset, trainer.rank, trainer.world_size),
                           batch_size=cfg.train.per_device_eval_batch_size,
-                          num_workers=cfg.train.dataloader_num_workers)
+                          num_workers=trainer.dataloader_workers())
         rows = _gather_rows(rows, distributed)
         for row in rows:
             order = row.pop("__order__")

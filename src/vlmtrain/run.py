@@ -68,11 +68,13 @@ def _window_packing(cfg: RunConfig, parts: dict[str, Any]) -> None:
                           "set data.pack_window: null, or turn the curriculum off.")
     if not isinstance(train, StreamingDataset):  # map-style: the same samples as a stream of shuffled blocks
         train = StreamingDataset([IndexedSource(train, name=d.source)], seed=d.seed)
-    pack_length = parts["data_collator"].pack_length
-    parts["train_dataset"] = PackedDataset(train, parts["process"], pack_length,
-                                           parts["tokenizer"].pad_token_id, window=d.pack_window,
-                                           max_images_per_pack=d.max_images_per_pack)
-    parts["data_collator"] = RowCollator(parts["padded_collator"])
+    collator = parts["data_collator"]
+    own_rows = getattr(collator, "collate_rows", None)  # a collator that lays packed rows out itself (hub_vlm)
+    tokenizer = getattr(parts["tokenizer"], "tokenizer", parts["tokenizer"])  # (a processor's tokenizer)
+    parts["train_dataset"] = PackedDataset(train, parts["process"], collator.pack_length, tokenizer.pad_token_id,
+                                           window=d.pack_window, max_images_per_pack=d.max_images_per_pack,
+                                           keep_items=own_rows is not None)
+    parts["data_collator"] = RowCollator(parts["padded_collator"], collate=own_rows)
 
 
 @contextlib.contextmanager
@@ -261,16 +263,18 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
     return metrics
 
 
-def demo_workers(configured: int, cuda: bool | None = None, cpus: int | None = None) -> int:
-    """Data-loader workers for the demo: the config's number, except that a config with none gets 4 on a CUDA
-    machine with 6+ cores. There the tiny model waits for its data: on one H100 (16 cores) the demo config ran
-    12-15 steps/s with 0 workers (data wait 55-60% of the time) and 37.7 with 4 (1.6%). On a CPU machine
-    workers take cores from the torch threads (on 2 cores, 4.6 vs 3.8-4.1 steps/s with 1 worker)."""
+def demo_workers(configured: int | str, cuda: bool | None = None, cpus: int | None = None) -> int:
+    """Data-loader workers for the demo: the config's number, except that a config with none (0 or 'auto') gets
+    the ``'auto'`` rule (:func:`vlmtrain.trainer.setup.dataloader_workers`: 4 on a CUDA machine with 6+ cores).
+    There the tiny model waits for its data: on one H100 (16 cores) the demo config ran 12-15 steps/s with 0
+    workers (data wait 55-60% of the time) and 37.7 with 4 (1.6%). On a CPU machine workers take cores from the
+    torch threads (on 2 cores, 4.6 vs 3.8-4.1 steps/s with 1 worker)."""
     import torch
 
+    from vlmtrain.trainer.setup import dataloader_workers
+
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    cpus = (os.cpu_count() or 1) if cpus is None else cpus
-    return 4 if configured == 0 and cuda and cpus >= 6 else configured
+    return dataloader_workers("auto" if configured in (0, "auto") else configured, cuda=cuda, cpus=cpus)
 
 
 def _write_report(run_dir: str) -> str:

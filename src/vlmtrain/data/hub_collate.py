@@ -1,13 +1,15 @@
 """Hub VLM collation: raw the_cauldron samples -> one batch laid out as the family's model expects.
 
 Per-sample tensors come from :class:`~vlmtrain.data.hub_processing.HubVLMProcessor`; how each key is batched
-comes from the family's ``batch_layout`` (see :mod:`vlmtrain.models.families.base`). No packing: the
-models' own code (M-RoPE positions, image splicing) assumes one sample per row.
+comes from the family's ``batch_layout`` (see :mod:`vlmtrain.models.families.base`). With ``pack_length``
+training batches are packed instead (:mod:`vlmtrain.data.hub_packing`: whole samples per row, positions that
+restart per sample, Qwen's multimodal positions computed per sample).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -15,8 +17,9 @@ from typing import Any
 import torch
 
 from vlmtrain.data.collate import pad_sequences
+from vlmtrain.data.hub_packing import pack_hub_items
 from vlmtrain.data.hub_processing import HubVLMProcessor
-from vlmtrain.data.packing import pack_stats
+from vlmtrain.data.packing import MIN_FILL_GAIN, pack_lengths, pack_stats, worth_packing
 from vlmtrain.data.processing import IGNORE_INDEX, process_or_skip
 
 _PASS_THROUGH = ("num_images", "head_labels")
@@ -42,15 +45,25 @@ class HubVLMCollator:
       have neither an answer nor a head label (training skips them as ``no_target``): they are scored, with
       no loss.
 
+    With ``pack_length`` a training batch is packed (:func:`~vlmtrain.data.hub_packing.pack_hub_items`) when
+    that raises its fill by ``min_fill_gain`` (:func:`~vlmtrain.data.packing.worth_packing`; else padded as
+    above): rows of ``pack_length`` tokens without ``attention_mask``, ``position_ids`` restarting per sample
+    ([4, rows, pack_length] for a family with ``rope_positions``, computed from ``model_config``), at most
+    ``max_images_per_pack`` images per row; ``flatten`` joins the rows into one (flash-attention). Packing
+    needs batches without head labels. :meth:`collate_rows` packs rows already placed by
+    :class:`~vlmtrain.data.pack_stream.PackedDataset` (``data.pack_window``).
+
     Bookkeeping as :class:`~vlmtrain.data.vlm_collate.VLMCollator`: ``skipped`` (this batch's counts by
-    reason), ``skipped_keys`` (up to 5), ``pack_stats`` (never packed: rows = samples); ``self.skipped`` is the
-    running total. Already-processed items (dicts with ``input_ids``) pass through. If every sample is bad the
+    reason), ``skipped_keys`` (up to 5), ``pack_stats`` (rows, capacity, real tokens, images); ``self.skipped``
+    is the running total. Already-processed items (dicts with ``input_ids``) pass through. If every sample is bad the
     batch holds only the bookkeeping keys.
     """
 
     def __init__(self, hub_processor: HubVLMProcessor,
                  label_collate: Callable[[list[dict[str, Any] | None]], dict[str, torch.Tensor]] | None = None,
-                 eval_prompts: bool = False) -> None:
+                 eval_prompts: bool = False, pack_length: int | None = None, model_config: Any = None,
+                 max_images_per_pack: int | None = None, flatten: bool = False,
+                 min_fill_gain: float = MIN_FILL_GAIN) -> None:
         pad = hub_processor.tokenizer.pad_token_id
         if pad is None:
             raise ValueError(f"HubVLMCollator needs a tokenizer with a pad token ({hub_processor.family.name})")
@@ -60,6 +73,13 @@ class HubVLMCollator:
         self.pad_token_id = int(pad)
         self.skipped: Counter[str] = Counter()
         self.score_only_labels = False  # training batches: a score-only batch carries no `labels`
+        if pack_length is not None and pack_length < hub_processor.max_length:
+            raise ValueError(f"pack_length={pack_length} is shorter than max_length={hub_processor.max_length}: "
+                             f"a sample that fits max_length must fit a packed row.")
+        if pack_length is not None and self.family.rope_positions is not None and model_config is None:
+            raise ValueError(f"packing {self.family.name} needs the model's config (its multimodal positions)")
+        self.pack_length, self.model_config = pack_length, model_config
+        self.max_images_per_pack, self.flatten, self.min_fill_gain = max_images_per_pack, flatten, min_fill_gain
         evaluation = copy.copy(hub_processor)
         if eval_prompts:  # a prompt is a second processor call per sample: evaluation batches only
             evaluation.prompts = True
@@ -71,11 +91,12 @@ class HubVLMCollator:
             self._evaluation = copy.copy(self)
         # Evaluation keeps them: its batches line up label for label with the predictions (and generation).
         self._evaluation.score_only_labels = True
+        self._evaluation.pack_length = None  # evaluation and prediction: one sample per row
 
     def without_packing(self) -> HubVLMCollator:
-        """What evaluation and prediction use (Hub VLM batches are never packed): a twin of this collator that
-        keeps score-only batches' all -100 `labels`, and with ``eval_prompts`` also the generation prompts, which
-        training never reads."""
+        """What evaluation and prediction use (padded, one sample per row, never packed): a twin of this collator
+        that keeps score-only batches' all -100 `labels`, and with ``eval_prompts`` also the generation prompts,
+        which training never reads."""
         return self._evaluation
 
     def _process(self, sample: Any, skipped: Counter[str], keys: list[str]) -> dict[str, Any] | None:
@@ -89,6 +110,12 @@ class HubVLMCollator:
         items = [it for it in (self._process(s, skipped, keys) for s in samples) if it is not None]
         if not items:  # nothing for the model: the Trainer counts the drops and moves on to the next batch
             return {"skipped": dict(+skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
+        if self.pack_length is not None:
+            lengths = [int(len(it["input_ids"])) for it in items]
+            bins = pack_lengths(lengths, self.pack_length, [int(it.get("num_images", 0)) for it in items],
+                                self.max_images_per_pack)
+            if worth_packing(lengths, len(bins), self.pack_length, self.min_fill_gain):
+                return {**self.pack(items, bins), "skipped": dict(+skipped), "skipped_keys": keys[:5]}
         batch = self.collate_items(items, side="right")
         if any("prompt_input_ids" in it for it in items):
             prompts = [{k[len("prompt_"):]: v for k, v in it.items() if k.startswith("prompt_")} for it in items]
@@ -106,6 +133,42 @@ class HubVLMCollator:
         lengths = sum(int(len(it["input_ids"])) for it in items)
         return {**batch, "skipped": dict(+skipped), "skipped_keys": keys[:5],
                 "pack_stats": pack_stats(len(items), lengths, rows, width, n_images)}
+
+    def pack(self, items: list[dict[str, Any]], bins: list[list[int]]) -> dict[str, Any]:
+        """Processed items placed in rows (``bins``: item indices per row) -> a packed batch with ``pack_stats``."""
+        self._check_packable(items)
+        rope = None
+        if self.family.rope_positions is not None:
+            rope = functools.partial(self.family.rope_positions, self.model_config)
+        batch = pack_hub_items(items, bins, self.pack_length, self.family, self.pad_token_id, rope, self.flatten)
+        tokens = sum(int(len(it["input_ids"])) for it in items)
+        images = sum(int(it.get("num_images", 0)) for it in items)
+        batch["pack_stats"] = pack_stats(len(items), tokens, len(bins), self.pack_length, images)
+        return batch
+
+    def _check_packable(self, items: list[dict[str, Any]]) -> None:
+        if any(it.get("head_labels") is not None for it in items):
+            raise ValueError("packed Hub VLM batches cannot carry head labels (score heads pool one token per "
+                             "row); set data.packing: false for a model with heads.")
+
+    def collate_rows(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rows of :class:`~vlmtrain.data.pack_stream.PackedDataset` (``keep_items``: each row's processed items,
+        placed by its window's knapsack) -> one packed batch; skipped counts summed."""
+        skipped: Counter[str] = Counter()
+        keys: list[str] = []
+        for row in rows:
+            skipped.update(row.get("skipped", {}))
+            keys += row.get("skipped_keys", [])
+        groups = [row["items"] for row in rows if row.get("items")]
+        bookkeeping = {"skipped": dict(skipped), "skipped_keys": keys[:5]}
+        if not groups:
+            return {**bookkeeping, "pack_stats": pack_stats(0, 0, 0, 0, 0)}
+        items = [it for group in groups for it in group]
+        bins, at = [], 0
+        for group in groups:
+            bins.append(list(range(at, at + len(group))))
+            at += len(group)
+        return {**self.pack(items, bins), **bookkeeping}
 
     def collate_items(self, items: list[dict[str, Any]], side: str = "right") -> dict[str, Any]:
         """Batch per-sample tensors by the family's layout (``side``: where 'pad' keys are padded)."""

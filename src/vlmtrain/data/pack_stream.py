@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from vlmtrain.data.packing import pack_items, pack_stats
+from vlmtrain.data.packing import pack_items, pack_lengths, pack_stats
 from vlmtrain.data.processing import SkipSample
 from vlmtrain.data.sources import KEY, drop_counts, is_counts_only
 
@@ -33,15 +33,19 @@ class PackedDataset(IterableDataset):
     ``process`` turns a raw sample into ``input_ids``/``labels`` (+ ``pixel_values`` for a VLM) and may raise
     :class:`SkipSample`; the counts ride on the next row's ``skipped``. Each row is a dict: ``input_ids``,
     ``labels``, ``position_ids`` [pack_length], ``pixel_values`` [images, 3, S, S] (VLM), ``skipped``,
-    ``skipped_keys`` and ``pack_stats`` (a one-row layout record); :func:`collate_rows` stacks them.
+    ``skipped_keys`` and ``pack_stats`` (a one-row layout record); :func:`collate_rows` stacks them. With
+    ``keep_items`` a row instead holds ``items``, the processed samples placed in it (in row order), for a
+    collator that lays rows out itself (a Hub VLM's ``collate_rows``); ``pad_token_id`` is then unused.
     """
 
     def __init__(self, stream: Any, process: Callable[[dict[str, Any]], dict[str, Any]], pack_length: int,
-                 pad_token_id: int, window: int = 256, max_images_per_pack: int | None = None) -> None:
+                 pad_token_id: int | None, window: int = 256, max_images_per_pack: int | None = None,
+                 keep_items: bool = False) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self.stream, self.process, self.pack_length = stream, process, pack_length
         self.pad_token_id, self.window, self.max_images_per_pack = pad_token_id, window, max_images_per_pack
+        self.keep_items = keep_items
         self._window_start: dict[str, Any] | None = None
         self._rows_done = 0
         self._resume: tuple[dict[str, Any], int] | None = None
@@ -85,7 +89,7 @@ class PackedDataset(IterableDataset):
                 skipped[err.reason] += 1
                 keys.append(f"{sample.get(KEY, '?')} ({err.reason})")
                 continue
-            if "pixel_values" in item:  # views (tiles) are what occupy image-token runs
+            if "pixel_values" in item and not self.keep_items:  # views (tiles) occupy image-token runs
                 item = {**item, "num_images": item["pixel_values"].shape[0]}
             items.append(item)
         return items, skipped, keys
@@ -93,6 +97,15 @@ class PackedDataset(IterableDataset):
     def _rows(self, items: list[dict], skipped: Counter[str], keys: list[str]) -> list[dict[str, Any]]:
         if not items:  # a window of bad samples only: one empty row carries the counts
             return [{"skipped": dict(skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}]
+        if self.keep_items:
+            lengths = [len(it["input_ids"]) for it in items]
+            images = [int(it.get("num_images", 0) or 0) for it in items]
+            return [{"items": [items[i] for i in members], "skipped": dict(skipped) if r == 0 else {},
+                     "skipped_keys": keys[:5] if r == 0 else [],
+                     "pack_stats": pack_stats(len(members), sum(lengths[i] for i in members), 1, self.pack_length,
+                                              sum(images[i] for i in members))}
+                    for r, members in enumerate(pack_lengths(lengths, self.pack_length, images,
+                                                             self.max_images_per_pack))]
         batch, bins = pack_items(items, self.pack_length, self.pad_token_id, self.max_images_per_pack)
         vlm = any("pixel_values" in it for it in items)
         rows: list[dict[str, Any]] = []
@@ -139,14 +152,16 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class RowCollator:
-    """Collates :class:`PackedDataset` rows for training (:func:`collate_rows`); evaluation and prediction
-    use ``eval_collator`` (samples padded one per row), what :meth:`without_packing` returns."""
+    """Collates :class:`PackedDataset` rows for training (``collate``, default :func:`collate_rows`); evaluation
+    and prediction use ``eval_collator`` (samples padded one per row), what :meth:`without_packing` returns."""
 
-    def __init__(self, eval_collator: Any) -> None:
+    def __init__(self, eval_collator: Any, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
+                 ) -> None:
         self.eval_collator = eval_collator
+        self.collate = collate or collate_rows
 
     def without_packing(self) -> Any:
         return self.eval_collator
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        return collate_rows(rows)
+        return self.collate(rows)

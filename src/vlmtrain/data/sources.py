@@ -278,7 +278,9 @@ class StreamingDataset(IterableDataset):
         if state is not None:
             if state["readers"] != readers:
                 raise ValueError(f"the data state was saved by {state['readers']} readers (ranks x workers) and is "
-                                 f"resumed by {readers}: exact resume needs the same world size and num_workers")
+                                 f"resumed by {readers}: exact resume needs the same world size and num_workers (set "
+                                 f"train.dataloader_num_workers to the saved run's number: 'auto' depends on the "
+                                 f"machine's GPU and cores)")
             for r, s in zip(self._readers, state["sources"]):
                 r.state = dict(s)
             self._draws = state["draws"]

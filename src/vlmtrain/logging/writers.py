@@ -30,7 +30,11 @@ class JsonlLoggerCallback(TrainerCallback):
         self.rows = 0  # rows in the file (this run's and earlier runs')
         self._saved_rows: int | None = None  # rows when the checkpoint resumed from was taken
         self._earlier_rows = len(_read_lines(self.path))  # rows written before this process started
-        self.resume_requested = False  # set by the Trainer before on_train_begin: train(resume_from_checkpoint=...)
+        self._restarted = False  # resume asked for, no checkpoint found
+
+    def on_restart_without_checkpoint(self) -> None:
+        """Called by the Trainer when a resume was asked for and no checkpoint exists (not a transformers event)."""
+        self._restarted = True
 
     def state_dict(self) -> dict:
         return {"path": os.path.abspath(self.path), "rows": self.rows}
@@ -48,12 +52,12 @@ class JsonlLoggerCallback(TrainerCallback):
             if kept != lines:
                 _rewrite(self.path, kept)
             lines = kept
-        elif self.resume_requested and self._earlier_rows:  # the same job from step 0: its rows would repeat
+        elif self._restarted and self._earlier_rows:  # the same job from step 0: its rows would repeat
             warnings.warn(f"{self.path} held {self._earlier_rows} rows of an attempt that left no checkpoint: "
                           "they are dropped, the run starts again from step 0.", stacklevel=2)
             lines = lines[self._earlier_rows:]  # keeps what this process logged before train()
             _rewrite(self.path, lines)
-        self.rows, self._saved_rows, self._earlier_rows = len(lines), None, 0
+        self.rows, self._saved_rows, self._earlier_rows, self._restarted = len(lines), None, 0, False
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .head_metrics import compute_head_metrics, head_metrics
+from .lm_loss import decoder_and_head, lm_loss_sum
 
 __all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_mask",
            "head_label_tensors", "head_metrics", "parse_heads", "pool_last_token"]
@@ -188,8 +189,12 @@ class WithHeads(nn.Module):
 
     A batch without `labels` (score-only samples) computes no LM logits at all: the base's decoder runs without
     its LM head (whose trainable weights get a zero gradient, so every rank's backward reaches the same
-    parameters under DDP / FSDP).
+    parameters under DDP / FSDP). With `loss_only=True` (the Trainer passes it in training and in evaluation
+    that keeps no LM logits) and a base that :func:`~vlmtrain.models.lm_loss.decoder_and_head` knows, the LM
+    head runs only at the target positions, in chunks (models/lm_loss.py), and no `logits` are returned.
     """
+
+    vlmtrain_accepts_loss_only = True
 
     def __init__(self, base: nn.Module, heads: Mapping[str, Any], hidden_size: int | None = None) -> None:
         super().__init__()
@@ -214,6 +219,12 @@ class WithHeads(nn.Module):
     def config(self) -> Any:
         return getattr(self.base, "config", None)
 
+    @property
+    def vlmtrain_target_logits_module(self) -> str | None:
+        """The LM head's name when training applies it only at targets (trainer/flops.py counts it so)."""
+        parts = decoder_and_head(_inner_model(self.base))
+        return None if parts is None else next((n for n, m in self.named_modules() if m is parts[1]), None)
+
     def count_items(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """How many items each loss of `batch` averages over, from its labels alone (no forward): `lm` the
         shifted LM targets (labels[:, 1:] != -100), each head the samples with its label. Every key is always
@@ -226,7 +237,7 @@ class WithHeads(nn.Module):
             counts[name] = head_label_mask(config, head).sum() if isinstance(head, torch.Tensor) else torch.tensor(0)
         return counts
 
-    def forward(self, num_items_in_batch: Mapping[str, torch.Tensor] | None = None,
+    def forward(self, num_items_in_batch: Mapping[str, torch.Tensor] | None = None, loss_only: bool = False,
                 **batch: Any) -> dict[str, torch.Tensor]:
         totals = num_items_in_batch
         head_labels = {name: batch.pop(f"labels_{name}") for name in self.head_configs if f"labels_{name}" in batch}
@@ -234,12 +245,19 @@ class WithHeads(nn.Module):
         if "use_cache" in self._base_accepts:
             batch.setdefault("use_cache", False)
         result: dict[str, torch.Tensor] = {}
+        parts = decoder_and_head(_inner_model(self.base)) if lm_labels is not None and loss_only else None
         if lm_labels is None:  # score-only: no LM logits
             hidden, loss = self._hidden_without_lm_head(batch)
+        elif parts is not None:  # LM logits only at the targets, in chunks (models/lm_loss.py)
+            batch.pop("logits_to_keep", None)
+            hidden = parts[0](**batch)[0]
+            loss_sum, n_lm = lm_loss_sum(hidden, parts[1], lm_labels)
+            n_lm = n_lm.float()
         else:
             out = self.base(**batch, output_hidden_states=True)
             hidden, result["logits"] = out.hidden_states[-1], out.logits
             loss_sum, n_lm = self.lm_loss_sum(out.logits, lm_labels)
+        if lm_labels is not None:
             loss_lm = loss_sum / n_lm.clamp(min=1)
             result.update(loss_lm=loss_lm, num_items_lm=n_lm)
             loss = loss_lm if totals is None else loss_sum / _total(totals, "lm", n_lm)

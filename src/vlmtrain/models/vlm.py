@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..errors import ConfigError
+from .lm_loss import lm_loss_sum
 from .projector import PROJECTOR_TYPES, ModalityProjector
 
 IGNORE_INDEX = -100
@@ -103,6 +104,7 @@ class VisionLanguageModel(PreTrainedModel):
     # module_learning_rates aliases (trainer/optim.py's MODULE_GROUPS_ATTR), the same for every family
     vlmtrain_module_groups = {"vision": ("vision_encoder",), "projector": ("projector",), "text": ("decoder",)}
     main_input_name = "input_ids"
+    vlmtrain_accepts_loss_only = True  # forward(..., loss_only=True): the Trainer passes it (models/lm_loss.py)
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -230,17 +232,18 @@ class VisionLanguageModel(PreTrainedModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, image_counts: torch.Tensor | list[int] | None = None,
-                use_cache: bool = False, **kwargs: Any) -> dict[str, torch.Tensor]:
+                use_cache: bool = False, loss_only: bool = False, **kwargs: Any) -> dict[str, torch.Tensor]:
         """Returns ``{"logits"}`` plus, with labels, ``{"loss", "num_items"}`` (mean CE over targets). Training
-        with labels returns ``target_logits`` ([targets, vocab], the positions that predict a label) instead of
-        ``logits`` (see :attr:`vlmtrain_target_logits_module`).
+        with labels, or ``loss_only=True`` (the Trainer's evaluation passes it when it keeps no logits), returns
+        only ``{"loss", "num_items"}``: the LM head runs at the positions that predict a label, in chunks
+        (models/lm_loss.py; see :attr:`vlmtrain_target_logits_module`).
 
         ``image_counts`` (images per sample, optional) makes the placeholder check exact per sample.
         """
         embeds = self.embed(input_ids, pixel_values, image_counts)
         if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
             position_ids = position_ids_from_mask(attention_mask)
-        if labels is not None and self.training and self.vlmtrain_target_logits_module is not None:
+        if labels is not None and (self.training or loss_only) and self.vlmtrain_target_logits_module is not None:
             return self._target_loss(embeds, attention_mask, position_ids, labels, **kwargs)
         out = self.decoder(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=use_cache, **kwargs)
@@ -264,17 +267,14 @@ class VisionLanguageModel(PreTrainedModel):
 
     def _target_loss(self, embeds: torch.Tensor, attention_mask: torch.Tensor | None,
                      position_ids: torch.Tensor | None, labels: torch.Tensor, **kwargs: Any) -> dict[str, torch.Tensor]:
-        """Training's loss with logits only where a target is predicted: on a VQA batch most positions are
-        prompt and image tokens, and the B x L x vocab logits and their log-softmax were ~15% of a step."""
+        """Training's loss with logits only where a target is predicted, a chunk at a time (lm_loss.lm_loss_sum):
+        on a VQA batch most positions are prompt and image tokens, and the B x L x vocab logits and their
+        log-softmax were ~15% of a step."""
         dec = self.decoder
         hidden = getattr(dec, dec.base_model_prefix)(inputs_embeds=embeds, attention_mask=attention_mask,
                                                      position_ids=position_ids, use_cache=False, **kwargs)[0]
-        shift_labels = labels[:, 1:].to(hidden.device)
-        keep = shift_labels != IGNORE_INDEX
-        logits = dec.lm_head(hidden[:, :-1][keep])
-        num_items = keep.sum()
-        total = F.cross_entropy(logits.float(), shift_labels[keep], reduction="sum")
-        return {"loss": total / num_items.clamp(min=1), "num_items": num_items, "target_logits": logits}
+        total, num_items = lm_loss_sum(hidden, dec.lm_head, labels)
+        return {"loss": total / num_items.clamp(min=1), "num_items": num_items}
 
     # -- generation -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -205,8 +205,12 @@ class ImplementedArguments:
     tf32: bool | None = None
     """On CUDA: allow (true) or forbid (false) TF32 matmuls and convolutions; None leaves torch's setting. Ignored
     with a warning on a machine without a GPU."""
-    dataloader_num_workers: int = 0
-    """Worker processes of the data loaders."""
+    dataloader_num_workers: int | str = 0
+    """Worker processes of the data loaders, or auto: on a CUDA machine min(4, CPU cores per process - 2), so
+    that processing (Hub processor calls, image decoding and resizing, collation, skipped samples counted)
+    runs beside the training step instead of inside it; 0 without a GPU, where workers would take the cores
+    the torch threads compute on. A number is used as given. Default: auto in a YAML run config
+    (`vlmtrain train`), 0 in Python (transformers' default)."""
     dataloader_pin_memory: bool = True
     """Pin host memory for faster copies to the accelerator (ignored on CPU)."""
     dataloader_drop_last: bool = False
@@ -214,7 +218,8 @@ class ImplementedArguments:
     dataloader_persistent_workers: bool = False
     """Keep the training loader's worker processes alive between epochs (with dataloader_num_workers > 0)."""
     dataloader_prefetch_factor: int | None = None
-    """Batches each training worker loads ahead (needs dataloader_num_workers > 0); None: torch's default (2)."""
+    """Batches each training worker loads ahead (needs dataloader_num_workers > 0; left out where 'auto' gives
+    none); None: torch's default (2)."""
     dataloader_multiprocessing_context: str | None = None
     """Start method of the training loader's workers: fork, spawn or forkserver; None: the platform's default."""
     remove_unused_columns: bool = True
@@ -239,7 +244,8 @@ class ImplementedArguments:
     resume_from_checkpoint: str | None = None
     """Checkpoint dir to resume from, or 'true'/'latest' for the newest complete one in output_dir."""
     torch_compile: bool = False
-    """Compile the model with torch.compile before training."""
+    """Compile the model with torch.compile before training: a Hub VLM (model.kind hub_vlm) layer by layer (each
+    decoder layer and vision block compiled on its own), any other model whole."""
     torch_compile_backend: str | None = None
     """torch.compile's backend (e.g. inductor, aot_eager); setting it turns torch_compile on."""
     torch_compile_mode: str | None = None
@@ -338,8 +344,12 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
             raise ConfigError("max_consecutive_nonfinite_steps must be >= 0 (0: never stop).")
         if not 0 < self.max_bad_sample_fraction <= 1:
             raise ConfigError(f"max_bad_sample_fraction must be in (0, 1], got {self.max_bad_sample_fraction}.")
-        if self.dataloader_num_workers < 0:
-            raise ConfigError("dataloader_num_workers must be >= 0.")
+        if isinstance(self.dataloader_num_workers, str) and self.dataloader_num_workers.strip().isdigit():
+            self.dataloader_num_workers = int(self.dataloader_num_workers)
+        if self.dataloader_num_workers != "auto" and not (
+                isinstance(self.dataloader_num_workers, int) and self.dataloader_num_workers >= 0):
+            raise ConfigError(f"dataloader_num_workers must be a number >= 0 or 'auto', got "
+                              f"{self.dataloader_num_workers!r}.")
         if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
             raise ConfigError("dataloader_prefetch_factor needs dataloader_num_workers > 0 (batches are loaded ahead "
                               "by worker processes); unset it or add workers.")

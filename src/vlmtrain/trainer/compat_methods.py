@@ -58,13 +58,19 @@ class TransformersMethodsMixin:
     """Trainer methods with transformers' names and behaviour (see docs/migrating.md)."""
 
     # -- construction ----------------------------------------------------------------------------------
-    def _resolve_model(self, model: nn.Module | None, model_init: Callable[..., nn.Module] | None) -> nn.Module:
-        """The model to train: ``model``, or ``model_init()`` (transformers: exactly one of them)."""
+    def _resolve_model(self, model: nn.Module | None, model_init: Callable[..., nn.Module] | None,
+                       compute_loss_func: Callable[..., Any] | None, optimizers: tuple[Any, Any],
+                       optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None) -> nn.Module:
+        """The model to train: ``model``, or ``model_init()`` (transformers: exactly one of them). Keeps
+        ``compute_loss_func`` ((outputs, labels, num_items_in_batch=) -> loss, replacing the model's loss) and
+        ``optimizer_cls_and_kwargs``, checked against ``optimizers`` as transformers checks them."""
         self.model_init = model_init
+        self.compute_loss_func, self.optimizer_cls_and_kwargs = compute_loss_func, optimizer_cls_and_kwargs
         if model is None and model_init is None:
             raise RuntimeError("Trainer needs a model: Trainer(model=..., args=...) or Trainer(model_init=...).")
         if model is not None and model_init is not None:
             raise ValueError("Trainer takes either a `model` or a `model_init`, not both.")
+        self._check_optimizer_arguments(optimizers, optimizer_cls_and_kwargs)
         return model if model is not None else self.call_model_init()
 
     def _check_optimizer_arguments(self, optimizers: tuple[Any, Any], optimizer_cls_and_kwargs: Any) -> None:
@@ -102,15 +108,15 @@ class TransformersMethodsMixin:
         self.callback_handler.refs["model"] = self.model
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
-    def _begin_session(self, resume_requested: bool) -> float:
-        """Just before on_train_begin: this train() call's start (time, step, tokens seen), and callbacks with a
-        ``resume_requested`` attribute (the metrics.jsonl writer) told whether a resume was asked for (an event
-        argument transformers' callbacks do not get). Returns the start time."""
+    def _begin_session(self, restarted: bool = False) -> float:
+        """Just before on_train_begin: this train() call's start (time, step, tokens seen); with ``restarted`` (a
+        resume was asked for and no checkpoint exists) callbacks' ``on_restart_without_checkpoint()`` (not a
+        transformers event: transformers' callbacks never see it). Returns the start time."""
+        if restarted:
+            for cb in self.callback_handler.callbacks:
+                getattr(cb, "on_restart_without_checkpoint", lambda: None)()
         self._train_start = time.time()
         self._initial_global_step, self._initial_tokens_seen = self.state.global_step, self.state.num_input_tokens_seen
-        for cb in self.callback_handler.callbacks:
-            if hasattr(cb, "resume_requested"):
-                cb.resume_requested = resume_requested
         return self._train_start
 
     # -- processes -------------------------------------------------------------------------------------

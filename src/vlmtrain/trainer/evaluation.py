@@ -119,7 +119,7 @@ class EvaluationMixin:
         unpacked = getattr(self.data_collator, "without_packing", None)  # predictions line up with samples
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
                           collate_fn=unpacked() if unpacked else self.data_collator,
-                          num_workers=self.args.dataloader_num_workers,
+                          num_workers=self.dataloader_workers(),
                           pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
 
     def _eval_sharding(self, dataset: Any) -> str | None:
@@ -284,6 +284,8 @@ class EvaluationMixin:
         # Forward for the loss, for score heads' outputs, and under FSDP in step (every rank runs the same calls)
         forward = (labels is not None or not generating or getattr(self, "_eval_lockstep", False)
                    or callable(getattr(self.model, "head_metrics", None)))
+        if getattr(self, "_forward_takes_loss_only", False) and (prediction_loss_only or generating):
+            inputs = {**inputs, "loss_only": True}  # (no logits kept: the LM head only at the targets)
         with torch.no_grad(), self.autocast():
             if forward and self._has_labels(inputs):  # the loss as training computes it (compute_loss_func too)
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True)

@@ -3,13 +3,14 @@
 What is counted (model FLOPs, the MFU convention; one multiply-add = 2 FLOPs):
 
 - **Matmuls**: every ``nn.Linear`` and ``nn.Conv*`` module (LoRA adapters and a tied ``lm_head`` included,
-  embedding lookups and norms not) costs ``2 * weight.numel()`` per row it is applied to: the text model per
+  embedding lookups and norms not), and every parameter a model names under :data:`MATMUL_PARAMETERS_ATTR`, costs ``2 * weight.numel()`` per row it is applied to: the text model per
   real token (image placeholders included, padding not), the vision tower per patch of each image, the
   projector per image token it emits; an output layer the model applies only at target positions in training
   (:data:`TARGET_LOGITS_ATTR`) per target.
 - **Attention scores and values**: ``4 * L^2 * heads * head_dim`` per layer forward (QK^T and AV) over each
   real sequence: a padded row's non-pad length, each document of a packed row (never the row), each image's
-  patches in the vision tower. The full L x L square (no halving for causal masks), as FlopCounterMode counts
+  patches in the vision tower (each of its windows, in a vision layer that attends within windows of the
+  image: :data:`WINDOWED_ATTENTION_ATTR`). The full L x L square (no halving for causal masks), as FlopCounterMode counts
   eager attention and CUDA SDPA kernels; backward 2x forward (eager's matmuls; FlopCounterMode credits SDPA
   kernels 2.5x for recomputing the scores). A sliding window of w counts L * min(L, w).
 - **Backward**, per module, from requires_grad when training starts: forward x (1 + 1 if its input needs a
@@ -24,7 +25,8 @@ activation-checkpointing recomputation (hardware FLOPs, not model FLOPs), elemen
 
 A model says what the counter needs: its module groups (``vision`` / ``projector`` / ``text``, see
 trainer/optim.py MODULE_GROUPS_ATTR; a model without them is all text) and, when it has a vision tower, a
-callable under :data:`IMAGE_TOKENS_ATTR` giving each image's (patches, image tokens) from a batch. A model the
+callable under :data:`IMAGE_TOKENS_ATTR` giving each image's (patches, image tokens) from a batch (Hub VLM
+families: ``Family.image_tokens``, for every family vlmtrain ships). A model the
 counter does not understand (no attention layers found, unknown matmul parameters, mixture-of-experts, a
 vision tower without that callable) gets no count, with one warning.
 """
@@ -48,7 +50,18 @@ token (vlmtrain's VLM does, see models/vlm.py)."""
 IMAGE_TOKENS_ATTR = "vlmtrain_image_tokens"
 """A model with a vision tower carries a callable under this name: batch -> [(patches the vision tower attends
 over, tokens the projector emits), ...], one pair per image of the batch (vlmtrain's VLM defines it as a
-method; the hub_vlm kind sets it from the family record)."""
+method; the hub_vlm kind sets it from the family record). A pair may carry a third value, the image's query-key
+pairs in a windowed vision layer (see WINDOWED_ATTENTION_ATTR)."""
+WINDOWED_ATTENTION_ATTR = "vlmtrain_windowed_attention"
+"""A model whose vision tower has attention layers that attend within windows of each image (Qwen2.5-VL: every
+block outside ``fullatt_block_indexes``) names those attention modules (relative to the model carrying the
+module groups) under this attribute; its IMAGE_TOKENS_ATTR callable then gives per image (patches, image tokens,
+query-key pairs of one such layer over the image: the sum of its windows' squared lengths)."""
+MATMUL_PARAMETERS_ATTR = "vlmtrain_matmul_parameters"
+"""Names (relative to the model carrying the module groups) of parameters applied as a matmul weight outside
+``nn.Linear`` / ``nn.Conv*`` (Gemma 3's ``mm_input_projection_weight``): counted as a Linear's weight, per row
+of their stage."""
+WINDOWS = "windows"  # StageCost.attention's key for the windowed vision layers
 
 STAGES = ("vision", "projector", "text")  # forward order
 _MATMULS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -62,8 +75,9 @@ class StageCost:
 
     per_row: float = 0.0
     """Per row (token, patch) through its matmuls, backward included."""
-    attention: dict[int | None, float] | None = None
-    """Sliding window (None: full) -> training FLOPs per query-key pair, summed over the layers with it."""
+    attention: dict[int | str | None, float] | None = None
+    """Sliding window (None: full; WINDOWS: windows of an image) -> training FLOPs per query-key pair, summed
+    over the layers with it."""
     matmul_params: int = 0
     unknown_params: int = 0
     attention_layers: int = 0
@@ -88,19 +102,29 @@ class FlopCounter:
             rows = (labels[..., 1:] != _IGNORE_INDEX).sum() if isinstance(labels, torch.Tensor) else lengths.sum()
             flops += self.stages["target_head"].per_row * float(rows)
         if self.image_tokens is not None and ("vision" in self.stages or "projector" in self.stages):
-            per_image = torch.as_tensor(self.image_tokens(batch), dtype=torch.float64).reshape(-1, 2)
+            rows = self.image_tokens(batch)
+            per_image = torch.as_tensor(rows, dtype=torch.float64).reshape(len(rows), -1)
             if "vision" in self.stages:
-                flops += _stage_flops(self.stages["vision"], per_image[:, 0])
-            if "projector" in self.stages:
+                windows = self.stages["vision"].attention and WINDOWS in self.stages["vision"].attention
+                if windows and len(rows) and per_image.shape[1] < 3:
+                    raise ValueError(f"{IMAGE_TOKENS_ATTR} gave no query-key pairs per image for the vision layers "
+                                     f"that attend within windows ({WINDOWED_ATTENTION_ATTR}).")
+                flops += _stage_flops(self.stages["vision"], per_image[:, 0] if len(rows) else per_image.new_zeros(0),
+                                      per_image[:, 2] if windows and len(rows) else None)
+            if "projector" in self.stages and len(rows):
                 flops += _stage_flops(self.stages["projector"], per_image[:, 1])
         return flops
 
 
-def _stage_flops(cost: StageCost, lengths: torch.Tensor) -> float:
-    """A stage's FLOPs over sequences of these lengths (each one its own attention span)."""
+def _stage_flops(cost: StageCost, lengths: torch.Tensor, window_pairs: torch.Tensor | None = None) -> float:
+    """A stage's FLOPs over sequences of these lengths (each one its own attention span); ``window_pairs``: each
+    sequence's query-key pairs in a layer attending within windows of it."""
     lengths = lengths.double()
     flops = cost.per_row * float(lengths.sum())
     for window, per_pair in (cost.attention or {}).items():
+        if window == WINDOWS:
+            flops += per_pair * float(window_pairs.sum())
+            continue
         keys = lengths if window is None else lengths.clamp(max=window)
         flops += per_pair * float((lengths * keys).sum())
     return flops
@@ -114,6 +138,8 @@ def document_lengths(batch: Mapping[str, Any]) -> torch.Tensor:
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         return mask.sum(-1)
     pos = batch.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.dim() == 3 and pos.shape[1:] == ids.shape:
+        pos = pos[0]  # multimodal rotary positions [4, B, L]: row 0 is the text position, restarting per sample
     if isinstance(pos, torch.Tensor) and pos.shape == ids.shape and ids.dim() == 2:
         return _packed_documents(ids, pos, batch.get("labels"))
     return torch.full(ids.shape[:1], ids.shape[-1]) if ids.dim() == 2 else torch.tensor([ids.numel()])
@@ -165,19 +191,33 @@ def _build(model: nn.Module) -> FlopCounter:
         raise _Unsupported(f"mixture-of-experts layers ({moe[0]}) run only some experts per token.")
     costs: dict[str, StageCost] = {}
     head_name, head = getattr(root, TARGET_LOGITS_ATTR, None), StageCost()
+    windowed = set(getattr(root, WINDOWED_ATTENTION_ATTR, None) or ())
+    matmul_params = set(getattr(root, MATMUL_PARAMETERS_ATTR, None) or ())
+    _check_named(named, stage_of, windowed, matmul_params)
     upstream_grad = False  # a trainable parameter earlier in forward order: inputs from here on need gradients
     for stage in STAGES:
         cost = StageCost(attention={})
-        open_attention: list[tuple[str, float, int | None]] = []
+        open_attention: list[tuple[str, float, int | str | None]] = []
+        deferred: list[tuple[str, StageCost, list[nn.Parameter]]] = []  # MATMUL_PARAMETERS_ATTR's, per module
         for name, module in named:
             if stage_of[name] != stage:
                 continue
+            while deferred and not name.startswith(deferred[-1][0] + "."):
+                upstream_grad = _add_weights(*deferred.pop()[1:], upstream_grad)
             while open_attention and not name.startswith(open_attention[-1][0] + "."):
                 _close_attention(cost, open_attention.pop(), upstream_grad)
             if _is_attention(module) and not open_attention:
-                open_attention.append((name, *_attention_shape(module, name)))
+                forward, window = _attention_shape(module, name)
+                open_attention.append((name, forward, WINDOWS if name in windowed else window))
             in_head = head_name is not None and (name == head_name or name.startswith(head_name + "."))
-            upstream_grad = _add_module(head if in_head else cost, module, upstream_grad)
+            target = head if in_head else cost
+            # a bare matmul weight is applied after the module's submodules (Gemma 3: norm, then projection)
+            bare = [p for leaf, p in module.named_parameters(recurse=False) if f"{name}.{leaf}" in matmul_params]
+            if bare:
+                deferred.append((name, target, bare))
+            upstream_grad = _add_module(target, module, upstream_grad, {id(p) for p in bare})
+        while deferred:
+            upstream_grad = _add_weights(*deferred.pop()[1:], upstream_grad)
         while open_attention:
             _close_attention(cost, open_attention.pop(), upstream_grad)
         if cost.matmul_params or cost.unknown_params:
@@ -205,16 +245,23 @@ def _stage(name: str, groups: Mapping[str, tuple[str, ...]]) -> str | None:
     return best if best in STAGES else None
 
 
-def _add_module(cost: StageCost, module: nn.Module, upstream_grad: bool) -> bool:
-    """Add a module's own matmul cost; returns whether inputs after it need gradients."""
-    own = list(module.parameters(recurse=False))
+def _add_module(cost: StageCost, module: nn.Module, upstream_grad: bool, bare: set[int]) -> bool:
+    """Add a module's own matmul cost (``bare``: ids of its parameters counted apart, see _add_weights); returns
+    whether inputs after it need gradients."""
+    own = [p for p in module.parameters(recurse=False) if id(p) not in bare]
     if isinstance(module, _MATMULS):
-        weight = module.weight
-        cost.per_row += 2.0 * weight.numel() * (1 + upstream_grad + weight.requires_grad)
-        cost.matmul_params += weight.numel()
-    elif not isinstance(module, nn.Embedding):
+        return _add_weights(cost, [module.weight], upstream_grad) or any(p.requires_grad for p in own)
+    if not isinstance(module, nn.Embedding):
         cost.unknown_params += sum(p.numel() for p in own if p.dim() >= 2)
     return upstream_grad or any(p.requires_grad for p in own)
+
+
+def _add_weights(cost: StageCost, weights: list[nn.Parameter], upstream_grad: bool) -> bool:
+    """Add matmul weights applied to every row: forward, input gradient if upstream, weight gradient if trained."""
+    for weight in weights:
+        cost.per_row += 2.0 * weight.numel() * (1 + upstream_grad + weight.requires_grad)
+        cost.matmul_params += weight.numel()
+    return upstream_grad or any(w.requires_grad for w in weights)
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -236,7 +283,20 @@ def _attention_shape(module: nn.Module, name: str) -> tuple[float, int | None]:
     return 4.0 * width, window if isinstance(window, int) and window > 0 else None
 
 
-def _close_attention(cost: StageCost, entry: tuple[str, float, int | None], upstream_grad: bool) -> None:
+def _check_named(named: list, stage_of: dict, windowed: set[str], matmul_params: set[str]) -> None:
+    """Windowed attention layers are vision attention modules; matmul parameters exist."""
+    modules = dict(named)
+    for name in sorted(windowed):
+        if name not in modules or not _is_attention(modules[name]) or stage_of.get(name) != "vision":
+            raise _Unsupported(f"{WINDOWED_ATTENTION_ATTR} names {name!r}, which is no attention module of the "
+                               f"vision tower.")
+    for name in sorted(matmul_params):
+        owner, _, leaf = name.rpartition(".")
+        if owner not in modules or leaf not in dict(modules[owner].named_parameters(recurse=False)):
+            raise _Unsupported(f"{MATMUL_PARAMETERS_ATTR} names {name!r}, which is no parameter of the model.")
+
+
+def _close_attention(cost: StageCost, entry: tuple[str, float, int | str | None], upstream_grad: bool) -> None:
     _, forward, window = entry
     cost.attention[window] = cost.attention.get(window, 0.0) + forward * (3 if upstream_grad else 1)
     cost.attention_layers += 1

@@ -1,4 +1,5 @@
-"""What the Trainer does to a model before training, for TrainingArguments' tf32 and activation_checkpointing."""
+"""What the Trainer does to a model before training, for TrainingArguments' tf32, activation_checkpointing and
+torch_compile."""
 
 from __future__ import annotations
 
@@ -20,6 +21,41 @@ def set_tf32(tf32: bool | None, device: torch.device) -> None:
             warnings.warn("tf32=True has no effect without a CUDA device: ignored.", stacklevel=3)
         return
     torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "tf32" if tf32 else "ieee"
+
+
+REGIONAL_COMPILE_ATTR = "vlmtrain_regional_compile"
+"""A model (or a module inside it, e.g. under score heads or LoRA) with this attribute set to True is compiled
+layer by layer under ``torch_compile`` (see :func:`compile_model`); the hub_vlm kind sets it."""
+
+
+def transformer_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer layers: the outermost instances of transformers' GradientCheckpointingLayer (every
+    decoder layer and vision block of a transformers model)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GradientCheckpointingLayer) and not any(name.startswith(f"{o}.") for o in found):
+            found[name] = module
+    return list(found.values())
+
+
+def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str | None) -> nn.Module:
+    """TrainingArguments.torch_compile. A model marked for regional compilation (REGIONAL_COMPILE_ATTR) has each of
+    its transformer layers compiled in place (``nn.Module.compile``: parameter names and state dict unchanged;
+    torchtitan's way: one small graph per layer type, reused by every copy, instead of one for the whole model,
+    so compiling takes seconds and a graph break stays local) and ``wrapped`` (the model as DDP/FSDP wrap it) is
+    returned as is; any other model is compiled whole: ``torch.compile(wrapped)``."""
+    if not any(getattr(m, REGIONAL_COMPILE_ATTR, False) for m in model.modules()):
+        return torch.compile(wrapped, backend=backend, mode=mode)
+    layers = transformer_layers(model)
+    if not layers:
+        raise ConfigError(f"torch_compile: {type(model).__name__} asks to be compiled layer by layer but has no "
+                          f"transformer layer (transformers' GradientCheckpointingLayer) to compile.")
+    for layer in layers:
+        if getattr(layer, "_compiled_call_impl", None) is None:  # (a second train() keeps the compiled layers)
+            layer.compile(backend=backend, mode=mode)
+    return wrapped
 
 
 def _checkpointable(model: nn.Module) -> list[nn.Module]:

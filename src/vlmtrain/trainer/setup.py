@@ -100,6 +100,23 @@ def _full_tensors_into_shards(model: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
+def dataloader_workers(value: int | str, cuda: bool, cpus: int | None = None,
+                       local_world_size: int | None = None) -> int:
+    """The data-loader workers ``dataloader_num_workers`` asks for: a number as given; ``'auto'``: on a CUDA
+    machine ``min(4, cpus // local_world_size - 2)`` (at least 0: two cores per process stay with the training
+    step and the loader's main thread), 0 without CUDA. ``cpus``: the cores this process may run on;
+    ``local_world_size``: processes on this machine (torchrun's LOCAL_WORLD_SIZE, else 1)."""
+    if value != "auto":
+        return int(value)
+    if not cuda:
+        return 0
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(0, min(4, cpus // max(1, local_world_size) - 2))
+
+
 class SetupMixin:
     """Trainer methods that prepare training and close it."""
 
@@ -117,16 +134,22 @@ class SetupMixin:
         elif not isinstance(dataset, IterableDataset):
             sampler = StatefulDistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
                                                  shuffle=True, seed=seed, drop_last=False)
+        num_workers = self.dataloader_workers()
         workers: dict[str, Any] = {}
-        if args.dataloader_num_workers > 0:  # torch refuses these options without worker processes
+        if num_workers > 0:  # torch refuses these options without worker processes
             workers = {"persistent_workers": args.dataloader_persistent_workers,
                        "prefetch_factor": args.dataloader_prefetch_factor,
                        "multiprocessing_context": args.dataloader_multiprocessing_context}
         return StatefulDataLoader(
             dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-            collate_fn=self.data_collator, num_workers=args.dataloader_num_workers, drop_last=args.dataloader_drop_last,
+            collate_fn=self.data_collator, num_workers=num_workers, drop_last=args.dataloader_drop_last,
             pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
             generator=torch.Generator().manual_seed(seed), **workers)
+
+    def dataloader_workers(self) -> int:
+        """Worker processes of this Trainer's data loaders: ``args.dataloader_num_workers`` resolved for the
+        device it trains on (``'auto'``: see :func:`dataloader_workers`)."""
+        return dataloader_workers(self.args.dataloader_num_workers, cuda=self.device.type == "cuda")
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The optimizer over ``model`` (default: the Trainer's): Trainer(optimizer_cls_and_kwargs=...)'s class, or

@@ -22,6 +22,13 @@ def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return found
 
 
+LOSS_ONLY_ATTR = "vlmtrain_accepts_loss_only"
+"""A model (or, through peft's attribute lookup, the model it wraps) with this attribute true takes
+``forward(..., loss_only=True)``: it then returns its losses and counts without logits, computing the LM head
+only where a target is predicted (models/lm_loss.py). The Trainer passes it in training, and in evaluation when
+it keeps no logits (prediction_loss_only, or generated predictions)."""
+
+
 def item_counts(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Per-loss item counts: `loss_<name>` -> the output's `num_items_<name>` (how many items, e.g. samples of a
     score head, that loss averaged over), for the extra losses that report one."""

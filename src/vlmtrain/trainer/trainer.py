@@ -49,7 +49,7 @@ from .callbacks import (
 )
 from .compat_methods import TransformersMethodsMixin, set_seed
 from .evaluation import EvaluationMixin
-from .model_prep import enable_activation_checkpointing, set_tf32
+from .model_prep import compile_model, enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
@@ -57,6 +57,7 @@ from .setup import SetupMixin
 from .state import TrainerControl, TrainerState, TrainOutput
 from .stats import (
     BOOKKEEPING_KEYS,
+    LOSS_ONLY_ATTR,
     dropped_for_rank_sync,
     extra_losses,
     is_empty_batch,
@@ -79,9 +80,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
                  preprocess_logits_for_metrics: Any = None) -> None:
         self.args = args if args is not None else TrainingArguments()
         set_seed(self.args.seed)  # (before model_init builds the model)
-        model = self._resolve_model(model, model_init)
-        self._check_optimizer_arguments(optimizers, optimizer_cls_and_kwargs)
-        self.compute_loss_func, self.optimizer_cls_and_kwargs = compute_loss_func, optimizer_cls_and_kwargs
+        model = self._resolve_model(model, model_init, compute_loss_func, optimizers, optimizer_cls_and_kwargs)
         if self.args.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass "
                              "Trainer(eval_dataset=...) or set eval_strategy='no'.")
@@ -114,6 +113,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         # train.async_eval: rank 0 has saved checkpoints evaluated by other processes
         self._async_eval = AsyncEvaluator(self.args) if self.args.async_eval and self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
+        self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
         self.control = self._event("on_init_end")
 
     # -- callbacks -------------------------------------------------------------------------------------
@@ -155,13 +155,13 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
             freeze_zero_lr(self.model, args)
         # Before the optimizer: FSDP replaces the parameters.
         model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs())
-        if args.torch_compile:
-            model = torch.compile(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
+        if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: model_prep.compile_model)
+            model = compile_model(self.model, model, args.torch_compile_backend or "inductor", args.torch_compile_mode)
         epochs = self._setup_training(loader)
         if resume is not None:
             self._load_checkpoint(resume)
         requested = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-        start = self._begin_session(ckpt.resume_requested(requested))
+        start = self._begin_session(restarted=resume is None and ckpt.resume_requested(requested))
         self.control = self._event("on_train_begin")
         if self.state.global_step >= self.state.max_steps:  # resumed from the run's final checkpoint: done
             self.control.should_training_stop = True
@@ -278,6 +278,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         inputs = self._prepare_inputs(inputs)
         if self._forward_takes_use_cache:
             inputs.setdefault("use_cache", False)  # a KV cache is wasted work in training
+        if self._forward_takes_loss_only:
+            inputs.setdefault("loss_only", True)  # no logits: training uses the losses alone
         with self.autocast():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
                                               num_items_in_batch=num_items_in_batch)
@@ -409,10 +411,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         self._throughput.exclude(time.perf_counter() - paused)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add `epoch` to logs (in place, as transformers), record them in state.log_history and hand them to on_log
-        (metrics.jsonl, console, trackers). log_history keeps transformers' keys (and loss_*): vlmtrain's per-step
-        figures (throughput, data wait, FLOPs) go to on_log only. A row with its own `step` (an async evaluation
-        of an earlier checkpoint) is logged at that step."""
+        """Add `epoch` (in place) and record transformers' keys in log_history; on_log gets all (see _log_row). A row
+        with its own `step` (an async evaluation of an earlier checkpoint) is logged at that step."""
         if "step" not in logs:
             logs["epoch"] = self.state.epoch
         row = self._log_row(logs, start_time)

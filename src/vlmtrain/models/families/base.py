@@ -52,13 +52,29 @@ class Family:
     save_pretrained, offline (tests, the demo, benchmarks)."""
     image_tokens: Callable[[Any, Mapping[str, Any]], list[tuple[int, int]]] | None = None
     """image_tokens(model config, batch) -> (patches the vision tower attends over, tokens the projector emits)
-    per image of the batch, for the logged tflops_per_second (trainer/flops.py). None: not counted (no tflops
-    for this family: its vision attention or projector is not a per-image full attention + per-token map)."""
+    per image of the batch (a crop or tile counts as an image when the vision tower sees it alone), for the
+    logged tflops_per_second (trainer/flops.py); with ``windowed_attention``, a third value per image: its
+    query-key pairs in one windowed layer. None: not counted (no tflops for this family)."""
+    windowed_attention: Callable[[Any], tuple[str, ...]] | None = None
+    """windowed_attention(model config) -> names of the vision attention modules that attend within windows of an
+    image rather than over all of it (Qwen2.5-VL), for the FLOP count. None: every vision layer attends over the
+    whole image."""
+    matmul_parameters: tuple[str, ...] = ()
+    """Parameters applied as a matmul weight outside nn.Linear / nn.Conv modules (Gemma 3's projector weight),
+    for the FLOP count."""
     image_size: Callable[[Any, int | None, int | None, int | None], None] | None = None
     """image_size(processor, max_pixels, min_pixels, max_image_tokens) bounds, in place, how large the
     processor resizes each image (``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens``; None: the
     family's default). None: this family's image size is fixed by the checkpoint (a fixed view size or a
     bounded tiling) and those keys do not apply."""
+    rope_positions: Callable[[Any, Mapping[str, Any]], torch.Tensor] | None = None
+    """rope_positions(model config, one processed sample) -> that sample's multimodal rotary positions [3, L],
+    as the model computes them for the sample alone (Qwen's ``get_rope_index``). Packing concatenates them per
+    row under a text-position row that restarts at 0 per sample (position_ids [4, rows, L]). None: the model
+    takes ordinary 1-D positions, restarting per packed sample."""
+    packing_unsupported: str | None = None
+    """Why this family's samples cannot be packed (data.packing: true is then a ConfigError with this reason);
+    None: they can."""
     pad_values: Mapping[str, int | float] = field(default_factory=dict)
     """Padding value per 'pad' key (input_ids: the tokenizer's pad id is used; labels: -100; others 0)."""
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -13,6 +13,8 @@
 - Image size: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` do not apply: every image is
   resized to the checkpoint's fixed size (896 x 896 for gemma-3-it) and becomes ``image_seq_length`` (256)
   tokens whatever its size.
+- Packing (``data.packing``): refused (``packing_unsupported``): transformers' sliding-window mask looks the
+  bidirectional image blocks up at per-sample positions inside a packed row.
 - Modules: ``model.vision_tower`` (SigLIP), ``model.multi_modal_projector``, ``model.language_model``
   and ``lm_head`` (tied to the embeddings). save_pretrained writes legacy key names: reload with
   ``from_pretrained``.
@@ -115,6 +117,18 @@ def load_processor(path: str) -> Any:
                            chat_template=saved_chat_template(path, tokenizer), image_seq_length=seq)
 
 
+def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
+    """(patches, image tokens) per image of ``pixel_values`` [n, C, H, W]: the vision tower attends over all
+    (image_size / patch)^2 patches of each; the projector average-pools them to ``mm_tokens_per_image`` tokens,
+    then multiplies each by its projection weight (a bare parameter: ``matmul_parameters``)."""
+    pixels = batch.get("pixel_values")
+    if pixels is None:
+        return []
+    patch = config.vision_config.patch_size
+    patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+    return [(patches, config.mm_tokens_per_image)] * pixels.reshape(-1, *pixels.shape[-3:]).shape[0]
+
+
 def build_tiny(out_dir: str, seed: int = 0) -> str:
     """A tiny random-init Gemma 3 (SigLIP + Gemma 3 text) with its processor, written to ``out_dir``."""
     import torch
@@ -161,4 +175,10 @@ FAMILY = Family(
     text_module="model.language_model",
     load_processor=load_processor,
     build_tiny=build_tiny,
+    packing_unsupported=(
+        "its image tokens attend to each other bidirectionally (token_type_ids), and transformers' mask for its "
+        "sliding-window layers looks those image blocks up at each sample's own positions inside a packed row, "
+        "so packed samples would see wrong tokens (measured: packed logits differ from unpacked ones)."),
+    image_tokens=image_tokens,
+    matmul_parameters=("model.multi_modal_projector.mm_input_projection_weight",),
 )

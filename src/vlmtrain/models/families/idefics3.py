@@ -166,6 +166,20 @@ def _image_only_smolvlm() -> type:
     return saved_as_real_class(ImageOnlySmolVLMProcessor)  # saved as SmolVLMProcessor
 
 
+def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
+    """(patches, image tokens) per crop the vision tower sees: every crop of ``pixel_values`` [B, N, C, H, W]
+    that is not all zeros (the model drops those, as padding); its (H / patch) x (W / patch) patches attend to
+    each other, and the connector's pixel shuffle makes scale_factor^2 of them one image token."""
+    pixels = batch.get("pixel_values")
+    if pixels is None:
+        return []
+    crops = pixels.reshape(-1, *pixels.shape[-3:])
+    real = int(((crops == 0).flatten(1).sum(1) != crops[0].numel()).sum()) if len(crops) else 0
+    patch = config.vision_config.patch_size
+    patches = (crops.shape[-2] // patch) * (crops.shape[-1] // patch)
+    return [(patches, patches // config.scale_factor**2)] * real
+
+
 def build_tiny(out_dir: str, seed: int = 0, model_type: str = "idefics3") -> str:
     """A tiny random-init SmolVLM with its processor, written to ``out_dir``: ``model_type`` 'idefics3'
     (SmolVLM-Instruct: Idefics3ForConditionalGeneration) or 'smolvlm' (SmolVLM2: SmolVLMForConditionalGeneration)."""
@@ -225,4 +239,5 @@ FAMILY = Family(
     text_module="model.text_model",
     load_processor=load_processor,
     build_tiny=build_tiny,
+    image_tokens=image_tokens,
 )

@@ -132,6 +132,28 @@ def pad_crops_and_concat(per_sample: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(padded, dim=0)
 
 
+def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
+    """(patches, projected features) per view the vision tower sees: a sample's only image is its base view plus
+    grid crops ("anyres": how many from ``image_sizes`` and ``image_grid_pinpoints``, as the model counts them),
+    each image of a several-image sample one view. Every view's (image_size / patch)^2 patches attend to each
+    other and each (less the first with vision_feature_select_strategy 'default') goes through the projector;
+    the pooling and unpadding after it are no matmuls."""
+    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+    sizes = batch.get("image_sizes")
+    if sizes is None:
+        return []
+    per_sample = batch.get("batch_num_images")
+    crops_of = [n == 1 for n in per_sample.tolist() for _ in range(n)] if per_sample is not None else [True] * len(
+        sizes)
+    vision = config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    features = patches - (config.vision_feature_select_strategy == "default")
+    views = sum(image_size_to_num_patches(size, config.image_grid_pinpoints, vision.image_size) if crops else 1
+                for size, crops in zip(sizes.tolist(), crops_of))
+    return [(patches, features)] * views
+
+
 def build_tiny(out_dir: str, seed: int = 0) -> str:
     """A tiny random-init LLaVA-OneVision (SigLIP + Qwen2) with its processor, written to ``out_dir``."""
     from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
@@ -154,7 +176,7 @@ def build_tiny(out_dir: str, seed: int = 0) -> str:
                 tie_word_embeddings=False, pad_token_id=ids["<|endoftext|>"], bos_token_id=None,
                 eos_token_id=ids[END_OF_TURN])
     vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=VIEW, patch_size=PATCH)
+                  num_attention_heads=2, image_size=VIEW, patch_size=PATCH, vision_use_head=False)  # as released
     config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=ids["<image>"],
                                   video_token_index=ids["<video>"], vision_feature_select_strategy="full",
                                   vision_feature_layer=-1, image_grid_pinpoints=PINPOINTS,
@@ -192,4 +214,5 @@ FAMILY = Family(
     text_module="model.language_model",
     load_processor=load_processor,
     build_tiny=build_tiny,
+    image_tokens=image_tokens,
 )

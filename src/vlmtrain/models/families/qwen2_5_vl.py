@@ -9,6 +9,7 @@ image token; default cap 1,024 tokens = 802,816 pixels, the checkpoints' own bei
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .base import Family
@@ -18,6 +19,7 @@ from .qwen_common import (
     build_tiny_tokenizer,
     image_only_processor_class,
     load_image_only_processor,
+    rope_positions,
     save_tiny,
     set_image_size,
     text_ids,
@@ -49,6 +51,28 @@ TRAINING_TEMPLATE = (_PRE + "{% if message['role'] == 'assistant' %}{% generatio
                      + "<|im_end|>{% endgeneration %}{{ '\\n' }}{% else %}" + _CONTENT + "<|im_end|>{{ '\\n' }}"
                      + "{% endif %}" + _POST)
 """CHAT_TEMPLATE with each assistant reply and its <|im_end|> inside {% generation %}."""
+
+
+def image_tokens(config: Any, batch: Any) -> list[tuple[int, int, int]]:
+    """(patches, image tokens, query-key pairs in a windowed vision layer) per image of ``image_grid_thw``: the
+    windowed blocks attend within squares of ``window_size`` pixels (``window_size // patch // merge`` image
+    tokens a side; the last window of a row or column is cut short), each frame on its own."""
+    grid = batch.get("image_grid_thw")
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    side = vision.window_size // merge // vision.patch_size  # image tokens per window side
+    out = []
+    for t, h, w in [] if grid is None else grid.tolist():
+        squares = [sum(n * n for n in [side] * (m // side) + ([m % side] if m % side else [])) for m in (h // merge,
+                                                                                                       w // merge)]
+        out.append((t * h * w, t * h * w // merge**2, t * merge**4 * squares[0] * squares[1]))
+    return out
+
+
+def windowed_attention(config: Any) -> tuple[str, ...]:
+    """The vision attention modules that attend within windows: every block's outside fullatt_block_indexes."""
+    vision = config.vision_config
+    return tuple(f"model.visual.blocks.{i}.attn" for i in range(vision.depth) if i not in vision.fullatt_block_indexes)
 
 
 def processor_class() -> type:
@@ -107,4 +131,8 @@ FAMILY = Family(
     load_processor=load_processor,
     build_tiny=build_tiny,
     image_size=set_image_size,
+    rope_positions=functools.partial(rope_positions, "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+                                     "Qwen2_5_VLModel"),
+    image_tokens=image_tokens,
+    windowed_attention=windowed_attention,
 )

@@ -9,6 +9,7 @@ per image token; default cap 1,024 tokens = 1,048,576 pixels, the checkpoints' o
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .base import Family
@@ -19,6 +20,7 @@ from .qwen_common import (
     image_only_processor_class,
     image_tokens,
     load_image_only_processor,
+    rope_positions,
     save_tiny,
     set_image_size,
     text_ids,
@@ -213,5 +215,7 @@ FAMILY = Family(
     load_processor=load_processor,
     build_tiny=build_tiny,
     image_size=set_image_size,
+    rope_positions=functools.partial(rope_positions, "transformers.models.qwen3_vl.modeling_qwen3_vl",
+                                     "Qwen3VLModel"),
     image_tokens=image_tokens,
 )

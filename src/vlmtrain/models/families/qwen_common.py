@@ -15,7 +15,9 @@ the checkpoint's own max_pixels, if smaller). A Qwen3-VL checkpoint (patch 16, m
 
 from __future__ import annotations
 
+import functools
 import os
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +42,24 @@ def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
     grid = batch.get("image_grid_thw")
     merge = config.vision_config.spatial_merge_size ** 2
     return [] if grid is None else [(t * h * w, t * h * w // merge) for t, h, w in grid.tolist()]
+
+
+def rope_positions(module: str, class_name: str, config: Any, item: Any) -> torch.Tensor:
+    """One processed sample's multimodal rotary positions [3, L] (temporal, height, width), computed for the
+    sample alone by the model's own ``get_rope_index`` (class ``class_name`` of ``module``; called without
+    weights, it reads only ``config``), as the model computes them for an unpacked sample. A family binds
+    module and class with functools.partial (picklable, for data-loader workers)."""
+    import importlib
+
+    cls = getattr(importlib.import_module(module), class_name)
+    index = types.SimpleNamespace(config=config)
+    index.get_vision_position_ids = functools.partial(cls.get_vision_position_ids, index)
+    ids = torch.as_tensor(item["input_ids"]).reshape(1, -1)
+    token_types = torch.as_tensor(item["mm_token_type_ids"]).reshape(1, -1)
+    grid = item.get("image_grid_thw")
+    pos, _ = cls.get_rope_index(index, ids, mm_token_type_ids=token_types,
+                                image_grid_thw=None if grid is None else torch.as_tensor(grid).reshape(-1, 3))
+    return pos[:, 0]
 
 
 def set_image_size(processor: Any, max_pixels: int | None = None, min_pixels: int | None = None,

@@ -41,6 +41,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
 
     from vlmtrain.data.packing import PackingCollator
     from vlmtrain.models.causal_lm import build_causal_lm
+    from vlmtrain.models.lm_loss import enable_lm_loss
     from vlmtrain.models.meta import model_init
 
     parts = dict(source)
@@ -63,6 +64,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
         parts["model"] = build_causal_lm(config=cfg.model.config or None, pretrained=cfg.model.pretrained,
                                          tokenizer=tokenizer, seed=cfg.train.seed, dtype=dtype)
+    enable_lm_loss(parts["model"])  # the LM head only at the targets, chunked (for the types it knows)
     default_length = 64 if "tokenizer" in source else cfg.data.max_length  # (tokenized: short samples)
     parts["data_collator"] = choose_collator(cfg, parts["model"], len(tokenizer), padded, parts.pop("packed"),
                                              default_length)

@@ -21,12 +21,32 @@ def check(cfg: Any) -> None:
         raise ConfigError("model.kind='hub_vlm' needs model.pretrained: a Hub id (e.g. Qwen/Qwen3-VL-8B-Instruct) "
                           "or a local directory written by save_pretrained.")
     if cfg.data.packing:
-        raise ConfigError("data.packing=true: Hub VLM batches are padded, never packed (their position ids and "
-                          "image splicing assume one sample per row). Set data.packing: null or false.")
+        check_packing(cfg)
+    elif cfg.data.pack_window:  # (never a silent padded run)
+        raise ConfigError(f"data.pack_window={cfg.data.pack_window} packs rows, but Hub VLM batches are packed only "
+                          f"with data.packing: true (got {cfg.data.packing!r}). Set data.packing: true, or drop "
+                          f"data.pack_window.")
     if m.heads is not None:
         from vlmtrain.models.heads import parse_heads
 
         parse_heads(m.heads)  # an unknown head type or loss fails before anything is loaded
+
+
+PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2")
+"""model.attn_implementation values that keep packed samples apart (null is transformers' default, sdpa)."""
+
+
+def check_packing(cfg: Any) -> None:
+    """data.packing: true with a Hub VLM: a ConfigError for what cannot pack (score heads; an attention kernel
+    other than those in PACKING_ATTENTION). The family is checked in validate (it needs the checkpoint)."""
+    m = cfg.model
+    if m.heads:
+        raise ConfigError("data.packing=true with model.heads: score heads pool each row's last token, and a "
+                          "packed row holds several samples. Set data.packing: false (or null) for a model with heads.")
+    if m.attn_implementation is not None and m.attn_implementation not in PACKING_ATTENTION:
+        raise ConfigError(f"data.packing=true with model.attn_implementation={m.attn_implementation!r}: packed Hub VLM "
+                          f"rows are kept apart only with {', '.join(PACKING_ATTENTION)} (or null, sdpa). Set one of "
+                          f"those, or data.packing: false.")
 
 
 def validate(cfg: Any) -> None:
@@ -34,21 +54,37 @@ def validate(cfg: Any) -> None:
     from vlmtrain.models.families import family_of
 
     # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
-    check_image_size(family_of(cfg.model.pretrained), cfg.data)
+    family = family_of(cfg.model.pretrained)
+    check_image_size(family, cfg.data)
+    if cfg.data.packing and family.packing_unsupported:
+        raise ConfigError(f"data.packing=true: the {family.name} family cannot pack: {family.packing_unsupported} "
+                          f"Set data.packing: false (or null).")
+    if cfg.data.packing and cfg.model.attn_implementation == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("data.packing=true with model.attn_implementation='flash_attention_2', but the "
+                              "flash_attn package is not installed (pip install flash-attn), or set "
+                              "model.attn_implementation: sdpa.")
 
 
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
                stop_token_id: int | None = None, device: Any = None) -> Any:
     """The transformers VLM of a Hub id or directory (AutoModelForImageTextToText), with the family's module
-    groups attached (module_learning_rates / LoRA aliases vision, projector, text); with ``stop_token_id``
+    groups attached (module_learning_rates / LoRA aliases vision, projector, text) and a ``loss_only`` forward
+    (models/lm_loss.enable_lm_loss); with ``stop_token_id``
     (the family's end of turn), generation stops there too. ``device``: load the weights straight onto it
-    (``device_map``), in ``torch_dtype``, never a float32 copy first."""
+    (``device_map``), in ``torch_dtype``, never a float32 copy first. A patch embedding Conv3d whose stride is
+    its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/patch_embed.py; same weights and
+    state dict)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
+    from vlmtrain.models.lm_loss import enable_lm_loss
     from vlmtrain.models.meta import from_pretrained
-    from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR
+    from vlmtrain.models.patch_embed import linear_patch_embeddings
+    from vlmtrain.trainer.model_prep import REGIONAL_COMPILE_ATTR
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
@@ -57,12 +93,26 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
+    linear_patch_embeddings(model)
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
-    if family.image_tokens is not None:  # what the logged tflops count images by (trainer/flops.py)
-        setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
+    _attach_flop_info(model, family)
+    setattr(model, REGIONAL_COMPILE_ATTR, True)  # train.torch_compile compiles each layer (trainer/model_prep.py)
     _stop_at(model, stop_token_id)
+    enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/lm_loss.py)
     return model
+
+
+def _attach_flop_info(model: Any, family: Any) -> None:
+    """What the logged tflops count a family's images and odd matmuls by (trainer/flops.py)."""
+    from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR, MATMUL_PARAMETERS_ATTR, WINDOWED_ATTENTION_ATTR
+
+    if family.image_tokens is not None:
+        setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
+    if family.windowed_attention is not None:
+        setattr(model, WINDOWED_ATTENTION_ATTR, family.windowed_attention(model.config))
+    if family.matmul_parameters:
+        setattr(model, MATMUL_PARAMETERS_ATTR, family.matmul_parameters)
 
 
 def _stop_at(model: Any, stop_token_id: int | None) -> None:
@@ -103,6 +153,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     stop = end_of_turn_id(processor, family)
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
         model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation, stop_token_id=stop)
+        model_config = model.config  # (packing: Qwen's multimodal positions are computed from it per sample)
         heads = {}
         if m.heads:
             from vlmtrain.models.heads import WithHeads
@@ -120,8 +171,14 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
         label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
         head_names=tuple(heads))
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
+    packing = {}
+    if d.packing:  # (check_packing refused heads; flash-attention finds documents from one row's positions)
+        packing = {"pack_length": d.pack_length or d.max_length, "model_config": model_config,
+                   "max_images_per_pack": d.max_images_per_pack,
+                   "flatten": m.attn_implementation == "flash_attention_2"}
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
-                              if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate)
+                              if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate,
+                              **packing)
     tokenizer = processor.tokenizer
     metrics = None
     if cfg.train.predict_with_generate:
@@ -245,9 +302,11 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
+    from vlmtrain.models.patch_embed import linear_patch_embeddings
     from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
 
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
+    linear_patch_embeddings(model)
     setattr(model, MODULE_GROUPS_ATTR, dict(family_of(checkpoint).module_groups))
     _stop_at(model, stop_token_id)
     return model

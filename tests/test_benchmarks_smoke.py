@@ -1,0 +1,76 @@
+"""benchmarks/gpu_hub_vlm.py end to end on CPU: without CUDA it says so and measures nothing; with --smoke it runs
+its whole pipeline (offline processor, synthetic two-image data, meta-device init, the three contenders, the
+meter and the checks) on tiny Qwen3-VL configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from optional_extras import requires
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_hub_vlm.py"
+
+
+@pytest.fixture
+def bench():
+    spec = importlib.util.spec_from_file_location("gpu_hub_vlm", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    threads = torch.get_num_threads()
+    yield module
+    torch.set_num_threads(threads)
+
+
+def test_without_cuda_it_says_so_and_exits_0(bench, capsys):
+    assert not torch.cuda.is_available()  # (tests/conftest.py hides GPUs)
+    assert bench.main([]) == 0
+    out = capsys.readouterr().out
+    assert "needs a CUDA GPU" in out and "nothing was measured" in out
+    assert "tokens/s" not in out
+
+
+def _rows(block: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(r"^  (transformers|vlmtrain padded|vlmtrain packed)\s+(.*)$",
+                                                        block, re.M)}
+
+
+@pytest.mark.slow
+@requires("peft", "lora")
+def test_smoke_runs_every_contender_on_the_same_start_and_data(bench, capsys, tmp_path):
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    blocks = out.split("\n== ")[1:]
+    assert [b.split(":")[0] for b in blocks] == ["2b-full", "8b-lora"]
+    for block in blocks:
+        rows = _rows(block)
+        assert set(rows) == {"transformers", "vlmtrain padded", "vlmtrain packed"}, block
+        for name in ("transformers", "vlmtrain padded"):
+            tokens_per_s, ratio = (float(v) for v in rows[name].split()[:2])
+            assert tokens_per_s > 0, block
+        assert float(rows["transformers"].split()[1]) == 1.0
+        loss = {name: float(rows[name].split()[-1]) for name in ("transformers", "vlmtrain padded")}
+        assert loss["transformers"] == pytest.approx(loss["vlmtrain padded"], rel=1e-2)
+        packed = rows["vlmtrain packed"]
+        assert packed.startswith("skipped: vlmtrain refuses it: ") or float(packed.split()[0]) > 0
+        assert re.search(r"same weights at the start \(checksums \[[^,\]]+\]\): yes", block), block
+        assert re.search(r"same trainable parameters \([\d,]+\): yes", block), block
+        assert "same first batch (targets, id sum) [(" in block and ": yes | step-1 losses" in block, block
+        assert "step-1 losses within 0.01 relative: yes" in block
+    assert out.rstrip().endswith("all checks passed")
+
+
+@pytest.mark.gpu
+@requires("peft", "lora")
+def test_smoke_on_cuda_measures_peak_memory(bench, capsys, tmp_path):
+    """On a GPU machine --smoke runs the CUDA paths (bf16, fused AdamW, workers beside CUDA, peak memory)."""
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for block in out.split("\n== ")[1:]:
+        rows = _rows(block)
+        for name in ("transformers", "vlmtrain padded"):
+            assert float(rows[name].split()[4]) > 0, block  # peak GiB
+    assert out.rstrip().endswith("all checks passed")

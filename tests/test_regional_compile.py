@@ -1,0 +1,73 @@
+"""train.torch_compile on a Hub VLM: every transformer layer (decoder layers and vision blocks) compiled on its own,
+in place; the training losses equal eager's (the whole-model compile of other models: tests/test_logging.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from vlmtrain import Trainer, TrainingArguments
+from vlmtrain.data.hub_collate import HubVLMCollator
+from vlmtrain.data.hub_processing import HubVLMProcessor
+from vlmtrain.models.families import get_family
+from vlmtrain.models.kinds.hub_vlm import load_model
+
+
+class _StepModels(Trainer):
+    """Records the type of the module each training step runs."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.step_models.append(type(model))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def _samples():
+    return [{"images": [Image.new("RGB", size, (50 * i, 120, 30))],
+             "texts": [{"user": "What colour is it?", "assistant": "Green" + "!" * i}]}
+            for i, size in enumerate([(32, 48), (64, 32), (32, 32), (48, 48)])]
+
+
+def _train(path, family, out, **args):
+    torch.manual_seed(0)
+    collator = HubVLMCollator(HubVLMProcessor(family.load_processor(path), family))
+    trainer = _StepModels(load_model(path), TrainingArguments(
+        output_dir=str(out), max_steps=3, per_device_train_batch_size=2, logging_steps=1, save_strategy="no",
+        learning_rate=1e-2, disable_tqdm=True, report_to="none", seed=0, **args),
+        train_dataset=_samples(), data_collator=collator)
+    trainer.step_models = []
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    return trainer, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_hub_vlm_compiles_each_layer_and_trains_as_eager(tmp_path, checkpointing):
+    """Qwen3-VL with torch_compile (torch_compile_backend turns it on): each decoder layer and vision block is compiled in place (its forward goes
+    through torch.compile; dynamo captured graphs), the model itself is not wrapped (its state dict keys stay the
+    checkpoint's), and three steps give eager's losses (forward and, through the updates, backward), with and
+    without activation checkpointing."""
+    family = get_family("qwen3_vl")
+    path = family.build_tiny(str(tmp_path / "tiny"), seed=0)
+    _, eager = _train(path, family, tmp_path / "eager", activation_checkpointing=checkpointing)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    # aot_eager: dynamo's graphs and AOT autograd's joint forward/backward, without inductor's C++ build (minutes
+    # on 2 CPU cores; the whole-model test in test_logging.py runs inductor)
+    trainer, compiled = _train(path, family, tmp_path / "compiled", torch_compile_backend="aot_eager",
+                               activation_checkpointing=checkpointing)
+    layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    names = [n for n, m in trainer.model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert len(layers) == 4 and any(".visual.blocks." in n for n in names)  # 2 vision blocks, 2 decoder layers
+    assert all(m._compiled_call_impl is not None for m in layers)
+    assert not any(m._compiled_call_impl is not None for m in trainer.model.modules()
+                   if not isinstance(m, GradientCheckpointingLayer))
+    assert trainer.step_models == [type(trainer.model)] * 3  # not an OptimizedModule around the whole model
+    assert not any("_orig_mod" in k for k in trainer.model.state_dict())
+    assert counters["stats"]["unique_graphs"] > 0
+    print(f"eager {eager}\ncompiled {compiled}")
+    assert compiled == pytest.approx(eager, rel=1e-6) and eager[0] != eager[-1]
+    torch._dynamo.reset()
