@@ -233,7 +233,8 @@ def test_early_stopping_state_saved_and_restored(tmp_path):
     for step, counter in [(1, 0), (2, 1), (3, 2), (4, 3)]:
         with open(tmp_path / "a" / f"checkpoint-{step}" / "trainer_state.json") as f:
             saved = json.load(f)
-        assert saved["stateful_callbacks"]["EarlyStoppingCallback"]["early_stopping_patience_counter"] == counter
+        assert saved["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"][
+            "early_stopping_patience_counter"] == counter
 
     # Resumed at step 2 (counter 1) with a fresh callback: the counter is restored, so training stops at 4
     # again (a counter starting from 0 would stop at 5).

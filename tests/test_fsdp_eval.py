@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-TIMING = ("runtime", "samples_per_second")
+TIMING = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
 
 
 def _launch(prefix: list[str], script: str, out: Path, *args: str) -> list[dict]:

@@ -6,6 +6,7 @@ from .callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
     EarlyStoppingCallback,
+    ExportableState,
     PrinterCallback,
     ProgressCallback,
     TrainerCallback,
@@ -16,6 +17,6 @@ from .trainer import Trainer, set_seed
 
 __all__ = [
     "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
-    "EvalPrediction", "PredictionOutput", "PrinterCallback", "ProgressCallback", "Trainer", "TrainerCallback",
-    "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "set_seed",
+    "EvalPrediction", "ExportableState", "PredictionOutput", "PrinterCallback", "ProgressCallback", "Trainer",
+    "TrainerCallback", "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "set_seed",
 ]

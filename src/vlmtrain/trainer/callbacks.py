@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
+import warnings
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from .args import TrainingArguments
@@ -60,6 +61,11 @@ class CallbackHandler:
     def callback_list(self) -> str:
         return "\n".join(type(cb).__name__ for cb in self.callbacks)
 
+    def call_event(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                   **kwargs: Any) -> TrainerControl:
+        """transformers' name for :meth:`call` (Trainer subclasses, e.g. TRL's, call it)."""
+        return self.call(event, args, state, control, **kwargs)
+
     def call(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
              **kwargs: Any) -> TrainerControl:
         # transformers resets these flags as the matching event starts.
@@ -80,6 +86,83 @@ class CallbackHandler:
             if result is not None:
                 control = result
         return control
+
+
+def _handler_event(event: str, *payload: str) -> Any:
+    """``CallbackHandler.on_<event>(args, state, control[, payload])`` as transformers' handler has them: the
+    payload (metrics / logs) is passed by position there."""
+
+    def method(self, args, state, control, *values, **kwargs):  # noqa: ANN001, ANN202 - transformers' signature
+        kwargs.update(zip(payload, values))
+        return self.call(event, args, state, control, **kwargs)
+
+    method.__name__ = event
+    return method
+
+
+for _event in EVENTS:
+    _payload = {"on_evaluate": ("metrics",), "on_predict": ("metrics",), "on_log": ("logs",)}.get(_event, ())
+    setattr(CallbackHandler, _event, _handler_event(_event, *_payload))
+
+
+class ExportableState:
+    """transformers' protocol for a callback whose state is saved in checkpoints (``trainer_state.json``'s
+    ``stateful_callbacks``): ``state()`` returns ``{"args": constructor kwargs, "attributes": {name: value}}``;
+    on resume the callback is rebuilt with those args and attributes. transformers' own ExportableState
+    subclasses work the same (any callback with a ``state()`` method is saved)."""
+
+    def state(self) -> dict:
+        raise NotImplementedError("An ExportableState callback implements state() -> {'args': ..., 'attributes': ...}.")
+
+    @classmethod
+    def from_state(cls, state: dict) -> Any:
+        instance = cls(**state["args"])
+        for key, value in state["attributes"].items():
+            setattr(instance, key, value)
+        return instance
+
+
+def _exports(obj: Any) -> bool:
+    return callable(getattr(obj, "state", None))
+
+
+def callback_states(callbacks: list, control: TrainerControl) -> dict[str, Any]:
+    """``stateful_callbacks`` of trainer_state.json: transformers' ``{class name: state()}`` (a list for several
+    instances of a class) for every ExportableState callback and the TrainerControl, and vlmtrain's
+    ``state_dict()`` for callbacks that have that instead."""
+    states: dict[str, Any] = {}
+    for cb in [*callbacks, control]:
+        name = type(cb).__name__
+        if _exports(cb):
+            value = cb.state()
+            if name in states:
+                states[name] = [*(states[name] if isinstance(states[name], list) else [states[name]]), value]
+            else:
+                states[name] = value
+        elif hasattr(cb, "state_dict"):
+            states[name] = cb.state_dict()
+    return states
+
+
+def restore_callback_states(callbacks: list, control: TrainerControl, states: dict[str, Any]) -> None:
+    """Put the saved ``states`` (see :func:`callback_states`) back into the running callbacks and ``control``, in
+    place: an ExportableState one becomes what ``type(cb)(**args)`` with the saved attributes is (as transformers
+    rebuilds it; the object the script holds is the one updated), a state_dict one gets ``load_state_dict``."""
+    by_name: dict[str, list] = {}
+    for cb in [*callbacks, control]:
+        by_name.setdefault(type(cb).__name__, []).append(cb)
+    for name, saved in states.items():
+        saved_list = saved if isinstance(saved, list) else [saved]
+        for cb, data in zip(by_name.get(name, []), saved_list):
+            if isinstance(data, dict) and set(data) == {"args", "attributes"} and _exports(cb):
+                rebuilt = type(cb)(**data["args"])
+                for key, value in data["attributes"].items():
+                    setattr(rebuilt, key, value)
+                cb.__dict__.update(rebuilt.__dict__)
+            elif hasattr(cb, "load_state_dict") and not _exports(cb):
+                cb.load_state_dict(data)
+            elif isinstance(cb, EarlyStoppingCallback):  # a checkpoint of an earlier vlmtrain (counter only)
+                cb.early_stopping_patience_counter = data["early_stopping_patience_counter"]
 
 
 class DefaultFlowCallback(TrainerCallback):
@@ -135,7 +218,10 @@ class ProgressCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         if self.eval_bar is None:
-            total = len(eval_dataloader) if hasattr(eval_dataloader, "__len__") else None
+            try:
+                total = len(eval_dataloader)
+            except TypeError:  # an IterableDataset without __len__: a bar without total
+                total = None
             if args.max_eval_batches is not None and total is not None:
                 total = min(total, args.max_eval_batches)
             self.eval_bar = tqdm(total=total, desc="eval", leave=self.train_bar is None, dynamic_ncols=True)
@@ -157,7 +243,7 @@ class ProgressCallback(TrainerCallback):
             return
         if self.train_bar is not None and "loss" in logs:
             self.train_bar.set_postfix(loss=_fmt(logs["loss"]), lr=f"{logs.get('learning_rate', 0):.3g}")
-        shown = {k: _fmt(v) for k, v in logs.items() if k not in ("step", "epoch")}
+        shown = {k: _fmt(v) for k, v in logs.items() if k not in ("step", "epoch", "total_flos")}
         tqdm.write(f"[step {state.global_step}] " + " ".join(f"{k}={v}" for k, v in shown.items()))
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -170,18 +256,29 @@ class PrinterCallback(TrainerCallback):
     """Prints every log (used instead of the progress bar when disable_tqdm=True)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None:
+            logs.pop("total_flos", None)  # (as transformers' PrinterCallback, which removes it from the logs)
         if state.is_world_process_zero and logs:
             print({k: _fmt(v) for k, v in logs.items()}, flush=True)
 
 
-class EarlyStoppingCallback(TrainerCallback):
+class EarlyStoppingCallback(TrainerCallback, ExportableState):
     """Stops training when metric_for_best_model has not improved (by more than threshold) for
-    `early_stopping_patience` evaluations."""
+    `early_stopping_patience` evaluations, as transformers' EarlyStoppingCallback (its state is saved in
+    checkpoints the same way)."""
 
-    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0) -> None:
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0) -> None:
         self.early_stopping_patience = early_stopping_patience
         self.early_stopping_threshold = early_stopping_threshold
         self.early_stopping_patience_counter = 0
+
+    def check_metric_value(self, args, state, control, metric_value):  # noqa: ANN001, ANN201 - transformers' API
+        better = np.greater if args.greater_is_better else np.less
+        if state.best_metric is None or (better(metric_value, state.best_metric)
+                                         and abs(metric_value - state.best_metric) > self.early_stopping_threshold):
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.metric_for_best_model is None:
@@ -193,20 +290,15 @@ class EarlyStoppingCallback(TrainerCallback):
         name = args.metric_for_best_model
         key = name if name.startswith("eval_") else f"eval_{name}"
         value = (metrics or {}).get(key)
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if value is None:
+            warnings.warn(f"EarlyStoppingCallback: evaluation returned no {key!r}; early stopping skips this "
+                          "evaluation.", stacklevel=2)
             return
-        better = (lambda a, b: a > b) if args.greater_is_better else (lambda a, b: a < b)
-        best = state.best_metric
-        if best is None or (better(value, best) and abs(value - best) > self.early_stopping_threshold):
-            self.early_stopping_patience_counter = 0
-        else:
-            self.early_stopping_patience_counter += 1
+        self.check_metric_value(args, state, control, value)
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
 
-    def state_dict(self) -> dict:
-        return {"early_stopping_patience_counter": self.early_stopping_patience_counter}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.early_stopping_patience_counter = state["early_stopping_patience_counter"]
-
+    def state(self) -> dict:
+        return {"args": {"early_stopping_patience": self.early_stopping_patience,
+                         "early_stopping_threshold": self.early_stopping_threshold},
+                "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter}}

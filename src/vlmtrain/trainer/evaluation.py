@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 import time
 import warnings
 from collections import Counter
@@ -41,7 +42,7 @@ def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, sa
     return total, sum(p["samples"] for p in everyone), sum((Counter(p["skipped"]) for p in everyone), Counter())
 
 
-_NOT_AVERAGED = ("runtime", "samples_per_second", "samples")
+_NOT_AVERAGED = ("runtime", "samples_per_second", "steps_per_second", "samples", "model_preparation_time")
 _LARGE_VOCAB = 4096  # a last dim this long on 3-d predictions: LM logits over a vocabulary
 
 
@@ -97,16 +98,19 @@ class EvaluationMixin:
         and metrics for a dataset. For a model with score heads (`logits_<name>` outputs), `heads` holds their
         outputs per head name, one row per sample; predictions are those too, or the generated ids with
         predict_with_generate."""
-        dataloader = self.get_eval_dataloader(test_dataset)
+        dataloader = self.get_test_dataloader(test_dataset)
         output = self.evaluation_loop(dataloader, prediction_loss_only=False, ignore_keys=ignore_keys,
                                       metric_key_prefix=metric_key_prefix)
+        output.metrics.pop(f"{metric_key_prefix}_samples", None)  # (transformers' keys: the count is len(predictions))
         self.control = self._event("on_predict", metrics=output.metrics)
         return output
 
-    def get_eval_dataloader(self, eval_dataset: Dataset | None = None) -> DataLoader:
+    def get_eval_dataloader(self, eval_dataset: Dataset | str | None = None) -> DataLoader:
         """Batches of the eval set, never packed. With several ranks (DDP or FSDP) each rank reads its share
         (every world_size-th sample) and evaluation_loop gathers the results."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(eval_dataset, str):  # the name of one of several eval sets, as in transformers
+            dataset = self.eval_dataset[eval_dataset]
         if dataset is None:
             raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
         sampler = None
@@ -173,10 +177,11 @@ class EvaluationMixin:
             stand_in = stand_in if stand_in is not None else sent
         return ("real", batch) if real else ("stand_in", stand_in)
 
-    def evaluation_loop(self, dataloader: DataLoader, prediction_loss_only: bool = False,
+    def evaluation_loop(self, dataloader: DataLoader, description: str = "", prediction_loss_only: bool | None = False,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> PredictionOutput:
+        """Loss, predictions and metrics over a loader (``description`` is accepted as in transformers)."""
         self.callback_handler.refs["eval_dataloader"] = dataloader
-        sharding = self._eval_sharding(dataloader.dataset)
+        sharding = self._eval_sharding(getattr(dataloader, "dataset", None))
         model, start = self.model, time.time()
         model.eval()
         # FSDP with each rank on its share: ranks run forward in step (see _lockstep)
@@ -203,7 +208,8 @@ class EvaluationMixin:
             elif is_empty_batch(batch):  # every sample of this batch was bad
                 skipped.update(skipped_counts(batch))
                 continue
-            loss, pred, label, extras = self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
+            loss, pred, label, *rest = self.prediction_step(model, batch, bool(prediction_loss_only), ignore_keys)
+            extras = rest[0] if rest else {}  # (an override returning transformers' 3-tuple has no extras)
             pred = self._reduce_for_metrics(pred, label)
             size = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), 1)
             samples += size
@@ -229,9 +235,15 @@ class EvaluationMixin:
             metrics.update(self.model.head_metrics(head_outputs, labels.named("labels_")))
         if self.compute_metrics is not None and predictions is not None:
             metrics.update(plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids))))
+        # transformers' speed metrics (steps: batches of per_device_eval_batch_size x ranks), and the sample count
+        steps = math.ceil(samples / (self.args.per_device_eval_batch_size * self.world_size))
         metrics.update(runtime=round(runtime, 4), samples_per_second=round(samples / max(runtime, 1e-9), 3),
-                       samples=samples)
+                       steps_per_second=round(steps / max(runtime, 1e-9), 3), samples=samples)
         metrics.update({f"skipped_{reason}": n for reason, n in sorted(skipped.items())})
+        if getattr(self, "_train_start", None) is None and not hasattr(self, "model_preparation_time"):
+            self.model_preparation_time = 0.0  # (transformers reports it from an evaluation before training on)
+        if hasattr(self, "model_preparation_time"):
+            metrics["model_preparation_time"] = self.model_preparation_time
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
                    for k, v in metrics.items()}
         texts = None
@@ -275,10 +287,24 @@ class EvaluationMixin:
         if getattr(self, "_forward_takes_loss_only", False) and (prediction_loss_only or generating):
             inputs = {**inputs, "loss_only": True}  # (no logits kept: the LM head only at the targets)
         with torch.no_grad(), self.autocast():
-            if forward:
+            if forward and self._has_labels(inputs):  # the loss as training computes it (compute_loss_func too)
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+                loss = loss.detach().float().mean()
+            elif forward:
                 outputs = model(**inputs)
-                if isinstance(outputs, Mapping) and outputs.get("loss") is not None:
+            if isinstance(outputs, (tuple, list)):  # (loss, logits, ...): predictions are what follows the loss
+                predictions = tuple(outputs[1:] if loss is not None else outputs)
+                if prediction_loss_only:
+                    return loss, None, None, extras
+                names = getattr(self.args, "label_names", None) or ["labels"]
+                label_values = tuple(inputs.get(n) for n in names) if self._has_labels(inputs) else None
+                return (loss, predictions[0] if len(predictions) == 1 else predictions,
+                        label_values[0] if label_values is not None and len(label_values) == 1 else label_values,
+                        extras)
+            if isinstance(outputs, Mapping):
+                if loss is None and outputs.get("loss") is not None:
                     loss = outputs["loss"].detach().float()
+                if loss is not None:
                     extras = extra_losses(outputs)
                     n = num_items_of(outputs, self.model, inputs)
                     if n is not None:
@@ -299,6 +325,12 @@ class EvaluationMixin:
         predictions, labels = select_outputs(self.model, outputs, inputs, getattr(self.args, "label_names", None),
                                              ignore_keys)
         return loss, predictions, labels, extras
+
+    def _has_labels(self, inputs: Mapping[str, Any]) -> bool:
+        """Whether the batch holds every label (``args.label_names``, default ``labels``): then evaluation takes the
+        loss from compute_loss, as transformers' prediction_step does."""
+        names = getattr(self.args, "label_names", None) or ["labels"]
+        return all(inputs.get(name) is not None for name in names)
 
     def generate(self, prompt: dict[str, torch.Tensor]) -> torch.Tensor:
         """Greedy generation from the batch's `prompt_*` inputs; returns only the new tokens."""

@@ -14,6 +14,7 @@ from typing import Any
 from . import checkpoint as ckpt
 from . import fsdp
 from .async_checkpoint import AsyncCheckpointer, cpu_model_copy, cpu_snapshot
+from .callbacks import callback_states, restore_callback_states
 from .model_files import (
     has_score_heads,
     save_head_files,
@@ -30,7 +31,8 @@ class CheckpointMixin:
     def _loop_state(self) -> dict:
         epoch_done = self._steps_in_epoch is not None and self._micro_step == self._steps_in_epoch
         # After an epoch cut short by should_epoch_stop the next epoch starts with a fresh loader.
-        return {"loader": None if epoch_done or self._epoch_cut else self.train_dataloader.state_dict(),
+        stateless = not callable(getattr(self.train_dataloader, "state_dict", None))  # (an overridden loader)
+        return {"loader": None if epoch_done or self._epoch_cut or stateless else self.train_dataloader.state_dict(),
                 "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
                 "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step,
                 "skipped": dict(self._throughput.skipped_total), "run_loss": self._run_loss.state_dict(),
@@ -42,8 +44,7 @@ class CheckpointMixin:
         out, step = self.args.output_dir, self.state.global_step
         if self.state.best_global_step == step:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
-        self.state.stateful_callbacks = {type(cb).__name__: cb.state_dict() for cb in self.callback_handler.callbacks
-                                         if hasattr(cb, "state_dict")}
+        self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
         sharded = fsdp.is_sharded(self.model)
@@ -156,9 +157,7 @@ class CheckpointMixin:
         # (rank 0 wrote the file: without this every rank would take itself for process zero and log)
         saved.is_world_process_zero = saved.is_local_process_zero = self.rank == 0
         self.state = saved
-        for cb in self.callback_handler.callbacks:
-            if type(cb).__name__ in saved.stateful_callbacks and hasattr(cb, "load_state_dict"):
-                cb.load_state_dict(saved.stateful_callbacks[type(cb).__name__])
+        restore_callback_states(self.callback_handler.callbacks, self.control, saved.stateful_callbacks)
         if not sharded:  # by position (written unsharded) or by parameter name (gathered from FSDP shards)
             fsdp.load_optimizer_state(self.model, self.optimizer, ckpt.load_torch(os.path.join(path, "optimizer.pt")))
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))

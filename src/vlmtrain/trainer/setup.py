@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -155,9 +154,13 @@ class SetupMixin:
         device it trains on (``'auto'``: see :func:`dataloader_workers`)."""
         return dataloader_workers(self.args.dataloader_num_workers, cuda=self.device.type == "cuda")
 
-    def create_optimizer(self) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            self.optimizer = create_optimizer(self.model, self.args)
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The optimizer over ``model`` (default: the Trainer's): Trainer(optimizer_cls_and_kwargs=...)'s class, or
+        args.optim's, over parameter groups with per-module learning rates."""
+        if self.optimizer is None and getattr(self, "optimizer_cls_and_kwargs", None) is not None:
+            self.optimizer = self._optimizer_from_cls_and_kwargs(model or self.model)
+        elif self.optimizer is None:
+            self.optimizer = create_optimizer(model or self.model, self.args)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
@@ -168,7 +171,14 @@ class SetupMixin:
     def _setup_training(self, loader: StatefulDataLoader) -> int:
         """Work out max_steps / epochs, reset the state, build optimizer and scheduler. Returns the epoch count."""
         args, accum = self.args, self.args.gradient_accumulation_steps
-        self._steps_in_epoch = len(loader) if hasattr(loader.dataset, "__len__") else None
+        try:  # (get_train_dataloader may be overridden to return any iterable)
+            self._steps_in_epoch = len(loader) if hasattr(getattr(loader, "dataset", loader), "__len__") else None
+        except TypeError:  # (a DataLoader over a stream)
+            self._steps_in_epoch = None
+        if not callable(getattr(loader, "state_dict", None)):
+            warnings.warn(f"The train dataloader ({type(loader).__name__}) has no state_dict(): a resumed run starts "
+                          "its epoch's data from the beginning. Return a StatefulDataLoader from "
+                          "get_train_dataloader for an exact resume.", stacklevel=3)
         self._unsynced = False
         if self._steps_in_epoch == 0:
             raise ValueError("The train_dataset yields no batch (empty dataset, or fewer samples than a batch with "
@@ -204,11 +214,13 @@ class SetupMixin:
         if self._async_eval is not None:  # (async_eval) evaluations still running, for a bounded time
             self._log_async_evaluations(self._async_eval.wait(self.state.global_step,
                                                               self.args.async_eval_wait_at_end_s))
-        runtime = time.time() - start
         train_loss = self._run_loss.compute().get("loss", math.nan)
         steps = self.state.global_step
-        metrics = {"train_runtime": round(runtime, 4), "train_loss": train_loss,
-                   "train_steps_per_second": round(steps / max(runtime, 1e-9), 3)}
+        # transformers' keys: train_runtime, train_samples_per_second, train_steps_per_second (this call's steps),
+        # total_flos, train_loss; `epoch` is added by log()
+        metrics = self._train_speed_metrics(start, steps - self._initial_global_step)
+        self.store_flos()
+        metrics.update(total_flos=self.state.total_flos, train_loss=train_loss)
         if self._nonfinite.total:
             metrics["train_nonfinite_steps"] = self._nonfinite.total
         skipped = self._throughput.skipped_total

@@ -69,6 +69,10 @@ class TrainerControl:
         self.should_evaluate = False
         self.should_log = False
 
+    def state(self) -> dict:
+        """Saved in checkpoints (``stateful_callbacks``) as transformers' TrainerControl saves itself."""
+        return {"args": dataclasses.asdict(self), "attributes": {}}
+
 
 class TrainOutput(NamedTuple):
     global_step: int

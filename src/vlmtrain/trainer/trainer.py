@@ -23,13 +23,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import random
 import time
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -49,6 +47,7 @@ from .callbacks import (
     ProgressCallback,
     TrainerCallback,
 )
+from .compat_methods import TransformersMethodsMixin, set_seed
 from .evaluation import EvaluationMixin
 from .model_prep import compile_model, enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
@@ -68,26 +67,20 @@ from .stats import (
 from .step_data import StepSampler
 
 
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
-    """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, on any map-style or
-    iterable dataset of dict samples. Override the named steps to change behaviour."""
+class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsMixin):
+    """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, or a tuple `(loss, ...)`,
+    on any map-style or iterable dataset of dict samples. Override the named steps to change behaviour."""
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
                  data_collator: Any = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class: Any = None,
-                 compute_metrics: Any = None, callbacks: list[TrainerCallback] | None = None,
-                 optimizers: tuple[Any, Any] = (None, None),
+                 model_init: Any = None, compute_loss_func: Any = None, compute_metrics: Any = None,
+                 callbacks: list[TrainerCallback] | None = None, optimizers: tuple[Any, Any] = (None, None),
+                 optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
                  preprocess_logits_for_metrics: Any = None) -> None:
-        if model is None:
-            raise ValueError("Trainer needs a model: Trainer(model=..., args=...).")
         self.args = args if args is not None else TrainingArguments()
-        set_seed(self.args.seed)
+        set_seed(self.args.seed)  # (before model_init builds the model)
+        model = self._resolve_model(model, model_init, compute_loss_func, optimizers, optimizer_cls_and_kwargs)
         if self.args.eval_strategy != "no" and eval_dataset is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass "
                              "Trainer(eval_dataset=...) or set eval_strategy='no'.")
@@ -144,9 +137,11 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
                 for k, v in inputs.items() if not k.startswith("prompt_") and k not in BOOKKEEPING_KEYS}
 
     # -- the loop --------------------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None) -> TrainOutput:
         """Train for max_steps (or num_train_epochs); resume from a checkpoint path, or True for the newest."""
-        args = self.args
+        args, self._eval_ignore_keys = self.args, ignore_keys_for_eval
+        self._reinit_model(trial)  # (model_init: a fresh model per train(); a trial is refused)
         resume = ckpt.resolve_resume(args.resume_from_checkpoint if resume_from_checkpoint is None
                                      else resume_from_checkpoint, args.output_dir, self.rank)
         ckpt.prepare_output_dir(args.output_dir, self.rank)
@@ -165,11 +160,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         epochs = self._setup_training(loader)
         if resume is not None:
             self._load_checkpoint(resume)
-        start = time.time()
         requested = resume_from_checkpoint if resume_from_checkpoint is not None else args.resume_from_checkpoint
-        if resume is None and ckpt.resume_requested(requested):  # asked to resume, found nothing: from step 0
-            for cb in self.callback_handler.callbacks:  # (not an event: transformers' callbacks never see it)
-                getattr(cb, "on_restart_without_checkpoint", lambda: None)()
+        start = self._begin_session(restarted=resume is None and ckpt.resume_requested(requested))
         self.control = self._event("on_train_begin")
         if self.state.global_step >= self.state.max_steps:  # resumed from the run's final checkpoint: done
             self.control.should_training_stop = True
@@ -188,12 +180,13 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
 
     def _run_epoch(self, model: nn.Module, loader: StatefulDataLoader) -> None:
         accum, steps_in_epoch = self.args.gradient_accumulation_steps, self._steps_in_epoch
-        if isinstance(loader.sampler, StatefulDistributedSampler):
-            loader.sampler.set_epoch(self._epoch_index)
-        if isinstance(loader.sampler, StepSampler):  # steps done when this epoch began (micro_step > 0: resumed)
-            loader.sampler.first_step = self.state.global_step - self._micro_step // accum
-        elif hasattr(loader.dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
-            loader.dataset.set_epoch(self._epoch_index)
+        sampler, dataset = getattr(loader, "sampler", None), getattr(loader, "dataset", None)  # (any iterable)
+        if isinstance(sampler, StatefulDistributedSampler):
+            sampler.set_epoch(self._epoch_index)
+        if isinstance(sampler, StepSampler):  # steps done when this epoch began (micro_step > 0: resumed)
+            sampler.first_step = self.state.global_step - self._micro_step // accum
+        elif hasattr(dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
+            dataset.set_epoch(self._epoch_index)
         batches, seen, self._epoch_cut = self._usable_batches(iter(loader)), 0, False
         # A model that counts each loss's items (count_items) gets the whole window's micro-batches counted
         # before the first forward (transformers' get_batch_samples); others are fetched one by one.
@@ -215,6 +208,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             seen += 1
             if self._micro_step % accum == 0:
                 self.control = self._event("on_step_begin")
+            self._count_batch(batch)  # FLOP estimate (total_flos), input tokens (include_num_input_tokens_seen)
             ends_window = (self._micro_step + 1) % accum == 0 or self._micro_step + 1 == steps_in_epoch
             with dist.maybe_no_sync(model, sync=ends_window):  # DDP all-reduces once per window
                 self.training_step(model, batch, self._window_counts)
@@ -290,6 +284,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
                                               num_items_in_batch=num_items_in_batch)
         # Weighted by targets, so that 1 x batch 4 == 2 x batch 2 (micro-batches and ranks alike).
+        outputs = outputs if isinstance(outputs, Mapping) else {}  # (a tuple: (loss, logits, ...))
         n, extras = num_items_of(outputs, self.model, inputs), extra_losses(outputs)
         counts = item_counts(outputs)  # loss_<name> with its own num_items_<name>: averaged over those
         del outputs  # free logits before backward
@@ -314,16 +309,21 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        labels = None
+        if self.compute_loss_func is not None and "labels" in inputs:  # the function gets the labels, not the model
+            labels, inputs = inputs["labels"], {k: v for k, v in inputs.items() if k != "labels"}
         if num_items_in_batch is not None:
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         outputs = model(**inputs)
-        if isinstance(outputs, Mapping):
+        if self.compute_loss_func is not None:
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        elif isinstance(outputs, Mapping):
             if outputs.get("loss") is None:
                 raise ValueError(f"The model returned no 'loss' (its output keys: {list(outputs.keys())}; the batch "
                                  f"had {list(inputs)}). Pass labels in the batch, or override compute_loss.")
             loss = outputs["loss"]
         elif isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
-            loss, outputs = outputs[0], {"loss": outputs[0]}
+            loss = outputs[0]  # (loss, logits, ...) as transformers' return_dict=False outputs
         else:
             raise ValueError(f"The model returned {type(outputs).__name__}; vlmtrain needs a mapping with 'loss'.")
         return (loss, outputs) if return_outputs else loss
@@ -394,23 +394,27 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             logs.update(self._throughput.compute())
             self._throughput.reset()
             self._last_logged_step = self.state.global_step
-            self.log(logs)
+            self.store_flos()
+            self.log(logs, self._train_start)
         paused = time.perf_counter()
         if self.control.should_evaluate:
-            metrics = self.evaluate()
+            metrics = self.evaluate(ignore_keys=self._eval_ignore_keys)
             is_best = self._update_best(metrics)
             if self.args.save_strategy == "best":
                 self.control.should_save = is_best
         if self.control.should_save:
+            self.store_flos()  # (state.total_flos up to date in trainer_state.json)
             self._save_checkpoint()
             self.control = self._event("on_save")
         if self._async_eval is not None:
             self._log_async_evaluations(self._async_eval.poll(self.state.global_step))
         self._throughput.exclude(time.perf_counter() - paused)
 
-    def log(self, logs: dict[str, float]) -> None:
-        """Record logs in state.log_history and hand them to on_log (metrics.jsonl, progress bar, ...). A row
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add `epoch` (in place) and record transformers' keys in log_history; on_log gets all (see _log_row). A row
         with its own `step` (an async evaluation of an earlier checkpoint) is logged at that step."""
-        logs = logs if "step" in logs else {**logs, "epoch": self.state.epoch}
-        self.state.log_history.append({"step": self.state.global_step, **logs})
+        if "step" not in logs:
+            logs["epoch"] = self.state.epoch
+        row = self._log_row(logs, start_time)
+        self.state.log_history.append({**row, "step": row.get("step", self.state.global_step)})
         self.control = self._event("on_log", logs=logs)
