@@ -78,3 +78,12 @@ class Family:
     """Padding value per 'pad' key (input_ids: the tokenizer's pad id is used; labels: -100; others 0)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Anything else a family needs to say (documented in its module)."""
+
+
+def pad_crops_and_concat(per_sample: list[torch.Tensor]) -> torch.Tensor:
+    """A Layout for images cut into crops: [n_i, crops_i, C, H, W] per sample -> [sum n_i, max crops, C, H, W],
+    crops zero-padded, images concatenated in sample order (LLaVA-OneVision's processor's batched output)."""
+    per_sample = [t for t in per_sample if t is not None and t.numel() > 0]
+    crops = max(t.shape[1] for t in per_sample)
+    padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, crops - t.shape[1])) for t in per_sample]
+    return torch.cat(padded, dim=0)

@@ -1,32 +1,24 @@
 """Gemma 3 (model_type ``gemma3``): google/gemma-3-{4b,12b,27b}-it.
 
-- Processor: ``Gemma3Processor`` (it has no video processor) with the PIL image processor. Each
-  ``<start_of_image>`` becomes ``\\n\\n<start_of_image>`` + ``image_seq_length`` x ``<image_soft_token>`` +
-  ``<end_of_image>\\n\\n``; the processor also returns ``token_type_ids`` (1 on image tokens), which the model
-  needs: image tokens attend to each other bidirectionally, and without ``token_type_ids`` the attention
-  silently changes. They are padded like ``input_ids`` (with 0).
-- Template: gemma-3-it's. It starts with ``{{ bos_token }}``, and the processor then tokenizes without
-  special tokens, so there is exactly one BOS. The generation prompt is ``<start_of_turn>model\\n``; the
-  training template marks the reply and its ``<end_of_turn>`` (not the newline after it).
+- Processor: ``Gemma3Processor`` with the PIL image processor. Each ``<start_of_image>`` becomes
+  ``\\n\\n<start_of_image>`` + ``image_seq_length`` x ``<image_soft_token>`` + ``<end_of_image>\\n\\n``; the
+  processor also returns ``token_type_ids`` (1 on image tokens), which the model needs: image tokens attend to
+  each other bidirectionally, and without them the attention silently changes. Padded like ``input_ids`` (0).
+- Template: gemma-3-it's (see :mod:`.templates.gemma3` for what the training one marks).
 - Batching: one fixed-size view per image; ``pixel_values`` [n_images, C, H, W] concatenated in placeholder
   order (``num_crops`` is dropped: pan-and-scan is off).
-- Image size: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` do not apply: every image is
-  resized to the checkpoint's fixed size (896 x 896 for gemma-3-it) and becomes ``image_seq_length`` (256)
-  tokens whatever its size.
-- Packing (``data.packing``): refused (``packing_unsupported``): transformers' sliding-window mask looks the
-  bidirectional image blocks up at per-sample positions inside a packed row.
-- Modules: ``model.vision_tower`` (SigLIP), ``model.multi_modal_projector``, ``model.language_model``
-  and ``lm_head`` (tied to the embeddings). save_pretrained writes legacy key names: reload with
-  ``from_pretrained``.
+- Image size: ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` do not apply: every image is resized
+  to the checkpoint's fixed size (896 x 896 for gemma-3-it), ``image_seq_length`` (256) tokens whatever its size.
+- Vision tower SigLIP; ``lm_head`` is tied to the embeddings; save_pretrained writes legacy key names: reload
+  with ``from_pretrained``.
 """
-
 from __future__ import annotations
 
 import functools
-from typing import Any
 
+from . import image_tokens
 from .base import Family
-from .processors import load_processor
+from .processors import load_processor, transformers_processor
 from .templates.gemma3 import CHAT_TEMPLATE, TRAINING_TEMPLATE
 from .tiny import byte_level_tokenizer, save_tiny, tiny_text, tiny_vision, token_ids
 
@@ -37,30 +29,7 @@ SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", END
             "<end_of_image>", IMAGE_TOKEN]
 # Tiny sizes: 32 px images, patch 8 -> 4 x 4 patches, average-pooled to 2 x 2 = 4 soft tokens per image.
 IMAGE, PATCH, TOKENS = 32, 8, 4
-
-
-def processor_class(path: str | None = None) -> type:
-    """Gemma3Processor (it has no video processor)."""
-    from transformers import Gemma3Processor
-
-    return Gemma3Processor
-
-
-def image_seq_length(image_processor: Any) -> dict[str, Any]:
-    """The image processor's image_seq_length (256 if it has none), unless processor_config.json says."""
-    return {"image_seq_length": getattr(image_processor, "image_seq_length", 256)}
-
-
-def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
-    """(patches, image tokens) per image of ``pixel_values`` [n, C, H, W]: the vision tower attends over all
-    (image_size / patch)^2 patches of each; the projector average-pools them to ``mm_tokens_per_image`` tokens,
-    then multiplies each by its projection weight (a bare parameter: ``matmul_parameters``)."""
-    pixels = batch.get("pixel_values")
-    if pixels is None:
-        return []
-    patch = config.vision_config.patch_size
-    patches = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
-    return [(patches, config.mm_tokens_per_image)] * pixels.reshape(-1, *pixels.shape[-3:]).shape[0]
+processor_class = functools.partial(transformers_processor, "Gemma3Processor")  # it has no video processor
 
 
 def build_tiny(out_dir: str, seed: int = 0) -> str:
@@ -98,12 +67,12 @@ FAMILY = Family(
                    "text": ("model.language_model", "lm_head")},
     text_module="model.language_model",
     load_processor=functools.partial(load_processor, processor_class, keys=("image_seq_length",),
-                                     defaults=image_seq_length),
+                                     from_image_processor={"image_seq_length": 256}),
     build_tiny=build_tiny,
     packing_unsupported=(
         "its image tokens attend to each other bidirectionally (token_type_ids), and transformers' mask for its "
         "sliding-window layers looks those image blocks up at each sample's own positions inside a packed row, "
         "so packed samples would see wrong tokens (measured: packed logits differ from unpacked ones)."),
-    image_tokens=image_tokens,
+    image_tokens=image_tokens.gemma3,
     matmul_parameters=("model.multi_modal_projector.mm_input_projection_weight",),
 )

@@ -14,9 +14,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-from . import model_type_of
+from . import image_tokens, model_type_of
 from .base import Family
 from .processors import image_only_smolvlm, load_processor
 from .templates.idefics3 import CHAT_TEMPLATE, SMOLVLM2_CHAT_TEMPLATE, TRAINING_TEMPLATE
@@ -36,20 +35,6 @@ def processor_class(path: str | None = None, model_type: str | None = None) -> t
 
     smol = (model_type or model_type_of(path or "")) == "smolvlm"
     return image_only_smolvlm() if smol else transformers.Idefics3Processor
-
-
-def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
-    """(patches, image tokens) per crop the vision tower sees: every crop of ``pixel_values`` [B, N, C, H, W]
-    that is not all zeros (the model drops those, as padding); its (H / patch) x (W / patch) patches attend to
-    each other, and the connector's pixel shuffle makes scale_factor^2 of them one image token."""
-    pixels = batch.get("pixel_values")
-    if pixels is None:
-        return []
-    crops = pixels.reshape(-1, *pixels.shape[-3:])
-    real = int(((crops == 0).flatten(1).sum(1) != crops[0].numel()).sum()) if len(crops) else 0
-    patch = config.vision_config.patch_size
-    patches = (crops.shape[-2] // patch) * (crops.shape[-1] // patch)
-    return [(patches, patches // config.scale_factor**2)] * real
 
 
 def build_tiny(out_dir: str, seed: int = 0, model_type: str = "idefics3") -> str:
@@ -91,5 +76,5 @@ FAMILY = Family(
     text_module="model.text_model",
     load_processor=functools.partial(load_processor, processor_class, keys=("image_seq_len",)),
     build_tiny=build_tiny,
-    image_tokens=image_tokens,
+    image_tokens=image_tokens.idefics3,
 )

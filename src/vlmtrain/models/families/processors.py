@@ -8,7 +8,7 @@ import functools
 import inspect
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 VIDEO_CONFIG = "video_preprocessor_config.json"
@@ -158,13 +158,26 @@ def saved_chat_template(path: str, tokenizer: Any) -> str:
     return template
 
 
+def transformers_processor(name: str, path: str | None = None) -> type:
+    """transformers' processor class ``name`` (``path``: the checkpoint, as :func:`load_processor` passes it)."""
+    import transformers
+
+    return getattr(transformers, name)
+
+
+def image_only(name: str, path: str | None = None) -> type:
+    """transformers' processor class ``name`` without a video processor (:func:`image_only_processor_class`)."""
+    return image_only_processor_class(transformers_processor(name))
+
+
 def load_processor(processor_class: type | Callable[[str], type], path: str, keys: tuple[str, ...] = (),
-                   defaults: Callable[[Any], dict[str, Any]] | None = None) -> Any:
+                   from_image_processor: Mapping[str, Any] | None = None) -> Any:
     """A family's processor for a Hub id or a checkpoint directory: PIL image processor (never torchvision),
-    tokenizer, the checkpoint's chat template and the ``keys`` of its processor_config.json (else
-    ``defaults(image_processor)``, else the class's defaults). AutoProcessor is not used: on a checkpoint without a
-    video processor it returns a bare tokenizer, and with one it needs torchvision. ``processor_class``: the class,
-    or a function of the checkpoint directory returning it (a family binds it with functools.partial)."""
+    tokenizer, the checkpoint's chat template and the ``keys`` of its processor_config.json (else the image
+    processor's attribute of ``from_image_processor``'s key, else its value there, else the class's default).
+    AutoProcessor is not used: on a checkpoint without a video processor it returns a bare tokenizer, and with
+    one it needs torchvision. ``processor_class``: the class, or a function of the checkpoint directory
+    returning it (a family binds it with functools.partial)."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     if not os.path.isdir(path):
@@ -173,7 +186,7 @@ def load_processor(processor_class: type | Callable[[str], type], path: str, key
         path = snapshot_download(path, allow_patterns=["*.json", "*.jinja", "*.txt", "*.model"])
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
-    kwargs = defaults(image_processor) if defaults else {}
+    kwargs = {k: getattr(image_processor, k, v) for k, v in (from_image_processor or {}).items()}
     kwargs.update({k: v for k, v in saved_processor_kwargs(path).items() if k in keys})
     cls = processor_class if isinstance(processor_class, type) else processor_class(path)
     processor = cls(image_processor=image_processor, tokenizer=tokenizer,

@@ -15,11 +15,10 @@ from typing import Any
 
 from . import qwen_common as qwen
 from .base import Family
-from .processors import load_processor
+from .processors import image_only, load_processor
 from .templates.qwen2_5_vl import CHAT_TEMPLATE, TRAINING_TEMPLATE
 
-processor_class = functools.partial(qwen.processor_class, "transformers.models.qwen2_5_vl.processing_qwen2_5_vl",
-                                    "Qwen2_5_VLProcessor")
+processor_class = functools.partial(image_only, "Qwen2_5_VLProcessor")
 """Qwen2_5_VLProcessor without a video processor."""
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 

@@ -14,11 +14,10 @@ from typing import Any
 
 from . import qwen_common as qwen
 from .base import Family
-from .processors import load_processor
+from .processors import image_only, load_processor
 from .templates.qwen3_vl import CHAT_TEMPLATE, TRAINING_TEMPLATE
 
-processor_class = functools.partial(qwen.processor_class, "transformers.models.qwen3_vl.processing_qwen3_vl",
-                                    "Qwen3VLProcessor")
+processor_class = functools.partial(image_only, "Qwen3VLProcessor")
 """Qwen3VLProcessor without a video processor."""
 
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from .processors import image_only_processor_class
 from .tiny import byte_level_tokenizer, save_tiny
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -111,14 +110,6 @@ def build_tiny_tokenizer(chat_template: str) -> Any:
     ids = special_token_ids()
     assert all(tokenizer.convert_tokens_to_ids(t) == i for t, i in ids.items()), "special token ids moved"
     return tokenizer
-
-
-def processor_class(module: str, name: str, path: str | None = None) -> type:
-    """The Qwen processor class ``name`` of ``module`` without a video processor (``path``: unused, as
-    :func:`~vlmtrain.models.families.processors.load_processor` passes it)."""
-    import importlib
-
-    return image_only_processor_class(getattr(importlib.import_module(module), name))
 
 
 def tiny_config(config_class: str, text: dict[str, Any], vision: dict[str, Any], **overrides: Any) -> Any:

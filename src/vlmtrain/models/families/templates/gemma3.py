@@ -1,4 +1,9 @@
-"""Gemma 3's chat template (gemma-3-it's) and its training variant."""
+"""Gemma 3's chat template (gemma-3-it's) and its training variant.
+
+The template starts with ``{{ bos_token }}``, and the processor then tokenizes without special tokens, so there
+is exactly one BOS. The generation prompt is ``<start_of_turn>model\\n``; the training template marks the reply
+and its ``<end_of_turn>`` (not the newline after it).
+"""
 
 # google/gemma-3-4b-it's chat template (tokenizer_config.json), byte for byte.
 _HEAD = (

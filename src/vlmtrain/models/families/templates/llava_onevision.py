@@ -1,4 +1,12 @@
-"""LLaVA-OneVision's chat template (llava-hf's) and its training variant."""
+"""LLaVA-OneVision's chat template (llava-hf's) and its training variant.
+
+llava-hf's ChatML variant: ``<|im_start|>role `` then images, then ``\\n`` + each text. Its assistant text
+already sits in generation markers, but its ``<|im_end|>`` does not; the training template marks the reply text
+and ``<|im_end|>`` (not the ``\\n`` before the text: the generation prompt ``<|im_start|>assistant\\n``
+already ends with it). Its user turns render their content blocks in order, so images placed by ``<image>``
+placeholders stay where the text put them (the checkpoint's template would move a turn's images to its start);
+with images first the two render the same.
+"""
 
 # llava-hf/llava-onevision-qwen2-0.5b-ov-hf chat_template.json, byte for byte.
 CHAT_TEMPLATE = (
