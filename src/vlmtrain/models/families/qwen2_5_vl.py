@@ -53,6 +53,12 @@ def tiny_config(**overrides: Any) -> Any:
                             {"window_size": 32, "fullatt_block_indexes": [1]}, **overrides)
 
 
+def build_tiny(out_dir: str, seed: int = 0) -> str:
+    """Write a tiny random-init Qwen2.5-VL checkpoint + processor (its real chat template) offline."""
+    return qwen.build_tiny(out_dir, seed, processor_class, "Qwen2_5_VLForConditionalGeneration",
+                           tiny_config(), CHAT_TEMPLATE, CLIP_MEAN, CLIP_STD)
+
+
 FAMILY = Family(
     name="qwen2_5_vl",
     model_types=("qwen2_5_vl",),
@@ -64,8 +70,7 @@ FAMILY = Family(
                    "text": ("model.language_model", "lm_head")},
     text_module="model.language_model",
     load_processor=functools.partial(load_processor, processor_class),
-    build_tiny=functools.partial(qwen.build_tiny, processor_class, "Qwen2_5_VLForConditionalGeneration",
-                                 tiny_config, CHAT_TEMPLATE, CLIP_MEAN, CLIP_STD),
+    build_tiny=build_tiny,
     image_size=qwen.set_image_size,
     rope_positions=functools.partial(qwen.rope_positions, "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
                                      "Qwen2_5_VLModel"),

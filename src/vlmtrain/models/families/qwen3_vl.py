@@ -28,6 +28,12 @@ def tiny_config(**overrides: Any) -> Any:
                             {"num_position_embeddings": 64, "deepstack_visual_indexes": [0]}, **overrides)
 
 
+def build_tiny(out_dir: str, seed: int = 0) -> str:
+    """Write a tiny random-init Qwen3-VL checkpoint + processor (its real chat template) offline."""
+    return qwen.build_tiny(out_dir, seed, processor_class, "Qwen3VLForConditionalGeneration", tiny_config(),
+                           CHAT_TEMPLATE, (0.5,) * 3, (0.5,) * 3)
+
+
 FAMILY = Family(
     name="qwen3_vl",
     model_types=("qwen3_vl",),
@@ -40,8 +46,7 @@ FAMILY = Family(
                    "text": ("model.language_model", "lm_head")},
     text_module="model.language_model",
     load_processor=functools.partial(load_processor, processor_class),
-    build_tiny=functools.partial(qwen.build_tiny, processor_class, "Qwen3VLForConditionalGeneration", tiny_config,
-                                 CHAT_TEMPLATE, (0.5,) * 3, (0.5,) * 3),
+    build_tiny=build_tiny,
     image_size=qwen.set_image_size,
     rope_positions=functools.partial(qwen.rope_positions, "transformers.models.qwen3_vl.modeling_qwen3_vl",
                                      "Qwen3VLModel"),

@@ -131,16 +131,15 @@ def tiny_config(config_class: str, text: dict[str, Any], vision: dict[str, Any],
     return getattr(transformers, config_class)(**cfg)
 
 
-def build_tiny(processor_class: Callable[[], type], model_class: str, config: Callable[[], Any],
-               chat_template: str, mean: tuple[float, ...], std: tuple[float, ...], out_dir: str, seed: int = 0) -> str:
-    """Write a tiny random-init Qwen-VL checkpoint (``model_class`` of transformers, ``config()``) + image
-    processor (patch 8, merge 2, ``mean`` / ``std``) + tokenizer (``chat_template``) offline; a family binds all
-    but ``out_dir`` and ``seed`` with functools.partial."""
+def build_tiny(out_dir: str, seed: int, processor_class: Callable[[], type], model_class: str, config: Any,
+               chat_template: str, mean: tuple[float, ...], std: tuple[float, ...]) -> str:
+    """Write a tiny random-init Qwen-VL checkpoint (``model_class`` of transformers, ``config``) + image
+    processor (patch 8, merge 2, ``mean`` / ``std``) + tokenizer (``chat_template``) offline."""
     import transformers
 
     proc = processor_class()(image_processor=tiny_image_processor(8, 2, mean, std),
                            tokenizer=build_tiny_tokenizer(chat_template), chat_template=chat_template)
-    return save_tiny(out_dir, getattr(transformers, model_class), config(), proc, seed, parts=True)
+    return save_tiny(out_dir, getattr(transformers, model_class), config, proc, seed, parts=True)
 
 
 def tiny_image_processor(patch_size: int, merge_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> Any:
