@@ -17,7 +17,7 @@ import functools
 
 from . import image_tokens, model_type_of
 from .base import Family
-from .processors import image_only_smolvlm, load_processor
+from .processors import image_only_smolvlm, load_processor, transformers_processor
 from .templates.idefics3 import CHAT_TEMPLATE, SMOLVLM2_CHAT_TEMPLATE, TRAINING_TEMPLATE
 from .tiny import byte_level_tokenizer, save_tiny, tiny_text, tiny_vision, token_ids
 
@@ -31,10 +31,8 @@ CROP, PATCH, SCALE = 32, 8, 2
 
 def processor_class(path: str | None = None, model_type: str | None = None) -> type:
     """Idefics3Processor, or the image-only SmolVLMProcessor for a SmolVLM checkpoint (``path``'s model_type)."""
-    import transformers
-
     smol = (model_type or model_type_of(path or "")) == "smolvlm"
-    return image_only_smolvlm() if smol else transformers.Idefics3Processor
+    return image_only_smolvlm() if smol else transformers_processor("Idefics3Processor")
 
 
 def build_tiny(out_dir: str, seed: int = 0, model_type: str = "idefics3") -> str:
