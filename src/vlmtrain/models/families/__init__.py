@@ -1,5 +1,9 @@
 """Hub VLM families: one module per family (defining FAMILY), one registry line per model_type here.
 
+A family module states only what differs; what they share lives once: processor loading and the image-only
+processor classes (processors.py), the tiny builders' tokenizer and save (tiny.py), the chat templates
+(templates/), per-family image-token counts for the FLOP count (image_tokens.py; Qwen's in qwen_common.py).
+
 Modules are imported on first use, so the core never imports what a run does not need.
 """
 

@@ -8,7 +8,6 @@ does not fix it), and a builder of a tiny random-init checkpoint for offline tes
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -81,70 +80,10 @@ class Family:
     """Anything else a family needs to say (documented in its module)."""
 
 
-class SavedAsRealClass:
-    """Mixin for vlmtrain's image-only processor subclasses: ``save_pretrained`` names the transformers class
-    they derive from (e.g. ``Qwen3VLProcessor``) in processor_config.json and tokenizer_config.json, so
-    ``transformers.AutoProcessor.from_pretrained(dir)`` builds the real processor (its video processor needs
-    torchvision installed) instead of falling back to a bare tokenizer. vlmtrain's own loaders
-    (``Family.load_processor``) still build the image-only class, without torchvision."""
-
-    saved_class_name: str = ""
-    """The transformers processor class written into the saved files."""
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()  # type: ignore[misc]
-        out["processor_class"] = self.saved_class_name
-        return out
-
-    source: str | None = None
-    """Where the processor was loaded from (a directory or Hub id; set by the family's load_processor): its
-    video_preprocessor_config.json, if it has one, is copied along on save, so the real class finds its video
-    processor's settings."""
-
-    def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> Any:
-        files = super().save_pretrained(save_directory, *args, **kwargs)  # type: ignore[misc]
-        _rename_processor_class(os.path.join(save_directory, "tokenizer_config.json"), self.saved_class_name)
-        video = _video_config(self.source) if self.source else None
-        target = os.path.join(save_directory, VIDEO_CONFIG)
-        if video is not None and os.path.abspath(video) != os.path.abspath(target):
-            import shutil
-
-            shutil.copyfile(video, target)
-        return files
-
-
-VIDEO_CONFIG = "video_preprocessor_config.json"
-
-
-def _video_config(source: str) -> str | None:
-    """The video processor config file of a checkpoint directory or Hub id, if it has one."""
-    if os.path.isdir(source):
-        path = os.path.join(source, VIDEO_CONFIG)
-        return path if os.path.isfile(path) else None
-    try:
-        from huggingface_hub import hf_hub_download
-
-        return hf_hub_download(source, VIDEO_CONFIG)
-    except Exception:  # noqa: BLE001 - optional on the Hub (and no network offline)
-        return None
-
-
-def saved_as_real_class(cls: type) -> type:
-    """``cls`` (a subclass of a transformers processor class) saving under its first transformers base's name."""
-    real = next(b for b in cls.__mro__[1:] if b.__module__.startswith("transformers."))
-    return type(cls.__name__, (SavedAsRealClass, cls), {"saved_class_name": real.__name__,
-                                                       "__doc__": cls.__doc__, "__module__": cls.__module__})
-
-
-def _rename_processor_class(path: str, name: str) -> None:
-    import json
-
-    if not os.path.isfile(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    if config.get("processor_class") not in (None, name):
-        config["processor_class"] = name
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, ensure_ascii=False)
-            f.write("\n")
+def pad_crops_and_concat(per_sample: list[torch.Tensor]) -> torch.Tensor:
+    """A Layout for images cut into crops: [n_i, crops_i, C, H, W] per sample -> [sum n_i, max crops, C, H, W],
+    crops zero-padded, images concatenated in sample order (LLaVA-OneVision's processor's batched output)."""
+    per_sample = [t for t in per_sample if t is not None and t.numel() > 0]
+    crops = max(t.shape[1] for t in per_sample)
+    padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, crops - t.shape[1])) for t in per_sample]
+    return torch.cat(padded, dim=0)

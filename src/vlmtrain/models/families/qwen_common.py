@@ -1,4 +1,4 @@
-"""What Qwen3-VL and Qwen2.5-VL share: tokens, the image-only processor, the tiny tokenizer and builder.
+"""What Qwen3-VL and Qwen2.5-VL share: tokens, batching, FLOP and rope counts, image size, the tiny builder.
 
 Both families use ChatML with ``<|vision_start|><|image_pad|><|vision_end|>`` per image; the processor
 expands ``<|image_pad|>`` to one token per merged patch and returns ``pixel_values`` (all patches of all
@@ -16,12 +16,13 @@ the checkpoint's own max_pixels, if smaller). A Qwen3-VL checkpoint (patch 16, m
 from __future__ import annotations
 
 import functools
-import os
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .tiny import byte_level_tokenizer, save_tiny
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
@@ -100,99 +101,45 @@ def build_tiny_tokenizer(chat_template: str) -> Any:
 
     Like Qwen's own: pad ``<|endoftext|>``, eos ``<|im_end|>``, no bos, ``image_token`` ``<|image_pad|>``.
     """
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    # bytes_to_unicode order is irrelevant for a tiny model; sort so ids are deterministic.
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=ENDOFTEXT, eos_token=IM_END, bos_token=None, unk_token=None,
+    tokenizer = byte_level_tokenizer(
+        SPECIAL_TOKENS, bos=None, eos=IM_END, pad=ENDOFTEXT, specials_last=True,
         extra_special_tokens={"image_token": IMAGE_PAD, "video_token": VIDEO_PAD,
                               "vision_start_token": VISION_START, "vision_end_token": VISION_END},
-        padding_side="right", clean_up_tokenization_spaces=False, model_max_length=32768,
-    )
+        model_max_length=32768)
     tokenizer.chat_template = chat_template
     ids = special_token_ids()
     assert all(tokenizer.convert_tokens_to_ids(t) == i for t, i in ids.items()), "special token ids moved"
     return tokenizer
 
 
-def image_only_processor_class(base: type) -> type:
-    """A subclass of a Qwen processor class that takes no video processor (which would need torchvision); it
-    saves under the real class's name (see :class:`~vlmtrain.models.families.base.SavedAsRealClass`)."""
-    from .base import saved_as_real_class
+def tiny_config(config_class: str, text: dict[str, Any], vision: dict[str, Any], **overrides: Any) -> Any:
+    """A tiny Qwen-VL config (``config_class`` of transformers): text hidden 64 / 2 layers; vision patch 8, merge
+    2, hidden 32 / 2 layers (32 px -> 4 tokens); ``text`` / ``vision`` add or change what a family's differ in."""
+    import transformers
+
+    ids = text_ids()
+    text = {"vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+            "pad_token_id": ids["pad_token_id"], "bos_token_id": ids["bos_token_id"],
+            "eos_token_id": ids["eos_token_id"], "tie_word_embeddings": False, **text}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 8,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "out_hidden_size": 64, **vision}
+    cfg = {"text_config": text, "vision_config": vision, "tie_word_embeddings": False,
+           **{k: ids[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                  "vision_end_token_id", "pad_token_id", "bos_token_id", "eos_token_id")}}
+    cfg.update(overrides)
+    return getattr(transformers, config_class)(**cfg)
 
 
-    class ImageOnlyProcessor(base):  # type: ignore[misc, valid-type]
-        __doc__ = f"{base.__name__} with an image processor and a tokenizer only (no video processor)."
+def build_tiny(out_dir: str, seed: int, processor_class: Callable[[], type], model_class: str, config: Any,
+               chat_template: str, mean: tuple[float, ...], std: tuple[float, ...]) -> str:
+    """Write a tiny random-init Qwen-VL checkpoint (``model_class`` of transformers, ``config``) + image
+    processor (patch 8, merge 2, ``mean`` / ``std``) + tokenizer (``chat_template``) offline."""
+    import transformers
 
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: str | None = None,
-                     **kwargs: Any) -> None:
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = f"ImageOnly{base.__name__}"
-    return saved_as_real_class(ImageOnlyProcessor)  # saved as {base.__name__}: AutoProcessor loads the real one
-
-
-def load_image_only_processor(path: str, processor_class: type) -> Any:
-    """Image processor (PIL backend, never torchvision) + tokenizer + the checkpoint's chat template.
-
-    ``path`` is a Hub id or a local directory; AutoProcessor is not used (on a checkpoint without a video
-    processor it returns a bare tokenizer, and with one it needs torchvision).
-    """
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    image_processor = AutoImageProcessor.from_pretrained(path, backend="pil")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    # The processor's own template file first (what the model card uses), then the tokenizer's.
-    template = _processor_chat_template(path) or getattr(tokenizer, "chat_template", None)
-    if template is None:
-        from ...errors import ConfigError
-
-        raise ConfigError(f"{path}: no chat template found (tokenizer_config.json / chat_template.jinja / "
-                          f"chat_template.json); a Hub VLM checkpoint needs its chat template.")
-    processor = processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
-    processor.source = path  # (its video processor settings go along when saved: SavedAsRealClass)
-    return processor
-
-
-def _processor_chat_template(path: str) -> str | None:
-    """The chat template a processor saved on its own (chat_template.jinja or chat_template.json)."""
-    import json
-
-    for name in ("chat_template.jinja", "chat_template.json"):
-        local = os.path.join(path, name)
-        if not os.path.isdir(path):
-            try:
-                from huggingface_hub import hf_hub_download
-
-                local = hf_hub_download(path, name)
-            except Exception:  # noqa: BLE001 - the file is optional on the Hub
-                continue
-        if os.path.isfile(local):
-            with open(local) as f:
-                text = f.read()
-            return json.loads(text)["chat_template"] if name.endswith(".json") else text
-    return None
-
-
-def save_tiny(out_dir: str, model_class: type, config: Any, processor: Any, seed: int) -> str:
-    """Random-init ``model_class(config)`` with ``seed``, then save model and processor to ``out_dir``."""
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    processor.image_processor.save_pretrained(out_dir)
-    processor.tokenizer.save_pretrained(out_dir)
-    with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
-        f.write(processor.tokenizer.chat_template)
-    return out_dir
+    proc = processor_class()(image_processor=tiny_image_processor(8, 2, mean, std),
+                           tokenizer=build_tiny_tokenizer(chat_template), chat_template=chat_template)
+    return save_tiny(out_dir, getattr(transformers, model_class), config, proc, seed, parts=True)
 
 
 def tiny_image_processor(patch_size: int, merge_size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> Any:
@@ -213,6 +160,3 @@ def text_ids(vocab_size: int = TINY_VOCAB) -> dict[str, int]:
             "vision_start_token_id": ids[VISION_START], "vision_end_token_id": ids[VISION_END],
             "pad_token_id": ids[ENDOFTEXT], "eos_token_id": ids[IM_END], "bos_token_id": ids[ENDOFTEXT],
             "vocab_size": vocab_size}
-
-
-TinyBuilder = Callable[..., str]
