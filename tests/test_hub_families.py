@@ -214,3 +214,21 @@ def test_family_specific_inputs(tiny):
             without = model(**{k: v for k, v in inputs.items() if k != "token_type_ids"}).logits
         assert not torch.allclose(with_types[0], without[0], atol=1e-4)
         torch.testing.assert_close(with_types[1], without[1])  # the text-only sample is unaffected
+
+
+def test_tiny_tokenizer_is_the_same_file_in_every_process(tmp_path):
+    """The byte vocabulary's order does not follow a process's string hashing: two processes with different
+    PYTHONHASHSEEDs write the same tokenizer.json (else the same weights read other bytes in each run)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from vlmtrain.models.families.tiny import byte_level_tokenizer as b; "
+            "b(['<pad>', '<eos>'], bos=None, eos='<eos>', pad='<pad>').save_pretrained(sys.argv[1])")
+    files = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        subprocess.run([sys.executable, "-c", code, str(out)], check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed})
+        files.append((out / "tokenizer.json").read_bytes())
+    assert files[0] == files[1]

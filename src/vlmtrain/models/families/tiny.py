@@ -19,8 +19,8 @@ def byte_level_tokenizer(specials: list[str] | tuple[str, ...], *, bos: str | No
     from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))} if specials_last else {s: i for i, s in
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # (a set: its order changes from process to process)
+    vocab = {ch: i for i, ch in enumerate(alphabet)} if specials_last else {s: i for i, s in
                                                                                      enumerate(specials)}
     for ch in alphabet:
         vocab.setdefault(ch, len(vocab))
