@@ -30,7 +30,6 @@ REFUSED: dict[str, str] = {
     "optim_target_modules": _OWN_OPTIMIZER,
     "average_tokens_across_devices": "the loss is always normalized by the target tokens of the whole step, across "
                                      "gradient accumulation and ranks",
-    "label_smoothing_factor": "compute label smoothing in the model's loss, or override Trainer.compute_loss",
     "fp16": "use bf16=True (bfloat16 autocast, no loss scaling needed)",
     "bf16_full_eval": _HALF_EVAL,
     "fp16_full_eval": _HALF_EVAL,
@@ -38,14 +37,11 @@ REFUSED: dict[str, str] = {
     "liger_kernel_config": _LIGER,
     "use_cache": "training forwards pass use_cache=False; override Trainer.compute_loss if a model needs its cache",
     "neftune_noise_alpha": "add the embedding noise in the model (e.g. a forward hook on its input embeddings)",
-    "torch_empty_cache_steps": "call torch.cuda.empty_cache() from a TrainerCallback's on_step_end",
     "auto_find_batch_size": "set per_device_train_batch_size and gradient_accumulation_steps yourself",
     "log_level": _LOG_LEVEL,
     "log_level_replica": _LOG_LEVEL,
     "logging_nan_inf_filter": "steps with a NaN/Inf loss or gradients are skipped (no update) and logged as "
                               "nonfinite_steps, so they never reach the logged averages",
-    "include_num_input_tokens_seen": "every log line has samples_per_second and tokens_per_second; count tokens "
-                                     "in a TrainerCallback if you need a running total",
     "trackio_static_space_id": "a static trackio Space comes with push_to_hub, which vlmtrain does not do; after "
                                "training publish the project with trackio's CLI (trackio sync / trackio freeze)",
     "eval_delay": "evaluation follows eval_strategy from the start; a TrainerCallback can clear "
@@ -66,12 +62,10 @@ REFUSED: dict[str, str] = {
     "ignore_data_skip": "resume restores the data loader's position in O(1) time, so nothing is skipped",
     "full_determinism": "call torch.use_deterministic_algorithms(True) yourself (CPU runs are already bitwise "
                         "reproducible)",
-    "use_cpu": "hide the GPUs with CUDA_VISIBLE_DEVICES='' to train on CPU",
     "accelerator_config": _ACCELERATE,
     "parallelism_config": _ACCELERATE,
     "ddp_backend": "the backend is NCCL on GPUs and gloo on CPU",
     "dataloader_in_order": "batches always arrive in order, which exact resume needs",
-    "train_sampling_strategy": _SAMPLING,
     "length_column_name": _SAMPLING,
     "fsdp_config": "fsdp=True shards every transformer block with FSDP2 (full_shard; bf16 compute with bf16=True) "
                    "and takes no further options",
@@ -100,9 +94,8 @@ class TransformersOnlyArguments:
     """transformers' TrainingArguments names vlmtrain does not implement, with transformers' defaults."""
 
     optim_args: str | None = None
-    optim_target_modules: str | list[str] | None = None
+    optim_target_modules: None | str | list[str] = None
     average_tokens_across_devices: bool = True
-    label_smoothing_factor: float = 0.0
     fp16: bool = False
     bf16_full_eval: bool = False
     fp16_full_eval: bool = False
@@ -110,14 +103,12 @@ class TransformersOnlyArguments:
     liger_kernel_config: dict[str, bool] | None = None
     use_cache: bool = False
     neftune_noise_alpha: float | None = None
-    torch_empty_cache_steps: int | None = None
     auto_find_batch_size: bool = False
     log_on_each_node: bool = True
     logging_nan_inf_filter: bool = True
-    include_num_input_tokens_seen: str | bool = "no"
     log_level: str = "passive"
     log_level_replica: str = "warning"
-    trackio_static_space_id: str | bool | None = None
+    trackio_static_space_id: str | None = None  # (transformers: also False; Literal[False] upsets jsonargparse)
     eval_delay: float = 0
     prediction_loss_only: bool = False
     eval_do_concat_batches: bool = True
@@ -137,11 +128,9 @@ class TransformersOnlyArguments:
     ignore_data_skip: bool = False
     restore_callback_states_from_checkpoint: bool = False
     full_determinism: bool = False
-    use_cpu: bool = False
     accelerator_config: dict[str, Any] | str | None = None
     parallelism_config: Any = None
     dataloader_in_order: bool = True
-    train_sampling_strategy: str = "random"
     length_column_name: str = "length"
     ddp_backend: str | None = None
     fsdp_config: dict[str, Any] | str | None = None

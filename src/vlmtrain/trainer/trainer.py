@@ -50,6 +50,7 @@ from .callbacks import (
     TrainerCallback,
 )
 from .evaluation import EvaluationMixin
+from .loss_extras import LabelSmoothing, empty_device_cache, input_tokens, tokens_over_ranks
 from .model_prep import enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
@@ -92,8 +93,9 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
                              "Trainer(eval_dataset=...) or set eval_strategy='no'.")
         if self.args.eval_on_start and eval_dataset is None:
             raise ValueError("eval_on_start=True needs an eval_dataset: pass Trainer(eval_dataset=...).")
-        dist.init_from_env(self.args.ddp_timeout)  # under torchrun: join the process group (gloo / NCCL)
-        self.device = dist.default_device()
+        # under torchrun: join the process group (gloo / NCCL)
+        dist.init_from_env(self.args.ddp_timeout, cpu=self.args.use_cpu)
+        self.device = self.args.device
         set_tf32(self.args.tf32, self.device)
         self.model = model.to(self.device)
         if self.args.activation_checkpointing:  # before DDP/FSDP wrap the model (in train())
@@ -119,6 +121,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         # train.async_eval: rank 0 has saved checkpoints evaluated by other processes
         self._async_eval = AsyncEvaluator(self.args) if self.args.async_eval and self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
+        self._label_smoother = (LabelSmoothing(self.args.label_smoothing_factor, self.model)
+                                if self.args.label_smoothing_factor else None)
         self.control = self._event("on_init_end")
 
     # -- callbacks -------------------------------------------------------------------------------------
@@ -213,6 +217,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             ends_window = (self._micro_step + 1) % accum == 0 or self._micro_step + 1 == steps_in_epoch
             with dist.maybe_no_sync(model, sync=ends_window):  # DDP all-reduces once per window
                 self.training_step(model, batch, self._window_counts)
+            self._track_num_input_tokens(batch)
             self._unsynced = not ends_window and hasattr(model, "no_sync")
             self._micro_step += 1
             if self._micro_step % accum == 0 or self._micro_step == steps_in_epoch:
@@ -282,6 +287,9 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         with self.autocast():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
                                               num_items_in_batch=num_items_in_batch)
+        empty_every = self.args.torch_empty_cache_steps
+        if empty_every is not None and self.state.global_step % empty_every == 0:  # (where transformers does)
+            empty_device_cache()
         # Weighted by targets, so that 1 x batch 4 == 2 x batch 2 (micro-batches and ranks alike).
         n, extras = num_items_of(outputs, self.model, inputs), extra_losses(outputs)
         counts = item_counts(outputs)  # loss_<name> with its own num_items_<name>: averaged over those
@@ -307,10 +315,16 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
 
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        labels = None
+        if self._label_smoother is not None and "labels" in inputs:  # (label_smoothing_factor) the model gets none
+            labels, inputs = inputs["labels"], {k: v for k, v in inputs.items() if k != "labels"}
         if num_items_in_batch is not None:
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         outputs = model(**inputs)
-        if isinstance(outputs, Mapping):
+        if labels is not None:
+            loss = self._label_smoother(outputs, labels)
+            outputs = outputs if isinstance(outputs, Mapping) else {"loss": loss, "logits": outputs[0]}
+        elif isinstance(outputs, Mapping):
             if outputs.get("loss") is None:
                 raise ValueError(f"The model returned no 'loss' (its output keys: {list(outputs.keys())}; the batch "
                                  f"had {list(inputs)}). Pass labels in the batch, or override compute_loss.")
@@ -401,9 +415,19 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
             self._log_async_evaluations(self._async_eval.poll(self.state.global_step))
         self._throughput.exclude(time.perf_counter() - paused)
 
+    def _track_num_input_tokens(self, batch: Mapping[str, Any]) -> None:
+        """include_num_input_tokens_seen: add this micro-batch's input tokens (over all ranks) to the state."""
+        mode = self.args.include_num_input_tokens_seen
+        if mode != "no":
+            count = input_tokens(batch, mode, getattr(self.model, "main_input_name", "input_ids"),
+                                 getattr(self.processing_class, "pad_token_id", None))
+            self.state.num_input_tokens_seen += tokens_over_ranks(count)
+
     def log(self, logs: dict[str, float]) -> None:
         """Record logs in state.log_history and hand them to on_log (metrics.jsonl, progress bar, ...). A row
         with its own `step` (an async evaluation of an earlier checkpoint) is logged at that step."""
         logs = logs if "step" in logs else {**logs, "epoch": self.state.epoch}
+        if self.args.include_num_input_tokens_seen != "no" and "step" not in logs:
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({"step": self.state.global_step, **logs})
         self.control = self._event("on_log", logs=logs)
