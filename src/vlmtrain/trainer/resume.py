@@ -50,6 +50,8 @@ class CheckpointMixin:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
         self.state.stateful_callbacks = {type(cb).__name__: cb.state_dict() for cb in self.callback_handler.callbacks
                                          if hasattr(cb, "state_dict")}
+        # transformers' Trainer, resuming this checkpoint, updates (and so needs) the TrainerControl entry
+        self.state.stateful_callbacks["TrainerControl"] = {"args": dataclasses.asdict(self.control), "attributes": {}}
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
         sharded = fsdp.is_sharded(self.model)
