@@ -60,7 +60,7 @@ def test_every_transformers_name_is_a_keyword_and_each_is_implemented_or_in_one_
     args = TrainingArguments(**{f.name: _transformers_default(f) for f in TRANSFORMERS_FIELDS})
     hf = transformers.TrainingArguments(use_cpu=True)  # (the same defaults: output_dir None, report_to 'none')
     assert args.output_dir == hf.output_dir == "trainer_output" and args.report_to == hf.report_to == []
-    assert args.fsdp is False
+    assert args.fsdp is hf.fsdp is None
 
 
 def test_every_transformers_name_is_a_yaml_train_key_and_a_cli_option(tmp_path):
@@ -114,7 +114,7 @@ def test_values_that_leave_a_feature_off_count_as_its_default():
 
 
 @pytest.mark.parametrize("value,on", [("full_shard auto_wrap", True), (["full_shard"], True), ("", False),
-                                      (None, False), (True, True)])
+                                      (None, None), (True, True)])
 def test_fsdp_accepts_transformers_values(value, on):
     assert TrainingArguments(fsdp=value).fsdp is on
 

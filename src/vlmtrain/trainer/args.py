@@ -142,7 +142,7 @@ class ImplementedArguments:
     """DDP's broadcast_buffers (copy buffers from rank 0 at every forward); None: DDP's default (True)."""
     ddp_static_graph: bool | None = None
     """DDP's static_graph (the set of used parameters never changes between steps); None: DDP's default."""
-    fsdp: FsdpValue | None = False
+    fsdp: FsdpValue | None = None
     """Under torchrun: shard parameters, gradients and optimizer state over the ranks with FSDP2 (fully_shard
     per transformer block) instead of replicating the model with DDP, for models that do not fit one device.
     With bf16: bfloat16 compute from float32 master weights, float32 gradient reduction. With LoRA a checkpoint
@@ -250,7 +250,7 @@ class ImplementedArguments:
     'vlmtrain[wandb]'); one that is missing or cannot start is a warning, and training goes on with the rest.
     A resumed run continues the same tracker run. The docs page Evaluation and tracking says where each one writes."""
     run_name: str | None = None
-    """Name of the run in metrics writers and trackers; defaults to output_dir's basename."""
+    """Name of the run in metrics writers and trackers; None: output_dir's basename."""
     project: str = "huggingface"
     """The tracker project the run goes to: wandb's project, MLflow's experiment, trackio's project (the
     WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME environment variables win when set)."""
@@ -384,8 +384,6 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
         if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
             raise ConfigError("dataloader_prefetch_factor needs dataloader_num_workers > 0 (batches are loaded ahead "
                               "by worker processes); unset it or add workers.")
-        if self.run_name is None:
-            self.run_name = os.path.basename(os.path.normpath(self.output_dir))
 
     def _resolve_transformers_names(self) -> None:
         """transformers' aliases and value forms -> the one form the Trainer reads (idempotent)."""
@@ -403,7 +401,9 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
         if self.use_cpu:
             self.dataloader_pin_memory = False
         self.disable_tqdm = bool(self.disable_tqdm)
-        self.fsdp = _fsdp_flag(self.fsdp)
+        self.fsdp = None if self.fsdp is None else _fsdp_flag(self.fsdp)  # (transformers: None stays None)
+        if isinstance(self.debug, str):  # (refused unless empty) as transformers: a list of options
+            self.debug = self.debug.split()
         if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             self.torch_compile = True
         reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
@@ -477,9 +477,6 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
         values = {"find_unused_parameters": self.ddp_find_unused_parameters, "bucket_cap_mb": self.ddp_bucket_cap_mb,
                   "broadcast_buffers": self.ddp_broadcast_buffers, "static_graph": self.ddp_static_graph}
         return {k: v for k, v in values.items() if v is not None}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @functools.cache
