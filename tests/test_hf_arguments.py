@@ -188,3 +188,40 @@ def test_unsupported_sampling_strategies_name_the_alternative():
                                           "use data.packing"):
         TrainingArguments(train_sampling_strategy="group_by_length")
     assert vlmtrain.TrainingArguments(train_sampling_strategy="sequential").train_sampling_strategy == "sequential"
+
+
+# -- the migration guide's table ---------------------------------------------------------------------------------
+def _gen_migrating():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gen_migrating.py"
+    spec = importlib.util.spec_from_file_location("gen_migrating", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gen_migrating"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_migration_table_lists_every_transformers_argument_and_is_current():
+    import dataclasses
+
+    from vlmtrain.trainer.args import ImplementedArguments
+    from vlmtrain.trainer.args_compat import DIFFERENT, IGNORED, REFUSED
+
+    gen = _gen_migrating()
+    page = gen.PAGE.read_text()
+    assert gen.render(page) == page, "docs/migrating.md is stale: run python scripts/gen_migrating.py"
+    names = [f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init]
+    rows = [line.split("`")[1] for line in page.split(gen.BEGIN)[1].split(gen.END)[0].splitlines()
+            if line.startswith("| `")]
+    assert rows == names  # every transformers field, once, in transformers' order
+    implemented = {f.name for f in dataclasses.fields(ImplementedArguments)}
+    assert set(DIFFERENT) <= implemented and not (set(REFUSED) | set(IGNORED)) & implemented
+    # a refused argument's row says what to do instead, as its error does
+    with pytest.raises(ConfigError, match="auto_find_batch_size=True is not supported by vlmtrain; vlmtrain does "
+                                          "not restart training after an out-of-memory error"):
+        TrainingArguments(auto_find_batch_size=True)
+    assert gen.status("auto_find_batch_size") == ("refused", f"Default only; otherwise an error: "
+                                                             f"{REFUSED['auto_find_batch_size']}.")

@@ -227,8 +227,8 @@ class ImplementedArguments:
     """Train on the CPU even when a GPU is visible (torch.distributed then uses gloo); also turns off
     dataloader_pin_memory, as in transformers."""
     torch_empty_cache_steps: int | None = None
-    """Call torch.cuda.empty_cache() every N steps (after the backward pass of each micro-batch of those steps, as
-    transformers), to lower peak memory at some speed cost. None: never. No effect on the CPU."""
+    """Call torch.cuda.empty_cache() every N steps (in each micro-batch of those steps, between forward and backward,
+    as transformers), to lower peak memory at some speed cost. None: never. No effect on the CPU."""
     dataloader_num_workers: int = 0
     """Worker processes of the data loaders."""
     dataloader_pin_memory: bool = True

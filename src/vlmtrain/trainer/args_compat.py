@@ -37,7 +37,9 @@ REFUSED: dict[str, str] = {
     "liger_kernel_config": _LIGER,
     "use_cache": "training forwards pass use_cache=False; override Trainer.compute_loss if a model needs its cache",
     "neftune_noise_alpha": "add the embedding noise in the model (e.g. a forward hook on its input embeddings)",
-    "auto_find_batch_size": "set per_device_train_batch_size and gradient_accumulation_steps yourself",
+    "auto_find_batch_size": "vlmtrain does not restart training after an out-of-memory error (transformers does "
+                            "it with accelerate's find_executable_batch_size): set per_device_train_batch_size and "
+                            "gradient_accumulation_steps yourself",
     "log_level": _LOG_LEVEL,
     "log_level_replica": _LOG_LEVEL,
     "logging_nan_inf_filter": "steps with a NaN/Inf loss or gradients are skipped (no update) and logged as "
@@ -73,6 +75,34 @@ REFUSED: dict[str, str] = {
     "debug": "use torch.autograd.set_detect_anomaly(True) or forward hooks to debug a model",
     "skip_memory_metrics": "memory metrics are not recorded; read torch.cuda.max_memory_allocated() in a "
                            "TrainerCallback",
+}
+
+# Names vlmtrain implements, but not exactly as transformers 5.x: name -> how it differs (the migration guide's
+# "different" rows; every other implemented name behaves as in transformers, which tests compare).
+DIFFERENT: dict[str, str] = {
+    "optim": "adamw_torch_fused (the default, as transformers'), adamw_torch and sgd; transformers' other "
+             "optimizers are refused: build one and pass Trainer(optimizers=(optimizer, scheduler))",
+    "lr_scheduler_type": "constant, constant_with_warmup, linear, cosine, cosine_with_min_lr and polynomial (the "
+                         "same curves as transformers'); its other schedules are refused",
+    "weight_decay": "also exempts every 1-dimensional parameter (transformers: biases and normalization layers "
+                    "only)",
+    "report_to": "metrics.jsonl is always written; trackers: tensorboard, wandb, mlflow, trackio (others refused); "
+                 "'all' stays ['all'] (every installed one at run time); None means [] (transformers: [None])",
+    "fsdp": "any true value shards with FSDP2, one unit per transformer block (transformers' full_shard auto_wrap); "
+            "shard_grad_op, hybrid_shard, offload and no_shard are refused",
+    "tf32": "on a machine without a GPU a warning, not transformers' error",
+    "disable_tqdm": "None means False (transformers: True when its logger is quieter than WARNING)",
+    "ddp_find_unused_parameters": "None means False, DDP's default (transformers: True unless activation "
+                                  "checkpointing is on)",
+    "remove_unused_columns": "accepted, no effect: vlmtrain never drops dataset columns; the data collator decides "
+                             "what a batch holds",
+    "train_sampling_strategy": "random is a seeded per-epoch shuffle (data_seed) whose order differs from "
+                               "transformers' RandomSampler; sequential is the same; group_by_length and "
+                               "batch_rebalance are refused (use data.packing)",
+    "data_seed": "seeds vlmtrain's shuffle, so the order differs from transformers' for the same seed",
+    "resume_from_checkpoint": "Trainer.train() uses it when called without resume_from_checkpoint (transformers' "
+                              "Trainer ignores the field; it is for scripts)",
+    "include_for_metrics": "only [] is accepted: compute_metrics receives predictions and label_ids",
 }
 
 # name -> why any value is fine: vlmtrain always behaves one way, which the name cannot change.
