@@ -225,3 +225,36 @@ def test_migration_table_lists_every_transformers_argument_and_is_current():
         TrainingArguments(auto_find_batch_size=True)
     assert gen.status("auto_find_batch_size") == ("refused", f"Default only; otherwise an error: "
                                                              f"{REFUSED['auto_find_batch_size']}.")
+
+
+class BatchAccuracy:
+    """A compute_metrics for batch_eval_metrics: next-token accuracy summed over batches, and every call's rows."""
+
+    def __init__(self) -> None:
+        self.calls, self.right, self.total = [], 0, 0
+
+    def __call__(self, prediction, compute_result: bool):
+        preds, labels = torch.as_tensor(prediction.predictions), torch.as_tensor(prediction.label_ids)
+        self.calls.append((type(prediction.predictions).__name__, len(preds), compute_result))
+        mask = labels[:, 1:] != -100
+        self.right += int(((preds[:, :-1] == labels[:, 1:]) & mask).sum())
+        self.total += int(mask.sum())
+        if compute_result:
+            return {"accuracy": self.right / self.total}
+
+
+def test_batch_eval_metrics_calls_compute_metrics_per_batch_as_transformers(tmp_path):
+    evals = token_samples(10, seed=4, min_len=8, max_len=8)  # batches of 4, 4, 2
+    kw = dict(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, per_device_eval_batch_size=4,
+              batch_eval_metrics=True, use_cpu=True)
+    results = {}
+    for name, trainer_cls, args_cls in (("hf", transformers.Trainer, transformers.TrainingArguments),
+                                        ("ours", Trainer, TrainingArguments)):
+        metric = BatchAccuracy()
+        trainer = trainer_cls(model=tiny_llama(0), args=args_cls(**kw), eval_dataset=evals, compute_metrics=metric,
+                              preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1))
+        results[name] = (trainer.evaluate()["eval_accuracy"], metric.calls)
+    assert results["ours"] == results["hf"]
+    assert results["ours"][1] == [("Tensor", 4, False), ("Tensor", 4, False), ("Tensor", 2, True)]
+    with pytest.raises(ValueError, match="must take a `compute_result` boolean argument"):
+        Trainer(tiny_llama(0), TrainingArguments(**kw), compute_metrics=lambda prediction: {})

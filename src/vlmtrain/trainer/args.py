@@ -120,6 +120,10 @@ class ImplementedArguments:
     built-in tasks only (most download from the Hugging Face Hub)."""
     lmms_eval_limit: int | None = None
     """Run each lmms-eval task on at most this many documents (None: all)."""
+    batch_eval_metrics: bool = False
+    """compute_metrics(eval_prediction, compute_result) is called once per evaluation batch (on tensors; every
+    rank's rows of that batch), compute_result=True on the last, whose return is the metrics, as transformers.
+    vlmtrain cuts the batches from the collected eval set, so it does not lower evaluation memory."""
     label_names: list[str] | None = None
     """Keys of the batch that hold labels (e.g. [score_labels, type_labels]): evaluation hands these arrays to
     compute_metrics as label_ids (a tuple when there are several). None: the batch's 'labels'."""

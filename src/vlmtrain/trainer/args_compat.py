@@ -50,7 +50,6 @@ REFUSED: dict[str, str] = {
                   "control.should_evaluate for early steps",
     "prediction_loss_only": "evaluation returns only the losses when Trainer(compute_metrics=None)",
     "eval_do_concat_batches": "predictions are always concatenated over batches (padded to the longest)",
-    "batch_eval_metrics": "compute_metrics runs once, over the whole eval set",
     "save_only_model": "checkpoints keep optimizer, scheduler, data and RNG state for exact resume; "
                        "Trainer.save_model() writes the weights alone",
     "save_on_each_node": "put output_dir on storage that every node shares",
@@ -144,7 +143,6 @@ class TransformersOnlyArguments:
     eval_do_concat_batches: bool = True
     eval_use_gather_object: bool = False
     eval_accumulation_steps: int | None = None
-    batch_eval_metrics: bool = False
     save_only_model: bool = False
     save_on_each_node: bool = False
     enable_jit_checkpoint: bool = False

@@ -63,3 +63,34 @@ def empty_device_cache() -> None:
     """Free CUDA's cached memory (accelerate's clear_device_cache, which transformers calls)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def batch_metrics(compute_metrics: Any, predictions: Any, label_ids: Any, rows_per_batch: int,
+                  prediction_type: type) -> Any:
+    """batch_eval_metrics: compute_metrics called once per evaluation batch (`rows_per_batch` rows of every rank,
+    as transformers gathers them), on tensors, with compute_result=True on the last batch only; its last return
+    is the result. (The batches are cut from the collected set, so evaluation memory is not lowered.)"""
+
+    def rows(value: Any, start: int) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, tuple):
+            return tuple(rows(v, start) for v in value)
+        return torch.as_tensor(value[start:start + rows_per_batch])
+
+    first = predictions[0] if isinstance(predictions, tuple) else predictions
+    total, result = len(first), None
+    for start in range(0, total, rows_per_batch):
+        result = compute_metrics(prediction_type(rows(predictions, start), rows(label_ids, start)),
+                                 compute_result=start + rows_per_batch >= total)
+    return result
+
+
+def check_batch_metrics(compute_metrics: Any) -> None:
+    """transformers' check: with batch_eval_metrics, compute_metrics must take compute_result."""
+    import inspect
+
+    if compute_metrics is not None and "compute_result" not in inspect.signature(compute_metrics).parameters:
+        raise ValueError("When using `batch_eval_metrics`, your `compute_metrics` function must take a "
+                         "`compute_result` boolean argument which will be triggered after the last batch of the eval "
+                         "set to signal that the summary statistics should be returned by the function.")

@@ -50,7 +50,13 @@ from .callbacks import (
     TrainerCallback,
 )
 from .evaluation import EvaluationMixin
-from .loss_extras import LabelSmoothing, empty_device_cache, input_tokens, tokens_over_ranks
+from .loss_extras import (
+    LabelSmoothing,
+    check_batch_metrics,
+    empty_device_cache,
+    input_tokens,
+    tokens_over_ranks,
+)
 from .model_prep import enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
@@ -105,6 +111,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin):
         self.data_collator = data_collator if data_collator is not None else DefaultCollator(pad_id)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class, self.compute_metrics = processing_class, compute_metrics
+        if self.args.batch_eval_metrics:
+            check_batch_metrics(compute_metrics)
         # (logits, labels) -> what evaluation keeps of each batch for compute_metrics, e.g. argmax ids
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
