@@ -66,8 +66,9 @@ def test_derived_properties_and_serialization_equal_transformers(tmp_path):
               lr_scheduler_kwargs={"dtype": torch.bfloat16, "inner": {"dtype": torch.float32}})
     ours, hf = TrainingArguments(**kw), transformers.TrainingArguments(**kw)
     for name in ("device", "n_gpu", "world_size", "process_index", "local_process_index", "should_save",
-                 "should_log", "train_batch_size", "eval_batch_size", "ddp_timeout_delta"):
+                 "should_log", "train_batch_size", "eval_batch_size", "ddp_timeout_delta", "parallel_mode"):
         assert getattr(ours, name) == getattr(hf, name), name
+    assert ours.get_process_log_level() == hf.get_process_log_level()
     with ours.main_process_first(desc="tokenize"):
         pass
     d, hd = ours.to_dict(), hf.to_dict()

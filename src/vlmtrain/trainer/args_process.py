@@ -38,6 +38,8 @@ class ProcessMixin:
     per_device_eval_batch_size: int
     log_on_each_node: bool
     save_on_each_node: bool
+    log_level: str
+    log_level_replica: str
 
     @property
     def device(self) -> torch.device:
@@ -95,6 +97,25 @@ class ProcessMixin:
     def ddp_timeout_delta(self) -> timedelta:
         """ddp_timeout as the timedelta torch.distributed.init_process_group takes."""
         return timedelta(seconds=self.ddp_timeout)
+
+    @property
+    def parallel_mode(self) -> Any:
+        """transformers' ParallelMode: DISTRIBUTED under torchrun with several processes, else NOT_PARALLEL
+        (vlmtrain never drives several GPUs from one process)."""
+        from transformers.training_args import ParallelMode
+
+        return ParallelMode.DISTRIBUTED if self.world_size > 1 else ParallelMode.NOT_PARALLEL
+
+    def get_process_log_level(self) -> int:
+        """transformers' rule: log_level on the process that logs (should_log), log_level_replica on the others;
+        'passive' keeps transformers' current verbosity."""
+        from transformers.training_args import trainer_log_levels
+        from transformers.utils import logging as hf_logging
+
+        main, replica = trainer_log_levels[self.log_level], trainer_log_levels[self.log_level_replica]
+        main = hf_logging.get_verbosity() if main == -1 else main
+        replica = hf_logging.get_verbosity() if replica == -1 else replica
+        return main if self.should_log else replica
 
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:
