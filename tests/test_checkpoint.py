@@ -292,7 +292,7 @@ def test_export_of_an_unsharded_checkpoint_copies_its_model_files_without_the_tr
     ckpt = tmp_path / "checkpoint-1"
     ckpt.mkdir()
     for name in ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "trainer_state.json",
-                 "rng_state_0.pth", "loop_state_0.pt"):
+                 "rng_state_0.pth", "rng_state.pth", "loop_state_0.pt", "training_args.bin"):
         (ckpt / name).write_bytes(b"")
     assert cli.main(["export", "--checkpoint", str(ckpt)]) == 0
     assert f"wrote {ckpt}-export" in capsys.readouterr().out
