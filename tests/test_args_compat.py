@@ -58,7 +58,9 @@ def test_every_transformers_name_is_a_keyword_and_each_is_implemented_or_in_one_
     assert set(REFUSED) | set(IGNORED) == only and set(REFUSED) & set(IGNORED) == set()
     # Every transformers default constructs, all names at once.
     args = TrainingArguments(**{f.name: _transformers_default(f) for f in TRANSFORMERS_FIELDS})
-    assert args.output_dir == "runs/default" and args.fsdp is False and args.report_to == ["none"]
+    hf = transformers.TrainingArguments(use_cpu=True)  # (the same defaults: output_dir None, report_to 'none')
+    assert args.output_dir == hf.output_dir == "trainer_output" and args.report_to == hf.report_to == []
+    assert args.fsdp is hf.fsdp is None
 
 
 def test_every_transformers_name_is_a_yaml_train_key_and_a_cli_option(tmp_path):
@@ -107,12 +109,12 @@ def test_an_ignored_name_takes_any_value(f):
 
 
 def test_values_that_leave_a_feature_off_count_as_its_default():
-    args = TrainingArguments(include_num_input_tokens_seen=False, hub_private_repo=False, debug=[], fsdp_config={})
-    assert args.include_num_input_tokens_seen is False
+    args = TrainingArguments(hub_private_repo=False, debug=[], fsdp_config={}, trackio_static_space_id=False)
+    assert args.hub_private_repo is False and args.debug == []
 
 
 @pytest.mark.parametrize("value,on", [("full_shard auto_wrap", True), (["full_shard"], True), ("", False),
-                                      (None, False), (True, True)])
+                                      (None, None), (True, True)])
 def test_fsdp_accepts_transformers_values(value, on):
     assert TrainingArguments(fsdp=value).fsdp is on
 
@@ -139,7 +141,9 @@ def test_tracker_fields_are_accepted():
 
 
 def test_report_to_and_torch_compile_forms():
-    assert TrainingArguments(report_to=None).report_to == ["none"]
+    assert TrainingArguments(report_to=None).report_to == []  # (transformers: [None])
+    assert TrainingArguments(report_to="none").report_to == transformers.TrainingArguments(report_to="none").report_to
+    assert TrainingArguments(report_to=["none"]).report_to == []
     assert TrainingArguments(report_to="tensorboard").report_to == ["tensorboard"]
     with pytest.raises(ConfigError, match="Did you mean 'tensorboard'"):
         TrainingArguments(report_to="tensorbord")

@@ -78,7 +78,7 @@ def _same_checkpoint(a: Path, b: Path) -> None:
     assert oa["param_groups"] == ob["param_groups"]
     assert all(torch.equal(oa["state"][i][k], ob["state"][i][k]) for i in oa["state"] for k in oa["state"][i]
                if isinstance(oa["state"][i][k], torch.Tensor))
-    for name in ("scheduler.pt", "rng_state_0.pth", "loop_state_0.pt"):
+    for name in ("scheduler.pt", "rng_state.pth", "loop_state_0.pt"):
         assert str(torch.load(a / name, weights_only=True)) == str(torch.load(b / name, weights_only=True)), name
     assert sorted(os.listdir(a)) == sorted(os.listdir(b))
 

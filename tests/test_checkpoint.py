@@ -16,8 +16,9 @@ from vlmtrain.data.tokenizers import build_char_tokenizer
 from vlmtrain.trainer import CheckpointError, Trainer, TrainerCallback, TrainerState, TrainingArguments
 from vlmtrain.trainer import checkpoint as ckpt
 
-CKPT_FILES = {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state_0.pth",
-              "loop_state_0.pt", "trainer_state.json"}
+# transformers' files of a single-process checkpoint (test_hf_checkpoints.py compares them), plus loop_state_0.pt.
+CKPT_FILES = {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth",
+              "loop_state_0.pt", "trainer_state.json", "training_args.bin"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,7 +101,7 @@ def test_checkpoint_files_load_with_weights_only(trained):
     assert set(opt) == {"state", "param_groups"} and opt["state"]
     sched = torch.load(d / "scheduler.pt", weights_only=True)
     assert sched["last_epoch"] == 2
-    rng = torch.load(d / "rng_state_0.pth", weights_only=True)
+    rng = torch.load(d / "rng_state.pth", weights_only=True)
     assert {"python", "numpy", "cpu"} <= set(rng) and isinstance(rng["cpu"], torch.Tensor)
     loop = torch.load(d / "loop_state_0.pt", weights_only=True)
     assert {"loader", "epoch_index", "micro_step", "train_losses", "last_logged_step"} <= set(loop)
@@ -238,7 +239,7 @@ def test_resume_from_missing_path_names_it(tmp_path):
 
 
 @pytest.mark.parametrize("removed", ["optimizer.pt", "scheduler.pt", "model.safetensors", "trainer_state.json",
-                                     "rng_state_0.pth", "loop_state_0.pt"])
+                                     "rng_state.pth"])
 def test_resume_from_incomplete_checkpoint_names_missing_file(run_copy, removed):
     target = run_copy / "checkpoint-2"
     os.remove(target / removed)
@@ -291,7 +292,7 @@ def test_export_of_an_unsharded_checkpoint_copies_its_model_files_without_the_tr
     ckpt = tmp_path / "checkpoint-1"
     ckpt.mkdir()
     for name in ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "trainer_state.json",
-                 "rng_state_0.pth", "loop_state_0.pt"):
+                 "rng_state_0.pth", "rng_state.pth", "loop_state_0.pt", "training_args.bin"):
         (ckpt / name).write_bytes(b"")
     assert cli.main(["export", "--checkpoint", str(ckpt)]) == 0
     assert f"wrote {ckpt}-export" in capsys.readouterr().out

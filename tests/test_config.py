@@ -79,7 +79,7 @@ def test_unknown_key_on_command_line(tmp_path, argv, match):
 
 @pytest.mark.parametrize("section,key,value,expected", [
     ("train", "max_steps", "abc", "int"),
-    ("train", "eval_steps", "abc", "int | None"),
+    ("train", "eval_steps", "abc", "float | None"),  # (transformers' type: a float below 1 is a ratio)
     ("train", "max_steps", None, "int"),
     ("train", "bf16", "maybe", "bool"),
     ("data", "num_train", 2.5, "int"),

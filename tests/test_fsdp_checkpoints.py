@@ -30,7 +30,7 @@ FSDP = ("--train.fsdp", "true")
 LORA_FILES = {"adapter_model.safetensors", "adapter_config.json", "README.md", "heads.safetensors", "heads.json",
               "processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
               "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth",
-              "loop_state_0.pt", "loop_state_1.pt"}
+              "loop_state_0.pt", "loop_state_1.pt", "training_args.bin"}
 
 
 def config(tiny: str, lora: bool) -> dict:
@@ -129,7 +129,8 @@ def test_lora_checkpoint_holds_only_what_trains_and_every_command_reads_it(lora_
     assert main(["export", "--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "export")]) == 0
     assert set(os.listdir(tmp_path / "export")) == LORA_FILES - {"optimizer.pt", "scheduler.pt", "trainer_state.json",
                                                                  "rng_state_0.pth", "rng_state_1.pth",
-                                                                 "loop_state_0.pt", "loop_state_1.pt"}
+                                                                 "loop_state_0.pt", "loop_state_1.pt",
+                                                                 "training_args.bin"}
     with_adapter = AutoModelForImageTextToText.from_pretrained(tmp_path / "export")
 
     # vlmtrain export --merge: full weights from_pretrained loads with no key missing, the adapter's logits

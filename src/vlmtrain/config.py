@@ -28,6 +28,7 @@ from vlmtrain.data.registry import SOURCES, all_sources
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.kinds import KINDS, get_kind
 from vlmtrain.trainer.args import TrainingArguments
+from vlmtrain.trainer.args_process import FsdpValue, WorkersValue
 
 KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
 SourceName = Literal[tuple(SOURCES)]  # type: ignore[valid-type]
@@ -225,6 +226,7 @@ class RunConfig:
             kind.check(self)
 
 
+DEFAULT_RUN_DIR = "runs/default"
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainingArguments}
 
 
@@ -251,16 +253,29 @@ def build_parser(prog: str = "vlmtrain train", description: str | None = None) -
 
     # Field docstrings (the string under each field) become the --help text of each key.
     jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    _register_fsdp_value(jsonargparse)
     parser = jsonargparse.ArgumentParser(prog=prog, description=description, exit_on_error=False,
                                          allow_abbrev=False, formatter_class=help_formatter())
     parser.add_argument("--config", action=jsonargparse.ActionConfigFile,
                         help="YAML file with sections model, data, train. Later options override it.")
     for section, cls in SECTIONS.items():
         parser.add_class_arguments(cls, section)
-    # A config run processes its own data (Hub processors, images): workers on a GPU machine unless set.
-    # TrainingArguments in Python keeps transformers' 0.
-    parser.set_defaults({"train.dataloader_num_workers": "auto"})
+    # A run from the CLI or a YAML file goes under runs/ unless it names its output_dir (TrainingArguments in
+    # Python defaults to transformers' trainer_output), and processes its own data (Hub processors, images) in
+    # data-loader workers on a GPU machine unless set (in Python: transformers' 0).
+    parser.set_defaults({"train.output_dir": DEFAULT_RUN_DIR, "train.dataloader_num_workers": "auto"})
     return parser
+
+
+def _register_fsdp_value(jsonargparse: Any) -> None:
+    """train.fsdp's type (a str subclass, for transformers' HfArgumentParser) takes YAML's true/false and lists
+    too; TrainingArguments reads every form."""
+    from jsonargparse.typing import get_registered_type, register_type
+
+    if get_registered_type(FsdpValue) is None:
+        register_type(FsdpValue, serializer=lambda v: v, deserializer=lambda v: v)
+    if get_registered_type(WorkersValue) is None:  # train.dataloader_num_workers: a number or 'auto'
+        register_type(WorkersValue, serializer=lambda v: v, deserializer=lambda v: v)
 
 
 def parse_with(parser: Any, argv: list[str], overrides: dict[str, Any] | None = None) -> tuple[RunConfig, Any]:

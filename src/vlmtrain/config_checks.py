@@ -73,7 +73,9 @@ def type_name(section: str, key: str) -> str:
     hint = typing.get_type_hints(_sections()[section])[key]
     if typing.get_origin(hint) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    annotation = {f.name: f.type for f in dataclasses.fields(_sections()[section])}[key]
+    # (the class's own annotation: a dataclass field's .type may have been rewritten, e.g. by HfArgumentParser)
+    annotation = next(k.__annotations__[key] for k in _sections()[section].__mro__
+                      if key in vars(k).get("__annotations__", {}))
     return annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
 
 

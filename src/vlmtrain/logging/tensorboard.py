@@ -20,7 +20,7 @@ class TensorBoardCallback(TrackerCallback):
     def __init__(self, output_dir: str, run_name: str | None = None, project: str = "huggingface",
                  config: dict | None = None) -> None:
         super().__init__(output_dir, run_name, project, config)
-        self.log_dir = os.path.join(output_dir, "runs", run_name or "run")
+        self.log_dir = os.path.join(output_dir, "runs", self.run_name)  # (None: output_dir's basename)
         self.writer = None
         self.purge_step: int | None = None  # the step a resumed run purged from
         self._purge_pending = False

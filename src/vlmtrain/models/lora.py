@@ -162,7 +162,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 # Files of a checkpoint that are not the model's own (training state, the adapter itself, peft's model card).
 _NOT_EXPORTED = ("adapter_model.safetensors", "adapter_config.json", "trainable.safetensors", "trainer_state.json",
-                 "optimizer.pt", "scheduler.pt", "README.md")
+                 "optimizer.pt", "scheduler.pt", "README.md", "training_args.bin")
 
 
 def export_merged(checkpoint: str, output_dir: str, base: str | None = None) -> str:
@@ -200,7 +200,7 @@ def export_merged(checkpoint: str, output_dir: str, base: str | None = None) -> 
     os.makedirs(output_dir, exist_ok=True)
     for name in os.listdir(checkpoint):  # processor/tokenizer and heads files
         src = os.path.join(checkpoint, name)
-        if os.path.isfile(src) and name not in _NOT_EXPORTED and not name.startswith(("rng_state_", "loop_state_")):
+        if os.path.isfile(src) and name not in _NOT_EXPORTED and not name.startswith(("rng_state", "loop_state_")):
             if os.path.abspath(src) != os.path.abspath(os.path.join(output_dir, name)):
                 shutil.copy2(src, os.path.join(output_dir, name))
     merged.save_pretrained(output_dir)

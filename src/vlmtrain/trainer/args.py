@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import json
 import math
 import os
 import re
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigError
 from .args_compat import TransformersOnlyArguments, check_transformers_only
+from .args_process import FsdpValue, ProcessMixin, WorkersValue
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
@@ -42,8 +46,9 @@ class ImplementedArguments:
     """The arguments vlmtrain implements; names and defaults follow transformers' TrainingArguments where it has
     them. The fields of :class:`TrainingArguments` (these, then the transformers-only ones)."""
 
-    output_dir: str | None = "runs/default"
-    """Where checkpoints, metrics.jsonl and the resolved config are written (None: runs/default)."""
+    output_dir: str | None = "trainer_output"
+    """Where checkpoints, metrics.jsonl and the resolved config are written (None: trainer_output, as in
+    transformers; `~` is expanded). The vlmtrain CLI and YAML configs default to runs/default."""
     num_train_epochs: float = 3.0
     """Epochs to train when max_steps is not set (fractions allowed)."""
     max_steps: int = -1
@@ -56,7 +61,7 @@ class ImplementedArguments:
     """Micro-batches accumulated into one optimizer step."""
     learning_rate: float = 5e-5
     """Peak learning rate of parameters that match no entry of module_learning_rates."""
-    module_learning_rates: dict[str, float] | None = None
+    module_learning_rates: dict[str, float] | str | None = None
     """Per-module peak learning rates, e.g. {"projector": 5e-3, "vision": 5e-5}. A key matches a
     parameter whose name starts with it (or with it after a dotted prefix); the longest key wins.
     A learning rate of 0 freezes those parameters (requires_grad=False, not in the optimizer)."""
@@ -68,31 +73,41 @@ class ImplementedArguments:
     """AdamW beta2."""
     adam_epsilon: float = 1e-8
     """AdamW epsilon."""
-    optim: str = "adamw_torch"
-    """Optimizer: adamw_torch, adamw_torch_fused or sgd."""
+    optim: str = "adamw_torch_fused"
+    """Optimizer: adamw_torch_fused (transformers 5's default; fused AdamW runs on CPU too), adamw_torch or sgd."""
     lr_scheduler_type: str = "linear"
     """constant, constant_with_warmup, linear, cosine, cosine_with_min_lr or polynomial."""
-    lr_scheduler_kwargs: dict[str, float] | None = None
+    lr_scheduler_kwargs: dict[str, float] | str | None = None
     """Extra schedule arguments: min_lr_rate (cosine_with_min_lr), power and lr_end (polynomial), num_cycles."""
     warmup_steps: float = 0
     """Linear warmup length: an int number of steps, or a float in (0, 1) as a ratio of total steps."""
     warmup_ratio: float = 0.0
     """Warmup as a fraction of total steps (used when warmup_steps is 0)."""
+    label_smoothing_factor: float = 0.0
+    """Label smoothing epsilon, as transformers: when > 0 and the batch has `labels`, the model is called without
+    them and the loss is (1 - eps) * NLL + eps * the mean negative log-probability over the vocabulary, from its
+    `logits` (shifted by one for causal LMs). 0: the model's own loss."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     logging_strategy: str = "steps"
     """When to log training metrics: no, steps or epoch."""
-    logging_steps: int = 500
-    """Log every N optimizer steps (logging_strategy='steps')."""
+    logging_steps: float = 500
+    """Log every N optimizer steps (logging_strategy='steps'); a float in (0, 1) is a ratio of the total steps
+    (rounded up), as in transformers. A value above 1 must be a whole number."""
     logging_first_step: bool = False
     """Also log after the first optimizer step."""
+    include_num_input_tokens_seen: str | bool = "no"
+    """Count the input tokens trained on (over all ranks) in state.num_input_tokens_seen and log it as
+    num_input_tokens_seen: all (every token of the model's main input, padding included), non_padding (the
+    attention mask's ones, else the tokens that are not the pad token), or no. True means all, False no."""
     peak_tflops: float | None = None
     """The accelerator's peak dense TFLOP/s per device in the training dtype (e.g. 989 for an H100 SXM in bf16):
     training logs then carry mfu = tflops_per_second / peak_tflops. None: tflops_per_second only."""
     eval_strategy: str = "no"
     """When to evaluate: no, steps or epoch."""
-    eval_steps: int | None = None
-    """Evaluate every N steps (eval_strategy='steps'); defaults to logging_steps."""
+    eval_steps: float | None = None
+    """Evaluate every N steps (eval_strategy='steps'; a float in (0, 1): a ratio of the total steps); defaults to
+    logging_steps."""
     max_eval_batches: int | None = None
     """Evaluate on at most this many batches per eval set (None: all)."""
     eval_on_start: bool = False
@@ -105,6 +120,10 @@ class ImplementedArguments:
     built-in tasks only (most download from the Hugging Face Hub)."""
     lmms_eval_limit: int | None = None
     """Run each lmms-eval task on at most this many documents (None: all)."""
+    batch_eval_metrics: bool = False
+    """compute_metrics(eval_prediction, compute_result) is called once per evaluation batch (on tensors; every
+    rank's rows of that batch), compute_result=True on the last, whose return is the metrics, as transformers.
+    vlmtrain cuts the batches from the collected eval set, so it does not lower evaluation memory."""
     label_names: list[str] | None = None
     """Keys of the batch that hold labels (e.g. [score_labels, type_labels]): evaluation hands these arrays to
     compute_metrics as label_ids (a tuple when there are several). None: the batch's 'labels'."""
@@ -127,7 +146,7 @@ class ImplementedArguments:
     """DDP's broadcast_buffers (copy buffers from rank 0 at every forward); None: DDP's default (True)."""
     ddp_static_graph: bool | None = None
     """DDP's static_graph (the set of used parameters never changes between steps); None: DDP's default."""
-    fsdp: bool | str | list[str] | None = False
+    fsdp: FsdpValue | None = None
     """Under torchrun: shard parameters, gradients and optimizer state over the ranks with FSDP2 (fully_shard
     per transformer block) instead of replicating the model with DDP, for models that do not fit one device.
     With bf16: bfloat16 compute from float32 master weights, float32 gradient reduction. With LoRA a checkpoint
@@ -137,12 +156,12 @@ class ImplementedArguments:
     activation_checkpointing: bool | None = None
     """Recompute each transformer block's activations in backward instead of keeping them (less memory, ~20%
     slower), through the model's activation_checkpointing_enable() (transformers models). None: false."""
-    activation_checkpointing_kwargs: dict[str, Any] | None = None
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Arguments of activation_checkpointing_enable(): every_n_layers, offload; other keys (e.g. use_reentrant)
     go to torch.utils.checkpoint. None: {use_reentrant: false}."""
     gradient_checkpointing: bool | None = None
     """transformers' older name of activation_checkpointing (used when that is unset; then mirrors it)."""
-    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """transformers' older name of activation_checkpointing_kwargs (used when that is unset; then mirrors it)."""
     max_consecutive_nonfinite_steps: int = 10
     """A step whose loss or gradients are NaN/Inf is skipped on every rank (no update; counted as
@@ -152,8 +171,8 @@ class ImplementedArguments:
     window's samples were skipped as bad; samples a data filter rejected do not count. 1 = never."""
     save_strategy: str = "steps"
     """When to checkpoint: no, steps, epoch or best (whenever metric_for_best_model improves)."""
-    save_steps: int = 500
-    """Checkpoint every N steps (save_strategy='steps')."""
+    save_steps: float = 500
+    """Checkpoint every N steps (save_strategy='steps'; a float in (0, 1): a ratio of the total steps)."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints; the best one is never deleted."""
     async_checkpoint: bool = False
@@ -167,7 +186,7 @@ class ImplementedArguments:
     async_eval_launcher: str = "subprocess"
     """How async evaluations run: subprocess (on this machine) or submitit (SLURM on a cluster, local processes
     elsewhere; pip install 'vlmtrain[submitit]')."""
-    async_eval_launcher_kwargs: dict[str, Any] | None = None
+    async_eval_launcher_kwargs: dict[str, Any] | str | None = None
     """submitit's parameters, passed through (e.g. {slurm_partition: eval, gpus_per_node: 1, timeout_min: 60};
     cluster: local|slurm|debug picks the executor)."""
     async_eval_command: list[str] | None = None
@@ -205,7 +224,16 @@ class ImplementedArguments:
     tf32: bool | None = None
     """On CUDA: allow (true) or forbid (false) TF32 matmuls and convolutions; None leaves torch's setting. Ignored
     with a warning on a machine without a GPU."""
-    dataloader_num_workers: int | str = 0
+    train_sampling_strategy: str = "random"
+    """Order of the training samples: random (a seeded shuffle per epoch; data_seed) or sequential (the dataset's
+    order). transformers' group_by_length and batch_rebalance are refused (use data.packing)."""
+    use_cpu: bool = False
+    """Train on the CPU even when a GPU is visible (torch.distributed then uses gloo); also turns off
+    dataloader_pin_memory, as in transformers."""
+    torch_empty_cache_steps: int | None = None
+    """Call torch.cuda.empty_cache() every N steps (in each micro-batch of those steps, between forward and backward,
+    as transformers), to lower peak memory at some speed cost. None: never. No effect on the CPU."""
+    dataloader_num_workers: WorkersValue = 0  # type: ignore[assignment]
     """Worker processes of the data loaders, or auto: on a CUDA machine min(4, CPU cores per process - 2), so
     that processing (Hub processor calls, image decoding and resizing, collation, skipped samples counted)
     runs beside the training step instead of inside it; 0 without a GPU, where workers would take the cores
@@ -225,13 +253,13 @@ class ImplementedArguments:
     remove_unused_columns: bool = True
     """Accepted for transformers' scripts, either value: vlmtrain never drops columns. The data collator decides
     what a batch holds, and every key of the batch reaches the model's forward."""
-    report_to: str | list[str] | None = "none"
+    report_to: None | str | list[str] = "none"
     """Trackers besides metrics.jsonl (always written), as transformers names them: none, tensorboard, wandb,
     mlflow, trackio, a list of them, or all (every installed one). Each needs its extra (pip install
     'vlmtrain[wandb]'); one that is missing or cannot start is a warning, and training goes on with the rest.
     A resumed run continues the same tracker run. The docs page Evaluation and tracking says where each one writes."""
     run_name: str | None = None
-    """Name of the run in metrics writers and trackers; defaults to output_dir's basename."""
+    """Name of the run in metrics writers and trackers; None: output_dir's basename."""
     project: str = "huggingface"
     """The tracker project the run goes to: wandb's project, MLflow's experiment, trackio's project (the
     WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME environment variables win when set)."""
@@ -257,12 +285,13 @@ class ImplementedArguments:
 
 
 @dataclass
-class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
+class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArguments):
     """Everything about how to train. Every transformers 5.23 TrainingArguments name is accepted: the ones
     vlmtrain implements behave as there; the rest (args_compat.py) take their default, and any other value is a
     ConfigError that says what vlmtrain does instead. Invalid combinations fail here, at construction."""
 
     def __post_init__(self) -> None:
+        self._parse_json_dicts()
         check_transformers_only(self)
         self._resolve_transformers_names()
         _choice("optim", self.optim, OPTIMIZERS)
@@ -270,10 +299,16 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
         _choice("logging_strategy", self.logging_strategy, INTERVALS)
         _choice("eval_strategy", self.eval_strategy, INTERVALS)
         _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "save_steps"):
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.eval_strategy == "steps" and not self.eval_steps:  # (transformers: None or 0 -> logging_steps)
+            self.eval_steps = self.logging_steps
+        self._check_steps("logging_steps", self.logging_strategy)
+        self._check_steps("save_steps", self.save_strategy)
+        self._check_steps("eval_steps", self.eval_strategy)
+        if not self.do_eval and self.eval_strategy != "no":  # as transformers (for the script: the Trainer ignores it)
+            self.do_eval = True
         if self.max_steps == 0 or (self.max_steps < 0 and self.num_train_epochs <= 0):
             raise ConfigError("Set max_steps > 0 or num_train_epochs > 0: there is nothing to train otherwise.")
         if self.learning_rate < 0:
@@ -287,10 +322,6 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
         if self.max_grad_norm < 0:
             raise ConfigError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
-        if self.eval_steps is None:
-            self.eval_steps = self.logging_steps
-        if self.eval_steps < 1:
-            raise ConfigError(f"eval_steps must be >= 1, got {self.eval_steps}.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ConfigError("save_total_limit must be >= 1, or None to keep every checkpoint.")
         kwargs = self.lr_scheduler_kwargs or {}
@@ -299,6 +330,9 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
                               "(or 'min_lr').")
         if self.save_strategy == "best" and self.eval_strategy == "no":
             raise ConfigError("save_strategy='best' needs evaluation: set eval_strategy to 'steps' or 'epoch'.")
+        if self.save_strategy == "best" and self.metric_for_best_model is None:
+            raise ConfigError("save_strategy='best' needs metric_for_best_model (e.g. 'loss' or 'accuracy'): the "
+                              "metric whose improvement triggers a save (transformers refuses it too).")
         if self.load_best_model_at_end:
             if self.eval_strategy == "no":
                 raise ConfigError("load_best_model_at_end=True needs eval_strategy 'steps' or 'epoch'.")
@@ -306,10 +340,10 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
                 raise ConfigError(
                     f"load_best_model_at_end=True needs save_strategy to match eval_strategy "
                     f"(got save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r}), or 'best'.")
-            if self.save_strategy == "steps" and self.save_steps % self.eval_steps != 0:
+            if self.save_strategy == "steps" and self.eval_strategy == "steps" and self.save_steps % self.eval_steps:
                 raise ConfigError(f"load_best_model_at_end=True needs save_steps ({self.save_steps}) to be a "
                                   f"multiple of eval_steps ({self.eval_steps}).")
-        if (self.load_best_model_at_end or self.save_strategy == "best") and self.metric_for_best_model is None:
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
             self.metric_for_best_model = "loss"
         if self.metric_for_best_model is not None and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
@@ -344,6 +378,17 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
             raise ConfigError("max_consecutive_nonfinite_steps must be >= 0 (0: never stop).")
         if not 0 < self.max_bad_sample_fraction <= 1:
             raise ConfigError(f"max_bad_sample_fraction must be in (0, 1], got {self.max_bad_sample_fraction}.")
+        _choice("train_sampling_strategy", self.train_sampling_strategy,
+                ("random", "sequential", "group_by_length", "batch_rebalance"))
+        if self.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
+            raise ConfigError(f"train_sampling_strategy={self.train_sampling_strategy!r} is not supported by vlmtrain; "
+                              "use data.packing for length-efficient batches (or 'random' / 'sequential').")
+        if self.torch_empty_cache_steps is not None and not (
+                isinstance(self.torch_empty_cache_steps, int) and self.torch_empty_cache_steps > 0):
+            raise ConfigError(f"torch_empty_cache_steps must be an integer bigger than 0, got "
+                              f"{self.torch_empty_cache_steps}.")
+        if self.label_smoothing_factor < 0 or self.label_smoothing_factor >= 1:
+            raise ConfigError(f"label_smoothing_factor must be in [0, 1), got {self.label_smoothing_factor}.")
         if isinstance(self.dataloader_num_workers, str) and self.dataloader_num_workers.strip().isdigit():
             self.dataloader_num_workers = int(self.dataloader_num_workers)
         if self.dataloader_num_workers != "auto" and not (
@@ -353,8 +398,6 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
         if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
             raise ConfigError("dataloader_prefetch_factor needs dataloader_num_workers > 0 (batches are loaded ahead "
                               "by worker processes); unset it or add workers.")
-        if self.run_name is None:
-            self.run_name = os.path.basename(os.path.normpath(self.output_dir))
 
     def _resolve_transformers_names(self) -> None:
         """transformers' aliases and value forms -> the one form the Trainer reads (idempotent)."""
@@ -365,9 +408,16 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
             setattr(self, old, getattr(self, new))
         if self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing = False
-        self.output_dir = "runs/default" if self.output_dir is None else self.output_dir
+        self.output_dir = os.path.expanduser("trainer_output" if self.output_dir is None else self.output_dir)
+        if isinstance(self.include_num_input_tokens_seen, bool):
+            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
+        _choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("no", "all", "non_padding"))
+        if self.use_cpu:
+            self.dataloader_pin_memory = False
         self.disable_tqdm = bool(self.disable_tqdm)
-        self.fsdp = _fsdp_flag(self.fsdp)
+        self.fsdp = None if self.fsdp is None else _fsdp_flag(self.fsdp)  # (transformers: None stays None)
+        if isinstance(self.debug, str):  # (refused unless empty) as transformers: a list of options
+            self.debug = self.debug.split()
         if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             self.torch_compile = True
         reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
@@ -379,17 +429,54 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
                 raise ConfigError(f"report_to={r!r} is not implemented by vlmtrain; implemented: "
                                   f"{', '.join(implemented)} (metrics.jsonl is always written).")
             _choice("report_to", r, implemented + UNIMPLEMENTED_REPORTERS)
-        self.report_to = reporters or ["none"]
+        self.report_to = [] if reporters == ["none"] else reporters  # (transformers: 'none' -> [])
         for extra in self.include_for_metrics:
             _choice("include_for_metrics", extra, ("inputs", "loss"))
         if self.include_for_metrics:
             raise ConfigError(f"include_for_metrics={self.include_for_metrics!r} is not supported by vlmtrain yet; "
                               "compute_metrics receives predictions and label_ids (see label_names).")
 
+    def _parse_json_dicts(self) -> None:
+        """A dict argument given as a JSON string (a command line's '{"factor": 0.5}') -> the dict, its string
+        values converted as transformers does ('true' -> True, '3' -> 3, '0.5' -> 0.5)."""
+        hints = _type_hints(type(self))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, str) or "dict" not in str(hints[f.name]):
+                continue
+            if not value.startswith("{"):
+                if f.name not in _IMPLEMENTED:  # (transformers-only: refused below at any value but the default)
+                    continue
+                raise ConfigError(f"{f.name}={value!r}: expected a mapping or a JSON object string such as "
+                                  "'{\"key\": 1}'.")
+            try:
+                setattr(self, f.name, _convert_str_dict(json.loads(value)))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{f.name}={value!r} is not valid JSON ({e.msg} at character {e.pos}).") from None
+
+    def _check_steps(self, name: str, strategy: str) -> None:
+        """logging/save/eval_steps as transformers takes them: > 0; a float in (0, 1) is a ratio of the total
+        steps; above 1 a whole number (10.0 -> 10, 10.5 refused). Checked when its strategy is 'steps'."""
+        value = getattr(self, name)
+        if strategy != "steps" or value is None:
+            return
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0 (a number of steps, or a float in (0, 1) as a ratio of the total "
+                              f"steps), got {value}.")
+        if value > 1 and value != int(value):
+            raise ConfigError(f"{name} must be an integer if bigger than 1 (a float in (0, 1) is a ratio of the "
+                              f"total steps), got {value}.")
+        if value >= 1:
+            setattr(self, name, int(value))
+
     # -- derived values -------------------------------------------------------------------
-    @property
-    def train_batch_size(self) -> int:
-        return self.per_device_train_batch_size
+    def absolute_steps(self, name: str, max_steps: int) -> int | None:
+        """logging_steps / eval_steps / save_steps in steps: a ratio in (0, 1) of max_steps rounded up (as
+        transformers' TrainerState.compute_steps), else the value itself."""
+        value = getattr(self, name)
+        if value is not None and value < 1:
+            return math.ceil(max_steps * value)
+        return None if value is None else int(value)
 
     def get_warmup_steps(self, num_training_steps: int) -> int:
         """Warmup length in steps: warmup_steps (int, or ratio if in (0, 1)), else warmup_ratio."""
@@ -405,15 +492,37 @@ class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
                   "broadcast_buffers": self.ddp_broadcast_buffers, "static_graph": self.ddp_static_graph}
         return {k: v for k, v in values.items() if v is not None}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+_IMPLEMENTED = frozenset(f.name for f in fields(ImplementedArguments))
+
+
+def _convert_str_dict(passed_value: dict) -> dict:
+    """transformers' _convert_str_dict: string values 'true'/'false' -> bool, digits -> int or float, nested."""
+    for key, value in passed_value.items():
+        if isinstance(value, dict):
+            passed_value[key] = _convert_str_dict(value)
+        elif isinstance(value, str):
+            if value.lower() in ("true", "false"):
+                passed_value[key] = value.lower() == "true"
+            elif value.isdigit():
+                passed_value[key] = int(value)
+            elif value.replace(".", "", 1).isdigit():
+                passed_value[key] = float(value)
+    return passed_value
 
 
 def _fsdp_flag(value: bool | str | list[str] | None) -> bool:
     """transformers' fsdp values (a bool, 'full_shard auto_wrap', ['full_shard', ...], '' or None) -> on/off."""
     if value is None or isinstance(value, bool):
         return bool(value)
-    items = value.split() if isinstance(value, str) else list(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):  # (a command line's --fsdp true)
+        return value.strip().lower() == "true"
+    items = value.split() if isinstance(value, str) else [i for v in value for i in str(v).split()]
     for item in items:
         if item not in FSDP_OPTIONS:
             raise ConfigError(f"fsdp={value!r}: unknown option {item!r}; use true/false (or transformers' "

@@ -30,7 +30,6 @@ REFUSED: dict[str, str] = {
     "optim_target_modules": _OWN_OPTIMIZER,
     "average_tokens_across_devices": "the loss is always normalized by the target tokens of the whole step, across "
                                      "gradient accumulation and ranks",
-    "label_smoothing_factor": "compute label smoothing in the model's loss, or override Trainer.compute_loss",
     "fp16": "use bf16=True (bfloat16 autocast, no loss scaling needed)",
     "bf16_full_eval": _HALF_EVAL,
     "fp16_full_eval": _HALF_EVAL,
@@ -38,21 +37,19 @@ REFUSED: dict[str, str] = {
     "liger_kernel_config": _LIGER,
     "use_cache": "training forwards pass use_cache=False; override Trainer.compute_loss if a model needs its cache",
     "neftune_noise_alpha": "add the embedding noise in the model (e.g. a forward hook on its input embeddings)",
-    "torch_empty_cache_steps": "call torch.cuda.empty_cache() from a TrainerCallback's on_step_end",
-    "auto_find_batch_size": "set per_device_train_batch_size and gradient_accumulation_steps yourself",
+    "auto_find_batch_size": "vlmtrain does not restart training after an out-of-memory error (transformers does "
+                            "it with accelerate's find_executable_batch_size): set per_device_train_batch_size and "
+                            "gradient_accumulation_steps yourself",
     "log_level": _LOG_LEVEL,
     "log_level_replica": _LOG_LEVEL,
     "logging_nan_inf_filter": "steps with a NaN/Inf loss or gradients are skipped (no update) and logged as "
                               "nonfinite_steps, so they never reach the logged averages",
-    "include_num_input_tokens_seen": "every log line has samples_per_second and tokens_per_second; count tokens "
-                                     "in a TrainerCallback if you need a running total",
     "trackio_static_space_id": "a static trackio Space comes with push_to_hub, which vlmtrain does not do; after "
                                "training publish the project with trackio's CLI (trackio sync / trackio freeze)",
     "eval_delay": "evaluation follows eval_strategy from the start; a TrainerCallback can clear "
                   "control.should_evaluate for early steps",
     "prediction_loss_only": "evaluation returns only the losses when Trainer(compute_metrics=None)",
     "eval_do_concat_batches": "predictions are always concatenated over batches (padded to the longest)",
-    "batch_eval_metrics": "compute_metrics runs once, over the whole eval set",
     "save_only_model": "checkpoints keep optimizer, scheduler, data and RNG state for exact resume; "
                        "Trainer.save_model() writes the weights alone",
     "save_on_each_node": "put output_dir on storage that every node shares",
@@ -66,12 +63,10 @@ REFUSED: dict[str, str] = {
     "ignore_data_skip": "resume restores the data loader's position in O(1) time, so nothing is skipped",
     "full_determinism": "call torch.use_deterministic_algorithms(True) yourself (CPU runs are already bitwise "
                         "reproducible)",
-    "use_cpu": "hide the GPUs with CUDA_VISIBLE_DEVICES='' to train on CPU",
     "accelerator_config": _ACCELERATE,
     "parallelism_config": _ACCELERATE,
     "ddp_backend": "the backend is NCCL on GPUs and gloo on CPU",
     "dataloader_in_order": "batches always arrive in order, which exact resume needs",
-    "train_sampling_strategy": _SAMPLING,
     "length_column_name": _SAMPLING,
     "fsdp_config": "fsdp=True shards every transformer block with FSDP2 (full_shard; bf16 compute with bf16=True) "
                    "and takes no further options",
@@ -79,6 +74,34 @@ REFUSED: dict[str, str] = {
     "debug": "use torch.autograd.set_detect_anomaly(True) or forward hooks to debug a model",
     "skip_memory_metrics": "memory metrics are not recorded; read torch.cuda.max_memory_allocated() in a "
                            "TrainerCallback",
+}
+
+# Names vlmtrain implements, but not exactly as transformers 5.x: name -> how it differs (the migration guide's
+# "different" rows; every other implemented name behaves as in transformers, which tests compare).
+DIFFERENT: dict[str, str] = {
+    "optim": "adamw_torch_fused (the default, as transformers'), adamw_torch and sgd; transformers' other "
+             "optimizers are refused: build one and pass Trainer(optimizers=(optimizer, scheduler))",
+    "lr_scheduler_type": "constant, constant_with_warmup, linear, cosine, cosine_with_min_lr and polynomial (the "
+                         "same curves as transformers'); its other schedules are refused",
+    "weight_decay": "also exempts every 1-dimensional parameter (transformers: biases and normalization layers "
+                    "only)",
+    "report_to": "metrics.jsonl is always written; trackers: tensorboard, wandb, mlflow, trackio (others refused); "
+                 "'all' stays ['all'] (every installed one at run time); None means [] (transformers: [None])",
+    "fsdp": "any true value shards with FSDP2, one unit per transformer block (transformers' full_shard auto_wrap); "
+            "shard_grad_op, hybrid_shard, offload and no_shard are refused",
+    "tf32": "on a machine without a GPU a warning, not transformers' error",
+    "disable_tqdm": "None means False (transformers: True when its logger is quieter than WARNING)",
+    "ddp_find_unused_parameters": "None means False, DDP's default (transformers: True unless activation "
+                                  "checkpointing is on)",
+    "remove_unused_columns": "accepted, no effect: vlmtrain never drops dataset columns; the data collator decides "
+                             "what a batch holds",
+    "train_sampling_strategy": "random is a seeded per-epoch shuffle (data_seed) whose order differs from "
+                               "transformers' RandomSampler; sequential is the same; group_by_length and "
+                               "batch_rebalance are refused (use data.packing)",
+    "data_seed": "seeds vlmtrain's shuffle, so the order differs from transformers' for the same seed",
+    "resume_from_checkpoint": "Trainer.train() uses it when called without resume_from_checkpoint (transformers' "
+                              "Trainer ignores the field; it is for scripts)",
+    "include_for_metrics": "only [] is accepted: compute_metrics receives predictions and label_ids",
 }
 
 # name -> why any value is fine: vlmtrain always behaves one way, which the name cannot change.
@@ -100,9 +123,8 @@ class TransformersOnlyArguments:
     """transformers' TrainingArguments names vlmtrain does not implement, with transformers' defaults."""
 
     optim_args: str | None = None
-    optim_target_modules: str | list[str] | None = None
+    optim_target_modules: None | str | list[str] = None
     average_tokens_across_devices: bool = True
-    label_smoothing_factor: float = 0.0
     fp16: bool = False
     bf16_full_eval: bool = False
     fp16_full_eval: bool = False
@@ -110,20 +132,17 @@ class TransformersOnlyArguments:
     liger_kernel_config: dict[str, bool] | None = None
     use_cache: bool = False
     neftune_noise_alpha: float | None = None
-    torch_empty_cache_steps: int | None = None
     auto_find_batch_size: bool = False
     log_on_each_node: bool = True
     logging_nan_inf_filter: bool = True
-    include_num_input_tokens_seen: str | bool = "no"
     log_level: str = "passive"
     log_level_replica: str = "warning"
-    trackio_static_space_id: str | bool | None = None
+    trackio_static_space_id: str | None = None  # (transformers: also False; Literal[False] upsets jsonargparse)
     eval_delay: float = 0
     prediction_loss_only: bool = False
     eval_do_concat_batches: bool = True
     eval_use_gather_object: bool = False
     eval_accumulation_steps: int | None = None
-    batch_eval_metrics: bool = False
     save_only_model: bool = False
     save_on_each_node: bool = False
     enable_jit_checkpoint: bool = False
@@ -137,11 +156,9 @@ class TransformersOnlyArguments:
     ignore_data_skip: bool = False
     restore_callback_states_from_checkpoint: bool = False
     full_determinism: bool = False
-    use_cpu: bool = False
     accelerator_config: dict[str, Any] | str | None = None
     parallelism_config: Any = None
     dataloader_in_order: bool = True
-    train_sampling_strategy: str = "random"
     length_column_name: str = "length"
     ddp_backend: str | None = None
     fsdp_config: dict[str, Any] | str | None = None

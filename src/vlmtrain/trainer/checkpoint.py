@@ -32,6 +32,7 @@ from .model_files import (  # noqa: F401  (the model files' formats; re-exported
 PREFIX = "checkpoint"
 TMP_PREFIX = ".tmp-checkpoint-"
 STATE_NAME = "trainer_state.json"
+ARGS_NAME = "training_args.bin"  # torch.save(args), as transformers writes it (never read back on resume)
 REQUIRED = (STATE_NAME, "optimizer.pt", "scheduler.pt")  # plus the model's files: see missing_weight_files
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
@@ -65,8 +66,9 @@ def check_complete(path: str, rank: int = 0) -> None:
         required = (STATE_NAME, "scheduler.pt", os.path.join(DCP_DIR, ".metadata"))
     else:
         required = REQUIRED
-    required = (*required, f"rng_state_{rank}.pth", f"loop_state_{rank}.pt")
     missing = [f for f in required if not os.path.isfile(os.path.join(path, f))] + missing_weight_files(path)
+    if not any(os.path.isfile(os.path.join(path, name)) for name in rng_state_names(rank)):
+        missing.append(rng_state_names(rank)[0])
     if missing:
         raise CheckpointError(f"Checkpoint {path!r} is incomplete: missing {missing}. Resume from another "
                               f"checkpoint or pass resume_from_checkpoint=True to pick the newest complete one.")
@@ -88,16 +90,29 @@ def remove_stale_tmp(output_dir: str) -> None:
 
 
 # -- RNG ----------------------------------------------------------------------------------------------
-def rng_state() -> dict:
+# transformers' layout: rng_state.pth for a single process, rng_state_<rank>.pth for each of several; both read.
+def rng_state_name(rank: int, world_size: int) -> str:
+    """The RNG file a process writes: rng_state.pth alone, rng_state_<rank>.pth when world_size > 1."""
+    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+
+def rng_state_names(rank: int) -> tuple[str, ...]:
+    """The RNG files a process may read, in order: rng_state.pth only for rank 0 (a single process wrote it)."""
+    return ("rng_state.pth", f"rng_state_{rank}.pth") if rank == 0 else (f"rng_state_{rank}.pth",)
+
+
+def rng_state(world_size: int = 1) -> dict:
+    """Python's, numpy's, torch's CPU and (on a GPU) CUDA's RNG states, keyed as transformers' rng_state.pth:
+    `cuda` is this device's state for a single process, every device's list for several."""
     np_state = np.random.get_state()
     state = {
         "python": random.getstate(),
-        # numpy's state as plain lists so torch.load(weights_only=True) can read it back.
+        # numpy's state as plain lists so torch.load(weights_only=True) can read it back (numpy takes them too).
         "numpy": [np_state[0], np_state[1].tolist(), np_state[2], np_state[3], np_state[4]],
         "cpu": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state_all() if world_size > 1 else torch.cuda.get_rng_state()
     return state
 
 
@@ -108,7 +123,20 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        if isinstance(state["cuda"], torch.Tensor):  # one device's state (a single process)
+            torch.cuda.set_rng_state(state["cuda"])
+        else:
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_rng_state(directory: str, rank: int) -> dict:
+    """This process's RNG state from a checkpoint, either layout; transformers' files hold numpy arrays, which
+    are allowed here (and only numpy's array types) as transformers itself allows them."""
+    path = next(os.path.join(directory, n) for n in rng_state_names(rank) if os.path.isfile(os.path.join(directory, n)))
+    np_core = getattr(np, "_core", None) or np.core
+    allowed = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 # -- the whole checkpoint -------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from . import distributed as dist
+from .loss_extras import input_tokens, tokens_over_ranks
 from .optim import _no_decay_names
 
 # Per-step figures vlmtrain logs besides transformers' keys: they go to on_log (metrics.jsonl, the console, the
@@ -334,12 +335,11 @@ class TransformersMethodsMixin:
             return
         self.current_flos = getattr(self, "current_flos", 0.0) + float(self.floating_point_ops(batch))
         mode = _input_tokens_mode(self.args)
-        main = batch.get(getattr(self.model, "main_input_name", "input_ids"))
-        if mode == "no" or not isinstance(main, torch.Tensor):
+        if mode == "no":
             return
-        mask = batch.get("attention_mask")
-        tokens = int(mask.sum()) if mode == "non_padding" and isinstance(mask, torch.Tensor) else main.numel()
-        self.state.num_input_tokens_seen += int(dist.reduce_cpu([float(tokens)])[0]) if self.world_size > 1 else tokens
+        tokens = input_tokens(batch, mode, getattr(self.model, "main_input_name", "input_ids"),
+                              getattr(self.processing_class, "pad_token_id", None))
+        self.state.num_input_tokens_seen += tokens_over_ranks(tokens)
 
     def _log_row(self, logs: dict[str, Any], start_time: float | None) -> dict[str, Any]:
         """What state.log_history keeps of a log call: transformers' keys (vlmtrain's per-step figures left

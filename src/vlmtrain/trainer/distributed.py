@@ -34,13 +34,14 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def init_from_env(timeout_s: float = 600.0) -> bool:
-    """Start the default process group if torchrun launched several processes; returns whether distributed."""
+def init_from_env(timeout_s: float = 600.0, cpu: bool = False) -> bool:
+    """Start the default process group if torchrun launched several processes; returns whether distributed.
+    NCCL on GPUs, gloo on CPU (also with ``cpu``: TrainingArguments.use_cpu)."""
     if is_distributed():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if torch.cuda.is_available() and not cpu else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ..logging.eval_samples import save_eval_samples
 from . import distributed as dist
 from . import fsdp
+from .loss_extras import batch_metrics
 from .predictions import Collected, plain_numbers, select_outputs
 from .state import EvalPrediction, PredictionOutput
 from .stats import LossAverager, extra_losses, is_empty_batch, item_counts, num_items_of, skipped_counts
@@ -233,7 +234,11 @@ class EvaluationMixin:
         head_outputs = preds.named("logits_") or None
         if head_outputs and callable(getattr(self.model, "head_metrics", None)):
             metrics.update(self.model.head_metrics(head_outputs, labels.named("labels_")))
-        if self.compute_metrics is not None and predictions is not None:
+        if self.compute_metrics is not None and predictions is not None and self.args.batch_eval_metrics:
+            metrics.update(plain_numbers(batch_metrics(self.compute_metrics, predictions, label_ids,
+                                                       (dataloader.batch_size or self.args.per_device_eval_batch_size)
+                                                       * (self.world_size if sharding else 1), EvalPrediction) or {}))
+        elif self.compute_metrics is not None and predictions is not None:
             metrics.update(plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids))))
         # transformers' speed metrics (steps: batches of per_device_eval_batch_size x ranks), and the sample count
         steps = math.ceil(samples / (self.args.per_device_eval_batch_size * self.world_size))

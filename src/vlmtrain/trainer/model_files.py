@@ -29,7 +29,7 @@ from torch import nn
 from .fsdp import DCP_DIR, has_sharded_weights, read_model_weights
 
 # Files of a checkpoint that are training state, not the model (export leaves them out).
-TRAINING_STATE = ("trainer_state.json", "optimizer.pt", "scheduler.pt")
+TRAINING_STATE = ("trainer_state.json", "optimizer.pt", "scheduler.pt", "training_args.bin")
 
 MODEL_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -314,7 +314,7 @@ def export_checkpoint(checkpoint: str, output_dir: str | None = None) -> str:
         for name in os.listdir(checkpoint):  # config, processor, heads.json / adapter / weights: what loads
             src = os.path.join(checkpoint, name)
             if os.path.isfile(src) and name not in TRAINING_STATE and \
-                    not name.startswith(("rng_state_", "loop_state_")):
+                    not name.startswith(("rng_state", "loop_state_")):
                 shutil.copy2(src, os.path.join(out, name))
     if not sharded:
         return out

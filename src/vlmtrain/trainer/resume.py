@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import math
 import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
+
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from . import checkpoint as ckpt
 from . import fsdp
@@ -23,6 +27,8 @@ from .model_files import (
 )
 from .setup import load_model_state
 from .state import TrainerState
+
+LOOP_STATE = "loop_state"  # loop_state_<rank>.pt: vlmtrain's own position and window state (transformers ignores it)
 
 
 class CheckpointMixin:
@@ -118,10 +124,11 @@ class CheckpointMixin:
         """This rank's files of a checkpoint, no two ranks naming the same one: RNG and loop state per rank;
         rank 0 alone the trainer state, the scheduler and (unless FSDP shards it) the optimizer, which DDP keeps
         identical on every rank."""
-        files = {f"rng_state_{self.rank}.pth": ckpt.rng_state(), f"loop_state_{self.rank}.pt": self._loop_state()}
+        files = {ckpt.rng_state_name(self.rank, self.world_size): ckpt.rng_state(self.world_size),
+                 f"{LOOP_STATE}_{self.rank}.pt": self._loop_state()}
         if self.rank == 0:
             files.update({ckpt.STATE_NAME: dataclasses.asdict(self.state),
-                          "scheduler.pt": self.lr_scheduler.state_dict()})
+                          "scheduler.pt": self.lr_scheduler.state_dict(), ckpt.ARGS_NAME: self.args})
             if not sharded:
                 files["optimizer.pt"] = self.optimizer.state_dict()
         return files
@@ -159,9 +166,18 @@ class CheckpointMixin:
         self.state = saved
         restore_callback_states(self.callback_handler.callbacks, self.control, saved.stateful_callbacks)
         if not sharded:  # by position (written unsharded) or by parameter name (gathered from FSDP shards)
+            names = [group.get("name") for group in self.optimizer.param_groups]
             fsdp.load_optimizer_state(self.model, self.optimizer, ckpt.load_torch(os.path.join(path, "optimizer.pt")))
+            for group, name in zip(self.optimizer.param_groups, names):  # (transformers' groups have no names)
+                if name is not None:
+                    group.setdefault("name", name)
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
-        loop = ckpt.load_torch(os.path.join(path, f"loop_state_{self.rank}.pt"))
+        loop_file = os.path.join(path, f"{LOOP_STATE}_{self.rank}.pt")
+        if not os.path.isfile(loop_file):  # transformers' checkpoint: the position follows from global_step
+            self._loop_state_from_step(path)
+            ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
+            return
+        loop = ckpt.load_torch(loop_file)
         if loop["loader"] is not None:
             self.train_dataloader.load_state_dict(loop["loader"])
         self._epoch_index, self._micro_step = loop["epoch_index"], loop["micro_step"]
@@ -172,7 +188,37 @@ class CheckpointMixin:
         if self._async_eval is not None:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))
-        ckpt.set_rng_state(ckpt.load_torch(os.path.join(path, f"rng_state_{self.rank}.pth")))
+        ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
+
+    def _loop_state_from_step(self, path: str) -> None:
+        """Where a checkpoint without vlmtrain's loop state (one transformers' Trainer wrote) resumes, by
+        transformers' rule: epoch global_step // updates per epoch, after (global_step % updates per epoch) *
+        gradient_accumulation_steps micro-batches of it, which the loader reads and drops (O(position): once).
+        Lost next to a vlmtrain checkpoint: the losses of a logging window cut by the save (the first log
+        after the resume averages the steps since it, as transformers' does), the run's mean loss before it
+        (TrainOutput.training_loss covers the resumed steps), and the skipped-sample counts."""
+        warnings.warn(f"{path!r} has no {LOOP_STATE}_{self.rank}.pt (a checkpoint of transformers' Trainer?): "
+                      f"resuming at the data position global_step gives, as transformers does.", stacklevel=4)
+        accum, steps, step = self.args.gradient_accumulation_steps, self._steps_in_epoch, self.state.global_step
+        per_epoch = math.ceil(steps / accum) if steps is not None else self.state.max_steps
+        self._epoch_index, self._micro_step = step // per_epoch, (step % per_epoch) * accum
+        self._last_logged_step = step
+        loader = self.train_dataloader
+        if self._micro_step == 0:
+            return
+        if not hasattr(loader, "load_state_dict"):
+            raise ckpt.CheckpointError(f"Resuming {path!r} mid-epoch without {LOOP_STATE}_{self.rank}.pt needs a "
+                                       "train data loader with state_dict/load_state_dict (a StatefulDataLoader).")
+        if isinstance(loader.sampler, StatefulDistributedSampler):
+            loader.sampler.set_epoch(self._epoch_index)
+        elif hasattr(loader.dataset, "set_epoch"):
+            loader.dataset.set_epoch(self._epoch_index)
+        batches = iter(loader)
+        for _ in itertools.islice(batches, self._micro_step):
+            pass
+        position = loader.state_dict()
+        del batches
+        loader.load_state_dict(position)
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).

@@ -133,7 +133,8 @@ class SetupMixin:
             dataset = ItemsAtStep(dataset)
         elif not isinstance(dataset, IterableDataset):
             sampler = StatefulDistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
-                                                 shuffle=True, seed=seed, drop_last=False)
+                                                 shuffle=args.train_sampling_strategy != "sequential", seed=seed,
+                                                 drop_last=False)
         num_workers = self.dataloader_workers()
         workers: dict[str, Any] = {}
         if num_workers > 0:  # torch refuses these options without worker processes
@@ -191,8 +192,9 @@ class SetupMixin:
             updates_per_epoch = math.ceil(self._steps_in_epoch / accum)
             max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * updates_per_epoch)
             epochs = math.ceil(max_steps / updates_per_epoch)
-        self.state = TrainerState(max_steps=max_steps, num_train_epochs=epochs, logging_steps=args.logging_steps,
-                                  eval_steps=args.eval_steps, save_steps=args.save_steps,
+        self.state = TrainerState(max_steps=max_steps, num_train_epochs=epochs,
+                                  **{name: args.absolute_steps(name, max_steps)  # (ratios of max_steps -> steps)
+                                     for name in ("logging_steps", "eval_steps", "save_steps")},
                                   train_batch_size=args.per_device_train_batch_size,
                                   is_world_process_zero=self.rank == 0, is_local_process_zero=self.rank == 0)
         self.create_optimizer()

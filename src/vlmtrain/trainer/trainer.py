@@ -49,6 +49,11 @@ from .callbacks import (
 )
 from .compat_methods import TransformersMethodsMixin, set_seed
 from .evaluation import EvaluationMixin
+from .loss_extras import (
+    LabelSmoothing,
+    check_batch_metrics,
+    empty_device_cache,
+)
 from .model_prep import compile_model, enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
@@ -86,8 +91,9 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
                              "Trainer(eval_dataset=...) or set eval_strategy='no'.")
         if self.args.eval_on_start and eval_dataset is None:
             raise ValueError("eval_on_start=True needs an eval_dataset: pass Trainer(eval_dataset=...).")
-        dist.init_from_env(self.args.ddp_timeout)  # under torchrun: join the process group (gloo / NCCL)
-        self.device = dist.default_device()
+        # under torchrun: join the process group (gloo / NCCL)
+        dist.init_from_env(self.args.ddp_timeout, cpu=self.args.use_cpu)
+        self.device = self.args.device
         set_tf32(self.args.tf32, self.device)
         self.model = model.to(self.device)
         if self.args.activation_checkpointing:  # before DDP/FSDP wrap the model (in train())
@@ -97,6 +103,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         self.data_collator = data_collator if data_collator is not None else DefaultCollator(pad_id)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class, self.compute_metrics = processing_class, compute_metrics
+        if self.args.batch_eval_metrics:
+            check_batch_metrics(compute_metrics)
         # (logits, labels) -> what evaluation keeps of each batch for compute_metrics, e.g. argmax ids
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
@@ -114,6 +122,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         self._async_eval = AsyncEvaluator(self.args) if self.args.async_eval and self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
+        self._label_smoother = (LabelSmoothing(self.args.label_smoothing_factor, self.model)
+                                if self.args.label_smoothing_factor else None)
         self.control = self._event("on_init_end")
 
     # -- callbacks -------------------------------------------------------------------------------------
@@ -283,6 +293,9 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         with self.autocast():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
                                               num_items_in_batch=num_items_in_batch)
+        empty_every = self.args.torch_empty_cache_steps
+        if empty_every is not None and self.state.global_step % empty_every == 0:  # (where transformers does)
+            empty_device_cache()
         # Weighted by targets, so that 1 x batch 4 == 2 x batch 2 (micro-batches and ranks alike).
         outputs = outputs if isinstance(outputs, Mapping) else {}  # (a tuple: (loss, logits, ...))
         n, extras = num_items_of(outputs, self.model, inputs), extra_losses(outputs)
@@ -310,13 +323,18 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
     def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         labels = None
-        if self.compute_loss_func is not None and "labels" in inputs:  # the function gets the labels, not the model
+        if (self.compute_loss_func is not None or self._label_smoother is not None) and "labels" in inputs:
+            # compute_loss_func / label_smoothing_factor get the labels, the model none (as transformers)
             labels, inputs = inputs["labels"], {k: v for k, v in inputs.items() if k != "labels"}
         if num_items_in_batch is not None:
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         outputs = model(**inputs)
-        if self.compute_loss_func is not None:
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+        if labels is not None:
+            if self.compute_loss_func is not None:  # (before label smoothing, as transformers)
+                loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            else:
+                loss = self._label_smoother(outputs, labels)
+                outputs = outputs if isinstance(outputs, Mapping) else {"loss": loss, "logits": outputs[0]}
         elif isinstance(outputs, Mapping):
             if outputs.get("loss") is None:
                 raise ValueError(f"The model returned no 'loss' (its output keys: {list(outputs.keys())}; the batch "
