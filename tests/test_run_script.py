@@ -14,9 +14,6 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "run_classification.py"
 OUR_IMPORT = "from vlmtrain import Trainer, TrainingArguments"
-# Switch on once HfArgumentParser builds vlmtrain's TrainingArguments (the TrainingArguments half of the drop-in
-# work); until then the test builds the arguments directly, the rest of the script runs as it is.
-USE_PARSER = False
 # One batch per epoch: the two Trainers shuffle differently, the whole set per step makes their steps equal.
 ARGV = ["--do_train", "--do_eval", "--do_predict", "--eval_strategy", "epoch", "--save_strategy", "epoch",
         "--num_train_epochs", "5", "--learning_rate", "0.5", "--per_device_train_batch_size", "64",
@@ -38,14 +35,7 @@ def _script(framework: str, monkeypatch) -> types.ModuleType:
 def _run(framework: str, out: Path, capsys, monkeypatch) -> str:
     script = _script(framework, monkeypatch)
     argv = ["--output_dir", str(out), *ARGV]
-    if USE_PARSER or framework == "hf":
-        data_args, training_args = script.parse_args(argv)
-    else:
-        data_args = script.DataArguments()
-        training_args = script.TrainingArguments(
-            output_dir=str(out), do_train=True, do_eval=True, do_predict=True, eval_strategy="epoch",
-            save_strategy="epoch", num_train_epochs=5, learning_rate=0.5, per_device_train_batch_size=64,
-            logging_steps=1, report_to="none", optim="adamw_torch", disable_tqdm=True)
+    data_args, training_args = script.parse_args(argv)  # HfArgumentParser, with either TrainingArguments
     capsys.readouterr()
     script.main(data_args, training_args)
     return capsys.readouterr().out
