@@ -9,10 +9,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from hub_vlm import HandWrittenCollator  # (beside this file)
 from PIL import Image
 from torch.utils.data import Dataset
-
-from vlmtrain.data.hub_messages import build_messages
 
 WORDS = ("the image shows a red square next to blue circle and green triangle on white background while "
          "left right top bottom large small object scene count colour shape answer because first second").split()
@@ -61,39 +60,11 @@ class JsonlSamples(Dataset):
         return self.rows[i]
 
 
-class BatchedCollator:
-    """What a transformers.Trainer user writes for Qwen3-VL: open the images, render each conversation with the
-    chat template, ONE batched processor call with padding, labels = the assistant answers + <|im_end|>."""
-
-    def __init__(self, processor: Any) -> None:
-        self.processor = processor
-        tok = processor.tokenizer
-        self.header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-        self.end = tok.convert_tokens_to_ids("<|im_end|>")
-
-    def labels(self, input_ids: torch.Tensor) -> torch.Tensor:
-        labels = torch.full_like(input_ids, -100)
-        h = len(self.header)
-        for row, ids in enumerate(input_ids.tolist()):
-            i = 0
-            while i + h <= len(ids):
-                if ids[i:i + h] != self.header:
-                    i += 1
-                    continue
-                start = i = i + h
-                while i < len(ids) and ids[i] != self.end:
-                    i += 1
-                labels[row, start:min(i + 1, len(ids))] = input_ids[row, start:min(i + 1, len(ids))]
-        return labels
+class BatchedCollator(HandWrittenCollator):
+    """What a transformers.Trainer user writes for Qwen3-VL (benchmarks/hub_vlm.py's collator: one batched
+    processor call with padding, labels = the assistant answers + <|im_end|>), on rows whose images are paths:
+    opened here, in the data-loader workers."""
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        texts, images = [], []
-        for row in rows:
-            opened = [Image.open(p).convert("RGB") for p in row["images"]]
-            turns = [(t["user"], t["assistant"]) for t in row["texts"]]
-            texts.append(self.processor.apply_chat_template(build_messages(turns, opened), tokenize=False))
-            images.extend(opened)
-        batch = dict(self.processor(text=texts, images=images, padding=True, padding_side="right",
-                                    return_tensors="pt"))
-        batch["labels"] = self.labels(batch["input_ids"])
-        return batch
+        return super().__call__([{**row, "images": [Image.open(p).convert("RGB") for p in row["images"]]}
+                                 for row in rows])

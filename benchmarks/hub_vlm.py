@@ -89,7 +89,7 @@ class InOrder(Dataset):
 
 
 class HandWrittenCollator:
-    """What a transformers.Trainer user writes for Qwen3-VL (seed 000's way, done right): render each
+    """What a transformers.Trainer user writes for Qwen3-VL: render each
     conversation with the processor's chat template, make one batched processor call (it concatenates
     ``pixel_values`` and ``image_grid_thw`` over all images in placeholder order and pads ``mm_token_type_ids``
     like ``input_ids``), then labels = input_ids on the assistant answers and their <|im_end|>, -100 elsewhere."""
