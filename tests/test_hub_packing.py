@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
+from tests.test_hub_families import _image  # a random colourful image
 from vlmtrain.config import ConfigError, load_run_config
 from vlmtrain.data.hub_collate import HubVLMCollator
 from vlmtrain.data.hub_processing import HubVLMProcessor
@@ -28,11 +28,6 @@ from vlmtrain.models.families import get_family
 PACKING = {"qwen3_vl": {}, "qwen2_5_vl": {}, "idefics3": {}, "smolvlm": {"model_type": "smolvlm"},
            "llava_onevision": {}}
 IMAGES = (1, 0, 2, 1, 3)  # images per sample: text-only and multi-image samples share rows
-
-
-def _image(seed: int, size: tuple[int, int]) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
 
 
 def _sample(n_images: int, seed: int) -> dict:
