@@ -50,6 +50,8 @@ def build(family: str, out_dir: str, seed: int = 0, text: dict[str, Any] | None 
             unknown = sorted(set(changes or {}) - set(values[section]))
             if unknown:
                 raise SystemExit(f"--{section.split('_')[0]}: unknown key(s) {unknown} for {type(config).__name__}")
+            if "num_hidden_layers" in (changes or {}) and "layer_types" not in (changes or {}):
+                values[section].pop("layer_types", None)  # one per layer: the config derives it again
             values[section].update(changes or {})
         return type(config)(**values)
 

@@ -232,3 +232,16 @@ def test_tiny_tokenizer_is_the_same_file_in_every_process(tmp_path):
                        env={**os.environ, "PYTHONHASHSEED": seed})
         files.append((out / "tokenizer.json").read_bytes())
     assert files[0] == files[1]
+
+
+def test_build_tiny_hub_script_changes_the_layer_count(tmp_path):
+    """scripts/build_tiny_hub.py --text num_hidden_layers=3: the per-layer layer_types follow the new count."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_tiny_hub.py"
+    build = runpy.run_path(str(script))["build"]
+    build("qwen2_5_vl", str(tmp_path), text={"num_hidden_layers": 3})
+    text = json.loads((tmp_path / "config.json").read_text())["text_config"]
+    assert text["num_hidden_layers"] == 3 and len(text["layer_types"]) == 3
