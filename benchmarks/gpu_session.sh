@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one call, for a GPU machine lent for minutes: the Qwen3-VL 2B / 8B benchmark
+# (issue 33 item 1), the demo's data wait on the GPU (item 4), then the gpu-marked tests, each under its own time
+# limit so that one slow part leaves the others' results. Logs go to $OUT (default /tmp/gpu_session).
+#
+#   bash benchmarks/gpu_session.sh            # ~8 minutes on one H100/H200
+#
+# Packages missing on the machine can come as wheels in .whl/ (installed with --target, ahead of the machine's).
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+PY=${PYTHON:-python3}
+start=$SECONDS
+step() {  # step NAME LIMIT_S COMMAND...: run under a time limit, log to $OUT/NAME.log, say how it ended
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s, at $((SECONDS - start))s)"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n "${TAIL:-40}" "$OUT/$name.log"
+    echo "=== $name: exit $rc after $((SECONDS - start))s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+
+TAIL=16 step bench-2b-full "${BENCH_2B_S:-150}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 30
+TAIL=16 step bench-8b-lora "${BENCH_8B_S:-180}" $PY benchmarks/gpu_hub_vlm.py --only 8b-lora
+step demo "${DEMO_S:-130}" $PY -m vlmtrain demo --output-dir /tmp/gpu_session_demo
+cp /tmp/gpu_session_demo/metrics.jsonl "$OUT/demo-metrics.jsonl" 2>/dev/null
+$PY - <<'EOF'
+import json, os
+path = "/tmp/gpu_session_demo/metrics.jsonl"
+rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+waits = [(r["step"], r["data_wait_fraction"], r.get("samples_per_second")) for r in rows if "data_wait_fraction" in r]
+print("demo data_wait_fraction per logging window (step, fraction, samples/s):", waits[:3], "...", waits[-3:])
+if waits:
+    print(f"demo data wait: mean {sum(w[1] for w in waits) / len(waits):.4f}, max {max(w[1] for w in waits):.4f} "
+          f"over {len(waits)} windows")
+print("demo final:", [r for r in rows if "train_runtime" in r][-1:])
+EOF
+TAIL=12 step gpu-tests "${TESTS_S:-80}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+    tests/test_hub_workers.py tests/test_benchmarks_smoke.py
+echo "done after $((SECONDS - start))s"
