@@ -43,6 +43,7 @@ Without CUDA (and without --smoke) it says so and exits 0.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import math
 import os
 import platform
@@ -84,6 +85,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak bf16 TFLOP/s for MFU "
                    "(default: 989 on H100/H200, 312 on A100; none elsewhere)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--progress", action="store_true", help="print each step's time and data wait on stderr")
+    p.add_argument("--stacks-after", type=float, default=None, help="print every thread's stack after this many "
+                   "seconds (where a slow run spends its time)")
     p.add_argument("--out", default=None, help="where data and run dirs go (default: a temporary directory)")
     p.add_argument("--smoke", action="store_true", help="tiny Qwen3-VL configs, 3 steps, on the GPU if there "
                    "is one, else on CPU: checks the script end to end (numbers meaningless)")
@@ -133,7 +137,8 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
 
     results: dict[str, dict] = {}
     for contender in CONTENDERS:
-        meter = parts.Meter(device=device)
+        meter = parts.Meter(device=device, progress=opts.progress)
+        print(f"  {contender} ...", file=sys.stderr, flush=True)
         parts.release()
         if device.type == "cuda":
             left = torch.cuda.memory_allocated(device) / 2**30
@@ -158,6 +163,9 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
                               "init": meter.init, "trainable": meter.trainable,
                               "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30
                               if device.type == "cuda" else math.nan}
+        r = results[contender]
+        print(f"  {contender} done after {time.perf_counter() - meter.created:.0f}s: {r['tokens_per_s']:.0f} tokens/s, "
+              f"peak {r['peak_gib']:.1f} GiB, data wait {r['data_wait']:.1%}", file=sys.stderr, flush=True)
     return report(results, peak)
 
 
@@ -212,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     print("goals: vlmtrain packed >= 1.5x transformers' tokens/s and <= 0.7x its peak memory; vlmtrain padded "
           ">= 1.0x; MFU >= 40%; data wait <= 5%")
     peak = peak_tflops(opts, device)
+    if opts.stacks_after:
+        faulthandler.dump_traceback_later(opts.stacks_after, exit=False)
     ok = True
     with tempfile.TemporaryDirectory(prefix="gpu_hub_vlm_") as tmp:
         out = opts.out or tmp

@@ -7,6 +7,7 @@ import gc
 import io
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -174,11 +175,17 @@ class Meter:
     stamps: list[float] = field(default_factory=list)
     fetches: list[tuple[int, float, int, float, int]] = field(default_factory=list)
     first_batch: tuple[int, int] | None = None
+    progress: bool = False  # print every step's time on stderr (--progress)
+    created: float = field(default_factory=time.perf_counter)
 
     def stamp(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
+        if self.progress:  # (stderr: the trainers' stdout is captured)
+            waited = sum(f[1] for f in self.fetches if f[0] == len(self.stamps) - 1)
+            print(f"    step {len(self.stamps)} at {self.stamps[-1] - self.created:.1f}s (waited {waited:.2f}s "
+                  f"for data)", file=sys.stderr, flush=True)
 
     def fetched(self, batch: Any, waited: float) -> None:
         stats = batch.pop("_meter", None) if isinstance(batch, dict) else None
