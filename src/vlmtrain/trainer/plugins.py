@@ -1,0 +1,31 @@
+"""What the trainer takes from the layers above it without importing them.
+
+The trainer defines a named slot; a higher layer (models, logging, evaluation) fills it when ``vlmtrain`` is
+imported (``vlmtrain/__init__.py`` imports the modules that register), so ``import vlmtrain.trainer`` and
+``from vlmtrain import Trainer`` see the same filled slots. The trainer reads a slot where it needs it and has a
+plain default for an empty one. Each slot is listed in ``SLOTS`` with what it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SLOTS: dict[str, str] = {}  # slot name -> what it holds (each module that reads a slot declares it here)
+_filled: dict[str, Any] = {}
+
+
+def declare(slot: str, holds: str) -> None:
+    """Declare ``slot`` (called by the trainer module that reads it, at import)."""
+    SLOTS[slot] = holds
+
+
+def register(slot: str, value: Any) -> None:
+    """Fill ``slot`` (called by a higher layer at import); the last registration wins."""
+    if slot not in SLOTS:
+        raise KeyError(f"no trainer slot {slot!r}; the slots are {sorted(SLOTS)}")
+    _filled[slot] = value
+
+
+def lookup(slot: str, default: Any = None) -> Any:
+    """The value registered for ``slot``, or ``default`` when none is."""
+    return _filled.get(slot, default)
