@@ -3,20 +3,17 @@
 The trainer defines a named slot; a higher layer (models, logging, evaluation) fills it when ``vlmtrain`` is
 imported (``vlmtrain/__init__.py`` imports the modules that register), so ``import vlmtrain.trainer`` and
 ``from vlmtrain import Trainer`` see the same filled slots. The trainer reads a slot where it needs it and has a
-plain default for an empty one. Each slot is listed in ``SLOTS`` with what it holds.
+plain default for an empty one. Every slot is listed in ``SLOTS`` below with what it holds (add a line there
+for a new one).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-SLOTS: dict[str, str] = {}  # slot name -> what it holds (each module that reads a slot declares it here)
+SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
+}
 _filled: dict[str, Any] = {}
-
-
-def declare(slot: str, holds: str) -> None:
-    """Declare ``slot`` (called by the trainer module that reads it, at import)."""
-    SLOTS[slot] = holds
 
 
 def register(slot: str, value: Any) -> None:
