@@ -86,6 +86,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "(default: 989 on H100/H200, 312 on A100; none elsewhere)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="print each step's time and data wait on stderr")
+    p.add_argument("--profile", choices=CONTENDERS, action="append", help="profile this contender's 2 steps "
+                   "after --warmup (torch.profiler; top operators by device time on stderr; repeatable)")
     p.add_argument("--stacks-after", type=float, default=None, help="print every thread's stack after this many "
                    "seconds (where a slow run spends its time)")
     p.add_argument("--out", default=None, help="where data and run dirs go (default: a temporary directory)")
@@ -137,7 +139,8 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
 
     results: dict[str, dict] = {}
     for contender in CONTENDERS:
-        meter = parts.Meter(device=device, progress=opts.progress)
+        meter = parts.Meter(device=device, progress=opts.progress,
+                            profile_after=opts.warmup if contender in (opts.profile or ()) else None)
         print(f"  {contender} ...", file=sys.stderr, flush=True)
         parts.release()
         if device.type == "cuda":

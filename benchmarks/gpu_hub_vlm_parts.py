@@ -177,15 +177,38 @@ class Meter:
     first_batch: tuple[int, int] | None = None
     progress: bool = False  # print every step's time on stderr (--progress)
     created: float = field(default_factory=time.perf_counter)
+    profile_after: int | None = None  # profile the 2 steps after this many (--profile)
+    _profiler: Any = None
 
     def stamp(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.stamps.append(time.perf_counter())
+        if self.profile_after is not None:
+            self._profile_step(len(self.stamps))
         if self.progress:  # (stderr: the trainers' stdout is captured)
             waited = sum(f[1] for f in self.fetches if f[0] == len(self.stamps) - 1)
             print(f"    step {len(self.stamps)} at {self.stamps[-1] - self.created:.1f}s (waited {waited:.2f}s "
                   f"for data)", file=sys.stderr, flush=True)
+
+    def _profile_step(self, done: int) -> None:
+        """Start torch.profiler after step ``profile_after``, stop it 2 steps later and print where the time went:
+        the top operators by their own device time (CPU time on CPU) and how busy the device was."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if done == self.profile_after:
+            cuda = self.device.type == "cuda"
+            self._profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self._profiler.__enter__()
+        elif done == self.profile_after + 2 and self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            events, wall = self._profiler.key_averages(), self.stamps[-1] - self.stamps[-3]
+            key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            busy = sum(getattr(e, key) for e in events) / 1e6
+            print(events.table(sort_by=key, row_limit=25, max_name_column_width=60), file=sys.stderr)
+            print(f"    profiled steps {done - 1}-{done}: {wall:.2f} s wall, {busy:.2f} s of operator self time on "
+                  f"the {self.device.type} ({busy / wall:.0%} busy)", file=sys.stderr, flush=True)
+            self._profiler = None
 
     def fetched(self, batch: Any, waited: float) -> None:
         stats = batch.pop("_meter", None) if isinstance(batch, dict) else None

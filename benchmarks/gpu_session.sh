@@ -3,7 +3,10 @@
 # (issue 33 item 1), the demo's data wait on the GPU (item 4), then the gpu-marked tests, each under its own time
 # limit so that one slow part leaves the others' results. Logs go to $OUT (default /tmp/gpu_session).
 #
-#   bash benchmarks/gpu_session.sh            # ~8 minutes on one H100/H200
+#   bash benchmarks/gpu_session.sh                    # ~7 minutes on one H200 (2026-11-26)
+#   PARTS="bench variants" bash benchmarks/gpu_session.sh   # only these parts (bench, variants, demo, tests)
+#
+# variants: the 2B setup with torch.compile, and without activation checkpointing (8 steps each).
 #
 # Packages missing on the machine can come as wheels in .whl/ (installed with --target, ahead of the machine's).
 set -u
@@ -31,11 +34,23 @@ step() {  # step NAME LIMIT_S COMMAND...: run under a time limit, log to $OUT/NA
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
 
-TAIL=16 step bench-2b-full "${BENCH_2B_S:-150}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 30
-TAIL=16 step bench-8b-lora "${BENCH_8B_S:-180}" $PY benchmarks/gpu_hub_vlm.py --only 8b-lora
-step demo "${DEMO_S:-130}" $PY -m vlmtrain demo --output-dir /tmp/gpu_session_demo
+PARTS=${PARTS:-bench demo tests}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
+if want bench; then  # (2B: ~105 s, 8B: ~110 s on an H200; the profile of one vlmtrain step goes to the 2B log)
+    TAIL=16 step bench-2b-full "${BENCH_2B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 12 \
+        --warmup 4 --progress --profile "vlmtrain padded"
+    TAIL=16 step bench-8b-lora "${BENCH_8B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 8b-lora --steps 8 \
+        --warmup 3 --progress
+fi
+if want variants; then
+    TAIL=10 step bench-2b-compile "${VARIANT_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 8 \
+        --warmup 4 --progress --torch-compile
+    TAIL=10 step bench-2b-no-ac "${VARIANT_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 8 \
+        --warmup 3 --progress --no-activation-checkpointing
+fi
+want demo && step demo "${DEMO_S:-130}" $PY -m vlmtrain demo --output-dir /tmp/gpu_session_demo
 cp /tmp/gpu_session_demo/metrics.jsonl "$OUT/demo-metrics.jsonl" 2>/dev/null
-$PY - <<'EOF'
+want demo && $PY - <<'EOF'
 import json, os
 path = "/tmp/gpu_session_demo/metrics.jsonl"
 rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -46,6 +61,6 @@ if waits:
           f"over {len(waits)} windows")
 print("demo final:", [r for r in rows if "train_runtime" in r][-1:])
 EOF
-TAIL=12 step gpu-tests "${TESTS_S:-80}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
+want tests && TAIL=12 step gpu-tests "${TESTS_S:-120}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
     tests/test_hub_workers.py tests/test_benchmarks_smoke.py
 echo "done after $((SECONDS - start))s"
