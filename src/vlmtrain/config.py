@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
+import vlmtrain.tasks  # noqa: F401 - the tasks register their data sources, which SourceName lists
 from vlmtrain.config_checks import (
     allows_none,
     check_argv,
