@@ -59,7 +59,8 @@ class Edge:
     by_name: bool = False
 
     def __str__(self) -> str:
-        return f"{self.importer} -> {self.imported} ({self.file}:{self.line}{', by name' if self.by_name else ''})"
+        how = ", by name" if self.by_name else ""
+        return f"{self.importer} -> {self.imported} ({self.file}:{self.line}{how})"
 
 
 def module_files() -> dict[str, Path]:
@@ -80,10 +81,11 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[
     name is a submodule imports that submodule, otherwise the package (or module) it names."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_NAME.fullmatch(node.value):
+        named_by_string = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if named_by_string and MODULE_NAME.fullmatch(node.value):
             dotted = node.value.partition(":")[0].split(".")  # module, or module.attribute (a class path)
-            named = next((".".join(dotted[:n]) for n in range(len(dotted), 0, -1) if ".".join(dotted[:n]) in modules),
-                         None)
+            prefixes = (".".join(dotted[:n]) for n in range(len(dotted), 0, -1))
+            named = next((prefix for prefix in prefixes if prefix in modules), None)
             if named is not None:
                 yield named, node.lineno, True
         elif isinstance(node, ast.Import):
@@ -138,7 +140,7 @@ def cycles(edges: list[Edge]) -> list[tuple[list[Edge], list[str]]]:
 
 
 def _strongly_connected(graph: dict[str, dict[str, Edge]]) -> list[set[str]]:
-    """Tarjan's strongly connected components (iterative: the package is deeper than a recursion limit needs)."""
+    """Tarjan's strongly connected components (iterative, so no recursion limit applies)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
