@@ -29,9 +29,11 @@ LAYERS: dict[str, int] = {
     "vlmtrain.trainer": 4,
     "vlmtrain.logging": 5,
     "vlmtrain.evaluation": 5,
-    # what a run is made of, below the orchestrator that composes them
+    "vlmtrain.checkpoint_paths": 5,
+    # what a run is made of, below the orchestrator that runs them
     "vlmtrain.config_checks": 6,
     "vlmtrain.config": 6,
+    "vlmtrain.compose": 6,
     "vlmtrain.inference": 6,
     "vlmtrain.prediction": 6,
     "vlmtrain.run": 7,
