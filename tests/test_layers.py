@@ -45,6 +45,9 @@ LAYERS: dict[str, int] = {
 # trainer/ is the generic engine: what it needs from the rest arrives through the interfaces it defines.
 TRAINER = "vlmtrain.trainer"
 TRAINER_MAY_IMPORT = ("vlmtrain.errors", TRAINER)
+# The orchestrator is what the command line runs; nothing else imports it (not even the package's __init__).
+ORCHESTRATOR = "vlmtrain.run"
+ORCHESTRATOR_IMPORTED_BY = ("vlmtrain.cli", "vlmtrain.__main__")
 
 
 MODULE_NAME = re.compile(r"vlmtrain(\.\w+)+(:\w+)?")
@@ -224,6 +227,14 @@ def test_trainer_imports_nothing_of_vlmtrain_but_errors():
     if outside:
         pytest.fail("trainer/ imports the rest of vlmtrain (it may import vlmtrain.errors only):\n  "
                     + "\n  ".join(map(str, outside)), pytrace=False)
+
+
+def test_only_the_command_line_imports_the_orchestrator():
+    others = [edge for edge in package_edges() if _within(edge.imported, ORCHESTRATOR)
+              and edge.importer not in ORCHESTRATOR_IMPORTED_BY]
+    if others:
+        pytest.fail(f"{ORCHESTRATOR} is imported by more than the command line {ORCHESTRATOR_IMPORTED_BY}:\n  "
+                    + "\n  ".join(map(str, others)), pytrace=False)
 
 
 def test_no_cycle_between_modules():
