@@ -123,8 +123,9 @@ def package_edges() -> list[Edge]:
 
 
 def layer(module: str) -> int | None:
-    """The layer of ``module``: the entry of the longest LAYERS prefix, None where there is none."""
-    owners = [prefix for prefix in LAYERS if _within(module, prefix)]
+    """The layer of ``module``: the entry of the longest LAYERS prefix (the package itself, "vlmtrain", only for
+    its __init__), None where there is none."""
+    owners = [prefix for prefix in LAYERS if _within(module, prefix) and (prefix != "vlmtrain" or module == prefix)]
     return LAYERS[max(owners, key=len)] if owners else None
 
 
