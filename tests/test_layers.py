@@ -123,9 +123,10 @@ def package_edges() -> list[Edge]:
 
 
 def layer(module: str) -> int | None:
-    """The layer of ``module``: the entry of the longest LAYERS prefix (the package itself, "vlmtrain", only for
-    its __init__), None where there is none."""
-    owners = [prefix for prefix in LAYERS if _within(module, prefix) and (prefix != "vlmtrain" or module == prefix)]
+    """The layer of ``module``: the entry of the longest LAYERS prefix (the entry "vlmtrain" is the package's
+    __init__ alone, no prefix), None where there is none."""
+    owners = [prefix for prefix in LAYERS
+              if module == prefix or (prefix != "vlmtrain" and module.startswith(prefix + "."))]
     return LAYERS[max(owners, key=len)] if owners else None
 
 
@@ -234,8 +235,8 @@ def test_only_the_command_line_imports_the_orchestrator():
     others = [edge for edge in package_edges() if _within(edge.imported, ORCHESTRATOR)
               and edge.importer not in ORCHESTRATOR_IMPORTED_BY]
     if others:
-        pytest.fail(f"{ORCHESTRATOR} is imported by more than the command line {ORCHESTRATOR_IMPORTED_BY}:\n  "
-                    + "\n  ".join(map(str, others)), pytrace=False)
+        pytest.fail(f"{ORCHESTRATOR} is imported by more than the command line {ORCHESTRATOR_IMPORTED_BY}:"
+                    + "".join(f"\n  {edge}" for edge in others), pytrace=False)
 
 
 def test_no_cycle_between_modules():
