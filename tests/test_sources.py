@@ -237,7 +237,7 @@ def test_cli_to_wds_and_inspect(tmp_path, capsys):
     from vlmtrain.cli import main
 
     assert main(["data", "to-wds", "shapes:30", str(tmp_path / "out"), "--shard-size", "8"]) == 0
-    assert sorted(os.listdir(tmp_path / "out")) == [f"shard-{i:06d}.tar" for i in range(4)]
+    assert sorted(os.listdir(tmp_path / "out")) == [f"shard-{i:06d}.tar" for i in range(30)]
     lines = [json.dumps({"images": ["missing.png"], "texts": [{"user": "q", "assistant": "a"}]}), "{oops",
              json.dumps({"images": [], "texts": [{"user": "q", "assistant": "a"}]})]
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
@@ -260,9 +260,9 @@ def test_a_task_registers_its_stream_kind_and_command_line_prefix():
     got = [sample for _, sample in entry.read(0, {})]
     assert [s["texts"] for s in got] == [expected[i]["texts"] for i in range(5)]
     assert [s[KEY] for s in got] == [f"s:{i}" for i in range(5)]
-    command_line = [sample for _, sample in open_source("shapes:4").read(0, {})]
-    expected = ShapesVQA("train", 4, multi_image_fraction=0.4)
-    assert [s["texts"] for s in command_line] == [expected[i]["texts"] for i in range(4)]
+    command_line = [sample for _, sample in open_source("shapes:30").read(0, {})]
+    expected = ShapesVQA("train", 30, multi_image_fraction=0.4)
+    assert [s["texts"] for s in command_line] == [expected[i]["texts"] for i in range(30)]
 
 
 def test_trainer_runs_epochs_over_a_single_source_stream(shapes, tmp_path):
