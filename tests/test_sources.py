@@ -249,6 +249,22 @@ def test_cli_to_wds_and_inspect(tmp_path, capsys):
     assert main(["data", "inspect", str(tmp_path / "nothing-*.tar")]) == 2
 
 
+def test_a_task_registers_its_stream_kind_and_command_line_prefix():
+    """data/ names no task: the shapes task registers the `data.sources` kind `shapes` and the `vlmtrain data`
+    source `shapes[:N]`, and each reads the task's training questions with its options."""
+    from vlmtrain.data.streams import make_source
+    from vlmtrain.data.tools import open_source
+
+    entry = make_source({"kind": "shapes", "num_samples": 5, "seed": 3, "questions_per_sample": 2, "name": "s"})
+    expected = ShapesVQA("train", 5, seed=3, questions_per_sample=2)
+    got = [sample for _, sample in entry.read(0, {})]
+    assert [s["texts"] for s in got] == [expected[i]["texts"] for i in range(5)]
+    assert [s[KEY] for s in got] == [f"s:{i}" for i in range(5)]
+    command_line = [sample for _, sample in open_source("shapes:30").read(0, {})]
+    expected = ShapesVQA("train", 30, multi_image_fraction=0.4)
+    assert [s["texts"] for s in command_line] == [expected[i]["texts"] for i in range(30)]
+
+
 def test_trainer_runs_epochs_over_a_single_source_stream(shapes, tmp_path):
     """The Trainer calls set_epoch on a stream: each epoch reads every sample once, in a new shard order."""
     import torch

@@ -138,8 +138,8 @@ def test_packing_windows_refuse_a_step_following_dataset():
     """data.pack_window streams the samples: no sampler could give them their step."""
     from types import SimpleNamespace
 
-    from vlmtrain import run
+    from vlmtrain import compose
 
     cfg = SimpleNamespace(data=SimpleNamespace(pack_window=4, source="tagged", seed=0))
     with pytest.raises(ConfigError, match="StepTagged follows the training step.*data.pack_window: null"):
-        run._window_packing(cfg, {"train_dataset": StepTagged(8)})
+        compose._window_packing(cfg, {"train_dataset": StepTagged(8)})

@@ -1,5 +1,6 @@
 """vlmtrain: train vision-language models (and plain LMs) with the Trainer API you know."""
 
+from . import tasks  # noqa: F401 - the synthetic tasks register their data sources with data/
 from .inference import InferenceModel, load_for_inference
 from .models.head_files import attach_heads
 from .trainer import (

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
+import vlmtrain.tasks  # noqa: F401 - the tasks register their data sources, which SourceName lists
 from vlmtrain.config_checks import (
     allows_none,
     check_argv,
@@ -293,19 +294,19 @@ def parse_with(parser: Any, argv: list[str], overrides: dict[str, Any] | None = 
         (front if argv[i].startswith("--config=") else rest).append(argv[i])
         i += 1
     argv = front + rest
-    check_argv(parser, argv)
-    nested = normalize_overrides(overrides or {})
-    check_keys(nested, "overrides")
+    check_argv(SECTIONS, parser, argv)
+    nested = normalize_overrides(SECTIONS, overrides or {})
+    check_keys(SECTIONS, nested, "overrides")
     try:
         ns = parser.parse_args(argv)
         if nested:
             ns = parser.parse_object(nested, ns)
     except Exception as e:  # jsonargparse.ArgumentError and friends; ConfigError never comes from here
-        raise translate_error(e) from None
+        raise translate_error(SECTIONS, e) from None
     for section in SECTIONS:
-        for key in field_names(section):
-            if ns[f"{section}.{key}"] is None and not allows_none(section, key):
-                raise ConfigError(f"{section}.{key}: expected {type_name(section, key)}, got null.")
+        for key in field_names(SECTIONS, section):
+            if ns[f"{section}.{key}"] is None and not allows_none(SECTIONS, section, key):
+                raise ConfigError(f"{section}.{key}: expected {type_name(SECTIONS, section, key)}, got null.")
     init = parser.instantiate(ns)  # TrainingArguments' own ConfigError comes through unchanged
     return RunConfig(model=init.model, data=init.data, train=init.train), ns
 

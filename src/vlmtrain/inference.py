@@ -212,8 +212,8 @@ def load_for_inference(checkpoint: str, device: str | torch.device | None = None
     The loader comes from the checkpoint's model kind (``ModelKind.load_for_inference``); a kind without one
     (own ``vlm``, ``causal_lm``) is a ConfigError: use ``vlmtrain generate`` for those.
     """
+    from vlmtrain.checkpoint_paths import resolve_checkpoint
     from vlmtrain.models.kinds import kind_of_checkpoint
-    from vlmtrain.run import resolve_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint, checkpoint)
     device = torch.device(device) if device is not None else default_device()

@@ -12,8 +12,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from vlmtrain.checkpoint_paths import resolve_checkpoint
+from vlmtrain.compose import build
 from vlmtrain.config import ConfigError, RunConfig
-from vlmtrain.run import build, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""What the CLI runs: build a Trainer from a RunConfig, then train, evaluate, predict or run the demo.
+"""What the CLI runs: build a Trainer from a RunConfig (:func:`vlmtrain.compose.build`), then train, evaluate,
+generate or run the demo.
 
 Heavy modules (torch, transformers, the Trainer, data sources) are imported inside the functions, so a
 bad config fails in the time it takes to read YAML.
@@ -6,92 +7,19 @@ bad config fails in the time it takes to read YAML.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vlmtrain.checkpoint_paths import resolve_checkpoint
+from vlmtrain.compose import build
 from vlmtrain.config import ConfigError, RunConfig, load_run_config, save_run_config
 
 DEMO_CONFIG = "shapes-tiny.yaml"
 logger = logging.getLogger(__name__)
-
-
-def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
-    """Build the data (cfg.data.source), the model and its processing (cfg.model.kind, initialized under
-    cfg.train.seed) and a Trainer; with checkpoint, the model weights are loaded from that directory."""
-    from vlmtrain.data.registry import get_source
-    from vlmtrain.models.kinds import get_kind
-
-    kind = get_kind(cfg.model.kind)
-    if kind.validate is not None:
-        kind.validate(cfg)  # e.g. an unknown model_type fails before any data is built
-    data = get_source(cfg.data.source).build(cfg)
-    with _model_init(cfg, checkpoint) as sharded_build:
-        parts = kind.build(cfg, data, checkpoint)
-    if sharded_build:  # FSDP: only rank 0 built the weights; every rank gets its shard of them
-        from vlmtrain.trainer import distributed, fsdp
-
-        parts["model"] = fsdp.shard_from_rank0(parts["model"], cfg.train.bf16, distributed.default_device())
-    if cfg.data.pack_window and getattr(parts["data_collator"], "pack_length", None):
-        _window_packing(cfg, parts)
-    if checkpoint is not None:
-        from vlmtrain.trainer.checkpoint import load_model_weights
-
-        load_model_weights(parts["model"], checkpoint)
-
-    from vlmtrain.trainer import Trainer
-
-    # The kinds' and sources' metrics score generated answers (exact match). Without generation evaluation
-    # keeps only the losses (and head outputs): never the B x L x vocab logits of the whole eval set.
-    metrics = parts["compute_metrics"] if cfg.train.predict_with_generate else None
-    return Trainer(parts["model"], cfg.train, data_collator=parts["data_collator"],
-                   train_dataset=parts["train_dataset"],
-                   eval_dataset=parts["eval_dataset"] if cfg.data.num_eval > 0 else None,
-                   processing_class=parts["tokenizer"], compute_metrics=metrics)
-
-
-def _window_packing(cfg: RunConfig, parts: dict[str, Any]) -> None:
-    """data.pack_window: train on rows packed from windows of consecutive samples (PackedDataset)."""
-    from vlmtrain.data.pack_stream import PackedDataset, RowCollator
-    from vlmtrain.data.sources import IndexedSource, StreamingDataset
-    from vlmtrain.trainer.step_data import follows_step
-
-    d, train = cfg.data, parts["train_dataset"]
-    if follows_step(train):  # a stream has no sampler to give each sample its step
-        raise ConfigError(f"data.pack_window streams the training samples, but {type(train).__name__} follows the "
-                          "training step (a curriculum such as data.side_warmup_steps), which a stream cannot give it: "
-                          "set data.pack_window: null, or turn the curriculum off.")
-    if not isinstance(train, StreamingDataset):  # map-style: the same samples as a stream of shuffled blocks
-        train = StreamingDataset([IndexedSource(train, name=d.source)], seed=d.seed)
-    collator = parts["data_collator"]
-    own_rows = getattr(collator, "collate_rows", None)  # a collator that lays packed rows out itself (hub_vlm)
-    tokenizer = getattr(parts["tokenizer"], "tokenizer", parts["tokenizer"])  # (a processor's tokenizer)
-    parts["train_dataset"] = PackedDataset(train, parts["process"], collator.pack_length, tokenizer.pad_token_id,
-                                           window=d.pack_window, max_images_per_pack=d.max_images_per_pack,
-                                           keep_items=own_rows is not None)
-    parts["data_collator"] = RowCollator(parts["padded_collator"], collate=own_rows)
-
-
-@contextlib.contextmanager
-def _model_init(cfg: RunConfig, checkpoint: str | None) -> Iterator[bool]:
-    """Yields whether the model is built for sharding from rank 0 (train.fsdp under torchrun): then ranks other
-    than 0 build it on the meta device, structure without weights (see vlmtrain.models.meta)."""
-    from vlmtrain.trainer import distributed
-
-    sharded = bool(cfg.train.fsdp and checkpoint is None and distributed.init_from_env(cfg.train.ddp_timeout)
-                   and distributed.world_size() > 1)
-    from vlmtrain.models.meta import sharded_build
-
-    if not sharded:
-        yield False
-        return
-    with sharded_build(skeleton=distributed.rank() != 0):
-        yield True
 
 
 def resume_arg(value: str | None) -> str | bool | None:
@@ -99,22 +27,6 @@ def resume_arg(value: str | None) -> str | bool | None:
     if value is None or value.lower() in ("", "false", "none", "no"):
         return None
     return True if value.lower() in ("true", "latest", "yes") else value
-
-
-def resolve_checkpoint(path: str, output_dir: str) -> str:
-    """A checkpoint dir; 'latest' or a run dir (holding checkpoint-N/) means its newest complete checkpoint."""
-    from vlmtrain.trainer.checkpoint import latest_checkpoint
-    from vlmtrain.trainer.model_files import has_model_files
-
-    run_dir = output_dir if path == "latest" else path
-    if not os.path.isdir(run_dir):
-        raise ConfigError(f"checkpoint {path!r} does not exist (or is not a directory).")
-    if has_model_files(run_dir):  # full (one file or sharded), LoRA adapter, or FSDP shards
-        return run_dir
-    latest = latest_checkpoint(run_dir)
-    if latest is None:
-        raise ConfigError(f"{run_dir!r} holds neither model.safetensors nor a complete checkpoint-N/ directory.")
-    return latest
 
 
 def train(cfg: RunConfig) -> dict[str, Any]:

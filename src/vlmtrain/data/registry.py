@@ -2,6 +2,10 @@
 
 Source modules stay light at import (options dataclasses and functions that import the heavy parts when
 called), because the config reads their options before anything is built.
+
+data/ lists its own general sources here and names no task: a higher layer registers its sources at import
+(the synthetic tasks do in ``vlmtrain/tasks/__init__.py``, which ``vlmtrain/__init__.py`` imports), and so do
+the synthetic kinds of a ``data.sources`` stream and of ``vlmtrain data`` commands.
 """
 
 from __future__ import annotations
@@ -11,14 +15,40 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# data.source -> module that defines SOURCE
-SOURCES: dict[str, str] = {
-    "addition": "vlmtrain.tasks.addition_source",
-    "shapes": "vlmtrain.tasks.shapes_source",
-    "shapes_scores": "vlmtrain.tasks.shapes_scores",
+# data.source -> module that defines SOURCE: the registered ones (register_source), then data's own
+_GENERAL_SOURCES = {
     "jsonl": "vlmtrain.data.jsonl_source",
     "stream": "vlmtrain.data.stream_source",
 }
+SOURCES: dict[str, str] = dict(_GENERAL_SOURCES)
+
+StreamKind = Callable[[dict[str, Any], int], Any]
+STREAM_KINDS: dict[str, StreamKind] = {}
+"""A ``data.sources`` entry's ``kind`` beyond data's own (jsonl, wds, hf) -> make(entry, seed) -> a source of
+raw samples (e.g. an IndexedSource); filled by register_stream_kind."""
+COMMAND_LINE_SOURCES: dict[str, Callable[[str], Any]] = {}
+"""A prefix of a ``vlmtrain data`` SRC (e.g. ``shapes`` for ``shapes[:N]``, checked before paths) -> open(SRC)
+-> a source of raw samples; filled by register_command_line_source."""
+
+
+def register_source(name: str, module: str) -> None:
+    """Make ``module`` (it defines SOURCE and stays light at import) the data source ``data.source=name``.
+    Registered sources are listed before data's own general ones (jsonl, stream): that order is the order of
+    the `data.source` choices and of the sources' options among DataConfig's keys."""
+    for general in _GENERAL_SOURCES:
+        del SOURCES[general]
+    SOURCES[name] = module
+    SOURCES.update(_GENERAL_SOURCES)
+
+
+def register_stream_kind(kind: str, make: StreamKind) -> None:
+    """Let a ``data.sources`` entry name ``kind``: ``make(entry, seed)`` opens it."""
+    STREAM_KINDS[kind] = make
+
+
+def register_command_line_source(prefix: str, open_source: Callable[[str], Any]) -> None:
+    """Let a ``vlmtrain data`` SRC that starts with ``prefix`` be opened by ``open_source(SRC)``."""
+    COMMAND_LINE_SOURCES[prefix] = open_source
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vlmtrain.data.sources import IndexedSource, JsonlSource, StreamingDataset, WebDatasetSource
+from vlmtrain.data.registry import STREAM_KINDS
+from vlmtrain.data.sources import JsonlSource, StreamingDataset, WebDatasetSource
 
 logger = logging.getLogger(__name__)
 Filter = Callable[[dict[str, Any]], Any]
@@ -74,13 +75,8 @@ def make_source(spec: dict[str, Any], seed: int = 0) -> Any:
         from vlmtrain.data.hf import hf_source
 
         return hf_source(spec)
-    if kind == "shapes":
-        from vlmtrain.tasks.shapes import ShapesVQA
-
-        data = ShapesVQA("train", int(spec.get("num_samples", 10000)), seed=int(spec.get("seed", seed)),
-                         multi_image_fraction=float(spec.get("multi_image_fraction", 0.25)),
-                         questions_per_sample=int(spec.get("questions_per_sample", 1)))
-        return IndexedSource(data, name=spec.get("name", "shapes"))
+    if kind in STREAM_KINDS:  # a higher layer's (e.g. the synthetic shapes task)
+        return STREAM_KINDS[kind](spec, seed)
     raise ValueError(f"unknown source kind {kind!r}")
 
 

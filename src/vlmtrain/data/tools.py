@@ -12,17 +12,16 @@ from typing import Any
 
 from PIL import Image
 
-from vlmtrain.data.sources import KEY, IndexedSource, JsonlSource, WebDatasetSource, is_counts_only
+from vlmtrain.data.registry import COMMAND_LINE_SOURCES
+from vlmtrain.data.sources import KEY, JsonlSource, WebDatasetSource, is_counts_only
 
 
 def open_source(spec: str) -> Any:
     """A source from a command-line spec: ``shapes[:N]``, a ``.jsonl`` path/glob, ``.tar`` shards
     (path, glob or brace range), or an HF ``load_from_disk`` directory."""
-    if spec.startswith("shapes"):
-        from vlmtrain.tasks.shapes import ShapesVQA
-
-        n = int(spec.split(":", 1)[1]) if ":" in spec else 1000
-        return IndexedSource(ShapesVQA("train", n, multi_image_fraction=0.4), name="shapes")
+    for prefix, open_registered in COMMAND_LINE_SOURCES.items():  # a higher layer's (e.g. shapes[:N])
+        if spec.startswith(prefix):
+            return open_registered(spec)
     if ".jsonl" in spec:
         return JsonlSource(spec)
     if ".tar" in spec:

@@ -24,8 +24,8 @@ class VlmtrainLMM(lmms):
     def __init__(self, checkpoint: str, device: str | None = None, max_new_tokens: int | str = 32,
                  **_ignored: Any) -> None:
         super().__init__()
+        from vlmtrain.checkpoint_paths import resolve_checkpoint
         from vlmtrain.models.kinds import kind_of_checkpoint
-        from vlmtrain.run import resolve_checkpoint
         from vlmtrain.trainer.fsdp import has_sharded_weights
 
         ckpt = resolve_checkpoint(checkpoint, checkpoint)

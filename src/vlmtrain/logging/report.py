@@ -13,10 +13,8 @@ import base64
 import datetime
 import html
 import io
-import json
 import math
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +22,7 @@ from typing import Any
 from vlmtrain.errors import ConfigError
 
 from . import plot
+from .report_files import read_jsonl
 from .report_html import PAGE
 
 MAX_CARDS = 48
@@ -44,28 +43,6 @@ _EVAL_BOOKKEEPING = ("eval_async", "eval_checkpoint", "eval_arrived_step", "eval
                      "eval_async_status")
 _EVAL_NOTES = ("eval_async_error", "eval_async_status")  # why an async evaluation logged no metrics
 _NOT_CHARTED = ("runtime", "samples_per_second", "samples", "steps_per_second")
-_SAMPLES_FILE = re.compile(r"^eval_samples_step_(\d+)\.jsonl$")
-
-
-def read_jsonl(path: str) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a JSONL file, and how many non-blank lines were not one (skipped)."""
-    rows, bad = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                bad += 1
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
-                rows.append(row)
-            else:
-                bad += 1
-    return rows, bad
-
-
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None

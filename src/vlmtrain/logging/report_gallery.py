@@ -13,7 +13,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from .report import _SAMPLES_FILE, read_jsonl
+from .report_files import SAMPLES_FILE, read_jsonl
 
 _MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
 
@@ -49,7 +49,7 @@ def sample_files(run_dir: str) -> dict[int, str]:
     """step -> path of each eval_samples_step_N.jsonl in the run dir."""
     found = {}
     for name in os.listdir(run_dir):
-        match = _SAMPLES_FILE.match(name)
+        match = SAMPLES_FILE.match(name)
         if match:
             found[int(match.group(1))] = os.path.join(run_dir, name)
     return found

@@ -4,12 +4,11 @@ head, MAE, RMSE, Pearson and Spearman per regression head. Samples without a hea
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .heads import HeadConfig
+from .head_config import HeadConfig
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> float:

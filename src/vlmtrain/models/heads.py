@@ -5,7 +5,8 @@ batch plus one label tensor per head (`labels_<name>`, built by :func:`head_labe
 `labels: {<name>: value}`) and returns `loss` = LM loss (if the batch has `labels`) + sum(weight * loss_<name>),
 with `loss_<name>` / `num_items_<name>` per head (each head averages over the samples that have its label) and
 `logits_<name>`, so the Trainer logs every loss averaged over its own items and evaluation gets head metrics.
-The heads' files (heads.safetensors + heads.json) are written and read by :mod:`vlmtrain.models.head_files`.
+The heads' config (`model.heads`) is :mod:`vlmtrain.models.head_config`; their files (heads.safetensors +
+heads.json) are written and read by :mod:`vlmtrain.models.head_files`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,69 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
+from .head_config import HeadConfig, parse_heads
 from .head_metrics import compute_head_metrics, head_metrics
 from .lm_loss import decoder_and_head, lm_loss_sum
 
 __all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_mask",
            "head_label_tensors", "head_metrics", "parse_heads", "pool_last_token"]
-
-HEAD_TYPES = ("classification", "regression")
-HEAD_LOSSES = {"classification": ("ce", "bce"), "regression": ("mse", "huber")}
-
-
-@dataclass
-class HeadConfig:
-    """One score head: a linear layer on the pooled last-token hidden state."""
-
-    type: str = "classification"
-    """`classification` (labels: a class index for `ce`, a 0/1 list of num_outputs for `bce`) or `regression`."""
-    num_outputs: int = 1
-    """Classes (ce), independent labels (bce) or regressed values."""
-    loss: str = ""
-    """ce | bce (classification), mse | huber (regression); empty: ce / mse."""
-    weight: float = 1.0
-    """Factor of this head's loss in the total `loss`."""
-
-
-def parse_heads(spec: Mapping[str, Any] | None) -> dict[str, HeadConfig]:
-    """`model.heads` ({name: {type, num_outputs, loss, weight}}) as HeadConfigs, with defaults filled in;
-    a ConfigError names the bad key (`model.heads.<name>.<key>`) and what was expected."""
-    if spec is None:
-        return {}
-    if not isinstance(spec, Mapping):
-        raise ConfigError(f"model.heads: expected a mapping of head name -> options, got {type(spec).__name__}")
-    fields = [f.name for f in dataclasses.fields(HeadConfig)]
-    heads = {}
-    for name, options in spec.items():
-        where = f"model.heads.{name}"
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ConfigError(f"{where}: a head name must be an identifier (it becomes loss_<name>, labels_<name>)")
-        if isinstance(options, HeadConfig):
-            options = dataclasses.asdict(options)
-        if not isinstance(options, Mapping):
-            raise ConfigError(f"{where}: expected a mapping with keys {fields}, got {type(options).__name__}")
-        for key in options:
-            if key not in fields:
-                raise ConfigError(f"{where}.{key}: unknown key; expected one of {fields}")
-        kind = options.get("type", "classification")
-        if kind not in HEAD_TYPES:
-            raise ConfigError(f"{where}.type: {kind!r} is not a head type; expected one of {list(HEAD_TYPES)}")
-        loss = options.get("loss") or HEAD_LOSSES[kind][0]
-        if loss not in HEAD_LOSSES[kind]:
-            raise ConfigError(f"{where}.loss: {loss!r} is not a loss for a {kind} head; expected one of "
-                              f"{list(HEAD_LOSSES[kind])}")
-        default_outputs = 1 if kind == "regression" else None
-        num = options.get("num_outputs", default_outputs)
-        if num is None:
-            raise ConfigError(f"{where}.num_outputs: a classification head needs its number of classes")
-        if isinstance(num, bool) or not isinstance(num, int) or num < 1 or (loss == "ce" and num < 2):
-            raise ConfigError(f"{where}.num_outputs: expected an integer >= {2 if loss == 'ce' else 1}, got {num!r}")
-        weight = options.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ConfigError(f"{where}.weight: expected a finite number, got {weight!r}")
-        heads[name] = HeadConfig(type=kind, num_outputs=num, loss=loss, weight=float(weight))
-    return heads
-
 
 def pool_last_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """[B, L, H] -> [B, H]: each row's last position whose attention mask is 1 (left or right padding alike;

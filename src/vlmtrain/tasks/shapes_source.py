@@ -174,6 +174,27 @@ def _examples(trainer: Any, per_kind: int = 2, pool: int = 12) -> str:
     return "\n".join(lines)
 
 
+def stream_source(spec: dict[str, Any], seed: int = 0) -> Any:
+    """A ``data.sources`` entry of kind shapes: ``num_samples`` training questions (``seed``,
+    ``multi_image_fraction``, ``questions_per_sample``, ``name``) as one indexed source of the stream."""
+    from vlmtrain.data.sources import IndexedSource
+    from vlmtrain.tasks.shapes import ShapesVQA
+
+    data = ShapesVQA("train", int(spec.get("num_samples", 10000)), seed=int(spec.get("seed", seed)),
+                     multi_image_fraction=float(spec.get("multi_image_fraction", 0.25)),
+                     questions_per_sample=int(spec.get("questions_per_sample", 1)))
+    return IndexedSource(data, name=spec.get("name", "shapes"))
+
+
+def command_line_source(spec: str) -> Any:
+    """``shapes[:N]`` for ``vlmtrain data to-wds`` / ``inspect``: N (default 1000) training questions."""
+    from vlmtrain.data.sources import IndexedSource
+    from vlmtrain.tasks.shapes import ShapesVQA
+
+    n = int(spec.split(":", 1)[1]) if ":" in spec else 1000
+    return IndexedSource(ShapesVQA("train", n, multi_image_fraction=0.4), name="shapes")
+
+
 SOURCE = DataSource("shapes", kinds=("vlm", "hub_vlm"), build=build, options=ShapesOptions,
                     check_options=check_options, check=check, summary=summary, demo_report=demo_report,
                     untrained=untrained, chance=chance)
