@@ -16,9 +16,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from ..logging.eval_samples import save_eval_samples
 from . import distributed as dist
-from . import fsdp
+from . import fsdp, plugins
 from .loss_extras import batch_metrics
 from .predictions import Collected, plain_numbers, select_outputs
 from .state import EvalPrediction, PredictionOutput
@@ -88,7 +87,8 @@ class EvaluationMixin:
         head_metrics = callable(getattr(self.model, "head_metrics", None))  # score heads: metrics with no code
         output = self.evaluation_loop(dataloader, prediction_loss_only=self.compute_metrics is None and not head_metrics,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        save_eval_samples(self, dataset, output, metric_key_prefix)  # for the run report (rank 0)
+        # per-sample results for the run report (rank 0; vlmtrain.logging.eval_samples fills the slot)
+        plugins.lookup("eval_samples", lambda *_: None)(self, dataset, output, metric_key_prefix)
         self.log(output.metrics)
         self.control = self._event("on_evaluate", metrics=output.metrics)
         return output.metrics

@@ -35,18 +35,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from ..data.collate import DefaultCollator
-from ..logging.writers import default_writers
 from . import checkpoint as ckpt
 from . import distributed as dist
+from . import plugins
 from .args import TrainingArguments
-from .async_eval import AsyncEvaluator
-from .callbacks import (
-    CallbackHandler,
-    DefaultFlowCallback,
-    PrinterCallback,
-    ProgressCallback,
-    TrainerCallback,
-)
+from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
 from .compat_methods import TransformersMethodsMixin, set_seed
 from .evaluation import EvaluationMixin
 from .loss_extras import (
@@ -110,16 +103,18 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         self.optimizer, self.lr_scheduler = optimizers
         self.state, self.control = TrainerState(), TrainerControl()
         self.state.is_world_process_zero = self.state.is_local_process_zero = self.rank == 0
-        progress = PrinterCallback() if self.args.disable_tqdm else ProgressCallback()
+        # the progress bar, metrics.jsonl and the trackers: vlmtrain.logging fills the slot
+        loggers = plugins.lookup("logging_callbacks", lambda args: [])(self.args)
         self.callback_handler = CallbackHandler(
-            [DefaultFlowCallback(), progress, *default_writers(self.args), *(callbacks or [])],
+            [DefaultFlowCallback(), *loggers, *(callbacks or [])],
             model=self.model, processing_class=processing_class, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler)
         self.train_dataloader: StatefulDataLoader | None = None
         self._preemption: PreemptionGuard | None = None
         self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
-        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes
-        self._async_eval = AsyncEvaluator(self.args) if self.args.async_eval and self.rank == 0 else None
+        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes (vlmtrain.evaluation.async_eval)
+        evaluator = plugins.lookup("checkpoint_evaluator", _no_checkpoint_evaluator)
+        self._async_eval = evaluator(self.args) if self.args.async_eval and self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
         self._label_smoother = (LabelSmoothing(self.args.label_smoothing_factor, self.model)
@@ -436,3 +431,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         row = self._log_row(logs, start_time)
         self.state.log_history.append({**row, "step": row.get("step", self.state.global_step)})
         self.control = self._event("on_log", logs=logs)
+
+
+def _no_checkpoint_evaluator(args: TrainingArguments) -> None:
+    raise ValueError("train.async_eval needs vlmtrain.evaluation.async_eval, which `import vlmtrain` registers.")
