@@ -46,21 +46,27 @@ class _EvalTally:
         self.labels.add(label)
 
     def gather_shards(self, interleave: bool) -> None:
-        """Every rank's results, combined on every rank. Rows come back in dataset order: rank r evaluated samples
-        r, r + W, r + 2W, ... (interleave), or in rank order for a stream. Counts and tensor layouts go as small
-        pickles; predictions and labels as tensors (all_gather)."""
-        mine = {"losses": self.losses.state_dict(), "preds": self.preds.layout(), "labels": self.labels.layout(),
-                "samples": self.samples, "skipped": dict(self.skipped)}
-        everyone = dist.all_gather_objects(mine)
-        self.losses = LossAverager()
-        for part in everyone:
-            shard = LossAverager()
-            shard.load_state_dict(part["losses"])
-            self.losses.merge(shard)
-        self.preds.gather([part["preds"] for part in everyone], interleave)
-        self.labels.gather([part["labels"] for part in everyone], interleave)
-        self.samples = sum(p["samples"] for p in everyone)
-        self.skipped = sum((Counter(p["skipped"]) for p in everyone), Counter())
+        """Every rank's results, combined on every rank (see _gather_shards)."""
+        self.losses, self.samples, self.skipped = _gather_shards(self.losses, self.preds, self.labels, self.samples,
+                                                                 self.skipped, interleave)
+
+
+def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, samples: int, skipped: Counter,
+                   interleave: bool) -> tuple[LossAverager, int, Counter]:
+    """Every rank's evaluation results, combined on every rank (``preds`` and ``labels`` in place). Rows come
+    back in dataset order: rank r evaluated samples r, r + W, r + 2W, ... (interleave), or in rank order for a
+    stream. Counts and tensor layouts go as small pickles; predictions and labels as tensors (all_gather)."""
+    mine = {"losses": losses.state_dict(), "preds": preds.layout(), "labels": labels.layout(), "samples": samples,
+            "skipped": dict(skipped)}
+    everyone = dist.all_gather_objects(mine)
+    total = LossAverager()
+    for part in everyone:
+        shard = LossAverager()
+        shard.load_state_dict(part["losses"])
+        total.merge(shard)
+    preds.gather([part["preds"] for part in everyone], interleave)
+    labels.gather([part["labels"] for part in everyone], interleave)
+    return total, sum(p["samples"] for p in everyone), sum((Counter(p["skipped"]) for p in everyone), Counter())
 
 
 _NOT_AVERAGED = ("runtime", "samples_per_second", "steps_per_second", "samples", "model_preparation_time")
