@@ -7,7 +7,7 @@ The docstring under each field (``key: type = default`` then ``\"\"\"meaning\"\"
 (ModelConfig, DataConfig and the data sources' option classes) and src/vlmtrain/trainer/args.py
 (TrainingArguments) is the single source of the reference: the page, ``vlmtrain train --help`` and the code
 cannot drift apart. transformers' other TrainingArguments names (accepted so that a transformers script runs
-unchanged) are described by ``vlmtrain.trainer.args_compat.describe``.
+unchanged) are described by ``vlmtrain.compat.arguments.describe``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import re
 import sys
 from pathlib import Path
 
+from vlmtrain.compat.arguments import describe
 from vlmtrain.config import SECTIONS
 from vlmtrain.trainer.args import ImplementedArguments
-from vlmtrain.trainer.args_compat import TransformersOnlyArguments, describe
+from vlmtrain.trainer.args_compat import TransformersOnlyArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"

@@ -4,7 +4,7 @@ TrainingArguments, with what vlmtrain does with it.
     python scripts/gen_migrating.py           # rewrite the table in docs/migrating.md
     python scripts/gen_migrating.py --check   # exit 1 if the committed table differs (what the tests check)
 
-The rows come from vlmtrain.trainer.args_compat: REFUSED (any value but the default is an error saying what to
+The rows come from vlmtrain.compat.arguments: REFUSED (any value but the default is an error saying what to
 do instead), IGNORED (any value, no effect), DIFFERENT (implemented, differently: how); every other field is
 implemented as in transformers. Only the part of the page between the two markers below is generated.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import transformers
 
-from vlmtrain.trainer.args_compat import DIFFERENT, IGNORED, REFUSED
+from vlmtrain.compat.arguments import DIFFERENT, IGNORED, REFUSED
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "migrating.md"

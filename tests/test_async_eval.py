@@ -17,7 +17,7 @@ from optional_extras import requires
 
 from vlmtrain import cli, run
 from vlmtrain.config import load_run_config
-from vlmtrain.trainer import async_eval
+from vlmtrain.evaluation import async_eval
 from vlmtrain.trainer.callbacks import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -329,7 +329,8 @@ def test_async_eval_device_sets_the_evaluation_processes_devices(tmp_path, monke
     with this process seeing GPUs 3 5 6 7 (as if CUDA_VISIBLE_DEVICES=3,5,6,7), cuda:1 is GPU 5 and auto the
     last one, 7; a GPU index it does not have, or a bad value, is a ConfigError naming the key."""
     from vlmtrain.errors import ConfigError
-    from vlmtrain.trainer import TrainingArguments, async_eval
+    from vlmtrain.evaluation import async_eval
+    from vlmtrain.trainer import TrainingArguments
 
     def devices(name: str, setting: str) -> str:
         _, cfg = _config(tmp_path / name, max_steps=2, async_eval_command=env_reporter(),

@@ -12,7 +12,7 @@ import transformers
 from tiny import tiny_llama, token_samples
 
 from vlmtrain import EarlyStoppingCallback, PredictionOutput, Trainer, TrainerCallback, TrainingArguments
-from vlmtrain.trainer import PrinterCallback
+from vlmtrain.logging.console import PrinterCallback
 from vlmtrain.trainer.callbacks import EVENTS
 
 # Every event both frameworks have (on_predict is not fired by train()).

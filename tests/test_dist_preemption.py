@@ -72,7 +72,7 @@ def _losses(out: Path) -> dict[int, float]:
 
 def test_the_launcher_gives_torchrun_the_grace_period_and_sigusr1(tmp_path, monkeypatch):
     from vlmtrain import cli
-    from vlmtrain.trainer import preemption
+    from vlmtrain import launch as preemption
 
     launched = []
     monkeypatch.setattr(preemption, "run_forwarding_signals", lambda cmd: launched.append(cmd) or 0)

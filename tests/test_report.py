@@ -231,7 +231,7 @@ def test_metric_groups_and_ticks():
 
 def test_async_evaluation_files_join_the_run_dir(tmp_path):
     """An async evaluation writes into async_eval/step-N/: its sample file and thumbnails move to the run dir."""
-    from vlmtrain.trainer.async_eval import DIR, move_eval_samples
+    from vlmtrain.evaluation.async_eval import DIR, move_eval_samples
 
     scratch = tmp_path / DIR / "step-5"
     (scratch / eval_samples.THUMBNAIL_DIR / "eval").mkdir(parents=True)

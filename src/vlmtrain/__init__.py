@@ -1,7 +1,13 @@
 """vlmtrain: train vision-language models (and plain LMs) with the Trainer API you know."""
 
+# The layers above the trainer fill its slots (trainer/plugins.py) as they are imported, here, so that
+# `import vlmtrain.trainer` and `from vlmtrain import Trainer` see the same Trainer.
 from . import tasks  # noqa: F401 - the synthetic tasks register their data sources with data/
+from .compat import arguments as _transformers_arguments  # noqa: F401
+from .evaluation import async_eval as _async_eval  # noqa: F401
 from .inference import InferenceModel, load_for_inference
+from .logging import eval_samples as _eval_samples  # noqa: F401
+from .logging import writers as _writers  # noqa: F401
 from .models.head_files import attach_heads
 from .trainer import (
     EarlyStoppingCallback,

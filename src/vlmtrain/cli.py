@@ -109,7 +109,7 @@ def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
 def _train(argv: list[str]) -> int:
     nproc, argv = _pop_nproc(argv)
     if nproc > 1:  # one node, N processes: the same command under torchrun
-        from vlmtrain.trainer.preemption import run_forwarding_signals
+        from vlmtrain.launch import run_forwarding_signals
 
         cfg, _ = _parse("train", argv)  # a bad config fails here, once, not in N processes
         if "WORLD_SIZE" in os.environ:

@@ -39,7 +39,7 @@ def _train(cfg: RunConfig, console: Any = None) -> tuple[Any, dict[str, Any]]:
     """console: a callback that replaces the progress bar and log lines (the demo's EvalLinesCallback)."""
     trainer = build(cfg)
     if console is not None:
-        from vlmtrain.trainer import PrinterCallback, ProgressCallback
+        from vlmtrain.logging.console import PrinterCallback, ProgressCallback
 
         trainer.pop_callback(ProgressCallback)
         trainer.pop_callback(PrinterCallback)
@@ -55,7 +55,7 @@ def _train(cfg: RunConfig, console: Any = None) -> tuple[Any, dict[str, Any]]:
         return trainer, metrics
     if getattr(trainer, "eval_dataset", None) is not None:
         # Reuse an evaluation the run already made of its last step (inline or async) rather than running it twice.
-        from vlmtrain.trainer.async_eval import BOOKKEEPING
+        from vlmtrain.evaluation.async_eval import BOOKKEEPING
 
         state = trainer.state  # (load_best_model_at_end: the model is now the best step's)
         step = state.best_global_step if cfg.train.load_best_model_at_end and state.best_model_checkpoint else \
@@ -71,8 +71,8 @@ def _train(cfg: RunConfig, console: Any = None) -> tuple[Any, dict[str, Any]]:
 def evaluate(cfg: RunConfig, checkpoint: str | None = None, result_file: str | None = None) -> dict[str, Any]:
     """Evaluate the configured model, or the weights of a checkpoint (logged at its step), on the eval set;
     with result_file, also write the metrics there atomically (what async evaluation reads)."""
+    from vlmtrain.evaluation.async_eval import write_result
     from vlmtrain.evaluation.lmms import check_run_args, lmms_eval_for_run
-    from vlmtrain.trainer.async_eval import write_result
     from vlmtrain.trainer.checkpoint import checkpoint_step
 
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir) if checkpoint else None
@@ -91,7 +91,7 @@ def evaluate_all(run_dir: str, cfg: RunConfig) -> dict[int, dict[str, Any]]:
     """Evaluate every complete checkpoint of run_dir that metrics.jsonl has no evaluation for (async
     evaluations still running when training ended, or never run); a result already on disk is logged without
     evaluating again. Rows are appended to metrics.jsonl (marked eval_async); returns them by step."""
-    from vlmtrain.trainer import async_eval
+    from vlmtrain.evaluation import async_eval
     from vlmtrain.trainer.checkpoint import checkpoint_step, list_checkpoints
 
     done, rows = async_eval.evaluated_steps(run_dir), {}

@@ -1,5 +1,7 @@
-"""What `vlmtrain demo` prints while it trains: the progress bar and one line per evaluation with its headline
-numbers, instead of a line per log (every number is still in metrics.jsonl and the trackers)."""
+"""What a run prints while it trains: transformers' stock ProgressCallback (a tqdm bar, log lines above it) or
+PrinterCallback (with disable_tqdm), one of which every Trainer gets (see writers.py); and what `vlmtrain demo`
+prints instead: the progress bar and one line per evaluation with its headline numbers, instead of a line per
+log (every number is still in metrics.jsonl and the trackers)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,75 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from vlmtrain.trainer.callbacks import ProgressCallback
+from vlmtrain.trainer.callbacks import TrainerCallback
+
+
+def _fmt(v: Any) -> Any:
+    return f"{v:.4g}" if isinstance(v, float) else v
+
+
+class ProgressCallback(TrainerCallback):
+    """tqdm bars for training (with loss and learning rate) and evaluation; log lines above the bar."""
+
+    def __init__(self) -> None:
+        self.train_bar = None
+        self.eval_bar = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.train_bar = tqdm(total=state.max_steps, initial=state.global_step, desc="train", dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.train_bar is not None:
+            self.train_bar.update(state.global_step - self.train_bar.n)
+
+    def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        if self.eval_bar is None:
+            try:
+                total = len(eval_dataloader)
+            except TypeError:  # an IterableDataset without __len__: a bar without total
+                total = None
+            if args.max_eval_batches is not None and total is not None:
+                total = min(total, args.max_eval_batches)
+            self.eval_bar = tqdm(total=total, desc="eval", leave=self.train_bar is None, dynamic_ncols=True)
+        self.eval_bar.update(1)
+
+    def _close_eval(self) -> None:
+        if self.eval_bar is not None:
+            self.eval_bar.close()
+            self.eval_bar = None
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._close_eval()
+
+    def on_predict(self, args, state, control, **kwargs):
+        self._close_eval()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        if self.train_bar is not None and "loss" in logs:
+            self.train_bar.set_postfix(loss=_fmt(logs["loss"]), lr=f"{logs.get('learning_rate', 0):.3g}")
+        shown = {k: _fmt(v) for k, v in logs.items() if k not in ("step", "epoch", "total_flos")}
+        tqdm.write(f"[step {state.global_step}] " + " ".join(f"{k}={v}" for k, v in shown.items()))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.train_bar is not None:
+            self.train_bar.close()
+            self.train_bar = None
+
+
+class PrinterCallback(TrainerCallback):
+    """Prints every log (used instead of the progress bar when disable_tqdm=True)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None:
+            logs.pop("total_flos", None)  # (as transformers' PrinterCallback, which removes it from the logs)
+        if state.is_world_process_zero and logs:
+            print({k: _fmt(v) for k, v in logs.items()}, flush=True)
+
 
 Summary = Callable[[dict[str, Any], str], dict[str, float]]
 

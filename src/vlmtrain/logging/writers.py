@@ -1,4 +1,5 @@
-"""Log writers as callbacks: metrics.jsonl always, the trackers of report_to (trackers.py) when asked for."""
+"""Log writers as callbacks: metrics.jsonl always, the trackers of report_to (trackers.py) when asked for. Every
+Trainer gets them, after the progress bar, through the trainer's ``logging_callbacks`` slot (filled here)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 import os
 import warnings
 
+from ..trainer import plugins
 from ..trainer.callbacks import TrainerCallback
+from .console import PrinterCallback, ProgressCallback
 from .tensorboard import TensorBoardCallback  # noqa: F401 - its old home
 
 
@@ -99,3 +102,13 @@ def default_writers(args) -> list[TrainerCallback]:
     from .trackers import tracker_callbacks
 
     return [JsonlLoggerCallback(args.output_dir), *tracker_callbacks(args)]
+
+
+def logging_callbacks(args) -> list[TrainerCallback]:
+    """What every Trainer logs through, after its DefaultFlowCallback: the progress bar (PrinterCallback with
+    disable_tqdm), metrics.jsonl and the trackers of report_to."""
+    progress = PrinterCallback() if args.disable_tqdm else ProgressCallback()
+    return [progress, *default_writers(args)]
+
+
+plugins.register("logging_callbacks", logging_callbacks)

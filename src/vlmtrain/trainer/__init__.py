@@ -7,8 +7,6 @@ from .callbacks import (
     DefaultFlowCallback,
     EarlyStoppingCallback,
     ExportableState,
-    PrinterCallback,
-    ProgressCallback,
     TrainerCallback,
 )
 from .checkpoint import CheckpointError
@@ -17,6 +15,6 @@ from .trainer import Trainer, set_seed
 
 __all__ = [
     "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
-    "EvalPrediction", "ExportableState", "PredictionOutput", "PrinterCallback", "ProgressCallback", "Trainer",
+    "EvalPrediction", "ExportableState", "PredictionOutput", "Trainer",
     "TrainerCallback", "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "set_seed",
 ]

@@ -3,37 +3,23 @@
 from __future__ import annotations
 
 import difflib
-import functools
-import json
 import math
 import os
-import re
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from .args_compat import TransformersOnlyArguments, check_transformers_only
+from . import plugins
+from .args_compat import TransformersOnlyArguments
 from .args_process import FsdpValue, ProcessMixin, WorkersValue
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
-# report_to: these, or a tracker of vlmtrain.logging.trackers.TRACKERS (tensorboard, wandb, mlflow, trackio).
-REPORTERS = ("none", "jsonl", "all")
-# transformers' report_to names that vlmtrain has no writer for.
-UNIMPLEMENTED_REPORTERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "kubeflow",
-                           "neptune", "swanlab")
-FSDP_OPTIONS = {"full_shard": None, "auto_wrap": None,  # what vlmtrain's FSDP2 does: shard per transformer block
-                "shard_grad_op": "vlmtrain's FSDP2 always reshards parameters after forward (full_shard)",
-                "hybrid_shard": "vlmtrain's FSDP2 shards over all ranks (full_shard)",
-                "hybrid_shard_zero2": "vlmtrain's FSDP2 shards over all ranks (full_shard)",
-                "no_shard": "leave fsdp off to replicate the model with DDP",
-                "offload": "CPU offload is not supported; use more ranks or activation_checkpointing"}
 
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else a ConfigError naming the closest ones."""
     if value not in choices:
         near = difflib.get_close_matches(str(value), choices, n=2)
         hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
@@ -288,17 +274,34 @@ class ImplementedArguments:
 class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArguments):
     """Everything about how to train. Every transformers 5.23 TrainingArguments name is accepted: the ones
     vlmtrain implements behave as there; the rest (args_compat.py) take their default, and any other value is a
-    ConfigError that says what vlmtrain does instead. Invalid combinations fail here, at construction."""
+    ConfigError that says what vlmtrain does instead (the table: vlmtrain.compat.arguments). Invalid combinations
+    fail here, at construction."""
 
     def __post_init__(self) -> None:
-        self._parse_json_dicts()
-        check_transformers_only(self)
-        self._resolve_transformers_names()
-        _choice("optim", self.optim, OPTIMIZERS)
-        _choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
-        _choice("logging_strategy", self.logging_strategy, INTERVALS)
-        _choice("eval_strategy", self.eval_strategy, INTERVALS)
-        _choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        # transformers' conventions first (JSON dict strings, refused transformers-only values, aliases, value
+        # forms, report_to's names): vlmtrain.compat.arguments fills the slot when vlmtrain is imported
+        plugins.lookup("transformers_arguments", _unchanged)(self)
+        self._resolve_defaults()
+        self._check_strategies_and_steps()
+        self._check_optimization()
+        self._check_best_model()
+        self._check_evaluation()
+        self._check_runtime()
+
+    def _resolve_defaults(self) -> None:
+        """Unset values -> what the Trainer reads (idempotent)."""
+        if self.activation_checkpointing is None:
+            self.activation_checkpointing = self.gradient_checkpointing = False
+        self.output_dir = os.path.expanduser("trainer_output" if self.output_dir is None else self.output_dir)
+        self.disable_tqdm = bool(self.disable_tqdm)
+
+    def _check_strategies_and_steps(self) -> None:
+        """The choices of optimizer, schedule and strategies; batch sizes; logging/save/eval steps; a length."""
+        check_choice("optim", self.optim, OPTIMIZERS)
+        check_choice("lr_scheduler_type", self.lr_scheduler_type, SCHEDULERS)
+        check_choice("logging_strategy", self.logging_strategy, INTERVALS)
+        check_choice("eval_strategy", self.eval_strategy, INTERVALS)
+        check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
@@ -311,6 +314,9 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
             self.do_eval = True
         if self.max_steps == 0 or (self.max_steps < 0 and self.num_train_epochs <= 0):
             raise ConfigError("Set max_steps > 0 or num_train_epochs > 0: there is nothing to train otherwise.")
+
+    def _check_optimization(self) -> None:
+        """Learning rates, warmup, clipping, checkpoint rotation and the schedule's arguments."""
         if self.learning_rate < 0:
             raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}.")
         for key, lr in (self.module_learning_rates or {}).items():
@@ -328,6 +334,9 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
         if self.lr_scheduler_type == "cosine_with_min_lr" and "min_lr_rate" not in kwargs and "min_lr" not in kwargs:
             raise ConfigError("lr_scheduler_type='cosine_with_min_lr' needs lr_scheduler_kwargs={'min_lr_rate': 0.1} "
                               "(or 'min_lr').")
+
+    def _check_best_model(self) -> None:
+        """save_strategy='best' and load_best_model_at_end: what they need; metric_for_best_model's defaults."""
         if self.save_strategy == "best" and self.eval_strategy == "no":
             raise ConfigError("save_strategy='best' needs evaluation: set eval_strategy to 'steps' or 'epoch'.")
         if self.save_strategy == "best" and self.metric_for_best_model is None:
@@ -347,27 +356,17 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
             self.metric_for_best_model = "loss"
         if self.metric_for_best_model is not None and self.greater_is_better is None:
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+
+    def _check_evaluation(self) -> None:
+        """Evaluation's limits; then the async_eval_* arguments (vlmtrain.evaluation.async_eval fills the slot)."""
         if self.lmms_eval_limit is not None and self.lmms_eval_limit < 1:
             raise ConfigError(f"lmms_eval_limit must be >= 1, or None for every document; got {self.lmms_eval_limit}.")
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
-        _choice("async_eval_launcher", self.async_eval_launcher, ("subprocess", "submitit"))
-        _choice("async_eval_when_full", self.async_eval_when_full, ("wait", "skip"))
-        if not re.fullmatch(r"auto|cpu|cuda:\d+", str(self.async_eval_device)):
-            raise ConfigError(f"async_eval_device={self.async_eval_device!r}: expected 'auto', 'cpu' or 'cuda:N' "
-                              "(N: a GPU index as this process numbers them, e.g. 'cuda:7').")
-        if self.async_eval_device.startswith("cuda:") and self.async_eval_launcher != "subprocess":
-            raise ConfigError(f"async_eval_device={self.async_eval_device!r} names a GPU of this machine, but "
-                              f"async_eval_launcher={self.async_eval_launcher!r} runs evaluations elsewhere: leave "
-                              "it 'auto' (the scheduler assigns GPUs, e.g. async_eval_launcher_kwargs "
-                              "{gpus_per_node: 1}) or set 'cpu'.")
-        if self.async_eval_max_pending < 1:
-            raise ConfigError(f"async_eval_max_pending must be >= 1, got {self.async_eval_max_pending}.")
-        if self.async_eval_command is not None and not any("{result_file}" in p for p in self.async_eval_command):
-            raise ConfigError("async_eval_command must write its metrics to {result_file} (a placeholder in one of "
-                              f"its arguments); got {self.async_eval_command!r}.")
-        if self.async_eval and self.save_strategy == "no":
-            raise ConfigError("async_eval evaluates saved checkpoints: set save_strategy to steps or epoch.")
+        plugins.lookup("evaluation_arguments", _unchanged)(self)
+
+    def _check_runtime(self) -> None:
+        """Throughput, distributed, failure, sampling, memory, loss and data loader settings."""
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ConfigError(f"peak_tflops must be > 0 (the device's peak TFLOP/s), or None; got {self.peak_tflops}.")
         if self.preemption_grace_s < 1:
@@ -378,8 +377,8 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
             raise ConfigError("max_consecutive_nonfinite_steps must be >= 0 (0: never stop).")
         if not 0 < self.max_bad_sample_fraction <= 1:
             raise ConfigError(f"max_bad_sample_fraction must be in (0, 1], got {self.max_bad_sample_fraction}.")
-        _choice("train_sampling_strategy", self.train_sampling_strategy,
-                ("random", "sequential", "group_by_length", "batch_rebalance"))
+        check_choice("train_sampling_strategy", self.train_sampling_strategy,
+                     ("random", "sequential", "group_by_length", "batch_rebalance"))
         if self.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
             raise ConfigError(f"train_sampling_strategy={self.train_sampling_strategy!r} is not supported by vlmtrain; "
                               "use data.packing for length-efficient batches (or 'random' / 'sequential').")
@@ -398,61 +397,6 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
         if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
             raise ConfigError("dataloader_prefetch_factor needs dataloader_num_workers > 0 (batches are loaded ahead "
                               "by worker processes); unset it or add workers.")
-
-    def _resolve_transformers_names(self) -> None:
-        """transformers' aliases and value forms -> the one form the Trainer reads (idempotent)."""
-        for old, new in (("gradient_checkpointing", "activation_checkpointing"),
-                         ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
-            if getattr(self, new) is None and getattr(self, old) is not None:
-                setattr(self, new, getattr(self, old))
-            setattr(self, old, getattr(self, new))
-        if self.activation_checkpointing is None:
-            self.activation_checkpointing = self.gradient_checkpointing = False
-        self.output_dir = os.path.expanduser("trainer_output" if self.output_dir is None else self.output_dir)
-        if isinstance(self.include_num_input_tokens_seen, bool):
-            self.include_num_input_tokens_seen = "all" if self.include_num_input_tokens_seen else "no"
-        _choice("include_num_input_tokens_seen", self.include_num_input_tokens_seen, ("no", "all", "non_padding"))
-        if self.use_cpu:
-            self.dataloader_pin_memory = False
-        self.disable_tqdm = bool(self.disable_tqdm)
-        self.fsdp = None if self.fsdp is None else _fsdp_flag(self.fsdp)  # (transformers: None stays None)
-        if isinstance(self.debug, str):  # (refused unless empty) as transformers: a list of options
-            self.debug = self.debug.split()
-        if self.torch_compile_backend is not None or self.torch_compile_mode is not None:
-            self.torch_compile = True
-        reporters = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to or [])
-        from ..logging.trackers import TRACKERS  # (here: the trackers import the trainer's callbacks)
-
-        implemented = (*REPORTERS[:2], *TRACKERS, REPORTERS[2])
-        for r in reporters:
-            if r in UNIMPLEMENTED_REPORTERS:
-                raise ConfigError(f"report_to={r!r} is not implemented by vlmtrain; implemented: "
-                                  f"{', '.join(implemented)} (metrics.jsonl is always written).")
-            _choice("report_to", r, implemented + UNIMPLEMENTED_REPORTERS)
-        self.report_to = [] if reporters == ["none"] else reporters  # (transformers: 'none' -> [])
-        for extra in self.include_for_metrics:
-            _choice("include_for_metrics", extra, ("inputs", "loss"))
-        if self.include_for_metrics:
-            raise ConfigError(f"include_for_metrics={self.include_for_metrics!r} is not supported by vlmtrain yet; "
-                              "compute_metrics receives predictions and label_ids (see label_names).")
-
-    def _parse_json_dicts(self) -> None:
-        """A dict argument given as a JSON string (a command line's '{"factor": 0.5}') -> the dict, its string
-        values converted as transformers does ('true' -> True, '3' -> 3, '0.5' -> 0.5)."""
-        hints = _type_hints(type(self))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if not isinstance(value, str) or "dict" not in str(hints[f.name]):
-                continue
-            if not value.startswith("{"):
-                if f.name not in _IMPLEMENTED:  # (transformers-only: refused below at any value but the default)
-                    continue
-                raise ConfigError(f"{f.name}={value!r}: expected a mapping or a JSON object string such as "
-                                  "'{\"key\": 1}'.")
-            try:
-                setattr(self, f.name, _convert_str_dict(json.loads(value)))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{f.name}={value!r} is not valid JSON ({e.msg} at character {e.pos}).") from None
 
     def _check_steps(self, name: str, strategy: str) -> None:
         """logging/save/eval_steps as transformers takes them: > 0; a float in (0, 1) is a ratio of the total
@@ -493,41 +437,5 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
         return {k: v for k, v in values.items() if v is not None}
 
 
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-_IMPLEMENTED = frozenset(f.name for f in fields(ImplementedArguments))
-
-
-def _convert_str_dict(passed_value: dict) -> dict:
-    """transformers' _convert_str_dict: string values 'true'/'false' -> bool, digits -> int or float, nested."""
-    for key, value in passed_value.items():
-        if isinstance(value, dict):
-            passed_value[key] = _convert_str_dict(value)
-        elif isinstance(value, str):
-            if value.lower() in ("true", "false"):
-                passed_value[key] = value.lower() == "true"
-            elif value.isdigit():
-                passed_value[key] = int(value)
-            elif value.replace(".", "", 1).isdigit():
-                passed_value[key] = float(value)
-    return passed_value
-
-
-def _fsdp_flag(value: bool | str | list[str] | None) -> bool:
-    """transformers' fsdp values (a bool, 'full_shard auto_wrap', ['full_shard', ...], '' or None) -> on/off."""
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):  # (a command line's --fsdp true)
-        return value.strip().lower() == "true"
-    items = value.split() if isinstance(value, str) else [i for v in value for i in str(v).split()]
-    for item in items:
-        if item not in FSDP_OPTIONS:
-            raise ConfigError(f"fsdp={value!r}: unknown option {item!r}; use true/false (or transformers' "
-                              f"'full_shard auto_wrap').")
-        if FSDP_OPTIONS[item] is not None:
-            raise ConfigError(f"fsdp={value!r}: {item!r} is not supported by vlmtrain; {FSDP_OPTIONS[item]}.")
-    return bool(items)
-
+def _unchanged(args: Any) -> None:
+    """An empty slot's stand-in: nothing to resolve or check."""

@@ -9,20 +9,46 @@ import math
 import time
 import warnings
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from ..logging.eval_samples import save_eval_samples
 from . import distributed as dist
-from . import fsdp
+from . import fsdp, plugins
 from .loss_extras import batch_metrics
 from .predictions import Collected, plain_numbers, select_outputs
 from .state import EvalPrediction, PredictionOutput
 from .stats import LossAverager, extra_losses, is_empty_batch, item_counts, num_items_of, skipped_counts
+
+
+class _EvalTally:
+    """What evaluation collects over the batches: the losses' averages, predictions, labels, and the counts of
+    samples evaluated and skipped (by reason)."""
+
+    def __init__(self) -> None:
+        self.losses, self.preds, self.labels = LossAverager(), Collected(), Collected()
+        self.samples, self.skipped = 0, Counter()
+
+    def add(self, batch: Mapping[str, Any], loss: Any, pred: Any, label: Any, extras: dict[str, Any]) -> None:
+        """One evaluated batch: its loss weighted by num_items (else its sample count), each `loss_<name>` by
+        its `num_items_<name>`."""
+        size = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), 1)
+        self.samples += size
+        self.skipped.update(skipped_counts(batch))
+        weight = extras.pop("num_items", None)
+        counts = {f"loss_{k[len('num_items_'):]}": extras.pop(k) for k in list(extras) if k.startswith("num_items_")}
+        if loss is not None:
+            self.losses.add({"loss": loss, **extras}, weight if weight is not None else float(size), counts)
+        self.preds.add(pred)
+        self.labels.add(label)
+
+    def gather_shards(self, interleave: bool) -> None:
+        """Every rank's results, combined on every rank (see _gather_shards)."""
+        self.losses, self.samples, self.skipped = _gather_shards(self.losses, self.preds, self.labels, self.samples,
+                                                                 self.skipped, interleave)
 
 
 def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, samples: int, skipped: Counter,
@@ -88,7 +114,8 @@ class EvaluationMixin:
         head_metrics = callable(getattr(self.model, "head_metrics", None))  # score heads: metrics with no code
         output = self.evaluation_loop(dataloader, prediction_loss_only=self.compute_metrics is None and not head_metrics,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        save_eval_samples(self, dataset, output, metric_key_prefix)  # for the run report (rank 0)
+        # per-sample results for the run report (rank 0; vlmtrain.logging.eval_samples fills the slot)
+        plugins.lookup("eval_samples", lambda *_: None)(self, dataset, output, metric_key_prefix)
         self.log(output.metrics)
         self.control = self._event("on_evaluate", metrics=output.metrics)
         return output.metrics
@@ -186,69 +213,64 @@ class EvaluationMixin:
         model, start = self.model, time.time()
         model.eval()
         # FSDP with each rank on its share: ranks run forward in step (see _lockstep)
-        self._eval_lockstep = lockstep = sharding is not None and fsdp.is_sharded(model)
-        losses, preds, labels, samples, skipped = LossAverager(), Collected(), Collected(), 0, Counter()
+        self._eval_lockstep = sharding is not None and fsdp.is_sharded(model)
+        tally = _EvalTally()
+        for batch in self._eval_batches(dataloader, tally.skipped, prediction_loss_only, ignore_keys):
+            loss, pred, label, *rest = self.prediction_step(model, batch, bool(prediction_loss_only), ignore_keys)
+            extras = rest[0] if rest else {}  # (an override returning transformers' 3-tuple has no extras)
+            tally.add(batch, loss, self._reduce_for_metrics(pred, label), label, extras)
+            self.control = self._event("on_prediction_step")
+        if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
+            tally.gather_shards(interleave=sharding == "strided")
+        runtime = time.time() - start
+        self._eval_lockstep = False
+        return self._eval_output(tally, runtime, sharding, dataloader, metric_key_prefix)
+
+    def _eval_batches(self, dataloader: DataLoader, skipped: Counter, prediction_loss_only: bool | None,
+                      ignore_keys: list[str] | None) -> Iterator[Any]:
+        """The loader's batches to evaluate, at most max_eval_batches; a batch whose samples were all bad is
+        counted in ``skipped`` and left out. In lockstep (FSDP) a rank whose share is done runs stand-in
+        batches, their results dropped, as long as another rank still evaluates (see _lockstep)."""
         batches, stand_in = iter(dataloader), None
         for i in itertools.count():
             limit = self.args.max_eval_batches is not None and i >= self.args.max_eval_batches
             batch = None if limit else next(batches, None)
-            if lockstep:
-                if batch is not None and is_empty_batch(batch):
+            if not self._eval_lockstep:
+                if batch is None:
+                    return
+                if is_empty_batch(batch):  # every sample of this batch was bad
                     skipped.update(skipped_counts(batch))
-                what, batch = self._lockstep(batch, stand_in)
-                if what == "end":
-                    break
-                if what == "skip":
-                    continue
-                stand_in = batch
-                if what == "stand_in":  # this rank's share is done (or this batch was all bad): results dropped
-                    self.prediction_step(model, batch, prediction_loss_only, ignore_keys)
-                    continue
-            elif batch is None:
-                break
-            elif is_empty_batch(batch):  # every sample of this batch was bad
-                skipped.update(skipped_counts(batch))
+                else:
+                    yield batch
                 continue
-            loss, pred, label, *rest = self.prediction_step(model, batch, bool(prediction_loss_only), ignore_keys)
-            extras = rest[0] if rest else {}  # (an override returning transformers' 3-tuple has no extras)
-            pred = self._reduce_for_metrics(pred, label)
-            size = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), 1)
-            samples += size
-            skipped.update(skipped_counts(batch))
-            weight = extras.pop("num_items", None)
-            counts = {f"loss_{k[len('num_items_'):]}": extras.pop(k) for k in list(extras) if k.startswith("num_items_")}
-            if loss is not None:
-                losses.add({"loss": loss, **extras}, weight if weight is not None else float(size), counts)
-            preds.add(pred)
-            labels.add(label)
-            self.control = self._event("on_prediction_step")
-        if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
-            losses, samples, skipped = _gather_shards(losses, preds, labels, samples, skipped,
-                                                      interleave=sharding == "strided")
-        runtime = time.time() - start
-        self._eval_lockstep = False
+            if batch is not None and is_empty_batch(batch):
+                skipped.update(skipped_counts(batch))
+            what, batch = self._lockstep(batch, stand_in)
+            if what == "end":
+                return
+            if what == "skip":
+                continue
+            stand_in = batch
+            if what == "stand_in":  # this rank's share is done (or this batch was all bad): results dropped
+                self.prediction_step(self.model, batch, prediction_loss_only, ignore_keys)
+                continue
+            yield batch
+
+    def _eval_output(self, tally: _EvalTally, runtime: float, sharding: str | None, dataloader: DataLoader,
+                     metric_key_prefix: str) -> PredictionOutput:
+        """Predictions, labels and metrics (`<prefix>_<name>`: losses, score heads', compute_metrics', speed and
+        skipped counts) of an evaluation; generations decoded to texts."""
+        preds, labels = tally.preds, tally.labels
         predictions, label_ids = preds.result(), labels.result()
         if preds.kind == "dict" and "generated" in preds.chunks:  # generations and score heads' outputs
             predictions, label_ids = preds.arrays()["generated"], labels.arrays().get("labels")
-        metrics = dict(losses.compute(across_ranks=not sharding))
+        metrics = dict(tally.losses.compute(across_ranks=not sharding))
         head_outputs = preds.named("logits_") or None
         if head_outputs and callable(getattr(self.model, "head_metrics", None)):
             metrics.update(self.model.head_metrics(head_outputs, labels.named("labels_")))
-        if self.compute_metrics is not None and predictions is not None and self.args.batch_eval_metrics:
-            metrics.update(plain_numbers(batch_metrics(self.compute_metrics, predictions, label_ids,
-                                                       (dataloader.batch_size or self.args.per_device_eval_batch_size)
-                                                       * (self.world_size if sharding else 1), EvalPrediction) or {}))
-        elif self.compute_metrics is not None and predictions is not None:
-            metrics.update(plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids))))
-        # transformers' speed metrics (steps: batches of per_device_eval_batch_size x ranks), and the sample count
-        steps = math.ceil(samples / (self.args.per_device_eval_batch_size * self.world_size))
-        metrics.update(runtime=round(runtime, 4), samples_per_second=round(samples / max(runtime, 1e-9), 3),
-                       steps_per_second=round(steps / max(runtime, 1e-9), 3), samples=samples)
-        metrics.update({f"skipped_{reason}": n for reason, n in sorted(skipped.items())})
-        if getattr(self, "_train_start", None) is None and not hasattr(self, "model_preparation_time"):
-            self.model_preparation_time = 0.0  # (transformers reports it from an evaluation before training on)
-        if hasattr(self, "model_preparation_time"):
-            metrics["model_preparation_time"] = self.model_preparation_time
+        if self.compute_metrics is not None and predictions is not None:
+            metrics.update(self._user_metrics(predictions, label_ids, dataloader, sharding))
+        metrics.update(self._eval_speed_metrics(tally, runtime))
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
                    for k, v in metrics.items()}
         texts = None
@@ -256,6 +278,29 @@ class EvaluationMixin:
             texts = [self.processing_class.decode([t for t in row if t >= 0], skip_special_tokens=True)
                      for row in predictions.tolist()]
         return PredictionOutput(predictions, label_ids, metrics, texts, head_outputs)
+
+    def _user_metrics(self, predictions: Any, label_ids: Any, dataloader: DataLoader,
+                      sharding: str | None) -> dict[str, Any]:
+        """compute_metrics' result on the whole set, or batch by batch with batch_eval_metrics (a batch: every
+        rank's rows of it when the ranks shared the set)."""
+        if self.args.batch_eval_metrics:
+            rows = (dataloader.batch_size or self.args.per_device_eval_batch_size) * (self.world_size if sharding else 1)
+            return plain_numbers(batch_metrics(self.compute_metrics, predictions, label_ids, rows, EvalPrediction)
+                                 or {})
+        return plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids)))
+
+    def _eval_speed_metrics(self, tally: _EvalTally, runtime: float) -> dict[str, Any]:
+        """transformers' speed metrics (steps: batches of per_device_eval_batch_size x ranks), the sample count,
+        the skipped samples by reason, and model_preparation_time where transformers reports it."""
+        steps = math.ceil(tally.samples / (self.args.per_device_eval_batch_size * self.world_size))
+        metrics = {"runtime": round(runtime, 4), "samples_per_second": round(tally.samples / max(runtime, 1e-9), 3),
+                   "steps_per_second": round(steps / max(runtime, 1e-9), 3), "samples": tally.samples}
+        metrics.update({f"skipped_{reason}": n for reason, n in sorted(tally.skipped.items())})
+        if getattr(self, "_train_start", None) is None and not hasattr(self, "model_preparation_time"):
+            self.model_preparation_time = 0.0  # (transformers reports it from an evaluation before training on)
+        if hasattr(self, "model_preparation_time"):
+            metrics["model_preparation_time"] = self.model_preparation_time
+        return metrics
 
     def _reduce_for_metrics(self, pred: Any, label: Any) -> Any:
         """What evaluation keeps of one batch's predictions: ``preprocess_logits_for_metrics(pred, labels)``
@@ -284,37 +329,15 @@ class EvaluationMixin:
                   if k.startswith("prompt_") and isinstance(v, torch.Tensor)}
         inputs = self._prepare_inputs(inputs)
         labels = inputs.get("labels")
-        loss, extras, outputs = None, {}, None
         generating = self.args.predict_with_generate
         # Forward for the loss, for score heads' outputs, and under FSDP in step (every rank runs the same calls)
         forward = (labels is not None or not generating or getattr(self, "_eval_lockstep", False)
                    or callable(getattr(self.model, "head_metrics", None)))
         if getattr(self, "_forward_takes_loss_only", False) and (prediction_loss_only or generating):
             inputs = {**inputs, "loss_only": True}  # (no logits kept: the LM head only at the targets)
-        with torch.no_grad(), self.autocast():
-            if forward and self._has_labels(inputs):  # the loss as training computes it (compute_loss_func too)
-                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-                loss = loss.detach().float().mean()
-            elif forward:
-                outputs = model(**inputs)
-            if isinstance(outputs, (tuple, list)):  # (loss, logits, ...): predictions are what follows the loss
-                predictions = tuple(outputs[1:] if loss is not None else outputs)
-                if prediction_loss_only:
-                    return loss, None, None, extras
-                names = getattr(self.args, "label_names", None) or ["labels"]
-                label_values = tuple(inputs.get(n) for n in names) if self._has_labels(inputs) else None
-                return (loss, predictions[0] if len(predictions) == 1 else predictions,
-                        label_values[0] if label_values is not None and len(label_values) == 1 else label_values,
-                        extras)
-            if isinstance(outputs, Mapping):
-                if loss is None and outputs.get("loss") is not None:
-                    loss = outputs["loss"].detach().float()
-                if loss is not None:
-                    extras = extra_losses(outputs)
-                    n = num_items_of(outputs, self.model, inputs)
-                    if n is not None:
-                        extras["num_items"] = n
-                    extras.update({f"num_items_{k[len('loss_'):]}": v for k, v in item_counts(outputs).items()})
+        loss, extras, outputs = self._eval_forward(model, inputs, forward)
+        if isinstance(outputs, (tuple, list)):  # (loss, logits, ...): predictions are what follows the loss
+            return self._tuple_predictions(loss, outputs, inputs, prediction_loss_only)
         if prediction_loss_only:
             return loss, None, None, extras
         if generating:
@@ -330,6 +353,40 @@ class EvaluationMixin:
         predictions, labels = select_outputs(self.model, outputs, inputs, getattr(self.args, "label_names", None),
                                              ignore_keys)
         return loss, predictions, labels, extras
+
+    def _eval_forward(self, model: nn.Module, inputs: dict[str, Any], forward: bool) -> tuple[Any, dict, Any]:
+        """prediction_step's forward, without gradients: (loss, extras, outputs). The loss is compute_loss's
+        when the batch holds its labels (as training computes it, compute_loss_func too), else the model's
+        own; extras as prediction_step returns them. Without ``forward`` (generation alone) nothing runs."""
+        loss, extras, outputs = None, {}, None
+        with torch.no_grad(), self.autocast():
+            if forward and self._has_labels(inputs):
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+                loss = loss.detach().float().mean()
+            elif forward:
+                outputs = model(**inputs)
+            if isinstance(outputs, Mapping):
+                if loss is None and outputs.get("loss") is not None:
+                    loss = outputs["loss"].detach().float()
+                if loss is not None:
+                    extras = extra_losses(outputs)
+                    n = num_items_of(outputs, self.model, inputs)
+                    if n is not None:
+                        extras["num_items"] = n
+                    extras.update({f"num_items_{k[len('loss_'):]}": v for k, v in item_counts(outputs).items()})
+        return loss, extras, outputs
+
+    def _tuple_predictions(self, loss: Any, outputs: tuple | list, inputs: dict[str, Any],
+                           prediction_loss_only: bool) -> tuple:
+        """prediction_step's result for a model returning a tuple `(loss, logits, ...)` (or its outputs without
+        the loss): predictions are what follows the loss, labels those of `args.label_names`."""
+        predictions = tuple(outputs[1:] if loss is not None else outputs)
+        if prediction_loss_only:
+            return loss, None, None, {}
+        names = getattr(self.args, "label_names", None) or ["labels"]
+        label_values = tuple(inputs.get(n) for n in names) if self._has_labels(inputs) else None
+        return (loss, predictions[0] if len(predictions) == 1 else predictions,
+                label_values[0] if label_values is not None and len(label_values) == 1 else label_values, {})
 
     def _has_labels(self, inputs: Mapping[str, Any]) -> bool:
         """Whether the batch holds every label (``args.label_names``, default ``labels``): then evaluation takes the

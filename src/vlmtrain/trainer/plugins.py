@@ -12,6 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
+    "transformers_arguments": "(args) -> None: transformers' conventions at TrainingArguments' construction (JSON "
+                              "dict strings, refused transformers-only values, aliases, report_to names); "
+                              "vlmtrain.compat.arguments",
+    "evaluation_arguments": "(args) -> None: checks of the async_eval_* arguments; vlmtrain.evaluation.async_eval",
+    "checkpoint_evaluator": "(args) -> rank 0's evaluator of saved checkpoints in other processes (async_eval: "
+                            "check_command, enqueue, poll, wait, in_use, state_dict, load_state_dict); "
+                            "vlmtrain.evaluation.async_eval",
+    "logging_callbacks": "(args) -> the callbacks every Trainer gets after DefaultFlowCallback: progress bar or "
+                         "printer, metrics.jsonl, report_to's trackers; vlmtrain.logging.writers",
+    "eval_samples": "(trainer, dataset, output, metric_key_prefix) -> None: keeps one evaluated set's per-sample "
+                    "results for the run report; vlmtrain.logging.eval_samples",
 }
 _filled: dict[str, Any] = {}
 

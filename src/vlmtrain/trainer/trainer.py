@@ -35,18 +35,11 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from ..data.collate import DefaultCollator
-from ..logging.writers import default_writers
 from . import checkpoint as ckpt
 from . import distributed as dist
+from . import plugins
 from .args import TrainingArguments
-from .async_eval import AsyncEvaluator
-from .callbacks import (
-    CallbackHandler,
-    DefaultFlowCallback,
-    PrinterCallback,
-    ProgressCallback,
-    TrainerCallback,
-)
+from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
 from .compat_methods import TransformersMethodsMixin, set_seed
 from .evaluation import EvaluationMixin
 from .loss_extras import (
@@ -86,11 +79,8 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         self.args = args if args is not None else TrainingArguments()
         set_seed(self.args.seed)  # (before model_init builds the model)
         model = self._resolve_model(model, model_init, compute_loss_func, optimizers, optimizer_cls_and_kwargs)
-        if self.args.eval_strategy != "no" and eval_dataset is None:
-            raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass "
-                             "Trainer(eval_dataset=...) or set eval_strategy='no'.")
-        if self.args.eval_on_start and eval_dataset is None:
-            raise ValueError("eval_on_start=True needs an eval_dataset: pass Trainer(eval_dataset=...).")
+        if eval_dataset is None:
+            self._check_no_eval_needed()
         # under torchrun: join the process group (gloo / NCCL)
         dist.init_from_env(self.args.ddp_timeout, cpu=self.args.use_cpu)
         self.device = self.args.device
@@ -110,21 +100,31 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         self.optimizer, self.lr_scheduler = optimizers
         self.state, self.control = TrainerState(), TrainerControl()
         self.state.is_world_process_zero = self.state.is_local_process_zero = self.rank == 0
-        progress = PrinterCallback() if self.args.disable_tqdm else ProgressCallback()
+        # the progress bar, metrics.jsonl and the trackers: vlmtrain.logging fills the slot
+        loggers = plugins.lookup("logging_callbacks", lambda args: [])(self.args)
         self.callback_handler = CallbackHandler(
-            [DefaultFlowCallback(), progress, *default_writers(self.args), *(callbacks or [])],
+            [DefaultFlowCallback(), *loggers, *(callbacks or [])],
             model=self.model, processing_class=processing_class, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler)
         self.train_dataloader: StatefulDataLoader | None = None
         self._preemption: PreemptionGuard | None = None
         self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
-        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes
-        self._async_eval = AsyncEvaluator(self.args) if self.args.async_eval and self.rank == 0 else None
+        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes (vlmtrain.evaluation.async_eval)
+        evaluator = plugins.lookup("checkpoint_evaluator", _no_checkpoint_evaluator)
+        self._async_eval = evaluator(self.args) if self.args.async_eval and self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
         self._label_smoother = (LabelSmoothing(self.args.label_smoothing_factor, self.model)
                                 if self.args.label_smoothing_factor else None)
         self.control = self._event("on_init_end")
+
+    def _check_no_eval_needed(self) -> None:
+        """Without an eval_dataset, the arguments must not ask for evaluation."""
+        if self.args.eval_strategy != "no":
+            raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs an eval_dataset; pass "
+                             "Trainer(eval_dataset=...) or set eval_strategy='no'.")
+        if self.args.eval_on_start:
+            raise ValueError("eval_on_start=True needs an eval_dataset: pass Trainer(eval_dataset=...).")
 
     # -- callbacks -------------------------------------------------------------------------------------
     def add_callback(self, callback: type | TrainerCallback) -> None:
@@ -190,30 +190,15 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
 
     def _run_epoch(self, model: nn.Module, loader: StatefulDataLoader) -> None:
         accum, steps_in_epoch = self.args.gradient_accumulation_steps, self._steps_in_epoch
-        sampler, dataset = getattr(loader, "sampler", None), getattr(loader, "dataset", None)  # (any iterable)
-        if isinstance(sampler, StatefulDistributedSampler):
-            sampler.set_epoch(self._epoch_index)
-        if isinstance(sampler, StepSampler):  # steps done when this epoch began (micro_step > 0: resumed)
-            sampler.first_step = self.state.global_step - self._micro_step // accum
-        elif hasattr(dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
-            dataset.set_epoch(self._epoch_index)
+        self._set_data_epoch(loader)
         batches, seen, self._epoch_cut = self._usable_batches(iter(loader)), 0, False
-        # A model that counts each loss's items (count_items) gets the whole window's micro-batches counted
-        # before the first forward (transformers' get_batch_samples); others are fetched one by one.
         count_items = getattr(self.model, "count_items", None)
         window: list[Any] = []
         while True:
             if not window:
-                size = 1
-                if count_items is not None:  # the rest of this accumulation window
-                    size = accum - self._micro_step % accum
-                    if steps_in_epoch is not None:
-                        size = max(1, min(size, steps_in_epoch - self._micro_step))
-                window = list(itertools.islice(batches, size))
+                window = self._next_window(batches, count_items)
                 if not window:
                     break  # the epoch's data is done (on every rank alike)
-                if count_items is not None:
-                    self._window_counts = self._count_window(count_items, window)
             batch = window.pop(0)
             seen += 1
             if self._micro_step % accum == 0:
@@ -243,6 +228,31 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         if seen == 0:
             warnings.warn("The train dataloader yielded no batch this epoch: stopping training.", stacklevel=2)
             self.control.should_training_stop = True
+
+    def _set_data_epoch(self, loader: StatefulDataLoader) -> None:
+        """Tell the loader's sampler (or a stream) which epoch begins: its shuffle, and where it resumes."""
+        sampler, dataset = getattr(loader, "sampler", None), getattr(loader, "dataset", None)  # (any iterable)
+        if isinstance(sampler, StatefulDistributedSampler):
+            sampler.set_epoch(self._epoch_index)
+        if isinstance(sampler, StepSampler):  # steps done when this epoch began (micro_step > 0: resumed)
+            sampler.first_step = self.state.global_step - self._micro_step // self.args.gradient_accumulation_steps
+        elif hasattr(dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
+            dataset.set_epoch(self._epoch_index)
+
+    def _next_window(self, batches: Iterator[Any], count_items: Any) -> list[Any]:
+        """The next micro-batches to run ([] when the epoch's data is done). A model that counts each loss's
+        items (count_items) gets the rest of the accumulation window at once, counted before its first forward
+        (transformers' get_batch_samples); others get one micro-batch at a time."""
+        size = 1
+        if count_items is not None:  # the rest of this accumulation window
+            accum = self.args.gradient_accumulation_steps
+            size = accum - self._micro_step % accum
+            if self._steps_in_epoch is not None:
+                size = max(1, min(size, self._steps_in_epoch - self._micro_step))
+        window = list(itertools.islice(batches, size))
+        if window and count_items is not None:
+            self._window_counts = self._count_window(count_items, window)
+        return window
 
     def _usable_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         """The loader's batches that hold samples, each counted (data-wait time, skipped samples) as it is
@@ -436,3 +446,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
         row = self._log_row(logs, start_time)
         self.state.log_history.append({**row, "step": row.get("step", self.state.global_step)})
         self.control = self._event("on_log", logs=logs)
+
+
+def _no_checkpoint_evaluator(args: TrainingArguments) -> None:
+    raise ValueError("train.async_eval needs vlmtrain.evaluation.async_eval, which `import vlmtrain` registers.")

@@ -29,7 +29,10 @@ from collections import Counter
 from typing import Any
 
 from ..errors import ConfigError
-from . import checkpoint as ckpt
+from ..logging.eval_samples import THUMBNAIL_DIR
+from ..trainer import checkpoint as ckpt
+from ..trainer import plugins
+from ..trainer.args import check_choice
 
 DIR = "async_eval"
 DEFAULT_COMMAND = ("{python}", "-m", "vlmtrain", "eval", "--config", "{run_dir}/config.yaml", "--checkpoint",
@@ -108,8 +111,6 @@ def result_row(step: int, metrics: dict[str, Any], arrived_step: int | None) -> 
 def move_eval_samples(run_dir: str, step: int) -> None:
     """Per-sample predictions an evaluation wrote in its own directory go next to metrics.jsonl, and the
     thumbnails their rows refer to (by path relative to that directory) join the run's, where missing."""
-    from ..logging.eval_samples import THUMBNAIL_DIR
-
     out = os.path.join(run_dir, DIR, f"step-{step}")
     if os.path.isdir(out):
         for name in os.listdir(out):
@@ -376,3 +377,29 @@ class AsyncEvaluator:
 
     def _log_file(self, step: int) -> str:
         return os.path.join(self.run_dir, DIR, f"step-{step}.log")
+
+
+def check_arguments(args: Any) -> None:
+    """TrainingArguments' async_eval_* fields, checked at construction (the trainer calls this through its
+    ``evaluation_arguments`` slot)."""
+    check_choice("async_eval_launcher", args.async_eval_launcher, ("subprocess", "submitit"))
+    check_choice("async_eval_when_full", args.async_eval_when_full, ("wait", "skip"))
+    if not re.fullmatch(r"auto|cpu|cuda:\d+", str(args.async_eval_device)):
+        raise ConfigError(f"async_eval_device={args.async_eval_device!r}: expected 'auto', 'cpu' or 'cuda:N' "
+                          "(N: a GPU index as this process numbers them, e.g. 'cuda:7').")
+    if args.async_eval_device.startswith("cuda:") and args.async_eval_launcher != "subprocess":
+        raise ConfigError(f"async_eval_device={args.async_eval_device!r} names a GPU of this machine, but "
+                          f"async_eval_launcher={args.async_eval_launcher!r} runs evaluations elsewhere: leave "
+                          "it 'auto' (the scheduler assigns GPUs, e.g. async_eval_launcher_kwargs "
+                          "{gpus_per_node: 1}) or set 'cpu'.")
+    if args.async_eval_max_pending < 1:
+        raise ConfigError(f"async_eval_max_pending must be >= 1, got {args.async_eval_max_pending}.")
+    if args.async_eval_command is not None and not any("{result_file}" in p for p in args.async_eval_command):
+        raise ConfigError("async_eval_command must write its metrics to {result_file} (a placeholder in one of "
+                          f"its arguments); got {args.async_eval_command!r}.")
+    if args.async_eval and args.save_strategy == "no":
+        raise ConfigError("async_eval evaluates saved checkpoints: set save_strategy to steps or epoch.")
+
+
+plugins.register("checkpoint_evaluator", AsyncEvaluator)
+plugins.register("evaluation_arguments", check_arguments)

@@ -1,0 +1,280 @@
+"""What transformers' TrainingArguments names and value forms mean in vlmtrain.
+
+A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.23
+argument name is a field of vlmtrain's TrainingArguments. The names vlmtrain implements live in
+vlmtrain/trainer/args.py; the rest are the fields of :class:`~vlmtrain.trainer.args_compat.TransformersOnlyArguments`,
+with transformers' defaults. Each of them is either
+
+- refused at anything but its default (:data:`REFUSED`: a ConfigError says what vlmtrain does instead), or
+- accepted at any value because vlmtrain already behaves one fixed, documented way (:data:`IGNORED`).
+
+:data:`DIFFERENT` lists the implemented names that do not behave exactly as transformers' (the migration guide's
+rows, written by scripts/gen_migrating.py). :func:`apply` is what TrainingArguments does with transformers'
+conventions at construction (JSON dict strings, refused values, aliases and value forms, report_to's names); it
+reaches the trainer through its ``transformers_arguments`` slot, filled when ``vlmtrain`` is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import typing
+from dataclasses import fields
+from typing import Any
+
+from ..errors import ConfigError
+from ..logging.trackers import TRACKERS
+from ..trainer import plugins
+from ..trainer.args import ImplementedArguments, check_choice
+from ..trainer.args_compat import TransformersOnlyArguments
+
+_OWN_OPTIMIZER = "build the optimizer yourself and pass Trainer(optimizers=(optimizer, scheduler))"
+_HALF_EVAL = "evaluation runs under the same autocast as training (bf16=True)"
+_LIGER = "apply Liger's patches to the model (liger_kernel.transformers.apply_liger_kernel_to_*) before Trainer(...)"
+_LOG_LEVEL = "set levels with logging.getLogger(...).setLevel; vlmtrain logs metrics from rank 0 only"
+_HUB = "upload output_dir (or a checkpoint-N folder) with huggingface_hub's upload_folder after training"
+_ACCELERATE = "vlmtrain does not use accelerate: launch with torchrun; DDP is automatic and fsdp=True shards the model"
+_SAMPLING = "training data is shuffled by a seeded sampler (data_seed); use data.packing for length-efficient batches"
+
+# name -> what vlmtrain does instead, or how to get the feature: the end of "<name>=<value> is not supported by
+# vlmtrain; ...".
+REFUSED: dict[str, str] = {
+    "optim_args": _OWN_OPTIMIZER,
+    "optim_target_modules": _OWN_OPTIMIZER,
+    "average_tokens_across_devices": "the loss is always normalized by the target tokens of the whole step, across "
+                                     "gradient accumulation and ranks",
+    "fp16": "use bf16=True (bfloat16 autocast, no loss scaling needed)",
+    "bf16_full_eval": _HALF_EVAL,
+    "fp16_full_eval": _HALF_EVAL,
+    "use_liger_kernel": _LIGER,
+    "liger_kernel_config": _LIGER,
+    "use_cache": "training forwards pass use_cache=False; override Trainer.compute_loss if a model needs its cache",
+    "neftune_noise_alpha": "add the embedding noise in the model (e.g. a forward hook on its input embeddings)",
+    "auto_find_batch_size": "vlmtrain does not restart training after an out-of-memory error (transformers does "
+                            "it with accelerate's find_executable_batch_size): set per_device_train_batch_size and "
+                            "gradient_accumulation_steps yourself",
+    "log_level": _LOG_LEVEL,
+    "log_level_replica": _LOG_LEVEL,
+    "logging_nan_inf_filter": "steps with a NaN/Inf loss or gradients are skipped (no update) and logged as "
+                              "nonfinite_steps, so they never reach the logged averages",
+    "trackio_static_space_id": "a static trackio Space comes with push_to_hub, which vlmtrain does not do; after "
+                               "training publish the project with trackio's CLI (trackio sync / trackio freeze)",
+    "eval_delay": "evaluation follows eval_strategy from the start; a TrainerCallback can clear "
+                  "control.should_evaluate for early steps",
+    "prediction_loss_only": "evaluation returns only the losses when Trainer(compute_metrics=None)",
+    "eval_do_concat_batches": "predictions are always concatenated over batches (padded to the longest)",
+    "save_only_model": "checkpoints keep optimizer, scheduler, data and RNG state for exact resume; "
+                       "Trainer.save_model() writes the weights alone",
+    "save_on_each_node": "put output_dir on storage that every node shares",
+    "push_to_hub": _HUB,
+    "hub_token": _HUB,
+    "hub_private_repo": _HUB,
+    "hub_model_id": _HUB,
+    "hub_strategy": _HUB,
+    "hub_always_push": _HUB,
+    "hub_revision": _HUB,
+    "ignore_data_skip": "resume restores the data loader's position in O(1) time, so nothing is skipped",
+    "full_determinism": "call torch.use_deterministic_algorithms(True) yourself (CPU runs are already bitwise "
+                        "reproducible)",
+    "accelerator_config": _ACCELERATE,
+    "parallelism_config": _ACCELERATE,
+    "ddp_backend": "the backend is NCCL on GPUs and gloo on CPU",
+    "dataloader_in_order": "batches always arrive in order, which exact resume needs",
+    "length_column_name": _SAMPLING,
+    "fsdp_config": "fsdp=True shards every transformer block with FSDP2 (full_shard; bf16 compute with bf16=True) "
+                   "and takes no further options",
+    "deepspeed": "use fsdp=True (FSDP2 under torchrun) for models that do not fit one device",
+    "debug": "use torch.autograd.set_detect_anomaly(True) or forward hooks to debug a model",
+    "skip_memory_metrics": "memory metrics are not recorded; read torch.cuda.max_memory_allocated() in a "
+                           "TrainerCallback",
+}
+
+# Names vlmtrain implements, but not exactly as transformers 5.x: name -> how it differs (the migration guide's
+# "different" rows; every other implemented name behaves as in transformers, which tests compare).
+DIFFERENT: dict[str, str] = {
+    "optim": "adamw_torch_fused (the default, as transformers'), adamw_torch and sgd; transformers' other "
+             "optimizers are refused: build one and pass Trainer(optimizers=(optimizer, scheduler))",
+    "lr_scheduler_type": "constant, constant_with_warmup, linear, cosine, cosine_with_min_lr and polynomial (the "
+                         "same curves as transformers'); its other schedules are refused",
+    "weight_decay": "also exempts every 1-dimensional parameter (transformers: biases and normalization layers "
+                    "only)",
+    "report_to": "metrics.jsonl is always written; trackers: tensorboard, wandb, mlflow, trackio (others refused); "
+                 "'all' stays ['all'] (every installed one at run time); None means [] (transformers: [None])",
+    "fsdp": "any true value shards with FSDP2, one unit per transformer block (transformers' full_shard auto_wrap); "
+            "shard_grad_op, hybrid_shard, offload and no_shard are refused",
+    "tf32": "on a machine without a GPU a warning, not transformers' error",
+    "disable_tqdm": "None means False (transformers: True when its logger is quieter than WARNING)",
+    "ddp_find_unused_parameters": "None means False, DDP's default (transformers: True unless activation "
+                                  "checkpointing is on)",
+    "remove_unused_columns": "accepted, no effect: vlmtrain never drops dataset columns; the data collator decides "
+                             "what a batch holds",
+    "train_sampling_strategy": "random is a seeded per-epoch shuffle (data_seed) whose order differs from "
+                               "transformers' RandomSampler; sequential is the same; group_by_length and "
+                               "batch_rebalance are refused (use data.packing)",
+    "data_seed": "seeds vlmtrain's shuffle, so the order differs from transformers' for the same seed",
+    "resume_from_checkpoint": "Trainer.train() uses it when called without resume_from_checkpoint (transformers' "
+                              "Trainer ignores the field; it is for scripts)",
+    "include_for_metrics": "only [] is accepted: compute_metrics receives predictions and label_ids",
+}
+
+# name -> why any value is fine: vlmtrain always behaves one way, which the name cannot change.
+IGNORED: dict[str, str] = {
+    "do_train": "transformers' Trainer ignores it too; it is for your script",
+    "do_eval": "transformers' Trainer ignores it too; it is for your script",
+    "do_predict": "transformers' Trainer ignores it too; it is for your script",
+    "local_rank": "torchrun's LOCAL_RANK environment variable picks the device",
+    "log_on_each_node": "metrics are reduced over all ranks and logged once, by rank 0",
+    "eval_use_gather_object": "evaluation results are always gathered over ranks as objects",
+    "eval_accumulation_steps": "predictions move to the CPU after every batch",
+    "enable_jit_checkpoint": "SIGTERM/SIGUSR1 always finish the step, save a checkpoint and stop",
+    "restore_callback_states_from_checkpoint": "resume always restores the callbacks that have load_state_dict",
+}
+
+
+# report_to: these, or a tracker of vlmtrain.logging.trackers.TRACKERS (tensorboard, wandb, mlflow, trackio).
+REPORTERS = ("none", "jsonl", "all")
+# transformers' report_to names that vlmtrain has no writer for.
+UNIMPLEMENTED_REPORTERS = ("azure_ml", "clearml", "codecarbon", "comet_ml", "dagshub", "dvclive", "flyte", "kubeflow",
+                           "neptune", "swanlab")
+FSDP_OPTIONS = {"full_shard": None, "auto_wrap": None,  # what vlmtrain's FSDP2 does: shard per transformer block
+                "shard_grad_op": "vlmtrain's FSDP2 always reshards parameters after forward (full_shard)",
+                "hybrid_shard": "vlmtrain's FSDP2 shards over all ranks (full_shard)",
+                "hybrid_shard_zero2": "vlmtrain's FSDP2 shards over all ranks (full_shard)",
+                "no_shard": "leave fsdp off to replicate the model with DDP",
+                "offload": "CPU offload is not supported; use more ranks or activation_checkpointing"}
+
+
+def describe(name: str) -> str:
+    """One line on what a transformers-only name does in vlmtrain (for --help and the README reference)."""
+    if name in IGNORED:
+        return f"Any value; no effect: {IGNORED[name]}."
+    return f"Default only; any other value is an error: {REFUSED[name]}."
+
+
+# Field docstrings, in the Google "Attributes:" form that jsonargparse reads for each option's help (set when
+# vlmtrain is imported, before any parser reads them).
+TransformersOnlyArguments.__doc__ = "\n".join(
+    [str(TransformersOnlyArguments.__doc__), "", "Attributes:"]
+    + [f"    {f.name}: {describe(f.name)}" for f in fields(TransformersOnlyArguments)])
+
+_OFF = (None, False, "", "no", [], {}, ())
+
+
+def _at_default(value: Any, default: Any) -> bool:
+    """Equal to the default, or both leave the feature off (None, False, '', 'no', empty)."""
+    try:
+        if value == default:
+            return True
+    except Exception:  # e.g. an object whose == is not a plain bool
+        return False
+    return any(value is off or (type(value) is type(off) and value == off) for off in _OFF) and default in _OFF
+
+
+def check_transformers_only(args: Any) -> None:
+    """Raise ConfigError naming the first transformers-only argument set to a value vlmtrain cannot honour."""
+    for f in fields(TransformersOnlyArguments):
+        value = getattr(args, f.name)
+        if f.name not in IGNORED and not _at_default(value, f.default):
+            raise ConfigError(f"{f.name}={value!r} is not supported by vlmtrain; {REFUSED[f.name]}.")
+
+
+def resolve_transformers_names(args: Any) -> None:
+    """transformers' aliases and value forms -> the one form the Trainer reads (idempotent): the older
+    gradient_checkpointing names mirror activation_checkpointing's, fsdp and include_num_input_tokens_seen
+    become the Trainer's values, report_to a list of implemented names."""
+    for old, new in (("gradient_checkpointing", "activation_checkpointing"),
+                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+        if getattr(args, new) is None and getattr(args, old) is not None:
+            setattr(args, new, getattr(args, old))
+        setattr(args, old, getattr(args, new))
+    if isinstance(args.include_num_input_tokens_seen, bool):
+        args.include_num_input_tokens_seen = "all" if args.include_num_input_tokens_seen else "no"
+    check_choice("include_num_input_tokens_seen", args.include_num_input_tokens_seen, ("no", "all", "non_padding"))
+    if args.use_cpu:
+        args.dataloader_pin_memory = False
+    args.fsdp = None if args.fsdp is None else _fsdp_flag(args.fsdp)  # (transformers: None stays None)
+    if isinstance(args.debug, str):  # (refused unless empty) as transformers: a list of options
+        args.debug = args.debug.split()
+    if args.torch_compile_backend is not None or args.torch_compile_mode is not None:
+        args.torch_compile = True
+    reporters = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
+    implemented = (*REPORTERS[:2], *TRACKERS, REPORTERS[2])
+    for r in reporters:
+        if r in UNIMPLEMENTED_REPORTERS:
+            raise ConfigError(f"report_to={r!r} is not implemented by vlmtrain; implemented: "
+                              f"{', '.join(implemented)} (metrics.jsonl is always written).")
+        check_choice("report_to", r, implemented + UNIMPLEMENTED_REPORTERS)
+    args.report_to = [] if reporters == ["none"] else reporters  # (transformers: 'none' -> [])
+    for extra in args.include_for_metrics:
+        check_choice("include_for_metrics", extra, ("inputs", "loss"))
+    if args.include_for_metrics:
+        raise ConfigError(f"include_for_metrics={args.include_for_metrics!r} is not supported by vlmtrain yet; "
+                          "compute_metrics receives predictions and label_ids (see label_names).")
+
+
+def parse_json_dicts(args: Any) -> None:
+    """A dict argument given as a JSON string (a command line's '{"factor": 0.5}') -> the dict, its string
+    values converted as transformers does ('true' -> True, '3' -> 3, '0.5' -> 0.5)."""
+    hints = _type_hints(type(args))
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if not isinstance(value, str) or "dict" not in str(hints[f.name]):
+            continue
+        if not value.startswith("{"):
+            if f.name not in _IMPLEMENTED:  # (transformers-only: refused below at any value but the default)
+                continue
+            raise ConfigError(f"{f.name}={value!r}: expected a mapping or a JSON object string such as "
+                              "'{\"key\": 1}'.")
+        try:
+            setattr(args, f.name, _convert_str_dict(json.loads(value)))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{f.name}={value!r} is not valid JSON ({e.msg} at character {e.pos}).") from None
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+_IMPLEMENTED = frozenset(f.name for f in fields(ImplementedArguments))
+
+
+def _convert_str_dict(passed_value: dict) -> dict:
+    """transformers' _convert_str_dict: string values 'true'/'false' -> bool, digits -> int or float, nested."""
+    for key, value in passed_value.items():
+        if isinstance(value, dict):
+            passed_value[key] = _convert_str_dict(value)
+        elif isinstance(value, str):
+            if value.lower() in ("true", "false"):
+                passed_value[key] = value.lower() == "true"
+            elif value.isdigit():
+                passed_value[key] = int(value)
+            elif value.replace(".", "", 1).isdigit():
+                passed_value[key] = float(value)
+    return passed_value
+
+
+def _fsdp_flag(value: bool | str | list[str] | None) -> bool:
+    """transformers' fsdp values (a bool, 'full_shard auto_wrap', ['full_shard', ...], '' or None) -> on/off."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):  # (a command line's --fsdp true)
+        return value.strip().lower() == "true"
+    items = value.split() if isinstance(value, str) else [i for v in value for i in str(v).split()]
+    for item in items:
+        if item not in FSDP_OPTIONS:
+            raise ConfigError(f"fsdp={value!r}: unknown option {item!r}; use true/false (or transformers' "
+                              f"'full_shard auto_wrap').")
+        if FSDP_OPTIONS[item] is not None:
+            raise ConfigError(f"fsdp={value!r}: {item!r} is not supported by vlmtrain; {FSDP_OPTIONS[item]}.")
+    return bool(items)
+
+def apply(args: Any) -> None:
+    """transformers' conventions at TrainingArguments' construction, before its own checks: JSON dict strings
+    parsed, transformers-only values refused, aliases and value forms resolved."""
+    parse_json_dicts(args)
+    check_transformers_only(args)
+    resolve_transformers_names(args)
+
+
+plugins.register("transformers_arguments", apply)
