@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "vlmtrain.trainer": 4,
     "vlmtrain.logging": 5,
     "vlmtrain.evaluation": 5,
+    "vlmtrain.compat": 5,
     "vlmtrain.checkpoint_paths": 5,
     # what a run is made of, below the orchestrator that runs them
     "vlmtrain.config_checks": 6,
@@ -37,6 +38,7 @@ LAYERS: dict[str, int] = {
     "vlmtrain.inference": 6,
     "vlmtrain.prediction": 6,
     "vlmtrain.run": 7,
+    "vlmtrain.launch": 7,
     # the public faces: the package's names (vlmtrain/__init__), the command line on top of them
     "vlmtrain": 8,
     "vlmtrain.cli": 9,
