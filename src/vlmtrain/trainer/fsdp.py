@@ -1,6 +1,6 @@
 """FSDP2 (`train.fsdp`): parameters, gradients and optimizer state sharded over the ranks with `fully_shard`,
 for models that do not fit one device. A full fine-tune's checkpoints are torch.distributed.checkpoint (DCP)
-directories, each rank writing its shards (:func:`export_checkpoint` turns one into a single `model.safetensors`).
+directories, each rank writing its shards (`vlmtrain export` turns one into a single `model.safetensors`).
 A model with frozen weights (LoRA) saves only what trains: its trainable parameters gathered to rank 0
 (:func:`gather_trainable`) in the adapter / heads layout of model_files.py, and the optimizer state as one
 unsharded state dict keyed by parameter name (:func:`full_optimizer_state`), re-split over any world size at resume.
@@ -13,13 +13,17 @@ master weights and reduce gradients in float32 (FSDP's MixedPrecisionPolicy).
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-DCP_DIR = "dcp"  # inside checkpoint-<step>/: the DCP shards and .metadata
+from .model_files import (  # noqa: F401  (has_sharded_weights: callers ask fsdp whether a checkpoint is sharded)
+    DCP_DIR,
+    has_sharded_weights,
+    save_model_files,
+    saves_trainable_only,
+)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -175,28 +179,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def has_sharded_weights(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, DCP_DIR, ".metadata"))
-
-
-def read_model_weights(directory: str) -> dict[str, torch.Tensor]:
-    """The model's full weights from a DCP checkpoint, in one process (no process group needed)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = os.path.join(directory, DCP_DIR)
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    state = {"model": {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-                       for key, meta in metadata.state_dict_metadata.items()
-                       if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}}
-    if not state["model"]:
-        raise FileNotFoundError(f"{path} holds no model weights.")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state["model"]
-
-
 def gather_params(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     """The parameters whose names start with `prefix` (e.g. the score heads, "heads."), as full CPU tensors on
     every rank. A collective: every rank calls it."""
@@ -211,8 +193,6 @@ def gather_params(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
 def save_full_model(model: nn.Module, directory: str, processing_class: Any, rank: int) -> None:
     """Gather the sharded model and write it like an unsharded one (rank 0 writes; every rank must call). With
     LoRA only the trainable parameters are gathered: the files hold the adapter, never the frozen base."""
-    from .model_files import save_model_files, saves_trainable_only
-
     state = gather_trainable(model) if saves_trainable_only(model) else full_state_dict(model)
     if rank == 0:
         save_model_files(model, directory, processing_class, state_dict=state)

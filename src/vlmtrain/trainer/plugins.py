@@ -12,6 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
+    "flop_counter": "model -> (batch -> training FLOPs) or None, for tflops_per_second / mfu (models/flops.py)",
+    "checkpoint_parts": "objects for models that save in parts, see model_files.py (models/head_files.py)",
+    "read_sharded_weights": "directory -> a DCP checkpoint's model weights, in one process (models/sharded_files.py)",
 }
 _filled: dict[str, Any] = {}
 
