@@ -34,7 +34,6 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from ..data.collate import DefaultCollator
 from ..logging.writers import default_writers
 from . import checkpoint as ckpt
 from . import distributed as dist
@@ -47,6 +46,7 @@ from .callbacks import (
     ProgressCallback,
     TrainerCallback,
 )
+from .collate import DefaultCollator
 from .compat_methods import TransformersMethodsMixin, set_seed
 from .evaluation import EvaluationMixin
 from .loss_extras import (
