@@ -17,7 +17,7 @@ from tiny import tiny_llama, token_samples
 import vlmtrain  # noqa: F401  (fills the trainer's slots)
 from vlmtrain.data.collate import PadCollator
 from vlmtrain.errors import CheckpointError
-from vlmtrain.models import flops, head_files, protocol, sharded_files, sharding
+from vlmtrain.models import flops, head_files, lora_files, protocol, sharded_files, sharding
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.trainer import model_files, model_prep, optim, plugins
 from vlmtrain.trainer.collate import DefaultCollator
@@ -42,7 +42,7 @@ def test_import_vlmtrain_fills_every_slot_the_models_provide():
     assert plugins.lookup("fsdp_blocks") is sharding.transformer_blocks
     blocks = sharding.transformer_blocks(tiny_llama())
     assert blocks and all(type(b).__name__ == "LlamaDecoderLayer" for b in blocks)
-    assert tuple(plugins.lookup("checkpoint_parts")) == (head_files.HEAD_PARTS,)
+    assert tuple(plugins.lookup("checkpoint_parts")) == (lora_files.ADAPTER_PARTS, head_files.HEAD_PARTS)
     assert set(plugins.SLOTS) >= {"flop_counter", "read_sharded_weights", "checkpoint_parts", "fsdp_blocks"}
     with pytest.raises(KeyError, match="no trainer slot 'nope'"):
         plugins.register("nope", None)

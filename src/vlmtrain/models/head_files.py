@@ -119,6 +119,7 @@ class HeadFiles:
     in the trainer's layouts, its heads in heads.safetensors + heads.json, which the methods below write, check
     and load."""
 
+    replaces_base = False
     base_prefix = "base."
     parts_prefix = "heads.layers."
     part_files = (HEADS_CONFIG, HEADS_WEIGHTS)

@@ -1,30 +1,31 @@
 """Model weights in a checkpoint directory: what is written, what counts as complete, how it is loaded back.
 
-Two layouts, each loadable with transformers / peft alone:
-  - full weights: `model.safetensors`, or shards listed in `model.safetensors.index.json` (+ `config.json`),
-    what `save_pretrained` writes; transformers models are loaded back through their own `from_pretrained`
-    (which renames legacy keys some families write), other models by state-dict key;
-  - LoRA (peft): `adapter_model.safetensors` + `adapter_config.json` (adapters and modules_to_save), and
-    `trainable.safetensors` for any other trainable base tensor; the frozen base is not written.
-A model that saves in parts (vlmtrain's score heads: a base model + heads) has its base written in one of these
-layouts and its other parts in files of their own, through the checkpoint-parts protocol below. Under FSDP a
-LoRA model is written in the same layout (its trainable parameters gathered to rank 0); a full fine-tune keeps
-its weights in DCP shards (`dcp/`, keys as the whole model names them) with the parts' files and the config
-beside them.
+The trainer writes a model's full weights itself: `model.safetensors`, or shards listed in
+`model.safetensors.index.json` (+ `config.json`), what `save_pretrained` writes; transformers models are loaded
+back through their own `from_pretrained` (which renames legacy keys some families write), other models by
+state-dict key. A model that saves in parts is written through the checkpoint-parts protocol below, whose
+implementations live with the models (``import vlmtrain`` registers them):
+  - a LoRA adapter (models/lora_files.py) stands in for the frozen base's weights: `adapter_model.safetensors` +
+    `adapter_config.json` in peft's layout, and `trainable.safetensors`; the frozen base is not written;
+  - score heads (models/head_files.py) wrap a base written as above (full weights or an adapter):
+    `heads.safetensors` + `heads.json` next to it.
+Each layout loads with transformers / peft alone. Under FSDP a LoRA model is written in the same layout (its
+trainable parameters gathered to rank 0); a full fine-tune keeps its weights in DCP shards (`dcp/`, keys as the
+whole model names them) with the parts' files and the config beside them.
 
-Checkpoint-parts protocol: the ``checkpoint_parts`` slot (trainer/plugins.py) lists objects, one per kind of
-parted model, that the model layer implements and ``import vlmtrain`` registers (score heads:
-models/head_files.py), each with
-  - ``owns(model)``: whether ``model`` saves in these parts; ``base(model)``: the module written in the layouts
-    above (the base model, or a peft model around it);
-  - ``base_prefix`` / ``parts_prefix``: where the base's and the other parts' weights sit in the whole model's
-    state dict (``"base."`` / ``"heads.layers."``);
-  - ``part_files``: (config file, weights file) of the other parts: a checkpoint with the config lacks nothing
-    only with the weights too;
-  - ``save(model, directory, tensors=None)``: write the parts' files (``tensors``: their weights keyed without
-    ``parts_prefix``, e.g. gathered from FSDP shards; None: the model's own);
-  - ``check(model, directory)``: raise CheckpointError unless the directory's parts are the model's (called
-    before any weight is read); ``load(model, directory)``: load the parts' weights.
+Checkpoint-parts protocol: the ``checkpoint_parts`` slot (trainer/plugins.py) lists one object per kind of part,
+each with
+  - ``owns(model)``: whether ``model`` saves in these parts;
+  - ``part_files``: (config file, weights file): a checkpoint with the config lacks nothing only with the
+    weights too;
+  - ``save(model, directory, tensors=None)``: write the parts' files (``tensors``: their weights, e.g. gathered
+    from FSDP shards; None: the model's own); ``load(model, directory)``: load them;
+  - ``check(model, directory)``: raise CheckpointError unless the directory's parts fit the model (called before
+    any weight is read);
+  - ``replaces_base`` (True for an adapter: its files stand in for the model's own, and ``check`` is called for
+    every model), else a wrapper around a base model, with ``base(model)`` (the module written as the model) and
+    ``base_prefix`` / ``parts_prefix`` (where the base's and the parts' weights sit in the whole model's state
+    dict: ``"base."`` / ``"heads.layers."``; ``tensors`` are keyed without ``parts_prefix``).
 """
 
 from __future__ import annotations
@@ -48,14 +49,12 @@ __all__ = ["CheckpointError", "has_model_files", "has_score_heads", "has_sharded
 DCP_DIR = "dcp"  # inside checkpoint-<step>/: the DCP shards and .metadata (fsdp.py)
 MODEL_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-ADAPTER_NAME = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-TRAINABLE_NAME = "trainable.safetensors"
 
 
-def _part_kinds() -> list[Any]:
-    """The kinds of parted models (the ``checkpoint_parts`` slot: the protocol above)."""
-    return list(plugins.lookup("checkpoint_parts", ()))
+def _part_kinds(replacing: bool = False) -> list[Any]:
+    """The kinds of parts (the ``checkpoint_parts`` slot: the protocol above) that wrap a base model, or with
+    ``replacing`` those whose files stand in for the base's (an adapter)."""
+    return [p for p in plugins.lookup("checkpoint_parts", ()) if getattr(p, "replaces_base", False) == replacing]
 
 
 def _parts(model: nn.Module) -> tuple[nn.Module, Any]:
@@ -64,17 +63,14 @@ def _parts(model: nn.Module) -> tuple[nn.Module, Any]:
     return (model if parts is None else parts.base(model)), parts
 
 
+def _adapter(base: nn.Module) -> Any:
+    """The parts whose files stand in for ``base``'s own (its LoRA adapter), or None."""
+    return next((p for p in _part_kinds(replacing=True) if p.owns(base)), None)
+
+
 def has_sharded_weights(directory: str) -> bool:
     """True when directory holds DCP shards (an FSDP full fine-tune's checkpoint)."""
     return os.path.isfile(os.path.join(directory, DCP_DIR, ".metadata"))
-
-
-def _is_peft(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
 
 
 def has_score_heads(model: nn.Module) -> bool:
@@ -85,7 +81,7 @@ def has_score_heads(model: nn.Module) -> bool:
 def saves_trainable_only(model: nn.Module) -> bool:
     """True when the model's files hold only what trains (LoRA adapters, modules_to_save, heads), never its
     frozen base: then FSDP gathers just those (fsdp.gather_trainable)."""
-    return _is_peft(_parts(model)[0])
+    return _adapter(_parts(model)[0]) is not None
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -113,8 +109,9 @@ def missing_weight_files(directory: str) -> list[str]:
     def there(name: str) -> bool:
         return os.path.isfile(os.path.join(directory, name))
 
-    if there(ADAPTER_CONFIG):
-        missing = [] if there(ADAPTER_NAME) else [ADAPTER_NAME]
+    adapters = [p.part_files for p in _part_kinds(replacing=True) if there(p.part_files[0])]
+    if adapters:
+        missing = [] if there(adapters[0][1]) else [adapters[0][1]]
     elif there(INDEX_NAME):
         with open(os.path.join(directory, INDEX_NAME)) as f:
             shards = sorted(set(json.load(f).get("weight_map", {}).values()))
@@ -132,7 +129,8 @@ def missing_weight_files(directory: str) -> list[str]:
 
 def has_model_files(directory: str) -> bool:
     """True when directory holds a model in any layout (full, sharded, adapter, DCP)."""
-    there = [n for n in (MODEL_NAME, INDEX_NAME, ADAPTER_CONFIG) if os.path.isfile(os.path.join(directory, n))]
+    names = (MODEL_NAME, INDEX_NAME, *(p.part_files[0] for p in _part_kinds(replacing=True)))
+    there = [n for n in names if os.path.isfile(os.path.join(directory, n))]
     return bool(there) or has_sharded_weights(directory)
 
 
@@ -163,9 +161,10 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
 
 def _save_base(base: nn.Module, directory: str, state_dict: dict[str, torch.Tensor] | None,
                max_shard_size: int | str | None) -> None:
-    """The base model's files: a peft adapter, what save_pretrained writes, or model.safetensors."""
-    if _is_peft(base):
-        _save_adapter(base, directory, state_dict)
+    """The base model's files: its adapter's, what save_pretrained writes, or model.safetensors."""
+    adapter = _adapter(base)
+    if adapter is not None:
+        adapter.save(base, directory, state_dict)
     elif hasattr(base, "save_pretrained"):
         kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
         with _no_hf_bars():
@@ -187,43 +186,17 @@ def save_head_files(model: nn.Module, directory: str, tensors: dict[str, torch.T
     _parts(model)[1].save(model, directory, tensors)
 
 
-def _extra_trainable(peft_model: nn.Module) -> dict[str, torch.Tensor]:
-    """Trainable parameters of a PeftModel that its adapter state dict does not hold."""
-    from peft import get_peft_model_state_dict
-
-    held = {t.data_ptr() for t in get_peft_model_state_dict(peft_model).values()}
-    return {n: p.detach().contiguous() for n, p in peft_model.named_parameters()
-            if p.requires_grad and p.data_ptr() not in held}
-
-
-def _save_adapter(peft_model: nn.Module, directory: str, state_dict: dict[str, torch.Tensor] | None) -> None:
-    """`state_dict`: the PeftModel's trainable parameters by name (gathered FSDP shards), or None for its own."""
-    peft_model.save_pretrained(directory, state_dict=state_dict)
-    if state_dict is None:
-        extra = _extra_trainable(peft_model)
-    else:  # what the adapter file does not hold (found by identity: peft keeps the tensors it is given)
-        from peft import get_peft_model_state_dict
-
-        held = {id(t) for t in get_peft_model_state_dict(peft_model, state_dict=state_dict).values()}
-        extra = {k: v.contiguous() for k, v in state_dict.items() if id(v) not in held}
-    if extra:
-        safetensors.torch.save_file(extra, os.path.join(directory, TRAINABLE_NAME), metadata={"format": "pt"})
-
-
 # -- reading ------------------------------------------------------------------------------------------------
 def load_model_weights(model: nn.Module, directory: str) -> None:
     """Load a checkpoint's model files (any layout of the module docstring) into model, in place."""
     base, parts = _parts(model)
-    adapter = os.path.isfile(os.path.join(directory, ADAPTER_CONFIG))
-    if _is_peft(base) != adapter:
-        raise CheckpointError(
-            f"{directory!r} holds {'a LoRA adapter' if adapter else 'full weights'} but the model "
-            f"{'carries' if _is_peft(base) else 'has no'} LoRA adapters: build it with the same model.lora "
-            f"as the run that wrote it" + ("." if adapter else " (or merge with vlmtrain export --merge)."))
+    for kind in _part_kinds(replacing=True):  # an adapter in the checkpoint exactly when the model carries one
+        kind.check(base, directory)
     if parts is not None:  # first: a checkpoint of other parts (another head set) fails before any weight is read
         parts.check(model, directory)
-    if adapter:
-        _load_adapter(base, directory)
+    adapter = _adapter(base)
+    if adapter is not None:
+        adapter.load(base, directory)
     elif _is_transformers_model(base) and not has_sharded_weights(directory):
         _load_pretrained(base, directory)
     else:
@@ -290,28 +263,3 @@ def _load_by_key(model: nn.Module, directory: str, base_prefix: str | None = Non
     if unexpected or bad_missing:
         raise CheckpointError(f"Weights in {directory!r} do not fit {type(model).__name__}: missing "
                               f"{bad_missing[:5]}, unexpected {unexpected[:5]}.")
-
-
-def _load_adapter(peft_model: nn.Module, directory: str) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    path = os.path.join(directory, ADAPTER_NAME)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{directory!r} has {ADAPTER_CONFIG} but no {ADAPTER_NAME}.")
-    saved = safetensors.torch.load_file(path)
-    shapes = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(peft_model).items()}
-    expected = set(shapes)
-    if set(saved) != expected:
-        raise CheckpointError(f"The adapter in {directory!r} does not fit the model's LoRA: missing "
-                              f"{sorted(expected - set(saved))[:5]}, unexpected {sorted(set(saved) - expected)[:5]} "
-                              f"(same model.lora as the run that wrote it?).")
-    wrong = [k for k in sorted(saved) if tuple(saved[k].shape) != shapes[k]]
-    if wrong:
-        raise CheckpointError(f"{path!r}: {wrong[0]!r} has shape {tuple(saved[wrong[0]].shape)}, the model expects "
-                              f"{shapes[wrong[0]]} (another model, or another model.lora.r?).")
-    set_peft_model_state_dict(peft_model, saved)
-    extra_path = os.path.join(directory, TRAINABLE_NAME)
-    if os.path.isfile(extra_path):
-        unexpected = peft_model.load_state_dict(safetensors.torch.load_file(extra_path), strict=False).unexpected_keys
-        if unexpected:
-            raise CheckpointError(f"{extra_path!r} holds tensors the model does not have: {unexpected[:5]}.")

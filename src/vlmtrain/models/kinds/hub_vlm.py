@@ -135,11 +135,9 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     with predict_with_generate, generated answers are scored by exact match, cut at the end-of-turn token."""
     import torch
 
-    from vlmtrain.data.hub_collate import HubVLMCollator
-    from vlmtrain.data.hub_processing import HubVLMProcessor, apply_image_size, check_training_template
+    from vlmtrain.data.hub_processing import apply_image_size, check_training_template
     from vlmtrain.data.metrics import exact_match_metric
     from vlmtrain.models.families import family_of
-    from vlmtrain.models.heads import check_head_labels, head_label_tensors
     from vlmtrain.models.meta import model_init
 
     m, d = cfg.model, cfg.data
@@ -163,6 +161,22 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
             from vlmtrain.models.lora import apply_lora
 
             model = apply_lora(model, m.lora, family.text_module, dict(family.module_groups))
+    hub_processor, collator = _processing(cfg, processor, family, heads, model_config)
+    metrics = None
+    if cfg.train.predict_with_generate:
+        metrics = exact_match_metric(processor.tokenizer, eos_token_id=stop)
+    return {**source, "model": model, "tokenizer": processor, "data_collator": collator,
+            "compute_metrics": metrics, "padded_collator": collator.without_packing(),
+            "process": hub_processor.process}
+
+
+def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], model_config: Any) -> tuple[Any, Any]:
+    """The training HubVLMProcessor and collator (packing with data.packing; head labels with heads)."""
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.models.heads import check_head_labels, head_label_tensors
+
+    m, d = cfg.model, cfg.data
     # Generation prompts cost a second processor call per sample: only in evaluation batches (the collator's
     # without_packing twin), and only when evaluation generates.
     hub_processor = HubVLMProcessor(
@@ -178,13 +192,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
                               if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate,
                               **packing)
-    tokenizer = processor.tokenizer
-    metrics = None
-    if cfg.train.predict_with_generate:
-        metrics = exact_match_metric(tokenizer, eos_token_id=stop)
-    return {**source, "model": model, "tokenizer": processor, "data_collator": collator,
-            "compute_metrics": metrics, "padded_collator": collator.without_packing(),
-            "process": hub_processor.process}
+    return hub_processor, collator
 
 
 def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
@@ -369,8 +377,18 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
                           prompts=False)
     collator = HubVLMCollator(hub)
     prompts = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, prompts=True)
+    return {"model": model, "processor": processor, "process": hub.process, "collate": collator,
+            "generate": _generator(model, processor, prompts, torch.device(device))}
+
+
+def _generator(model: Any, processor: Any, prompts: Any, device: Any) -> Callable[..., list[str]]:
+    """generate(samples, max_new_tokens) for load_for_inference: greedy answers, each to its sample's last user
+    turn, stopping at the end-of-turn token (``prompts``: the HubVLMProcessor that builds generation prompts)."""
+    import torch
+
+    from vlmtrain.data.hub_collate import HubVLMCollator
+
     prompt_collator = HubVLMCollator(prompts)
-    device = torch.device(device)
 
     def generate(samples: list[dict[str, Any]], max_new_tokens: int = 32) -> list[str]:
         """Greedy answers to samples (each answering its last user turn), stopping at the end-of-turn token."""
@@ -389,8 +407,7 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
         new = out[:, inputs["input_ids"].shape[1]:]
         return [processor.tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
 
-    return {"model": model, "processor": processor, "process": hub.process, "collate": collator,
-            "generate": generate}
+    return generate
 
 
 def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
