@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
 import vlmtrain  # noqa: F401  (fills the trainer's slots)
@@ -94,6 +95,33 @@ def test_gathered_weights_are_split_between_base_and_heads(tmp_path):
     model_files.load_model_weights(loaded, str(tmp_path))
     for key, value in loaded.state_dict().items():
         assert torch.equal(value, state[key]), key
+
+
+@requires("peft", "lora")
+def test_a_lora_adapter_stands_in_for_the_base_weights(tmp_path):
+    import peft
+
+    def lora_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+
+    model = lora_model()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    assert model_files.saves_trainable_only(model) and not model_files.saves_trainable_only(model.base_model.model)
+    model_files.save_model_files(model, str(tmp_path))
+    assert (tmp_path / "adapter_model.safetensors").is_file() and not (tmp_path / "model.safetensors").exists()
+    assert model_files.has_model_files(str(tmp_path)) and model_files.missing_weight_files(str(tmp_path)) == []
+    other = lora_model()
+    model_files.load_model_weights(other, str(tmp_path))
+    for (name, a), b in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(CheckpointError, match="holds a LoRA adapter but the model has no LoRA adapters"):
+        model_files.load_model_weights(tiny_llama(), str(tmp_path))
+    os.remove(tmp_path / "adapter_model.safetensors")
+    assert model_files.missing_weight_files(str(tmp_path)) == ["adapter_model.safetensors"]
 
 
 def test_the_data_padding_collator_pads_token_samples_as_the_trainer_default_does():
