@@ -22,7 +22,7 @@ Setups: 2B full fine-tune (everything trains) and 8B LoRA (r 16, alpha 32, adapt
 linear layers; vision tower, projector and the rest frozen).
 
 Measured per contender over steps --warmup+1 .. --steps: real tokens/s (text + image tokens, padding never),
-TFLOP/s and MFU (vlmtrain.trainer.flops: analytic model FLOPs, vision tower counted; MFU against --peak-tflops,
+TFLOP/s and MFU (vlmtrain.models.flops: analytic model FLOPs, vision tower counted; MFU against --peak-tflops,
 989 for H100/H200 bf16 by default), the peak torch.cuda.max_memory_allocated of the whole run (weights,
 optimizer state, activations), the data-wait fraction (time the training loop waited for the next batch /
 wall time), the loss at step 1 and the ratios to transformers. Timestamps after a CUDA sync at every step end;

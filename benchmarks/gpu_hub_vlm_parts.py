@@ -25,8 +25,8 @@ from vlmtrain.errors import ConfigError
 from vlmtrain.models.families import get_family
 from vlmtrain.models.families import qwen3_vl as qwen
 from vlmtrain.models.families.qwen_common import build_tiny_tokenizer, text_ids, tiny_image_processor
-from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR, flop_counter
-from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
+from vlmtrain.models.flops import IMAGE_TOKENS_ATTR, flop_counter
+from vlmtrain.models.protocol import MODULE_GROUPS_ATTR
 
 FAMILY = get_family("qwen3_vl")
 REAL_VOCAB = 151_936
@@ -132,7 +132,7 @@ def hub_models_from(make: Any) -> Iterator[None]:
 
 # -- measurement ----------------------------------------------------------------------------------------------
 def batch_stats(batch: dict[str, Any], count: Any) -> dict[str, Any]:
-    """A collated batch's real (non-pad) tokens, model FLOPs (vlmtrain.trainer.flops, vision counted) and
+    """A collated batch's real (non-pad) tokens, model FLOPs (vlmtrain.models.flops, vision counted) and
     fingerprint (target count, sum of target ids: the same for the same samples, padded or packed)."""
     layout = batch.get("pack_stats")
     mask = batch.get("attention_mask")

@@ -7,7 +7,7 @@ Each contender is `vlmtrain.run.build(cfg)` then `trainer.train()` on a random-i
 machine the same phases would be read with torch.cuda.max_memory_allocated (not done by this script). Every
 contender runs with MALLOC_MMAP_THRESHOLD_=65536, so that freed large blocks leave RSS (see measure()).
 
-"one copy" is the model's parameter bytes. What FSDP changes (vlmtrain.trainer.fsdp.shard_from_rank0): ranks
+"one copy" is the model's parameter bytes. What FSDP changes (vlmtrain.models.sharding.shard_from_rank0): ranks
 other than 0 build the model on the meta device and receive only their shard from rank 0, which frees each full
 tensor once sent; before, every rank built the whole model (world_size copies) and then sharded it.
 

@@ -22,7 +22,7 @@ from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
 from vlmtrain.data.vlm_collate import VLMCollator
 from vlmtrain.models.build import build_vlm
-from vlmtrain.trainer.flops import document_lengths, flop_counter
+from vlmtrain.models.flops import document_lengths, flop_counter
 from vlmtrain.trainer.stats import BOOKKEEPING_KEYS
 
 VISION = {"model_type": "siglip_vision_model", "image_size": 32, "patch_size": 8, "hidden_size": 32,

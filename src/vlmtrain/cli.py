@@ -288,7 +288,8 @@ def _export(argv: list[str]) -> int:
     except jsonargparse.ArgumentError as e:
         raise ConfigError(f"{e}. See vlmtrain export --help.") from None
     from vlmtrain import run
-    from vlmtrain.trainer.model_files import CheckpointError, export_checkpoint
+    from vlmtrain.errors import CheckpointError
+    from vlmtrain.models.export import export_checkpoint
 
     ckpt = run.resolve_checkpoint(ns.checkpoint, ns.checkpoint)
     try:

@@ -8,6 +8,7 @@ bad config fails in the time it takes to read YAML.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,9 +29,11 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     with _model_init(cfg, checkpoint) as sharded_build:
         parts = kind.build(cfg, data, checkpoint)
     if sharded_build:  # FSDP: only rank 0 built the weights; every rank gets its shard of them
+        from vlmtrain.models.sharding import shard_from_rank0
         from vlmtrain.trainer import distributed, fsdp
 
-        parts["model"] = fsdp.shard_from_rank0(parts["model"], cfg.train.bf16, distributed.default_device())
+        shard = functools.partial(fsdp.shard_model, bf16=cfg.train.bf16)
+        parts["model"] = shard_from_rank0(parts["model"], shard, distributed.default_device())
     if cfg.data.pack_window and getattr(parts["data_collator"], "pack_length", None):
         _window_packing(cfg, parts)
     if checkpoint is not None:

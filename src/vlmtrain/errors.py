@@ -5,3 +5,7 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message says which key and what to change."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing or incomplete; the message names the directory and what is missing."""

@@ -1,6 +1,8 @@
 """Score heads' files next to a model's: `heads.safetensors` (weights) + `heads.json` (hidden size and head
 configs). Every vlmtrain checkpoint of a model with heads holds them, and so does a `vlmtrain export` folder:
-:func:`attach_heads` puts them on a model loaded with transformers alone."""
+:func:`attach_heads` puts them on a model loaded with transformers alone. :class:`HeadFiles` is the heads' side
+of the trainer's checkpoint-parts protocol (trainer/model_files.py): the trainer writes the base model, the
+heads' files are written, checked and loaded here."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from .heads import HeadConfig, WithHeads, parse_heads
 
-__all__ = ["HEADS_CONFIG", "HEADS_WEIGHTS", "attach_heads", "check_saved_heads", "load_heads", "read_head_configs",
-           "save_heads"]
+__all__ = ["HEADS_CONFIG", "HEADS_WEIGHTS", "HEAD_PARTS", "HeadFiles", "attach_heads", "check_saved_heads", "load_heads",
+           "read_head_configs", "save_heads"]
 
 HEADS_WEIGHTS = "heads.safetensors"
 HEADS_CONFIG = "heads.json"
@@ -108,3 +110,55 @@ def attach_heads(model: nn.Module, directory: str) -> WithHeads:
     if params is not None:
         wrapped.heads.to(params.device)
     return wrapped.train(model.training)
+
+
+
+class HeadFiles:
+    """The score heads' side of the trainer's checkpoint-parts protocol (trainer/model_files.py; ``import
+    vlmtrain`` registers :data:`HEAD_PARTS` in its ``checkpoint_parts`` slot): a WithHeads model's base is saved
+    in the trainer's layouts, its heads in heads.safetensors + heads.json, which the methods below write, check
+    and load."""
+
+    replaces_base = False
+    base_prefix = "base."
+    parts_prefix = "heads.layers."
+    part_files = (HEADS_CONFIG, HEADS_WEIGHTS)
+
+    @staticmethod
+    def owns(model: nn.Module) -> bool:
+        """True for a model wrapped with score heads (`.base` and `.heads`)."""
+        return isinstance(getattr(model, "base", None), nn.Module) and isinstance(getattr(model, "heads", None),
+                                                                                   nn.Module)
+
+    @staticmethod
+    def base(model: nn.Module) -> nn.Module:
+        """The module saved as the model: the base (or the peft model around it)."""
+        return model.base
+
+    @staticmethod
+    def save(model: nn.Module, directory: str, tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+        """heads.safetensors + heads.json (`tensors`: the heads' weights keyed without parts_prefix)."""
+        save_heads(model, directory, tensors)
+
+    @staticmethod
+    def check(model: nn.Module, directory: str) -> None:
+        """The checkpoint's heads (heads.json) are the model's, and their weights are there."""
+        if not os.path.isfile(os.path.join(directory, HEADS_WEIGHTS)):
+            raise CheckpointError(f"{directory!r} has no {HEADS_WEIGHTS}, but {type(model).__name__} has score "
+                                  f"heads ({sorted(model.head_configs)}).")
+        try:
+            saved = read_head_configs(directory)
+        except FileNotFoundError as e:
+            raise CheckpointError(str(e)) from None
+        if saved != model.head_configs:
+            raise CheckpointError(f"{os.path.join(directory, HEADS_CONFIG)}: the checkpoint's heads {saved} differ "
+                                  f"from the model's {model.head_configs} (same model.heads as the run that wrote "
+                                  f"it?).")
+
+    @staticmethod
+    def load(model: nn.Module, directory: str) -> None:
+        """The heads' weights (heads.safetensors)."""
+        load_heads(model, directory)
+
+
+HEAD_PARTS = HeadFiles()

@@ -164,7 +164,7 @@ class WithHeads(nn.Module):
 
     @property
     def vlmtrain_target_logits_module(self) -> str | None:
-        """The LM head's name when training applies it only at targets (trainer/flops.py counts it so)."""
+        """The LM head's name when training applies it only at targets (models/flops.py counts it so)."""
         parts = decoder_and_head(_inner_model(self.base))
         return None if parts is None else next((n for n, m in self.named_modules() if m is parts[1]), None)
 

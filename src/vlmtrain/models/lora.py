@@ -10,7 +10,7 @@ the vision tower's and the merger's). A model wrapped with score heads (an objec
   - ``all-linear`` or any other string: handed to peft as is (a string is a regex over module names there).
 ``modules_to_save`` (optional) lists modules trained in full next to the adapters (saved with them); the
 aliases ``vision`` / ``projector`` / ``text`` name the family's module groups (``module_groups``, else those the
-model kind attached: trainer/optim.py's MODULE_GROUPS_ATTR).
+model kind attached: models/protocol.py's MODULE_GROUPS_ATTR).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def lora_config(model: nn.Module, spec: Mapping[str, Any], text_module: str,
     target = spec.get("target_modules")
     targets = target if isinstance(target, str) else _targets(model, target, text_module)
     if module_groups is None:
-        from ..trainer.optim import module_groups as find_groups  # the aliases a model kind attached
+        from .protocol import module_groups as find_groups  # the aliases a model kind attached
 
         module_groups = find_groups(model)
     groups = module_groups

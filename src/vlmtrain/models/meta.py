@@ -1,5 +1,5 @@
 """Model structure without weights, for FSDP ranks other than 0 (they receive their shards from rank 0, see
-:func:`vlmtrain.trainer.fsdp.shard_from_rank0`). Inside :func:`sharded_build`, every model kind builds its
+:func:`vlmtrain.models.sharding.shard_from_rank0`). Inside :func:`sharded_build`, every model kind builds its
 model under :func:`model_init` on the meta device (processors and collators stay real), and a pretrained model
 is built from its config alone, since ``from_pretrained`` refuses the meta device."""
 

@@ -146,7 +146,7 @@ class VisionLanguageModel(PreTrainedModel):
     # -- images ---------------------------------------------------------------------------------------
     def vlmtrain_image_tokens(self, batch: Mapping[str, Any]) -> list[tuple[int, int]]:
         """(patches the vision tower attends over, tokens the projector emits) per image of a batch: what
-        trainer/flops.py (IMAGE_TOKENS_ATTR) counts the image side of a step by."""
+        models/flops.py (IMAGE_TOKENS_ATTR) counts the image side of a step by."""
         pixels = batch.get("pixel_values")
         grid, _ = vision_grid(self.config.vision_config)
         patches = grid * grid + ("clip" in self.config.vision_config.model_type)  # CLIP prepends a CLS token
@@ -255,7 +255,7 @@ class VisionLanguageModel(PreTrainedModel):
 
     @property
     def vlmtrain_target_logits_module(self) -> str | None:
-        """The decoder's output layer, when training applies it only at target positions (trainer/flops.py
+        """The decoder's output layer, when training applies it only at target positions (models/flops.py
         counts it per target then): a decoder whose logits are ``lm_head(hidden)`` and nothing more (no
         soft-capping or scaling). None: training computes the full logits."""
         dec = self.decoder

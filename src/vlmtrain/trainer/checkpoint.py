@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from .distributed import barrier, failed_ranks
-from .fsdp import DCP_DIR
 from .model_files import (  # noqa: F401  (the model files' formats; re-exported for callers of this module)
+    DCP_DIR,
     MODEL_NAME,
     CheckpointError,
     load_model_weights,

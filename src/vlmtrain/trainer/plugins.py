@@ -23,6 +23,10 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
                          "printer, metrics.jsonl, report_to's trackers; vlmtrain.logging.writers",
     "eval_samples": "(trainer, dataset, output, metric_key_prefix) -> None: keeps one evaluated set's per-sample "
                     "results for the run report; vlmtrain.logging.eval_samples",
+    "flop_counter": "model -> (batch -> training FLOPs) or None, for tflops_per_second / mfu (models/flops.py)",
+    "checkpoint_parts": "objects for models that save in parts, see model_files.py (models/lora_files.py, head_files.py)",
+    "fsdp_blocks": "model -> the modules FSDP shards one by one before the root (models/sharding.py)",
+    "read_sharded_weights": "directory -> a DCP checkpoint's model weights, in one process (models/sharded_files.py)",
 }
 _filled: dict[str, Any] = {}
 

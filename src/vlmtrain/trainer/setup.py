@@ -17,8 +17,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from . import checkpoint as ckpt
-from . import fsdp
-from .flops import flop_counter
+from . import fsdp, plugins
 from .optim import create_optimizer, create_scheduler
 from .state import TrainerState, TrainOutput
 from .stats import LossAverager, NonfiniteSteps, Throughput
@@ -205,7 +204,8 @@ class SetupMixin:
         self._window_weight = self._window_counts = self._grad_norm = self._last_lrs = None
         self._epoch_cut = False
         self._train_losses, self._run_loss = LossAverager(), LossAverager()
-        self._throughput = Throughput(flop_counter(self.model), args.peak_tflops)  # (+ tflops_per_second, mfu)
+        count_flops = plugins.lookup("flop_counter")  # (model -> batch FLOPs; None: no tflops_per_second, mfu)
+        self._throughput = Throughput(count_flops(self.model) if count_flops else None, args.peak_tflops)
         self._step_losses = LossAverager()
         self._nonfinite = NonfiniteSteps(args.max_consecutive_nonfinite_steps)
         self.model.zero_grad(set_to_none=True)

@@ -161,7 +161,8 @@ class Throughput:
     A batch's ``pack_stats`` (from a collator: samples, real tokens, rows, capacity, images) gives the
     real sample/token counts of packed batches and the window's ``pack_fill`` (real tokens / row
     capacity), ``padding_fraction`` and ``images_per_pack`` (images per row). With ``flops`` (batch ->
-    training FLOPs, trainer/flops.py) also ``tflops_per_second`` per device, and ``mfu`` with ``peak_tflops``.
+    training FLOPs, from the ``flop_counter`` slot of trainer/plugins.py) also ``tflops_per_second`` per
+    device, and ``mfu`` with ``peak_tflops``.
     """
 
     def __init__(self, flops: Callable[[Mapping[str, Any]], float] | None = None,

@@ -8,7 +8,6 @@ and resumes see exactly what an uninterrupted 0-worker run sees. No message goes
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,16 +37,6 @@ def check_step_dataset(dataset: Any) -> None:
                           "the sampler. Make it map-style, or drop its step dependence.")
     if not callable(getattr(dataset, "get_item_at_step", None)):
         raise ConfigError(f"The train_dataset {name} has follows_step = True but no get_item_at_step(index, step).")
-
-
-def items_across_training(dataset: Any, n: int, total_steps: int) -> Iterator[Any]:
-    """Up to ``n`` training items to build a tokenizer from: the first ``n`` of a dataset, but a step-following
-    dataset's item ``i`` as step ``i * total_steps // n`` sees it, so that every phase of its curriculum is in
-    (its step-0 items may lack whole question types)."""
-    if not follows_step(dataset) or total_steps <= 0:
-        return itertools.islice(iter(dataset), n)  # (a stream has no len: its first samples)
-    n = min(n, len(dataset))
-    return (dataset.get_item_at_step(i, i * total_steps // n) for i in range(n))
 
 
 class ItemsAtStep(Dataset):

@@ -34,12 +34,12 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from ..data.collate import DefaultCollator
 from . import checkpoint as ckpt
 from . import distributed as dist
 from . import plugins
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
+from .collate import DefaultCollator
 from .compat_methods import TransformersMethodsMixin, set_seed
 from .evaluation import EvaluationMixin
 from .loss_extras import (

@@ -52,7 +52,7 @@ class Family:
     image_tokens: Callable[[Any, Mapping[str, Any]], list[tuple[int, int]]] | None = None
     """image_tokens(model config, batch) -> (patches the vision tower attends over, tokens the projector emits)
     per image of the batch (a crop or tile counts as an image when the vision tower sees it alone), for the
-    logged tflops_per_second (trainer/flops.py); with ``windowed_attention``, a third value per image: its
+    logged tflops_per_second (models/flops.py); with ``windowed_attention``, a third value per image: its
     query-key pairs in one windowed layer. None: not counted (no tflops for this family)."""
     windowed_attention: Callable[[Any], tuple[str, ...]] | None = None
     """windowed_attention(model config) -> names of the vision attention modules that attend within windows of an

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vlmtrain.errors import ConfigError
+from vlmtrain.errors import CheckpointError, ConfigError
 from vlmtrain.models.kinds import ModelKind
 
 DTYPES = ("float32", "bfloat16")
@@ -84,8 +84,7 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     from vlmtrain.models.lm_loss import enable_lm_loss
     from vlmtrain.models.meta import from_pretrained
     from vlmtrain.models.patch_embed import linear_patch_embeddings
-    from vlmtrain.trainer.model_prep import REGIONAL_COMPILE_ATTR
-    from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
+    from vlmtrain.models.protocol import MODULE_GROUPS_ATTR, REGIONAL_COMPILE_ATTR
 
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
     if device is not None:
@@ -104,8 +103,8 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
 
 
 def _attach_flop_info(model: Any, family: Any) -> None:
-    """What the logged tflops count a family's images and odd matmuls by (trainer/flops.py)."""
-    from vlmtrain.trainer.flops import IMAGE_TOKENS_ATTR, MATMUL_PARAMETERS_ATTR, WINDOWED_ATTENTION_ATTR
+    """What the logged tflops count a family's images and odd matmuls by (models/flops.py)."""
+    from vlmtrain.models.flops import IMAGE_TOKENS_ATTR, MATMUL_PARAMETERS_ATTR, WINDOWED_ATTENTION_ATTR
 
     if family.image_tokens is not None:
         setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
@@ -136,11 +135,9 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     with predict_with_generate, generated answers are scored by exact match, cut at the end-of-turn token."""
     import torch
 
-    from vlmtrain.data.hub_collate import HubVLMCollator
-    from vlmtrain.data.hub_processing import HubVLMProcessor, apply_image_size, check_training_template
+    from vlmtrain.data.hub_processing import apply_image_size, check_training_template
     from vlmtrain.data.metrics import exact_match_metric
     from vlmtrain.models.families import family_of
-    from vlmtrain.models.heads import check_head_labels, head_label_tensors
     from vlmtrain.models.meta import model_init
 
     m, d = cfg.model, cfg.data
@@ -164,6 +161,22 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
             from vlmtrain.models.lora import apply_lora
 
             model = apply_lora(model, m.lora, family.text_module, dict(family.module_groups))
+    hub_processor, collator = _processing(cfg, processor, family, heads, model_config)
+    metrics = None
+    if cfg.train.predict_with_generate:
+        metrics = exact_match_metric(processor.tokenizer, eos_token_id=stop)
+    return {**source, "model": model, "tokenizer": processor, "data_collator": collator,
+            "compute_metrics": metrics, "padded_collator": collator.without_packing(),
+            "process": hub_processor.process}
+
+
+def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], model_config: Any) -> tuple[Any, Any]:
+    """The training HubVLMProcessor and collator (packing with data.packing; head labels with heads)."""
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.models.heads import check_head_labels, head_label_tensors
+
+    m, d = cfg.model, cfg.data
     # Generation prompts cost a second processor call per sample: only in evaluation batches (the collator's
     # without_packing twin), and only when evaluation generates.
     hub_processor = HubVLMProcessor(
@@ -179,13 +192,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
                               if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate,
                               **packing)
-    tokenizer = processor.tokenizer
-    metrics = None
-    if cfg.train.predict_with_generate:
-        metrics = exact_match_metric(tokenizer, eos_token_id=stop)
-    return {**source, "model": model, "tokenizer": processor, "data_collator": collator,
-            "compute_metrics": metrics, "padded_collator": collator.without_packing(),
-            "process": hub_processor.process}
+    return hub_processor, collator
 
 
 def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
@@ -222,8 +229,7 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
     CheckpointError naming it and what was expected."""
     import torch
 
-    from vlmtrain.trainer.checkpoint import load_model_weights
-    from vlmtrain.trainer.fsdp import has_sharded_weights
+    from vlmtrain.models.sharded_files import has_sharded_weights
 
     if has_sharded_weights(checkpoint) and not _has_full_weights(checkpoint):
         return _load_dcp(checkpoint, torch_dtype, stop_token_id, device)
@@ -243,16 +249,29 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
             else:
                 model = PeftModel.from_pretrained(model, checkpoint)
         except (RuntimeError, ValueError, KeyError) as err:
-            from vlmtrain.trainer import CheckpointError
-
             raise CheckpointError(f"{os.path.join(checkpoint, 'adapter_model.safetensors')} does not fit the base "
                                   f"model {base_of_checkpoint(checkpoint)!r}: {str(err)[:300]}") from err
     if hasattr(model, "heads"):
         from vlmtrain.models.head_files import check_saved_heads
 
         check_saved_heads(model, checkpoint)
-        load_model_weights(model, checkpoint)  # the heads (the base was loaded above)
+        _load_heads_and_extras(model, checkpoint)  # (the base was loaded above)
     return (model.to(torch.device(device)) if device is not None else model).eval()
+
+
+def _load_heads_and_extras(model: Any, checkpoint: str) -> None:
+    """The heads' weights, and under LoRA the trainable base tensors peft's adapter file does not hold
+    (trainable.safetensors, as the trainer writes them: trainer/model_files.py)."""
+    from vlmtrain.models.head_files import load_heads
+
+    extra_path = os.path.join(checkpoint, "trainable.safetensors")
+    if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")) and os.path.isfile(extra_path):
+        import safetensors.torch
+
+        unexpected = model.base.load_state_dict(safetensors.torch.load_file(extra_path), strict=False).unexpected_keys
+        if unexpected:
+            raise CheckpointError(f"{extra_path!r} holds tensors the model does not have: {unexpected[:5]}.")
+    load_heads(model, checkpoint)
 
 
 def _has_full_weights(checkpoint: str) -> bool:
@@ -271,8 +290,7 @@ def _load_dcp(checkpoint: str, torch_dtype: str, stop_token_id: int | None, devi
 
     from vlmtrain.models.head_files import read_head_configs
     from vlmtrain.models.heads import WithHeads
-    from vlmtrain.trainer import CheckpointError
-    from vlmtrain.trainer.fsdp import read_model_weights
+    from vlmtrain.models.sharded_files import read_model_weights
 
     state = read_model_weights(checkpoint)
     heads = None
@@ -303,7 +321,7 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
 
     from vlmtrain.models.families import family_of
     from vlmtrain.models.patch_embed import linear_patch_embeddings
-    from vlmtrain.trainer.optim import MODULE_GROUPS_ATTR
+    from vlmtrain.models.protocol import MODULE_GROUPS_ATTR
 
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
     linear_patch_embeddings(model)
@@ -359,8 +377,18 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
                           prompts=False)
     collator = HubVLMCollator(hub)
     prompts = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, prompts=True)
+    return {"model": model, "processor": processor, "process": hub.process, "collate": collator,
+            "generate": _generator(model, processor, prompts, torch.device(device))}
+
+
+def _generator(model: Any, processor: Any, prompts: Any, device: Any) -> Callable[..., list[str]]:
+    """generate(samples, max_new_tokens) for load_for_inference: greedy answers, each to its sample's last user
+    turn, stopping at the end-of-turn token (``prompts``: the HubVLMProcessor that builds generation prompts)."""
+    import torch
+
+    from vlmtrain.data.hub_collate import HubVLMCollator
+
     prompt_collator = HubVLMCollator(prompts)
-    device = torch.device(device)
 
     def generate(samples: list[dict[str, Any]], max_new_tokens: int = 32) -> list[str]:
         """Greedy answers to samples (each answering its last user turn), stopping at the end-of-turn token."""
@@ -379,8 +407,7 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
         new = out[:, inputs["input_ids"].shape[1]:]
         return [processor.tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
 
-    return {"model": model, "processor": processor, "process": hub.process, "collate": collator,
-            "generate": generate}
+    return generate
 
 
 def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:

@@ -3,8 +3,9 @@ projector + causal LM decoder), on any the_cauldron-schema source."""
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vlmtrain.errors import ConfigError
@@ -36,7 +37,6 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     from vlmtrain.data.vlm_collate import VLMCollator
     from vlmtrain.models.build import build_vlm
     from vlmtrain.models.meta import model_init
-    from vlmtrain.trainer.step_data import items_across_training
 
     m, d = cfg.model, cfg.data
     train = source["train_dataset"]
@@ -72,6 +72,17 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     return {**source, "model": model, "tokenizer": tokenizer, "data_collator": collator,
             "compute_metrics": exact_match_metric(tokenizer), "padded_collator": padded,
             "process": processor.process}
+
+
+def items_across_training(dataset: Any, n: int, total_steps: int) -> Iterator[Any]:
+    """Up to ``n`` training items to build a tokenizer from: the first ``n`` of a dataset, but a step-following
+    dataset's item ``i`` as step ``i * total_steps // n`` sees it, so that every phase of its curriculum is in
+    (its step-0 items may lack whole question types). A step-following dataset is the trainer's
+    (trainer/step_data.py): ``follows_step = True`` and ``get_item_at_step(index, step)``."""
+    if not getattr(dataset, "follows_step", False) or total_steps <= 0:
+        return itertools.islice(iter(dataset), n)  # (a stream has no len: its first samples)
+    n = min(n, len(dataset))
+    return (dataset.get_item_at_step(i, i * total_steps // n) for i in range(n))
 
 
 def owns_checkpoint(config: dict[str, Any]) -> bool:

@@ -24,11 +24,14 @@ Not counted: padding, the masked cross-document blocks a packed row's attention 
 activation-checkpointing recomputation (hardware FLOPs, not model FLOPs), elementwise ops, the loss.
 
 A model says what the counter needs: its module groups (``vision`` / ``projector`` / ``text``, see
-trainer/optim.py MODULE_GROUPS_ATTR; a model without them is all text) and, when it has a vision tower, a
+models/protocol.py MODULE_GROUPS_ATTR; a model without them is all text) and, when it has a vision tower, a
 callable under :data:`IMAGE_TOKENS_ATTR` giving each image's (patches, image tokens) from a batch (Hub VLM
 families: ``Family.image_tokens``, for every family vlmtrain ships). A model the
 counter does not understand (no attention layers found, unknown matmul parameters, mixture-of-experts, a
 vision tower without that callable) gets no count, with one warning.
+
+The trainer logs these through its ``flop_counter`` slot (trainer/plugins.py), which ``import vlmtrain`` fills
+with :func:`flop_counter`.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .optim import MODULE_GROUPS_ATTR, module_groups
+from .protocol import MODULE_GROUPS_ATTR, module_groups
 
 TARGET_LOGITS_ATTR = "vlmtrain_target_logits_module"
 """A model whose training forward applies its output layer only at the positions that predict a target names

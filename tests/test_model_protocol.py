@@ -1,0 +1,169 @@
+"""The interfaces between the trainer and the model layer, which never import each other: the attribute names
+both sides spell, the slots `import vlmtrain` fills, the checkpoint-parts protocol of score heads, the data
+layer's padding collator against the Trainer's default, and one direction of imports among the trainer's
+checkpoint modules."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from optional_extras import requires
+from tiny import tiny_llama, token_samples
+
+import vlmtrain  # noqa: F401  (fills the trainer's slots)
+from vlmtrain.data.collate import PadCollator
+from vlmtrain.errors import CheckpointError
+from vlmtrain.models import flops, head_files, lora_files, protocol, sharded_files, sharding
+from vlmtrain.models.heads import WithHeads
+from vlmtrain.trainer import model_files, model_prep, optim, plugins
+from vlmtrain.trainer.collate import DefaultCollator
+
+SRC = Path(vlmtrain.__file__).parent
+
+
+def test_the_attribute_names_models_set_are_the_ones_the_trainer_reads():
+    assert protocol.MODULE_GROUPS_ATTR == optim.MODULE_GROUPS_ATTR
+    assert protocol.REGIONAL_COMPILE_ATTR == model_prep.REGIONAL_COMPILE_ATTR
+    assert sharded_files.DCP_DIR == model_files.DCP_DIR
+    assert head_files.HEAD_PARTS.part_files == (head_files.HEADS_CONFIG, head_files.HEADS_WEIGHTS)
+    model = tiny_llama()
+    setattr(model.model, protocol.MODULE_GROUPS_ATTR, {"text": "model.layers", "head": ("lm_head",)})
+    assert protocol.module_groups(model) == optim.module_groups(model) == {"text": ("model.layers",),
+                                                                         "head": ("lm_head",)}
+
+
+def test_import_vlmtrain_fills_every_slot_the_models_provide():
+    assert plugins.lookup("flop_counter") is flops.flop_counter
+    assert plugins.lookup("read_sharded_weights") is sharded_files.read_model_weights
+    assert plugins.lookup("fsdp_blocks") is sharding.transformer_blocks
+    blocks = sharding.transformer_blocks(tiny_llama())
+    assert blocks and all(type(b).__name__ == "LlamaDecoderLayer" for b in blocks)
+    assert tuple(plugins.lookup("checkpoint_parts")) == (lora_files.ADAPTER_PARTS, head_files.HEAD_PARTS)
+    assert set(plugins.SLOTS) >= {"flop_counter", "read_sharded_weights", "checkpoint_parts", "fsdp_blocks"}
+    with pytest.raises(KeyError, match="no trainer slot 'nope'"):
+        plugins.register("nope", None)
+
+
+def _with_heads() -> WithHeads:
+    torch.manual_seed(0)
+    return WithHeads(tiny_llama(), {"score": {"type": "regression"}})
+
+
+def test_score_heads_save_and_load_as_a_checkpoint_part(tmp_path):
+    model = _with_heads()
+    assert model_files.has_score_heads(model) and not model_files.has_score_heads(model.base)
+    model_files.save_model_files(model, str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix in (".json", ".safetensors")) == [
+        "config.json", "generation_config.json", "heads.json", "heads.safetensors", "model.safetensors"]
+    os.remove(tmp_path / "heads.safetensors")
+    assert model_files.missing_weight_files(str(tmp_path)) == ["heads.safetensors"]
+    model_files.save_model_files(model, str(tmp_path))
+    other = _with_heads()
+    with torch.no_grad():
+        other.heads.layers.head_score.weight.add_(1.0)
+        other.base.lm_head.weight.add_(1.0)
+    model_files.load_model_weights(other, str(tmp_path))
+    assert torch.equal(other.heads.layers.head_score.weight, model.heads.layers.head_score.weight)
+    assert torch.equal(other.base.lm_head.weight, model.base.lm_head.weight)
+
+
+def test_a_checkpoint_of_other_heads_fails_before_any_weight_is_read(tmp_path):
+    model_files.save_model_files(_with_heads(), str(tmp_path))
+    meta = json.loads((tmp_path / "heads.json").read_text())
+    meta["heads"]["score"]["weight"] = 2.0
+    (tmp_path / "heads.json").write_text(json.dumps(meta))
+    other = _with_heads()
+    before = other.base.lm_head.weight.clone()
+    with torch.no_grad():
+        other.base.lm_head.weight.add_(1.0)
+    with pytest.raises(CheckpointError, match="the checkpoint's heads .* differ from the model's"):
+        model_files.load_model_weights(other, str(tmp_path))
+    assert not torch.equal(other.base.lm_head.weight, before)  # untouched
+
+
+def test_gathered_weights_are_split_between_base_and_heads(tmp_path):
+    """What FSDP gathers (keys as the whole model names them) is written as base files + heads files."""
+    model = _with_heads()
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+    model_files.save_model_files(model, str(tmp_path), state_dict=state)
+    loaded = _with_heads()
+    model_files.load_model_weights(loaded, str(tmp_path))
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, state[key]), key
+
+
+@requires("peft", "lora")
+def test_a_lora_adapter_stands_in_for_the_base_weights(tmp_path):
+    import peft
+
+    def lora_model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+
+    model = lora_model()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    assert model_files.saves_trainable_only(model) and not model_files.saves_trainable_only(model.base_model.model)
+    model_files.save_model_files(model, str(tmp_path))
+    assert (tmp_path / "adapter_model.safetensors").is_file() and not (tmp_path / "model.safetensors").exists()
+    assert model_files.has_model_files(str(tmp_path)) and model_files.missing_weight_files(str(tmp_path)) == []
+    other = lora_model()
+    model_files.load_model_weights(other, str(tmp_path))
+    for (name, a), b in zip(model.named_parameters(), other.parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(CheckpointError, match="holds a LoRA adapter but the model has no LoRA adapters"):
+        model_files.load_model_weights(tiny_llama(), str(tmp_path))
+    os.remove(tmp_path / "adapter_model.safetensors")
+    assert model_files.missing_weight_files(str(tmp_path)) == ["adapter_model.safetensors"]
+
+
+def test_the_data_padding_collator_pads_token_samples_as_the_trainer_default_does():
+    samples = token_samples(6, seed=1)
+    samples += [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "attention_mask": [1, 1, 1], "id": "x"}]
+    for sample in samples[:6]:
+        sample["id"] = "s"
+    ours, trainers = PadCollator(5)(samples), DefaultCollator(5)(samples)
+    assert ours.keys() == trainers.keys()
+    for key, value in trainers.items():
+        assert (torch.equal(value, ours[key]) and value.dtype == ours[key].dtype) if isinstance(value, torch.Tensor) \
+            else value == ours[key], key
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules of vlmtrain.trainer that ``path`` imports (relative imports, any depth)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_the_checkpoint_modules_import_each_other_in_one_direction_and_nothing_above():
+    order = ["plugins", "model_files", "fsdp", "distributed", "checkpoint", "async_checkpoint"]
+    for i, name in enumerate(order):
+        path = SRC / "trainer" / f"{name}.py"
+        inside = _imports(path) & set(order)
+        assert inside <= set(order[:i]), (name, inside)
+        tree = ast.parse(path.read_text())
+        above = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 2
+                 and n.module not in ("errors",)]
+        assert not above, (name, above)
+
+
+def test_no_model_module_imports_the_trainer():
+    for path in sorted((SRC / "models").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith("vlmtrain.trainer") or n.startswith("trainer") and node.level
+                           for n in names), (path, names)
