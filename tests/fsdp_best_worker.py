@@ -20,7 +20,8 @@ from tiny import tiny_llama
 
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.models.lora import apply_lora
-from vlmtrain.trainer import Trainer, TrainingArguments, fsdp
+from vlmtrain.parallel import fsdp
+from vlmtrain.trainer import Trainer, TrainingArguments
 from vlmtrain.trainer.model_files import save_model_files
 from vlmtrain.trainer.setup import load_model_state
 

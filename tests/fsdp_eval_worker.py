@@ -18,7 +18,8 @@ from test_heads import HEADS, Collate, samples
 from tiny import tiny_llama
 
 from vlmtrain.models.heads import WithHeads
-from vlmtrain.trainer import Trainer, TrainingArguments, fsdp
+from vlmtrain.parallel import fsdp
+from vlmtrain.trainer import Trainer, TrainingArguments
 
 
 class PromptCollate(Collate):

@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from vlmtrain.errors import ConfigError
 from vlmtrain.trainer import plugins
 
 # Run in a fresh interpreter that imports vlmtrain.trainer alone (never `vlmtrain` by name).
@@ -60,3 +63,21 @@ def test_importing_only_vlmtrain_trainer_gets_the_loggers_checks_and_evaluator(t
     assert got["callbacks"] == ["DefaultFlowCallback", "PrinterCallback", "JsonlLoggerCallback"]
     assert got["args"] == [True, True, {"num_cycles": 2}, []]
     assert got["evaluator"] == "AsyncEvaluator"
+
+
+def test_the_fsdp_plan_in_the_sharding_slot_has_every_method_the_trainer_calls(monkeypatch):
+    import torch
+
+    from vlmtrain.parallel import fsdp
+    from vlmtrain.trainer import distributed, sharding
+
+    assert plugins.lookup("sharding") is fsdp.FSDP_PLAN
+    methods = [name for name in vars(sharding.ShardingPlan) if not name.startswith("_")]
+    assert len(methods) == 10 and all(callable(getattr(fsdp.FSDP_PLAN, name, None)) for name in methods)
+    model = torch.nn.Linear(2, 2)
+    assert sharding.sharding_of(model) is None  # an unsharded model takes the plain path
+    # train.fsdp with several ranks and no plan registered: a ConfigError that says what to import
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.delitem(plugins._filled, "sharding")
+    with pytest.raises(ConfigError, match="import vlmtrain before building the Trainer"):
+        distributed.wrap_model(model, torch.device("cpu"), fsdp=True)

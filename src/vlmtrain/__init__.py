@@ -9,6 +9,7 @@ from .inference import InferenceModel, load_for_inference
 from .logging import eval_samples as _eval_samples  # noqa: F401
 from .logging import writers as _writers  # noqa: F401
 from .models.head_files import attach_heads
+from .parallel import fsdp as _fsdp  # noqa: F401
 from .trainer import (
     EarlyStoppingCallback,
     EvalPrediction,

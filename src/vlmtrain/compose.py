@@ -30,7 +30,8 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
         parts = kind.build(cfg, data, checkpoint)
     if sharded_build:  # FSDP: only rank 0 built the weights; every rank gets its shard of them
         from vlmtrain.models.sharding import shard_from_rank0
-        from vlmtrain.trainer import distributed, fsdp
+        from vlmtrain.parallel import fsdp
+        from vlmtrain.trainer import distributed
 
         shard = functools.partial(fsdp.shard_model, bf16=cfg.train.bf16)
         parts["model"] = shard_from_rank0(parts["model"], shard, distributed.default_device())

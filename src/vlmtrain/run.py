@@ -113,7 +113,7 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     from vlmtrain.models.kinds import kind_of_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint, checkpoint)
-    from vlmtrain.trainer.fsdp import has_sharded_weights
+    from vlmtrain.trainer.model_files import has_sharded_weights
 
     if has_sharded_weights(ckpt):
         raise ConfigError(f"{ckpt} holds FSDP shards: run `vlmtrain export --checkpoint {ckpt}` first.")

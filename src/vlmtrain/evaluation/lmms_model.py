@@ -26,7 +26,7 @@ class VlmtrainLMM(lmms):
         super().__init__()
         from vlmtrain.checkpoint_paths import resolve_checkpoint
         from vlmtrain.models.kinds import kind_of_checkpoint
-        from vlmtrain.trainer.fsdp import has_sharded_weights
+        from vlmtrain.trainer.model_files import has_sharded_weights
 
         ckpt = resolve_checkpoint(checkpoint, checkpoint)
         if has_sharded_weights(ckpt):

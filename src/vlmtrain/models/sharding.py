@@ -36,7 +36,7 @@ def meta_skeleton(model: nn.Module) -> nn.Module:
 def shard_from_rank0(model: nn.Module, shard_model: Callable[[nn.Module], Any],
                      device: torch.device) -> nn.Module:
     """Shard a model that only rank 0 holds with weights (the others built it on the meta device): every rank
-    shards a meta skeleton (``shard_model``: the trainer's fsdp.shard_model with the run's bf16), then receives
+    shards a meta skeleton (``shard_model``: parallel/fsdp.py's, with the run's bf16), then receives
     its shard of each tensor from rank 0, smallest first, while rank 0 frees each full tensor once it is sent.
     Rank 0's peak stays one copy of the weights, the others' their shard (where every rank loading the full
     model costs world_size copies). A collective: every rank calls it."""

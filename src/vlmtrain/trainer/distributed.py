@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .sharding import sharding_plan
+
 _METRICS_GROUP = None
 
 
@@ -149,9 +151,8 @@ def wrap_model(model: nn.Module, device: torch.device, fsdp: bool = False, bf16:
     """The module the training loop calls: with several processes, sharded in place with FSDP2 (``fsdp``) or
     wrapped in DDP (with ``ddp_kwargs``, e.g. find_unused_parameters); else the model itself."""
     if fsdp and world_size() > 1:
-        from .fsdp import is_sharded, shard_model
-
-        return model if is_sharded(model) else shard_model(model, bf16)
+        plan = sharding_plan()
+        return model if plan.is_sharded(model) else plan.shard_model(model, bf16)
     if fsdp:
         warnings.warn("train.fsdp needs several processes (torchrun): training unsharded.", stacklevel=3)
     return wrap_ddp(model, device, **(ddp_kwargs or {}))

@@ -17,9 +17,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist
-from . import fsdp, plugins
+from . import plugins
 from .loss_extras import batch_metrics
 from .predictions import Collected, plain_numbers, select_outputs
+from .sharding import sharding_of
 from .state import EvalPrediction, PredictionOutput
 from .stats import LossAverager, extra_losses, is_empty_batch, item_counts, num_items_of, skipped_counts
 
@@ -156,7 +157,8 @@ class EvaluationMixin:
         generate cannot keep the ranks in step)."""
         if self.world_size <= 1:
             return None
-        if fsdp.is_sharded(self.model) and self.args.predict_with_generate and not self._generates_in_step():
+        sharded = sharding_of(self.model) is not None
+        if sharded and self.args.predict_with_generate and not self._generates_in_step():
             if getattr(dataset, "splits_by_rank", False):
                 raise ValueError(f"Under train.fsdp with predict_with_generate, {type(self.model).__name__}.generate "
                                  "takes no `synced_gpus`, so every rank must generate for the same eval batches: "
@@ -213,7 +215,7 @@ class EvaluationMixin:
         model, start = self.model, time.time()
         model.eval()
         # FSDP with each rank on its share: ranks run forward in step (see _lockstep)
-        self._eval_lockstep = sharding is not None and fsdp.is_sharded(model)
+        self._eval_lockstep = sharding is not None and sharding_of(model) is not None
         tally = _EvalTally()
         for batch in self._eval_batches(dataloader, tally.skipped, prediction_loss_only, ignore_keys):
             loss, pred, label, *rest = self.prediction_step(model, batch, bool(prediction_loss_only), ignore_keys)

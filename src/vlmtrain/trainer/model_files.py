@@ -46,7 +46,7 @@ from . import plugins
 __all__ = ["CheckpointError", "has_model_files", "has_score_heads", "has_sharded_weights", "load_model_weights",
            "missing_weight_files", "save_head_files", "save_model_files", "saves_trainable_only"]
 
-DCP_DIR = "dcp"  # inside checkpoint-<step>/: the DCP shards and .metadata (fsdp.py)
+DCP_DIR = "dcp"  # inside checkpoint-<step>/: the DCP shards and .metadata (the sharding plan's, sharding.py)
 MODEL_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -80,7 +80,7 @@ def has_score_heads(model: nn.Module) -> bool:
 
 def saves_trainable_only(model: nn.Module) -> bool:
     """True when the model's files hold only what trains (LoRA adapters, modules_to_save, heads), never its
-    frozen base: then FSDP gathers just those (fsdp.gather_trainable)."""
+    frozen base: then FSDP gathers just those (the sharding plan's gather_trainable)."""
     return _adapter(_parts(model)[0]) is not None
 
 

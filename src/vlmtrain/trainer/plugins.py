@@ -26,6 +26,8 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
     "flop_counter": "model -> (batch -> training FLOPs) or None, for tflops_per_second / mfu (models/flops.py)",
     "checkpoint_parts": "objects for models that save in parts, see model_files.py (models/lora_files.py, head_files.py)",
     "fsdp_blocks": "model -> the modules FSDP shards one by one before the root (models/sharding.py)",
+    "sharding": "train.fsdp's plan (sharding.py's ShardingPlan: shard, save, load and gather model and "
+                "optimizer state); vlmtrain.parallel.fsdp",
     "read_sharded_weights": "directory -> a DCP checkpoint's model weights, in one process (models/sharded_files.py)",
 }
 _filled: dict[str, Any] = {}

@@ -16,16 +16,17 @@ from typing import Any
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from . import checkpoint as ckpt
-from . import fsdp
 from .async_checkpoint import AsyncCheckpointer, cpu_model_copy, cpu_snapshot
 from .callbacks import callback_states, restore_callback_states
 from .model_files import (
     has_score_heads,
+    has_sharded_weights,
     save_head_files,
     save_model_files,
     saves_trainable_only,
 )
 from .setup import load_model_state
+from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
 from .state import TrainerState
 
 LOOP_STATE = "loop_state"  # loop_state_<rank>.pt: vlmtrain's own position and window state (transformers ignores it)
@@ -53,7 +54,8 @@ class CheckpointMixin:
         self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
-        sharded = fsdp.is_sharded(self.model)
+        sharding = sharding_of(self.model)
+        sharded = sharding is not None
         if self.args.async_checkpoint and not sharded:  # (FSDP's saves stay synchronous)
             if self._async_saver is None:
                 self._async_saver = AsyncCheckpointer(out, self.rank, self._rotate_checkpoints)
@@ -62,17 +64,17 @@ class CheckpointMixin:
         if sharded and saves_trainable_only(self.model):
             # LoRA under FSDP: only the trainable parameters and their optimizer state are gathered (to rank 0)
             # and written like an unsharded LoRA checkpoint's; the frozen base is never saved.
-            state = fsdp.gather_trainable(self.model)
-            optimizer = fsdp.full_optimizer_state(self.model, self.optimizer)
+            state = sharding.gather_trainable(self.model)
+            optimizer = sharding.full_optimizer_state(self.model, self.optimizer)
             if self.rank == 0:
                 files["optimizer.pt"] = optimizer
             path = ckpt.write_checkpoint(
                 out, step, files, lambda d: save_model_files(self.model, d, self.processing_class, state), rank=self.rank)
         elif sharded:  # a full fine-tune: each rank writes its shards of model and optimizer (DCP)
-            heads = fsdp.gather_params(self.model, "heads.layers.") if has_score_heads(self.model) else None
-            path = ckpt.write_checkpoint(out, step, files, lambda d: self._save_model_config(d, heads),
-                                         rank=self.rank,
-                                         write_sharded=lambda d: fsdp.save_sharded(self.model, self.optimizer, d))
+            heads = sharding.gather_params(self.model, "heads.layers.") if has_score_heads(self.model) else None
+            path = ckpt.write_checkpoint(
+                out, step, files, lambda d: self._save_model_config(d, heads), rank=self.rank,
+                write_sharded=lambda d: sharding.save_sharded(self.model, self.optimizer, d))
         else:
             path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
         if self.rank == 0:
@@ -145,7 +147,8 @@ class CheckpointMixin:
             save_head_files(self.model, directory, heads)
 
     def _load_checkpoint(self, path: str) -> None:
-        sharded, sharded_model = fsdp.has_sharded_weights(path), fsdp.is_sharded(self.model)
+        sharding = sharding_of(self.model)
+        sharded, sharded_model = has_sharded_weights(path), sharding is not None
         trainable_only = saves_trainable_only(self.model)  # (LoRA: adapter files, under FSDP or not)
         if sharded != sharded_model and not (trainable_only and not sharded):
             raise ckpt.CheckpointError(
@@ -153,7 +156,7 @@ class CheckpointMixin:
                 f"{sharded} under torchrun" + (", or export it (vlmtrain export) to start a new run from its "
                                                "weights." if sharded else "."))
         if sharded:
-            fsdp.load_sharded(self.model, self.optimizer, path)
+            sharding.load_sharded(self.model, self.optimizer, path)
         else:  # (LoRA under FSDP: every rank reads the small adapter and heads files and keeps its shards)
             load_model_state(self.model, path)
         saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
@@ -165,12 +168,8 @@ class CheckpointMixin:
         saved.is_world_process_zero = saved.is_local_process_zero = self.rank == 0
         self.state = saved
         restore_callback_states(self.callback_handler.callbacks, self.control, saved.stateful_callbacks)
-        if not sharded:  # by position (written unsharded) or by parameter name (gathered from FSDP shards)
-            names = [group.get("name") for group in self.optimizer.param_groups]
-            fsdp.load_optimizer_state(self.model, self.optimizer, ckpt.load_torch(os.path.join(path, "optimizer.pt")))
-            for group, name in zip(self.optimizer.param_groups, names):  # (transformers' groups have no names)
-                if name is not None:
-                    group.setdefault("name", name)
+        if not sharded:  # (else the optimizer came with the shards)
+            self._load_optimizer_file(path, sharding)
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
         loop_file = os.path.join(path, f"{LOOP_STATE}_{self.rank}.pt")
         if not os.path.isfile(loop_file):  # transformers' checkpoint: the position follows from global_step
@@ -189,6 +188,19 @@ class CheckpointMixin:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))
         ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
+
+    def _load_optimizer_file(self, path: str, sharding: ShardingPlan | None) -> None:
+        """A checkpoint's optimizer.pt: by position (written unsharded) or by parameter name (gathered from FSDP
+        shards); ``sharding``: the plan that sharded the model, if any."""
+        names = [group.get("name") for group in self.optimizer.param_groups]
+        state = ckpt.load_torch(os.path.join(path, "optimizer.pt"))
+        if sharding is None and not keyed_by_name(state):  # written and read unsharded
+            self.optimizer.load_state_dict(state)
+        else:
+            sharding_plan().load_optimizer_state(self.model, self.optimizer, state)
+        for group, name in zip(self.optimizer.param_groups, names):  # (transformers' groups have no names)
+            if name is not None:
+                group.setdefault("name", name)
 
     def _loop_state_from_step(self, path: str) -> None:
         """Where a checkpoint without vlmtrain's loop state (one transformers' Trainer wrote) resumes, by
@@ -223,7 +235,8 @@ class CheckpointMixin:
     def save_model(self, output_dir: str | None = None) -> None:
         """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).
         Under FSDP every rank must call it: the shards are gathered first."""
-        if fsdp.is_sharded(self.model):
-            fsdp.save_full_model(self.model, output_dir or self.args.output_dir, self.processing_class, self.rank)
+        sharding, output_dir = sharding_of(self.model), output_dir or self.args.output_dir
+        if sharding is not None:
+            sharding.save_full_model(self.model, output_dir, self.processing_class, self.rank)
         elif self.rank == 0:
-            ckpt.save_model_files(self.model, output_dir or self.args.output_dir, self.processing_class)
+            ckpt.save_model_files(self.model, output_dir, self.processing_class)

@@ -3,11 +3,9 @@ loop's counters, and the end-of-training summary. A mixin of Trainer, kept apart
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,8 +15,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from . import checkpoint as ckpt
-from . import fsdp, plugins
+from . import plugins
 from .optim import create_optimizer, create_scheduler
+from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
 from .stats import LossAverager, NonfiniteSteps, Throughput
 from .step_data import ItemsAtStep, StepSampler, check_step_dataset, follows_step
@@ -26,77 +25,14 @@ from .step_data import ItemsAtStep, StepSampler, check_step_dataset, follows_ste
 
 def load_model_state(model: nn.Module, directory: str) -> None:
     """Load the model weights of a checkpoint directory into ``model``, in place, whatever the checkpoint holds
-    (see model_files.py) and whether or not the model is sharded with FSDP (then every rank must call it):
-
-    - an unsharded model: :func:`checkpoint.load_model_weights`;
-    - a sharded model and DCP shards holding model weights (`dcp/`): each rank reads its own shards (the model
-      part only; the shards are re-split if the world size changed);
-    - a sharded model and files (`model.safetensors`, an adapter, `heads.safetensors`, ...): the same loader as
-      an unsharded model, each full tensor cut into this rank's shard as it is loaded.
-    """
-    if not fsdp.is_sharded(model):
+    (see model_files.py): :func:`checkpoint.load_model_weights`, or for a model sharded with FSDP (then every
+    rank must call it) the sharding plan's ``load_model_state`` (DCP shards or files, cut into this rank's
+    shards)."""
+    sharding = sharding_of(model)
+    if sharding is None:
         ckpt.load_model_weights(model, directory)
-        return
-    saved = _dcp_model_keys(directory)
-    if saved:
-        _load_dcp_model(model, directory, saved)
-        return
-    with _full_tensors_into_shards(model):
-        ckpt.load_model_weights(model, directory)
-
-
-def _dcp_model_keys(directory: str) -> set[str]:
-    """The model weights' names in a checkpoint's DCP shards (none when it has no `dcp/`)."""
-    if not fsdp.has_sharded_weights(directory):
-        return set()
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(os.path.join(directory, fsdp.DCP_DIR)).read_metadata()
-    return {key[len("model."):] for key in metadata.state_dict_metadata if key.startswith("model.")}
-
-
-def _load_dcp_model(model: nn.Module, directory: str, saved: set[str]) -> None:
-    """The model part of DCP shards into a sharded model (a collective). Weights the shards lack are kept as
-    they are, if frozen (e.g. a base model that was not saved); a trainable one missing is an error."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
-
-    state = get_model_state_dict(model)
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    missing = sorted(k for k in state if k not in saved and k in trainable)
-    if missing:
-        raise ckpt.CheckpointError(f"{os.path.join(directory, fsdp.DCP_DIR)} lacks trained weights of "
-                                   f"{type(model).__name__}: {missing[:5]} (a checkpoint of another model?).")
-    state = {k: v for k, v in state.items() if k in saved}
-    dcp.load({"model": state}, checkpoint_id=os.path.join(directory, fsdp.DCP_DIR))
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
-
-
-@contextlib.contextmanager
-def _full_tensors_into_shards(model: nn.Module) -> Iterator[None]:
-    """While active, ``load_state_dict`` on any part of a sharded model takes full tensors: each one is cut into
-    this rank's shard of the parameter it loads into (every rank read the same file: no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    def to_shard(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        for name, param in module._parameters.items():  # (FSDP's own hook, which runs first, resharded them)
-            value = state_dict.get(prefix + name)
-            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                value = value.to(device=param.device, dtype=param.dtype)
-                state_dict[prefix + name] = distribute_tensor(value, param.device_mesh, param.placements,
-                                                              src_data_rank=None)
-
-    handles = [m._register_load_state_dict_pre_hook(to_shard, with_module=True) for m in model.modules()
-               if m._parameters]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    else:
+        sharding.load_model_state(model, directory)
 
 
 def dataloader_workers(value: int | str, cuda: bool, cpus: int | None = None,

@@ -2,31 +2,40 @@
 for models that do not fit one device. A full fine-tune's checkpoints are torch.distributed.checkpoint (DCP)
 directories, each rank writing its shards (`vlmtrain export` turns one into a single `model.safetensors`).
 A model with frozen weights (LoRA) saves only what trains: its trainable parameters gathered to rank 0
-(:func:`gather_trainable`) in the adapter / heads layout of model_files.py, and the optimizer state as one
-unsharded state dict keyed by parameter name (:func:`full_optimizer_state`), re-split over any world size at resume.
+(:func:`gather_trainable`) in the adapter / heads layout of trainer/model_files.py, and the optimizer state as
+one unsharded state dict keyed by parameter name (:func:`full_optimizer_state`), re-split over any world size
+at resume.
 
 Sharding units: the blocks the model layer names (the ``fsdp_blocks`` slot: every transformer block, the classes
 transformers lists in `_no_split_modules`; models/sharding.py), then the root module (embeddings, tied heads,
 norms, the VLM projector). With bf16, the blocks compute in bfloat16 from float32 master weights and reduce
 gradients in float32 (FSDP's MixedPrecisionPolicy). A model that only rank 0 built with weights is sharded from
 there by models/sharding.py's shard_from_rank0.
+
+The trainer never imports this module: it calls these functions through :class:`FSDPPlan`, which fills its
+``sharding`` slot (trainer/sharding.py) when ``vlmtrain`` is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import plugins
-from .model_files import (  # noqa: F401  (has_sharded_weights: callers ask fsdp whether a checkpoint is sharded)
+from vlmtrain.trainer import plugins
+from vlmtrain.trainer.model_files import (
     DCP_DIR,
+    CheckpointError,
     has_sharded_weights,
+    load_model_weights,
     save_model_files,
     saves_trainable_only,
 )
+from vlmtrain.trainer.sharding import keyed_by_name
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -94,8 +103,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     sharded one's. Under FSDP every rank calls it with the same state (a collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    by_name = any(isinstance(p, str) for g in state.get("param_groups", []) for p in g["params"])
-    if not by_name:
+    if not keyed_by_name(state):
         if not is_sharded(model):
             optimizer.load_state_dict(state)
             return
@@ -131,3 +139,94 @@ def save_full_model(model: nn.Module, directory: str, processing_class: Any, ran
     state = gather_trainable(model) if saves_trainable_only(model) else full_state_dict(model)
     if rank == 0:
         save_model_files(model, directory, processing_class, state_dict=state)
+
+
+def load_model_state(model: nn.Module, directory: str) -> None:
+    """Load the model weights of a checkpoint directory into the sharded ``model``, in place (a collective):
+
+    - DCP shards holding model weights (`dcp/`): each rank reads its own shards (the model part only; the
+      shards are re-split if the world size changed);
+    - files (`model.safetensors`, an adapter, `heads.safetensors`, ...): the same loader as an unsharded
+      model, each full tensor cut into this rank's shard as it is loaded.
+    """
+    saved = _dcp_model_keys(directory)
+    if saved:
+        _load_dcp_model(model, directory, saved)
+        return
+    with _full_tensors_into_shards(model):
+        load_model_weights(model, directory)
+
+
+def _dcp_model_keys(directory: str) -> set[str]:
+    """The model weights' names in a checkpoint's DCP shards (none when it has no `dcp/`)."""
+    if not has_sharded_weights(directory):
+        return set()
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(os.path.join(directory, DCP_DIR)).read_metadata()
+    return {key[len("model."):] for key in metadata.state_dict_metadata if key.startswith("model.")}
+
+
+def _load_dcp_model(model: nn.Module, directory: str, saved: set[str]) -> None:
+    """The model part of DCP shards into a sharded model (a collective). Weights the shards lack are kept as
+    they are, if frozen (e.g. a base model that was not saved); a trainable one missing is an error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    state = get_model_state_dict(model)
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(k for k in state if k not in saved and k in trainable)
+    if missing:
+        raise CheckpointError(f"{os.path.join(directory, DCP_DIR)} lacks trained weights of "
+                              f"{type(model).__name__}: {missing[:5]} (a checkpoint of another model?).")
+    state = {k: v for k, v in state.items() if k in saved}
+    dcp.load({"model": state}, checkpoint_id=os.path.join(directory, DCP_DIR))
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
+@contextlib.contextmanager
+def _full_tensors_into_shards(model: nn.Module) -> Iterator[None]:
+    """While active, ``load_state_dict`` on any part of a sharded model takes full tensors: each one is cut into
+    this rank's shard of the parameter it loads into (every rank read the same file: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def to_shard(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for name, param in module._parameters.items():  # (FSDP's own hook, which runs first, resharded them)
+            value = state_dict.get(prefix + name)
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                value = value.to(device=param.device, dtype=param.dtype)
+                state_dict[prefix + name] = distribute_tensor(value, param.device_mesh, param.placements,
+                                                              src_data_rank=None)
+
+    handles = [m._register_load_state_dict_pre_hook(to_shard, with_module=True) for m in model.modules()
+               if m._parameters]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class FSDPPlan:
+    """The trainer's :class:`~vlmtrain.trainer.sharding.ShardingPlan` for train.fsdp: FSDP2's ``fully_shard``
+    and DCP checkpoints, the functions of this module. ``import vlmtrain`` puts it in the ``sharding``
+    slot."""
+
+    is_sharded = staticmethod(is_sharded)
+    shard_model = staticmethod(shard_model)
+    save_sharded = staticmethod(save_sharded)
+    load_sharded = staticmethod(load_sharded)
+    load_model_state = staticmethod(load_model_state)
+    gather_trainable = staticmethod(gather_trainable)
+    gather_params = staticmethod(gather_params)
+    full_optimizer_state = staticmethod(full_optimizer_state)
+    load_optimizer_state = staticmethod(load_optimizer_state)
+    save_full_model = staticmethod(save_full_model)
+
+
+FSDP_PLAN = FSDPPlan()
+plugins.register("sharding", FSDP_PLAN)

@@ -1,0 +1,72 @@
+"""Sharded models (train.fsdp): what the trainer asks of the layer that shards a model's parameters, gradients
+and optimizer state over the ranks, without importing it. That layer (FSDP2 with DCP checkpoints) fills the
+``sharding`` slot (trainer/plugins.py) with a :class:`ShardingPlan` when ``vlmtrain`` is imported. The trainer
+calls it only for a model the plan sharded (:func:`sharding_of`) or when train.fsdp asks to shard one
+(:func:`sharding_plan`); a single process and DDP never reach it."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from . import plugins
+
+
+class ShardingPlan(Protocol):
+    """How model and optimizer state is sharded, saved, loaded and gathered. A method given a sharded model is
+    a collective: every rank calls it."""
+
+    def is_sharded(self, model: nn.Module) -> bool:
+        """Whether ``model`` is sharded (by this plan)."""
+
+    def shard_model(self, model: nn.Module, bf16: bool = False) -> nn.Module:
+        """Shard ``model`` in place over the default process group (``bf16``: bfloat16 compute)."""
+
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+        """Model and optimizer state into the checkpoint ``directory``, each rank writing its own shards."""
+
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+        """The inverse of ``save_sharded``."""
+
+    def load_model_state(self, model: nn.Module, directory: str) -> None:
+        """A checkpoint's model weights (shards or files) into the sharded ``model``."""
+
+    def gather_trainable(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The trainable parameters, full, on rank 0 ({} elsewhere), keyed by parameter name."""
+
+    def gather_params(self, model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+        """The parameters under ``prefix``, full, on every rank, keyed without it."""
+
+    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state unsharded on rank 0 ({} elsewhere), keyed by parameter name."""
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             state: dict[str, Any]) -> None:
+        """An optimizer state keyed by parameter name, or by position into a sharded model's optimizer."""
+
+    def save_full_model(self, model: nn.Module, directory: str, processing_class: Any, rank: int) -> None:
+        """The sharded model gathered and written as an unsharded one's files (rank 0 writes)."""
+
+
+def sharding_of(model: nn.Module) -> ShardingPlan | None:
+    """The plan that sharded ``model``; None for a model that is not sharded."""
+    plan = plugins.lookup("sharding")
+    return plan if plan is not None and plan.is_sharded(model) else None
+
+
+def sharding_plan() -> ShardingPlan:
+    """The plan train.fsdp shards with (ConfigError when no layer registered one)."""
+    plan = plugins.lookup("sharding")
+    if plan is None:
+        raise ConfigError("train.fsdp and FSDP checkpoints need the FSDP plan that `import vlmtrain` registers "
+                          "(the trainer's 'sharding' slot is empty): import vlmtrain before building the Trainer.")
+    return plan
+
+
+def keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict names its parameters (gathered from FSDP shards) rather than numbering
+    them (``optimizer.state_dict()``)."""
+    return any(isinstance(p, str) for g in optimizer_state.get("param_groups", []) for p in g["params"])
