@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import vlmtrain
-from vlmtrain.trainer.collate import DefaultCollator
+from vlmtrain.data.collate import DefaultCollator
 
 VARIANTS = ("bare", "vlmtrain", "transformers")
 LR = 1e-3

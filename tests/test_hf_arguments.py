@@ -14,8 +14,8 @@ from tiny import tiny_llama, token_samples
 import vlmtrain
 import vlmtrain.trainer.trainer as vtrainer
 from vlmtrain import Trainer, TrainingArguments
+from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import ConfigError
-from vlmtrain.trainer.collate import DefaultCollator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,6 +9,7 @@ import ast
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,12 +17,11 @@ from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
 import vlmtrain  # noqa: F401  (fills the trainer's slots)
-from vlmtrain.data.collate import PadCollator
+from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import CheckpointError
 from vlmtrain.models import flops, head_files, lora_files, protocol, sharded_files, sharding
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.trainer import model_files, model_prep, optim, plugins
-from vlmtrain.trainer.collate import DefaultCollator
 
 SRC = Path(vlmtrain.__file__).parent
 
@@ -124,16 +124,15 @@ def test_a_lora_adapter_stands_in_for_the_base_weights(tmp_path):
     assert model_files.missing_weight_files(str(tmp_path)) == ["adapter_model.safetensors"]
 
 
-def test_the_data_padding_collator_pads_token_samples_as_the_trainer_default_does():
-    samples = token_samples(6, seed=1)
-    samples += [{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "attention_mask": [1, 1, 1], "id": "x"}]
-    for sample in samples[:6]:
-        sample["id"] = "s"
-    ours, trainers = PadCollator(5)(samples), DefaultCollator(5)(samples)
-    assert ours.keys() == trainers.keys()
-    for key, value in trainers.items():
-        assert (torch.equal(value, ours[key]) and value.dtype == ours[key].dtype) if isinstance(value, torch.Tensor) \
-            else value == ours[key], key
+def test_a_trainer_without_a_collator_pads_with_the_data_default_collator(tmp_path):
+    """One default collator (data/collate.py), reached by the trainer through its slot, with the pad id of the
+    processing class."""
+    assert plugins.lookup("default_collator") is DefaultCollator
+    args = vlmtrain.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    trainer = vlmtrain.Trainer(tiny_llama(), args, processing_class=SimpleNamespace(pad_token_id=5))
+    assert type(trainer.data_collator) is DefaultCollator and trainer.data_collator.pad_token_id == 5
+    batch = trainer.data_collator(token_samples(4, seed=1))
+    assert (batch["input_ids"] == 5).any() and (batch["labels"] == -100).any()  # samples of different lengths
 
 
 def _imports(path: Path) -> set[str]:

@@ -131,7 +131,7 @@ def test_packed_loss_and_num_items_equal_the_padded_batch():
 
 
 def _pad_collate(samples):
-    from vlmtrain.trainer.collate import DefaultCollator
+    from vlmtrain.data.collate import DefaultCollator
 
     batch = DefaultCollator(0)(samples)
     return {k: batch[k] for k in ("input_ids", "attention_mask", "labels")}

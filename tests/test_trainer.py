@@ -10,8 +10,8 @@ import torch
 from tiny import TwoLossModel, tiny_llama, token_samples
 
 from vlmtrain import Trainer, TrainerCallback, TrainingArguments
+from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.trainer import ConfigError
-from vlmtrain.trainer.collate import DefaultCollator
 from vlmtrain.trainer.optim import build_param_groups, create_scheduler
 
 

@@ -15,7 +15,7 @@ from tiny import tiny_llama, token_samples
 from torch import nn
 
 import vlmtrain
-from vlmtrain.trainer.collate import DefaultCollator
+from vlmtrain.data.collate import DefaultCollator
 
 FRAMEWORKS = {"hf": (transformers.Trainer, transformers.TrainingArguments),
               "ours": (vlmtrain.Trainer, vlmtrain.TrainingArguments)}

@@ -25,13 +25,15 @@ from .trainer import plugins as _trainer_plugins
 
 
 def _fill_trainer_slots() -> None:
-    """What the trainer takes from the model layer, which it never imports (trainer/plugins.py)."""
+    """What the trainer takes from the data and model layers, which it never imports (trainer/plugins.py)."""
+    from .data.collate import DefaultCollator
     from .models.flops import flop_counter
     from .models.head_files import HEAD_PARTS
     from .models.lora_files import ADAPTER_PARTS
     from .models.sharded_files import read_model_weights
     from .models.sharding import transformer_blocks
 
+    _trainer_plugins.register("default_collator", DefaultCollator)
     _trainer_plugins.register("flop_counter", flop_counter)
     _trainer_plugins.register("checkpoint_parts", (ADAPTER_PARTS, HEAD_PARTS))
     _trainer_plugins.register("read_sharded_weights", read_model_weights)

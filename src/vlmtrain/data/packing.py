@@ -190,9 +190,9 @@ class PackingCollator:
 
     def without_packing(self) -> Any:
         if self.padding_collator is None:
-            from vlmtrain.data.collate import PadCollator
+            from vlmtrain.data.collate import DefaultCollator
 
-            return PadCollator(self.pad_token_id)
+            return DefaultCollator(self.pad_token_id)
         return self.padding_collator
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:

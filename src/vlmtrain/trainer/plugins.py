@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
+    "default_collator": "pad_token_id -> the collator a Trainer without data_collator uses (vlmtrain.data.collate)",
     "transformers_arguments": "(args) -> None: transformers' conventions at TrainingArguments' construction (JSON "
                               "dict strings, refused transformers-only values, aliases, report_to names); "
                               "vlmtrain.compat.arguments",
@@ -43,3 +44,11 @@ def register(slot: str, value: Any) -> None:
 def lookup(slot: str, default: Any = None) -> Any:
     """The value registered for ``slot``, or ``default`` when none is."""
     return _filled.get(slot, default)
+
+
+def require(slot: str) -> Any:
+    """The value registered for ``slot``; an error naming it when none is (``import vlmtrain`` fills them all)."""
+    if slot not in _filled:
+        raise RuntimeError(f"the trainer's {slot!r} slot is empty: import vlmtrain (it fills the trainer's slots) "
+                           f"before building a Trainer")
+    return _filled[slot]

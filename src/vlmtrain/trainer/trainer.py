@@ -39,7 +39,6 @@ from . import distributed as dist
 from . import plugins
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
-from .collate import DefaultCollator
 from .compat_methods import TransformersMethodsMixin, set_seed
 from .evaluation import EvaluationMixin
 from .loss_extras import (
@@ -90,7 +89,7 @@ class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsM
             enable_activation_checkpointing(self.model, self.args.activation_checkpointing_kwargs)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         pad_id = getattr(processing_class, "pad_token_id", None) or 0
-        self.data_collator = data_collator if data_collator is not None else DefaultCollator(pad_id)
+        self.data_collator = data_collator if data_collator is not None else plugins.require("default_collator")(pad_id)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class, self.compute_metrics = processing_class, compute_metrics
         if self.args.batch_eval_metrics:
