@@ -2,8 +2,8 @@
 
 The trainer defines a named slot; a higher layer (models, logging, evaluation) fills it when ``vlmtrain`` is
 imported (``vlmtrain/__init__.py`` imports the modules that register), so ``import vlmtrain.trainer`` and
-``from vlmtrain import Trainer`` see the same filled slots. The trainer reads a slot where it needs it and has a
-plain default for an empty one. Every slot is listed in ``SLOTS`` below with what it holds (add a line there
+``from vlmtrain import Trainer`` see the same filled slots. The trainer reads a slot where it needs it: with
+:func:`lookup` and a plain default where one exists, with :func:`require` where none does. Every slot is listed in ``SLOTS`` below with what it holds (add a line there
 for a new one).
 """
 
