@@ -70,7 +70,8 @@ LOSS_RTOL = 1e-2
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", choices=sorted(SETUPS), action="append", help="run only this setup (repeatable)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps per contender (default 20)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per contender (default 20; 3 with "
+                   "--smoke)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the rates (default 5)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default 8)")
     p.add_argument("--lr", type=float, default=None, help="default 1e-5 full fine-tune, 1e-4 LoRA")
@@ -82,12 +83,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="gradient/activation checkpointing in every contender (default on)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile in every contender (default off)")
+    p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit "
+                   "for --torch-compile (default torch's, 8: layers past it run eagerly)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak bf16 TFLOP/s for MFU "
                    "(default: 989 on H100/H200, 312 on A100; none elsewhere)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="print each step's time and data wait on stderr")
+    p.add_argument("--contender", choices=CONTENDERS, action="append", help="run only this contender "
+                   "(repeatable; default all three: the ratios need transformers)")
     p.add_argument("--profile", choices=CONTENDERS, action="append", help="profile this contender's 2 steps "
-                   "after --warmup (torch.profiler; top operators by device time on stderr; repeatable)")
+                   "after --warmup (torch.profiler; top operators by device time on stderr; repeatable); those "
+                   "steps and the one after them (the report) are left out of the rates")
     p.add_argument("--stacks-after", type=float, default=None, help="print every thread's stack after this many "
                    "seconds (where a slow run spends its time)")
     p.add_argument("--out", default=None, help="where data and run dirs go (default: a temporary directory)")
@@ -95,9 +101,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "is one, else on CPU: checks the script end to end (numbers meaningless)")
     opts = p.parse_args(argv)
     if opts.smoke:
-        opts.steps, opts.warmup, opts.batch_size = min(opts.steps, 3), 1, min(opts.batch_size, 2)
-    if opts.steps <= max(opts.warmup, 1):
-        p.error("--steps must exceed --warmup (and be at least 2)")
+        opts.steps, opts.warmup, opts.batch_size = opts.steps or 3, 1, min(opts.batch_size, 2)
+    opts.steps = opts.steps or 20
+    if opts.steps <= max(opts.warmup, 1) + (3 if opts.profile else 0):
+        p.error("--steps must exceed --warmup (and be at least 2), by 4 with --profile")
     return opts
 
 
@@ -115,9 +122,10 @@ def header(opts: argparse.Namespace, device: torch.device, workers: int) -> None
           f"transformers {transformers.__version__}  vlmtrain {vlmtrain.__version__}  python "
           f"{platform.python_version()}  cpus {os.cpu_count()}")
     print(f"batch {opts.batch_size} samples/step | {opts.steps} steps, rates over steps {max(opts.warmup, 1) + 1}.."
-          f"{opts.steps} | attention {opts.attn} | activation checkpointing "
+          f"{opts.steps}{f' but {opts.warmup + 1}..{opts.warmup + 3} (profiled)' if opts.profile else ''} | "
+          f"attention {opts.attn} | activation checkpointing "
           f"{'on' if opts.activation_checkpointing else 'off'} | torch.compile "
-          f"{'on' if opts.torch_compile else 'off'} | {workers} data-loader workers | seed {opts.seed}")
+          f"{'on' if opts.torch_compile else 'off'} (recompile limit {torch._dynamo.config.recompile_limit}) | {workers} data-loader workers | seed {opts.seed}")
 
 
 def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: str, workers: int,
@@ -138,7 +146,7 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
           f"lr {run_opts.lr:g}")
 
     results: dict[str, dict] = {}
-    for contender in CONTENDERS:
+    for contender in opts.contender or CONTENDERS:
         meter = parts.Meter(device=device, progress=opts.progress,
                             profile_after=opts.warmup if contender in (opts.profile or ()) else None)
         print(f"  {contender} ...", file=sys.stderr, flush=True)
@@ -177,7 +185,9 @@ def report(results: dict[str, dict], peak: float | None) -> bool:
     print(f"  {'contender':<16} {'tokens/s':>10} {'x tf':>6} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
           f"{'x tf':>6} {'data wait':>9} {'fill':>5} {'loss @1':>9}")
     for name in CONTENDERS:
-        r = results.get(name, {})
+        if name not in results:  # (--contender)
+            continue
+        r = results[name]
         if "skipped" in r:
             print(f"  {name:<16} skipped: {r['skipped']}")
             continue
@@ -219,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     workers = dataloader_workers(int(opts.workers) if opts.workers != "auto" else "auto",
                                  cuda=device.type == "cuda")
+    if opts.recompile_limit is not None:
+        torch._dynamo.config.recompile_limit = opts.recompile_limit
     header(opts, device, workers)
     print("goals: vlmtrain packed >= 1.5x transformers' tokens/s and <= 0.7x its peak memory; vlmtrain padded "
           ">= 1.0x; MFU >= 40%; data wait <= 5%")

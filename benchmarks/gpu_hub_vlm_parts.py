@@ -229,14 +229,16 @@ class Meter:
             yield batch
 
     def window(self, warmup: int) -> dict[str, float]:
-        """Rates over steps warmup+1 .. last (the batches fetched after step ``warmup`` ended)."""
+        """Rates over steps warmup+1 .. last (each step's batch: fetched after the step before it ended), the
+        profiled steps and the step after them (the profiler's report) left out."""
         steps = len(self.stamps)
         if steps <= max(warmup, 1):
             raise RuntimeError(f"only {steps} steps ran; need more than --warmup {warmup} (and at least 2)")
-        first = max(warmup, 1)
-        wall = self.stamps[-1] - self.stamps[first - 1]
-        timed = [f for f in self.fetches if first <= f[0] < steps]
-        return {"steps": steps - first, "wall": wall, "tokens_per_s": sum(f[2] for f in timed) / wall,
+        skip = set(range(self.profile_after + 1, self.profile_after + 4)) if self.profile_after is not None else set()
+        counted = [k for k in range(max(warmup, 1) + 1, steps + 1) if k not in skip]
+        wall = sum(self.stamps[k - 1] - self.stamps[k - 2] for k in counted)
+        timed = [f for f in self.fetches if f[0] + 1 in counted]
+        return {"steps": len(counted), "wall": wall, "tokens_per_s": sum(f[2] for f in timed) / wall,
                 "flops_per_s": sum(f[3] for f in timed) / wall, "data_wait": sum(f[1] for f in timed) / wall,
                 "fill": sum(f[2] for f in timed) / max(1, sum(f[4] for f in timed))}
 

@@ -4,9 +4,12 @@
 # limit so that one slow part leaves the others' results. Logs go to $OUT (default /tmp/gpu_session).
 #
 #   bash benchmarks/gpu_session.sh                    # ~7 minutes on one H200 (2026-11-26)
-#   PARTS="bench variants" bash benchmarks/gpu_session.sh   # only these parts (bench, variants, demo, tests)
+#   PARTS="bench-2b compile" bash benchmarks/gpu_session.sh   # only these parts: bench (= bench-2b bench-8b),
+#                                                            # compile, profile, variants, demo, tests
 #
-# variants: the 2B setup with torch.compile, and without activation checkpointing (8 steps each).
+# compile: vlmtrain padded and packed with torch.compile (2B; 8B packed), recompiles counted. profile: one eager
+# vlmtrain step's top operators. variants: the 2B setup with torch.compile, and without activation checkpointing
+# (8 steps each, every contender; transformers compiles the whole model: ~150 s).
 #
 # Packages missing on the machine can come as wheels in .whl/ (installed with --target, ahead of the machine's).
 set -u
@@ -36,13 +39,27 @@ $PY -c "import torch, transformers, peft; print('torch', torch.__version__, 'tra
 
 PARTS=${PARTS:-bench demo tests}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
-if want bench; then  # (2B: ~105 s, 8B: ~110 s on an H200; the profile of one vlmtrain step goes to the 2B log)
-    TAIL=16 step bench-2b-full "${BENCH_2B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 12 \
-        --warmup 4 --progress --profile "vlmtrain padded"
-    TAIL=16 step bench-8b-lora "${BENCH_8B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 8b-lora --steps 8 \
+if want bench || want bench-2b; then  # (~150 s on an H200)
+    TAIL=12 step bench-2b-full "${BENCH_2B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 12 \
+        --warmup 4 --progress
+fi
+if want bench || want bench-8b; then  # (~110 s)
+    TAIL=12 step bench-8b-lora "${BENCH_8B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 8b-lora --steps 8 \
         --warmup 3 --progress
 fi
-if want variants; then
+if want compile; then  # vlmtrain with regional torch.compile (the eager numbers: bench); recompiles counted
+    TAIL=10 TORCH_LOGS=recompiles step compile-2b "${COMPILE_2B_S:-130}" $PY benchmarks/gpu_hub_vlm.py \
+        --only 2b-full --steps 10 --warmup 4 --progress --torch-compile --contender "vlmtrain padded" \
+        --contender "vlmtrain packed"
+    grep -c "Recompiling function" "$OUT/compile-2b.log"
+    TAIL=10 TORCH_LOGS=recompiles step compile-8b "${COMPILE_8B_S:-110}" $PY benchmarks/gpu_hub_vlm.py \
+        --only 8b-lora --steps 8 --warmup 3 --progress --torch-compile --contender "vlmtrain packed"
+fi
+if want profile; then  # where one eager vlmtrain step spends its time (torch.profiler; steps 5-7 left out)
+    TAIL=60 step profile-2b "${PROFILE_S:-120}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 9 \
+        --warmup 4 --progress --profile "vlmtrain padded" --contender "vlmtrain padded"
+fi
+if want variants; then  # (the full-bench variants: every contender with torch.compile, none with checkpointing)
     TAIL=10 step bench-2b-compile "${VARIANT_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 8 \
         --warmup 4 --progress --torch-compile
     TAIL=10 step bench-2b-no-ac "${VARIANT_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 8 \

@@ -38,6 +38,27 @@ def _rows(block: str) -> dict[str, str]:
                                                         block, re.M)}
 
 
+def test_profiled_steps_and_the_report_step_are_left_out_of_the_rates(bench):
+    """--profile: the 2 profiled steps and the step after them (the profiler's report) are slow and not
+    counted; the other steps after --warmup are, each with the batch fetched for it."""
+    meter = bench.parts.Meter(profile_after=2)
+    meter.stamps = [0.0, 1.0, 11.0, 21.0, 31.0, 32.0, 33.0, 34.0]  # steps 3-5 take 10 s, the others 1 s
+    meter.fetches = [(k - 1, 0.25, 100, 1e9, 200) for k in range(1, 9)]  # (steps done, wait, tokens, flops, room)
+    rates = meter.window(1)
+    assert rates["steps"] == 4 and rates["wall"] == 4.0  # steps 2, 6, 7, 8
+    assert rates["tokens_per_s"] == 100.0 and rates["data_wait"] == 0.25 and rates["fill"] == 0.5
+    meter.profile_after = None
+    assert meter.window(1)["tokens_per_s"] == pytest.approx(700 / 34)
+
+
+@pytest.mark.slow
+def test_smoke_runs_only_the_chosen_contender(bench, capsys, tmp_path):
+    assert bench.main(["--smoke", "--only", "2b-full", "--contender", "vlmtrain padded", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert set(_rows(out)) == {"vlmtrain padded"}, out
+    assert "1 contender(s) ran: nothing to compare" in out
+
+
 @pytest.mark.slow
 @requires("peft", "lora")
 def test_smoke_runs_every_contender_on_the_same_start_and_data(bench, capsys, tmp_path):

@@ -124,27 +124,6 @@ def test_packed_logits_loss_and_gradients_equal_unpacked(root, name, attn, one_t
     assert matched == len(samples)
 
 
-def test_rows_spread_the_samples_and_are_as_wide_as_the_longest_row(root, one_thread):
-    """A pack length that the samples fill but for the shortest: first-fit would give one full row and one
-    nearly empty; the samples are spread over the same 2 rows and the tensors are as wide as the longer row (no
-    padding there), not pack_length. The loss is still the padded batch's."""
-    family, processor, model = _parts("qwen3_vl", root)
-    model.eval()
-    samples = _samples()
-    _, pad = _collators(family, processor, model, pack_length=400)
-    padded = pad(samples)
-    lengths = padded["attention_mask"].sum(1).tolist()
-    pack_length = sum(lengths) - min(lengths)  # all but the shortest fill one row exactly
-    pack, _ = _collators(family, processor, model, pack_length=pack_length)
-    packed = pack(samples)
-    rows, width = packed["input_ids"].shape
-    row_tokens = (packed["input_ids"] != processor.tokenizer.pad_token_id).sum(1).tolist()
-    assert rows == 2 and sum(row_tokens) == sum(lengths), (rows, row_tokens, lengths)
-    assert width == max(row_tokens) < pack_length, (width, row_tokens, pack_length)
-    assert packed["pack_stats"]["capacity"] == rows * width
-    torch.testing.assert_close(_forward(model, packed)[1], _forward(model, padded)[1], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("name", ["qwen3_vl", "idefics3"])
 def test_flattened_rows_for_flash_attention_compute_the_same(root, name, one_thread):
     """flatten (what flash_attention_2 gets: one row, documents found from its positions) on sdpa: same loss."""

@@ -19,7 +19,7 @@ import torch
 from vlmtrain.data.collate import pad_sequences
 from vlmtrain.data.hub_packing import pack_hub_items
 from vlmtrain.data.hub_processing import HubVLMProcessor
-from vlmtrain.data.packing import MIN_FILL_GAIN, balanced_rows, pack_lengths, pack_stats, worth_packing
+from vlmtrain.data.packing import MIN_FILL_GAIN, pack_lengths, pack_stats, worth_packing
 from vlmtrain.data.processing import IGNORE_INDEX, process_or_skip
 
 _PASS_THROUGH = ("num_images", "head_labels")
@@ -47,10 +47,9 @@ class HubVLMCollator:
 
     With ``pack_length`` a training batch is packed (:func:`~vlmtrain.data.hub_packing.pack_hub_items`) when
     that raises its fill by ``min_fill_gain`` (:func:`~vlmtrain.data.packing.worth_packing`; else padded as
-    above): as few rows as hold the samples at ``pack_length`` tokens each, the samples spread so that the
-    longest row is short (:func:`~vlmtrain.data.packing.balanced_rows`), every row as wide as the longest,
-    without ``attention_mask``, ``position_ids`` restarting per sample ([4, rows, width] for a family with
-    ``rope_positions``, computed from ``model_config``), at most ``max_images_per_pack`` images per row; ``flatten`` joins the rows into one (flash-attention). Packing
+    above): rows of ``pack_length`` tokens without ``attention_mask``, ``position_ids`` restarting per sample
+    ([4, rows, pack_length] for a family with ``rope_positions``, computed from ``model_config``), at most
+    ``max_images_per_pack`` images per row; ``flatten`` joins the rows into one (flash-attention). Packing
     needs batches without head labels. :meth:`collate_rows` packs rows already placed by
     :class:`~vlmtrain.data.pack_stream.PackedDataset` (``data.pack_window``).
 
@@ -113,12 +112,10 @@ class HubVLMCollator:
             return {"skipped": dict(+skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         if self.pack_length is not None:
             lengths = [int(len(it["input_ids"])) for it in items]
-            images = [int(it.get("num_images", 0)) for it in items]
-            bins = pack_lengths(lengths, self.pack_length, images, self.max_images_per_pack)
-            bins = balanced_rows(lengths, len(bins), self.pack_length, images, self.max_images_per_pack) or bins
-            width = max(sum(lengths[i] for i in b) for b in bins)  # rows as wide as the longest, not pack_length
-            if worth_packing(lengths, len(bins), width, self.min_fill_gain):
-                return {**self.pack(items, bins, width), "skipped": dict(+skipped), "skipped_keys": keys[:5]}
+            bins = pack_lengths(lengths, self.pack_length, [int(it.get("num_images", 0)) for it in items],
+                                self.max_images_per_pack)
+            if worth_packing(lengths, len(bins), self.pack_length, self.min_fill_gain):
+                return {**self.pack(items, bins), "skipped": dict(+skipped), "skipped_keys": keys[:5]}
         batch = self.collate_items(items, side="right")
         if any("prompt_input_ids" in it for it in items):
             prompts = [{k[len("prompt_"):]: v for k, v in it.items() if k.startswith("prompt_")} for it in items]
@@ -137,18 +134,16 @@ class HubVLMCollator:
         return {**batch, "skipped": dict(+skipped), "skipped_keys": keys[:5],
                 "pack_stats": pack_stats(len(items), lengths, rows, width, n_images)}
 
-    def pack(self, items: list[dict[str, Any]], bins: list[list[int]], width: int | None = None) -> dict[str, Any]:
-        """Processed items placed in rows (``bins``: item indices per row) of ``width`` tokens (default
-        ``pack_length``) -> a packed batch with ``pack_stats``."""
+    def pack(self, items: list[dict[str, Any]], bins: list[list[int]]) -> dict[str, Any]:
+        """Processed items placed in rows (``bins``: item indices per row) -> a packed batch with ``pack_stats``."""
         self._check_packable(items)
-        width = width or self.pack_length
         rope = None
         if self.family.rope_positions is not None:
             rope = functools.partial(self.family.rope_positions, self.model_config)
-        batch = pack_hub_items(items, bins, width, self.family, self.pad_token_id, rope, self.flatten)
+        batch = pack_hub_items(items, bins, self.pack_length, self.family, self.pad_token_id, rope, self.flatten)
         tokens = sum(int(len(it["input_ids"])) for it in items)
         images = sum(int(it.get("num_images", 0)) for it in items)
-        batch["pack_stats"] = pack_stats(len(items), tokens, len(bins), width, images)
+        batch["pack_stats"] = pack_stats(len(items), tokens, len(bins), self.pack_length, images)
         return batch
 
     def _check_packable(self, items: list[dict[str, Any]]) -> None:

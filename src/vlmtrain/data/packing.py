@@ -64,29 +64,6 @@ def pack_lengths(lengths: Sequence[int], capacity: int, images: Sequence[int] | 
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
-def balanced_rows(lengths: Sequence[int], rows: int, capacity: int, images: Sequence[int] | None = None,
-                  max_images: int | None = None) -> list[list[int]] | None:
-    """Item indices spread over ``rows`` rows so that the longest row is short: longest item first, each into
-    the row holding the fewest tokens that still has room (and image room under ``max_images``). A batch's
-    tensors are as wide as its longest row, so for a fixed number of samples per step this wastes less than
-    filling the first rows to ``capacity`` and leaving the last one mostly padding. None when an item fits no
-    row (keep :func:`pack_lengths`' bins then). Same ordering rules as :func:`pack_lengths`.
-    """
-    images = list(images) if images is not None else [0] * len(lengths)
-    img_cap = float("inf") if max_images is None else max_images
-    load, load_images = [0] * rows, [0] * rows
-    bins: list[list[int]] = [[] for _ in range(rows)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = [r for r in range(rows) if load[r] + lengths[i] <= capacity and load_images[r] + images[i] <= img_cap]
-        if not fits:
-            return None
-        r = min(fits, key=lambda r: (load[r], r))
-        bins[r].append(i)
-        load[r] += lengths[i]
-        load_images[r] += images[i]
-    return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
-
-
 def pack_items(items: Sequence[dict[str, Any]], pack_length: int, pad_token_id: int,
                max_images_per_pack: int | None = None,
                bins: list[list[int]] | None = None) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
