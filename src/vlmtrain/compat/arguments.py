@@ -10,8 +10,9 @@ with transformers' defaults. Each of them is either
 
 :data:`DIFFERENT` lists the implemented names that do not behave exactly as transformers' (the migration guide's
 rows, written by scripts/gen_migrating.py). :func:`apply` is what TrainingArguments does with transformers'
-conventions at construction (JSON dict strings, refused values, aliases and value forms, report_to's names); it
-reaches the trainer through its ``transformers_arguments`` slot, filled when ``vlmtrain`` is imported.
+conventions at construction (JSON dict strings, refused values, aliases and value forms, report_to's names,
+do_eval); it reaches the trainer through its ``transformers_arguments`` slot, filled when ``vlmtrain`` is
+imported, which also gives TrainingArguments transformers' derived values (vlmtrain.compat.arguments_methods).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any
 from ..errors import ConfigError
 from ..logging.trackers import TRACKERS
 from ..trainer import plugins
-from ..trainer.args import ImplementedArguments, check_choice
+from ..trainer.args import ImplementedArguments, TrainingArguments, check_choice
 from ..trainer.args_compat import TransformersOnlyArguments
+from . import arguments_methods
 
 _OWN_OPTIMIZER = "build the optimizer yourself and pass Trainer(optimizers=(optimizer, scheduler))"
 _HALF_EVAL = "evaluation runs under the same autocast as training (bf16=True)"
@@ -181,12 +183,16 @@ def check_transformers_only(args: Any) -> None:
 def resolve_transformers_names(args: Any) -> None:
     """transformers' aliases and value forms -> the one form the Trainer reads (idempotent): the older
     gradient_checkpointing names mirror activation_checkpointing's, fsdp and include_num_input_tokens_seen
-    become the Trainer's values, report_to a list of implemented names."""
+    become the Trainer's values, report_to a list of implemented names; do_eval is set by an eval_strategy."""
     for old, new in (("gradient_checkpointing", "activation_checkpointing"),
                      ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
         if getattr(args, new) is None and getattr(args, old) is not None:
             setattr(args, new, getattr(args, old))
         setattr(args, old, getattr(args, new))
+    if args.gradient_checkpointing is None:  # (as activation_checkpointing: the trainer reads None as False)
+        args.gradient_checkpointing = False
+    if not args.do_eval and args.eval_strategy != "no":  # as transformers (for the script: the Trainer ignores it)
+        args.do_eval = True
     if isinstance(args.include_num_input_tokens_seen, bool):
         args.include_num_input_tokens_seen = "all" if args.include_num_input_tokens_seen else "no"
     check_choice("include_num_input_tokens_seen", args.include_num_input_tokens_seen, ("no", "all", "non_padding"))
@@ -205,11 +211,21 @@ def resolve_transformers_names(args: Any) -> None:
                               f"{', '.join(implemented)} (metrics.jsonl is always written).")
         check_choice("report_to", r, implemented + UNIMPLEMENTED_REPORTERS)
     args.report_to = [] if reporters == ["none"] else reporters  # (transformers: 'none' -> [])
+
+
+def refuse_transformers_values(args: Any) -> None:
+    """transformers' values of implemented names that vlmtrain lacks: include_for_metrics' extras and the
+    length-grouping samplers of train_sampling_strategy."""
     for extra in args.include_for_metrics:
         check_choice("include_for_metrics", extra, ("inputs", "loss"))
     if args.include_for_metrics:
         raise ConfigError(f"include_for_metrics={args.include_for_metrics!r} is not supported by vlmtrain yet; "
                           "compute_metrics receives predictions and label_ids (see label_names).")
+    check_choice("train_sampling_strategy", args.train_sampling_strategy,
+                 ("random", "sequential", "group_by_length", "batch_rebalance"))
+    if args.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
+        raise ConfigError(f"train_sampling_strategy={args.train_sampling_strategy!r} is not supported by vlmtrain; "
+                          "use data.packing for length-efficient batches (or 'random' / 'sequential').")
 
 
 def parse_json_dicts(args: Any) -> None:
@@ -271,10 +287,13 @@ def _fsdp_flag(value: bool | str | list[str] | None) -> bool:
 
 def apply(args: Any) -> None:
     """transformers' conventions at TrainingArguments' construction, before its own checks: JSON dict strings
-    parsed, transformers-only values refused, aliases and value forms resolved."""
+    parsed, transformers-only values refused, aliases and value forms resolved, transformers' values that
+    vlmtrain lacks refused."""
     parse_json_dicts(args)
     check_transformers_only(args)
     resolve_transformers_names(args)
+    refuse_transformers_values(args)
 
 
 plugins.register("transformers_arguments", apply)
+arguments_methods.add_to(TrainingArguments)

@@ -8,15 +8,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..errors import ConfigError
+from . import distributed as dist
 from . import plugins
 from .args_compat import TransformersOnlyArguments
-from .args_process import FsdpValue, ProcessMixin, WorkersValue
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+SAMPLING_STRATEGIES = ("random", "sequential")
+
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     """``value`` if it is one of ``choices``, else a ConfigError naming the closest ones."""
@@ -25,6 +29,18 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
         hint = f" Did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
         raise ConfigError(f"{name}={value!r} is not one of {list(choices)}.{hint}")
     return value
+
+
+class FsdpValue(str):
+    """The type of TrainingArguments.fsdp as parsers see it: a string of transformers' options ('full_shard
+    auto_wrap'), a list of them, or a bool. A str subclass, so that transformers' HfArgumentParser reads
+    `--fsdp "full_shard auto_wrap"` as a string; vlmtrain's YAML/CLI parser registers it for the other forms."""
+
+
+class WorkersValue(str):
+    """The type of TrainingArguments.dataloader_num_workers as parsers see it: a number or 'auto'. A str subclass,
+    so that HfArgumentParser reads `--dataloader_num_workers 4` or `auto` (TrainingArguments makes digits an int);
+    vlmtrain's YAML/CLI parser registers it to take YAML numbers too."""
 
 
 @dataclass
@@ -271,15 +287,17 @@ class ImplementedArguments:
 
 
 @dataclass
-class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArguments):
+class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
     """Everything about how to train. Every transformers 5.23 TrainingArguments name is accepted: the ones
     vlmtrain implements behave as there; the rest (args_compat.py) take their default, and any other value is a
     ConfigError that says what vlmtrain does instead (the table: vlmtrain.compat.arguments). Invalid combinations
-    fail here, at construction."""
+    fail here, at construction. transformers' derived values and serializations besides `device` (world_size,
+    should_save, main_process_first(), to_dict(), ...) are added by vlmtrain.compat.arguments_methods when
+    vlmtrain is imported."""
 
     def __post_init__(self) -> None:
-        # transformers' conventions first (JSON dict strings, refused transformers-only values, aliases, value
-        # forms, report_to's names): vlmtrain.compat.arguments fills the slot when vlmtrain is imported
+        # transformers' conventions first (JSON dict strings, refused transformers-only values and value forms,
+        # aliases, report_to's names, do_eval): vlmtrain.compat.arguments fills the slot when vlmtrain is imported
         plugins.lookup("transformers_arguments", _unchanged)(self)
         self._resolve_defaults()
         self._check_strategies_and_steps()
@@ -291,7 +309,7 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
     def _resolve_defaults(self) -> None:
         """Unset values -> what the Trainer reads (idempotent)."""
         if self.activation_checkpointing is None:
-            self.activation_checkpointing = self.gradient_checkpointing = False
+            self.activation_checkpointing = False
         self.output_dir = os.path.expanduser("trainer_output" if self.output_dir is None else self.output_dir)
         self.disable_tqdm = bool(self.disable_tqdm)
 
@@ -310,8 +328,6 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
         self._check_steps("logging_steps", self.logging_strategy)
         self._check_steps("save_steps", self.save_strategy)
         self._check_steps("eval_steps", self.eval_strategy)
-        if not self.do_eval and self.eval_strategy != "no":  # as transformers (for the script: the Trainer ignores it)
-            self.do_eval = True
         if self.max_steps == 0 or (self.max_steps < 0 and self.num_train_epochs <= 0):
             raise ConfigError("Set max_steps > 0 or num_train_epochs > 0: there is nothing to train otherwise.")
 
@@ -377,11 +393,7 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
             raise ConfigError("max_consecutive_nonfinite_steps must be >= 0 (0: never stop).")
         if not 0 < self.max_bad_sample_fraction <= 1:
             raise ConfigError(f"max_bad_sample_fraction must be in (0, 1], got {self.max_bad_sample_fraction}.")
-        check_choice("train_sampling_strategy", self.train_sampling_strategy,
-                     ("random", "sequential", "group_by_length", "batch_rebalance"))
-        if self.train_sampling_strategy in ("group_by_length", "batch_rebalance"):
-            raise ConfigError(f"train_sampling_strategy={self.train_sampling_strategy!r} is not supported by vlmtrain; "
-                              "use data.packing for length-efficient batches (or 'random' / 'sequential').")
+        check_choice("train_sampling_strategy", self.train_sampling_strategy, SAMPLING_STRATEGIES)
         if self.torch_empty_cache_steps is not None and not (
                 isinstance(self.torch_empty_cache_steps, int) and self.torch_empty_cache_steps > 0):
             raise ConfigError(f"torch_empty_cache_steps must be an integer bigger than 0, got "
@@ -414,6 +426,16 @@ class TrainingArguments(ProcessMixin, TransformersOnlyArguments, ImplementedArgu
             setattr(self, name, int(value))
 
     # -- derived values -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on: its CUDA device (LOCAL_RANK under torchrun), else the CPU;
+        the CPU whenever use_cpu=True."""
+        if self.use_cpu or not torch.cuda.is_available():
+            return torch.device("cpu")
+        if dist.is_distributed() or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", torch.cuda.current_device())
+
     def absolute_steps(self, name: str, max_steps: int) -> int | None:
         """logging_steps / eval_steps / save_steps in steps: a ratio in (0, 1) of max_steps rounded up (as
         transformers' TrainerState.compute_steps), else the value itself."""

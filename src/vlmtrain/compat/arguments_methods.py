@@ -1,6 +1,8 @@
-"""What transformers' TrainingArguments tells a script about the process it runs in (device, ranks, who saves and
-logs) and how it serializes itself (to_dict, to_json_string, to_sanitized_dict). A mixin of TrainingArguments,
-kept apart from the fields; the values come from torchrun's environment and torch.distributed, never accelerate."""
+"""What transformers' TrainingArguments tells a script about the process it runs in (GPUs, ranks, who saves and
+logs) and how it serializes itself (to_dict, to_json_string, to_sanitized_dict). The trainer reads none of it
+(it reads `device`, defined with the fields); :func:`add_to` puts these on vlmtrain's TrainingArguments when
+``vlmtrain`` is imported (vlmtrain.compat.arguments). The values come from torchrun's environment and
+torch.distributed, never accelerate."""
 
 from __future__ import annotations
 
@@ -15,29 +17,18 @@ from typing import Any
 
 import torch
 
-from . import distributed as dist
+from ..trainer import distributed as dist
 
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-class FsdpValue(str):
-    """The type of TrainingArguments.fsdp as parsers see it: a string of transformers' options ('full_shard
-    auto_wrap'), a list of them, or a bool. A str subclass, so that transformers' HfArgumentParser reads
-    `--fsdp "full_shard auto_wrap"` as a string; vlmtrain's YAML/CLI parser registers it for the other forms."""
-
-
-class WorkersValue(str):
-    """The type of TrainingArguments.dataloader_num_workers as parsers see it: a number or 'auto'. A str subclass,
-    so that HfArgumentParser reads `--dataloader_num_workers 4` or `auto` (TrainingArguments makes digits an int);
-    vlmtrain's YAML/CLI parser registers it to take YAML numbers too."""
-
-
-class ProcessMixin:
+class ArgumentsMethods:
     """transformers' derived properties of TrainingArguments; under torchrun (several processes) they follow
     torch.distributed once the process group is up, and torchrun's RANK / WORLD_SIZE / LOCAL_RANK before."""
 
+    device: torch.device
     use_cpu: bool
     ddp_timeout: int
     per_device_train_batch_size: int
@@ -46,16 +37,6 @@ class ProcessMixin:
     save_on_each_node: bool
     log_level: str
     log_level_replica: str
-
-    @property
-    def device(self) -> torch.device:
-        """The device this process computes on: its CUDA device (LOCAL_RANK under torchrun), else the CPU;
-        the CPU whenever use_cpu=True."""
-        if self.use_cpu or not torch.cuda.is_available():
-            return torch.device("cpu")
-        if dist.is_distributed() or _env_int("WORLD_SIZE", 1) > 1:
-            return torch.device("cuda", _env_int("LOCAL_RANK", 0))
-        return torch.device("cuda", torch.cuda.current_device())
 
     @property
     def n_gpu(self) -> int:
@@ -177,3 +158,11 @@ def _dtypes_to_str(d: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, dict):
             d[key] = _dtypes_to_str(dict(value))
     return d
+
+
+def add_to(cls: type) -> None:
+    """Put ArgumentsMethods' properties and methods on ``cls`` (vlmtrain's TrainingArguments), as if it were one
+    of its bases: a name ``cls`` defines itself is kept, and a subclass's own definitions still win."""
+    for name, value in vars(ArgumentsMethods).items():
+        if not name.startswith("__") and name not in vars(cls):
+            setattr(cls, name, value)
