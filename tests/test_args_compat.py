@@ -168,6 +168,26 @@ def test_gradient_checkpointing_is_transformers_alias_of_activation_checkpointin
     assert dataclasses.replace(args).activation_checkpointing is True
 
 
+def test_the_trainers_own_arguments_get_transformers_defaults_refusals_and_derived_values():
+    # vlmtrain.compat fills them in; what a script sees on vlmtrain.trainer's class is transformers' behaviour
+    from vlmtrain.compat import arguments_methods
+    from vlmtrain.trainer.args import TrainingArguments as CoreArguments
+
+    ours, hf = CoreArguments(use_cpu=True), transformers.TrainingArguments(use_cpu=True)
+    assert (ours.gradient_checkpointing, ours.do_eval) == (hf.gradient_checkpointing, hf.do_eval) == (False, False)
+    assert CoreArguments(use_cpu=True, eval_strategy="epoch").do_eval is True
+    assert (ours.n_gpu, ours.world_size, ours.should_save, ours.to_dict()["use_cpu"]) == (0, 1, True, True)
+    for sampler in ("group_by_length", "batch_rebalance"):
+        with pytest.raises(ConfigError, match=f"train_sampling_strategy='{sampler}' is not supported by vlmtrain; "
+                                              "use data.packing"):
+            CoreArguments(train_sampling_strategy=sampler)
+
+    class Own:  # a class's own definition of a transformers name is kept
+        world_size = 5
+    arguments_methods.add_to(Own)
+    assert Own.world_size == 5 and callable(Own.to_json_string)
+
+
 # -- names vlmtrain implements -------------------------------------------------------------------------------------
 def test_gradient_checkpointing_enables_checkpointing_and_keeps_the_losses(tmp_path, one_thread):
     data = token_samples(24, seed=2)
