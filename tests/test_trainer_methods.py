@@ -131,3 +131,25 @@ def test_create_model_card_writes_a_readme(tmp_path):
     assert "license" not in card  # (none given: not written)
     assert 'language: "en"' in card and 'base_model: "base/model"' in card and "# tiny" in card
     assert "- learning_rate: 0.001" in card and "- eval_loss: " in card
+
+
+def test_the_public_trainer_is_the_core_with_transformers_methods(tmp_path, capsys):
+    """vlmtrain.Trainer is what vlmtrain.trainer names Trainer (the trainer_class slot), a TrainerCore with
+    transformers' extra methods, which a user subclass reaches through super()."""
+    import vlmtrain.trainer
+    from vlmtrain.trainer import TrainerCore
+
+    star: dict = {}
+    exec("from vlmtrain.trainer import *", star)
+    assert vlmtrain.Trainer is vlmtrain.trainer.Trainer is star["Trainer"]
+    assert issubclass(vlmtrain.Trainer, TrainerCore) and not hasattr(TrainerCore, "log_metrics")
+
+    class Mine(vlmtrain.Trainer):
+        def log_metrics(self, split, metrics):
+            print("mine")
+            super().log_metrics(split, metrics)
+
+    trainer = Mine(model=tiny_llama(), args=_args("ours", tmp_path))
+    capsys.readouterr()
+    trainer.log_metrics("train", {"train_loss": 0.5})
+    assert capsys.readouterr().out == "mine\n***** train metrics *****\n  train_loss = 0.5\n"

@@ -4,6 +4,7 @@
 # `import vlmtrain.trainer` and `from vlmtrain import Trainer` see the same Trainer.
 from . import tasks  # noqa: F401 - the synthetic tasks register their data sources with data/
 from .compat import arguments as _transformers_arguments  # noqa: F401
+from .compat.trainer import Trainer
 from .evaluation import async_eval as _async_eval  # noqa: F401
 from .inference import InferenceModel, load_for_inference
 from .logging import eval_samples as _eval_samples  # noqa: F401
@@ -14,7 +15,6 @@ from .trainer import (
     EarlyStoppingCallback,
     EvalPrediction,
     PredictionOutput,
-    Trainer,
     TrainerCallback,
     TrainerControl,
     TrainerState,
@@ -25,7 +25,8 @@ from .trainer import plugins as _trainer_plugins
 
 
 def _fill_trainer_slots() -> None:
-    """What the trainer takes from the data and model layers, which it never imports (trainer/plugins.py)."""
+    """What the trainer takes from the layers above it, which it never imports (trainer/plugins.py): the data
+    and model layers' parts, and the public Trainer class (compat)."""
     from .data.collate import DefaultCollator
     from .models.flops import flop_counter
     from .models.head_files import HEAD_PARTS
@@ -33,6 +34,7 @@ def _fill_trainer_slots() -> None:
     from .models.sharded_files import read_model_weights
     from .models.sharding import transformer_blocks
 
+    _trainer_plugins.register("trainer_class", Trainer)
     _trainer_plugins.register("default_collator", DefaultCollator)
     _trainer_plugins.register("flop_counter", flop_counter)
     _trainer_plugins.register("checkpoint_parts", (ADAPTER_PARTS, HEAD_PARTS))

@@ -1,5 +1,5 @@
 """evaluate() and predict(): the loss (and every loss_*) over a whole eval set, logits or generations,
-and compute_metrics. A mixin of Trainer, kept apart so each file reads on its own."""
+and compute_metrics. A mixin of TrainerCore, kept apart so each file reads on its own."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def combine_eval_metrics(metrics: Mapping[str, float], prefixes: list[str], pref
 
 
 class EvaluationMixin:
-    """evaluate / predict / evaluation_loop / prediction_step for Trainer."""
+    """evaluate / predict / evaluation_loop / prediction_step for TrainerCore."""
 
     def evaluate(self, eval_dataset: Dataset | dict[str, Dataset] | None = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -133,6 +133,10 @@ class EvaluationMixin:
         output.metrics.pop(f"{metric_key_prefix}_samples", None)  # (transformers' keys: the count is len(predictions))
         self.control = self._event("on_predict", metrics=output.metrics)
         return output
+
+    def get_test_dataloader(self, test_dataset: Any) -> Any:
+        """Batches of a test set for predict(): the eval loader (per_device_eval_batch_size, never packed)."""
+        return self.get_eval_dataloader(test_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Dataset | str | None = None) -> DataLoader:
         """Batches of the eval set, never packed. With several ranks (DDP or FSDP) each rank reads its share

@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
+    "trainer_class": "vlmtrain.Trainer: TrainerCore with transformers' extra public methods, what "
+                     "vlmtrain.trainer.Trainer names (vlmtrain.compat.trainer)",
     "default_collator": "pad_token_id -> the collator a Trainer without data_collator uses (vlmtrain.data.collate)",
     "transformers_arguments": "(args) -> None: transformers' conventions at TrainingArguments' construction (JSON "
                               "dict strings, refused transformers-only values, aliases, report_to names); "

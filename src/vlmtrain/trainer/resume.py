@@ -1,5 +1,5 @@
 """Saving and loading a whole training state (model, optimizer, scheduler, RNG, data position, loop
-counters, stateful callbacks) as checkpoint-<step>/. A mixin of Trainer, kept apart so each file reads on
+counters, stateful callbacks) as checkpoint-<step>/. A mixin of TrainerCore, kept apart so each file reads on
 its own; the file formats live in checkpoint.py."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LOOP_STATE = "loop_state"  # loop_state_<rank>.pt: vlmtrain's own position and w
 
 
 class CheckpointMixin:
-    """Trainer methods that write and read checkpoints (see DESIGN.md's output layout)."""
+    """TrainerCore methods that write and read checkpoints (see DESIGN.md's output layout)."""
 
     def _loop_state(self) -> dict:
         epoch_done = self._steps_in_epoch is not None and self._micro_step == self._steps_in_epoch

@@ -1,13 +1,18 @@
-"""What happens before the first step and after the last: the train data loader, optimizer and scheduler, the
-loop's counters, and the end-of-training summary. A mixin of Trainer, kept apart so each file reads on its own."""
+"""What happens before the first step and after the last: the model (or model_init's), the train data loader,
+optimizer and scheduler, the loop's counters, and the end-of-training summary. A mixin of TrainerCore, kept apart
+so each file reads on its own."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
+import random
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import IterableDataset
@@ -16,11 +21,19 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from . import checkpoint as ckpt
 from . import plugins
-from .optim import create_optimizer, create_scheduler
+from .model_prep import enable_activation_checkpointing
+from .optim import build_param_groups, create_optimizer, create_scheduler
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
 from .stats import LossAverager, NonfiniteSteps, Throughput
 from .step_data import ItemsAtStep, StepSampler, check_step_dataset, follows_step
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def load_model_state(model: nn.Module, directory: str) -> None:
@@ -53,7 +66,56 @@ def dataloader_workers(value: int | str, cuda: bool, cpus: int | None = None,
 
 
 class SetupMixin:
-    """Trainer methods that prepare training and close it."""
+    """TrainerCore methods that prepare training and close it."""
+
+    def _resolve_model(self, model: nn.Module | None, model_init: Callable[..., nn.Module] | None,
+                       compute_loss_func: Callable[..., Any] | None, optimizers: tuple[Any, Any],
+                       optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None) -> nn.Module:
+        """The model to train: ``model``, or ``model_init()`` (transformers: exactly one of them). Keeps
+        ``compute_loss_func`` ((outputs, labels, num_items_in_batch=) -> loss, replacing the model's loss) and
+        ``optimizer_cls_and_kwargs``, checked against ``optimizers`` as transformers checks them."""
+        self.model_init = model_init
+        self.compute_loss_func, self.optimizer_cls_and_kwargs = compute_loss_func, optimizer_cls_and_kwargs
+        if model is None and model_init is None:
+            raise RuntimeError("Trainer needs a model: Trainer(model=..., args=...) or Trainer(model_init=...).")
+        if model is not None and model_init is not None:
+            raise ValueError("Trainer takes either a `model` or a `model_init`, not both.")
+        self._check_optimizer_arguments(optimizers, optimizer_cls_and_kwargs)
+        return model if model is not None else self.call_model_init()
+
+    def _check_optimizer_arguments(self, optimizers: tuple[Any, Any], optimizer_cls_and_kwargs: Any) -> None:
+        if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
+            raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` is incompatible: pass one.")
+        if self.model_init is not None and (optimizers[0] is not None or optimizers[1] is not None):
+            raise RuntimeError("Passing a `model_init` is incompatible with the `optimizers` argument (each train() "
+                               "builds a new model): subclass Trainer and override create_optimizer_and_scheduler.")
+
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """A fresh model from ``model_init`` (called with ``trial`` if it takes one argument)."""
+        count = len(inspect.signature(self.model_init).parameters)
+        if count > 1:
+            raise RuntimeError("model_init should have 0 or 1 argument.")
+        model = self.model_init(trial) if count == 1 else self.model_init()
+        if model is None:
+            raise RuntimeError("model_init should not return None.")
+        return model
+
+    def _reinit_model(self, trial: Any = None) -> None:
+        """With ``model_init``, every train() starts from a new model (seeded by args.seed), optimizer and
+        scheduler, as in transformers."""
+        if trial is not None:
+            raise NotImplementedError("Trainer.train(trial=...) is not supported by vlmtrain: hyperparameter-search "
+                                      "trials are not supported. Instead: call train() once per setting, with "
+                                      "Trainer(model_init=...).")
+        if self.model_init is None:
+            return
+        set_seed(self.args.seed)
+        self.model = self.call_model_init().to(self.device)
+        if self.args.activation_checkpointing:
+            enable_activation_checkpointing(self.model, self.args.activation_checkpointing_kwargs)
+        self.optimizer = self.lr_scheduler = self._flos_params = None
+        self.callback_handler.refs["model"] = self.model
+        self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
     def get_train_dataloader(self) -> StatefulDataLoader:
         """A StatefulDataLoader (its position is saved in checkpoints) over a seeded, per-rank shuffle."""
@@ -98,6 +160,17 @@ class SetupMixin:
         elif self.optimizer is None:
             self.optimizer = create_optimizer(model or self.model, self.args)
         return self.optimizer
+
+    def _optimizer_from_cls_and_kwargs(self, model: nn.Module) -> torch.optim.Optimizer:
+        """``Trainer(optimizer_cls_and_kwargs=(cls, kwargs))``: ``cls`` over vlmtrain's parameter groups (per-module
+        learning rates, weight decay except on biases and norms), the groups' lr and weight_decay kept unless
+        ``kwargs`` sets them."""
+        cls, kwargs = self.optimizer_cls_and_kwargs
+        groups = build_param_groups(model, self.args)
+        for group in groups:
+            group.update({k: v for k, v in kwargs.items() if k in ("lr", "weight_decay")})
+        return cls(groups, **{k: v for k, v in kwargs.items() if k not in ("lr", "weight_decay")},
+                   lr=kwargs.get("lr", self.args.learning_rate))
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.lr_scheduler is None:

@@ -1,4 +1,5 @@
-"""The Trainer: transformers' API (train / evaluate / predict, callbacks, checkpoints) in a small loop.
+"""TrainerCore: transformers' Trainer API (train / evaluate / predict, callbacks, checkpoints) in a small loop.
+``vlmtrain.Trainer`` is TrainerCore with transformers' extra public methods (vlmtrain/compat/trainer_methods.py).
 
 Gradient scaling: the gradient of a step is that of one big batch (the step's micro-batches on every rank)
 however it is split, for every loss the model returns.
@@ -39,7 +40,7 @@ from . import distributed as dist
 from . import plugins
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
-from .compat_methods import TransformersMethodsMixin, set_seed
+from .counts import CountsMixin
 from .evaluation import EvaluationMixin
 from .loss_extras import (
     LabelSmoothing,
@@ -50,7 +51,7 @@ from .model_prep import compile_model, enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
-from .setup import SetupMixin
+from .setup import SetupMixin, set_seed
 from .state import TrainerControl, TrainerState, TrainOutput
 from .stats import (
     BOOKKEEPING_KEYS,
@@ -64,9 +65,10 @@ from .stats import (
 from .step_data import StepSampler
 
 
-class Trainer(SetupMixin, CheckpointMixin, EvaluationMixin, TransformersMethodsMixin):
-    """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, or a tuple `(loss, ...)`,
-    on any map-style or iterable dataset of dict samples. Override the named steps to change behaviour."""
+class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
+    """The loop, evaluation and checkpoints of the Trainer: trains any module whose forward returns a mapping (or
+    ModelOutput) with `loss`, or a tuple `(loss, ...)`, on any map-style or iterable dataset of dict samples.
+    ``vlmtrain.Trainer`` adds transformers' extra public methods (log_metrics, save_metrics, ...)."""
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
                  data_collator: Any = None, train_dataset: Dataset | None = None,
