@@ -128,9 +128,15 @@ def test_a_lora_adapter_stands_in_for_the_base_weights(tmp_path):
 def test_the_trainer_writes_model_files_in_the_model_layers_format(tmp_path):
     """``import vlmtrain`` fills the model_files slot with the Hugging Face layouts (config.json beside the
     weights); with the slot empty a plain module's state dict is model.safetensors, loaded back by key."""
-    assert plugins.lookup("model_files") is hub_model_files.HUB_MODEL_FILES
+    assert plugins.lookup("model_files") is hub_model_files.HubModelFiles
     model_files.save_model_files(tiny_llama(), str(tmp_path / "hub"))
     assert (tmp_path / "hub" / "config.json").is_file()
+
+
+def test_the_format_saves_in_the_parts_the_checkpoint_parts_slot_lists(monkeypatch):
+    assert model_files.has_score_heads(_with_heads())
+    monkeypatch.setitem(plugins._filled, "checkpoint_parts", (lora_files.ADAPTER_PARTS,))
+    assert not model_files.has_score_heads(_with_heads())
 
 
 def test_without_a_format_a_plain_module_round_trips_as_model_safetensors(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def _fill_trainer_slots() -> None:
     from .models.flops import flop_counter
     from .models.head_files import HEAD_PARTS
     from .models.lora_files import ADAPTER_PARTS
-    from .models.model_files import HUB_MODEL_FILES
+    from .models.model_files import HubModelFiles
     from .models.sharded_files import read_model_weights
     from .models.sharding import transformer_blocks
 
@@ -38,7 +38,7 @@ def _fill_trainer_slots() -> None:
     _trainer_plugins.register("flop_counter", flop_counter)
     _trainer_plugins.register("checkpoint_parts", (ADAPTER_PARTS, HEAD_PARTS))
     _trainer_plugins.register("read_sharded_weights", read_model_weights)
-    _trainer_plugins.register("model_files", HUB_MODEL_FILES)
+    _trainer_plugins.register("model_files", HubModelFiles)
     _trainer_plugins.register("fsdp_blocks", transformer_blocks)
 
 

@@ -3,9 +3,11 @@ that knows the model.
 
 That layer fills the ``model_files`` slot (trainer/plugins.py) when ``vlmtrain`` is imported: models/model_files.py
 writes Hugging Face's layouts (what save_pretrained writes, a LoRA adapter in peft's layout, score heads beside
-their base, an FSDP full fine-tune's DCP shards in `dcp/`). The format is an object with the functions below by
-name, which take the same arguments. With the slot empty a model is a plain nn.Module (:class:`PlainModelFiles`):
-its state dict as `model.safetensors`, loaded back by key; it never saves in parts (score heads, an adapter).
+their base, an FSDP full fine-tune's DCP shards in `dcp/`). The slot holds a class, made with the
+``checkpoint_parts`` slot's kinds of parts (objects for models that save in parts: the protocol is in
+models/model_files.py) and the ``read_sharded_weights`` slot's reader of DCP shards; its objects have the functions
+below by name, which take the same arguments. With the slot empty a model is a plain nn.Module
+(:class:`PlainModelFiles`): its state dict as `model.safetensors`, loaded back by key, never in parts.
 """
 
 from __future__ import annotations
@@ -71,7 +73,11 @@ class PlainModelFiles:
 
 
 def _format() -> Any:
-    return plugins.lookup("model_files", PlainModelFiles)
+    """The registered format, made with the registered parts and DCP reader (see the module docstring)."""
+    make = plugins.lookup("model_files")
+    if make is None:
+        return PlainModelFiles
+    return make(plugins.lookup("checkpoint_parts", ()), plugins.lookup("read_sharded_weights"))
 
 
 def has_sharded_weights(directory: str) -> bool:

@@ -29,7 +29,7 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
     "fsdp_blocks": "model -> the modules FSDP shards one by one before the root (models/sharding.py)",
     "sharding": "train.fsdp's plan (sharding.py's ShardingPlan: shard, save, load and gather model and "
                 "optimizer state); vlmtrain.parallel.fsdp",
-    "model_files": "a model's files in a checkpoint (trainer/model_files.py); vlmtrain.models.model_files",
+    "model_files": "(checkpoint_parts, read_sharded_weights) -> a model's files (model_files.py; models/model_files.py)",
     "read_sharded_weights": "directory -> a DCP checkpoint's model weights, in one process (models/sharded_files.py)",
 }
 _filled: dict[str, Any] = {}
