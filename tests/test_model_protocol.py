@@ -19,10 +19,11 @@ from tiny import tiny_llama, token_samples
 import vlmtrain  # noqa: F401  (fills the trainer's slots)
 from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import CheckpointError
-from vlmtrain.models import flops, head_files, lora_files, protocol, sharded_files, sharding
+from vlmtrain.models import flops, head_files, lm_loss, lora_files, protocol, sharded_files, sharding
 from vlmtrain.models import model_files as hub_model_files
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.trainer import model_files, model_prep, optim, plugins
+from vlmtrain.trainer.stats import num_items_of
 
 SRC = Path(vlmtrain.__file__).parent
 
@@ -158,6 +159,15 @@ def test_without_a_format_a_plain_module_round_trips_as_model_safetensors(tmp_pa
     assert torch.equal(other[1].weight, model[0].weight) and other[1].weight is other[0].weight
     with pytest.raises(CheckpointError, match="do not fit Linear: missing"):
         model_files.load_model_weights(torch.nn.Linear(4, 4), directory)
+
+
+def test_a_causal_lm_loss_averages_over_the_shifted_labels_the_model_layer_counts(monkeypatch):
+    assert plugins.lookup("loss_targets") is lm_loss.causal_lm_targets
+    labels = torch.tensor([[-100, 5, 6, -100], [7, 8, 9, 10]])  # shifted: 2 + 3 targets
+    assert num_items_of({"loss": torch.tensor(1.0)}, tiny_llama(), {"labels": labels}).item() == 5
+    assert num_items_of({"loss": torch.tensor(1.0)}, torch.nn.Linear(2, 2), {"labels": labels}) is None
+    monkeypatch.delitem(plugins._filled, "loss_targets")
+    assert num_items_of({"loss": torch.tensor(1.0)}, tiny_llama(), {"labels": labels}) is None
 
 
 def test_a_trainer_without_a_collator_pads_with_the_data_default_collator(tmp_path):

@@ -44,25 +44,14 @@ def item_counts(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def num_items_of(outputs: Mapping[str, Any], model: Any = None,
                  inputs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
-    """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else, for a
-    transformers model whose loss is the causal-LM one (causal LMs, and VLMs such as Qwen3-VL whose loss_type
-    is ForConditionalGeneration: both average over the shifted labels), those labels counted; else None."""
+    """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else what the
+    ``loss_targets`` slot counts in the inputs (models/lm_loss.py: the shifted labels, for a transformers model
+    whose loss is the causal-LM one); else None."""
     n = outputs.get("num_items", outputs.get("num_tokens")) if isinstance(outputs, Mapping) else None
     if n is None:
-        labels = (inputs or {}).get("labels")
-        if _causal_lm_loss(model) and isinstance(labels, torch.Tensor):
-            return (labels[..., 1:] != -100).sum().float()
-        return None
+        count_targets = plugins.lookup("loss_targets")
+        return None if count_targets is None else count_targets(model, inputs or {})
     return n.detach().reshape(()).float() if isinstance(n, torch.Tensor) else torch.tensor(float(n))
-
-
-def _causal_lm_loss(model: Any) -> bool:
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type is None:
-        return False
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    return loss_type in LOSS_MAPPING and LOSS_MAPPING[loss_type] is LOSS_MAPPING["ForCausalLM"]
 
 
 class LossAverager:
