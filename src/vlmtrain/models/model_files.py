@@ -1,6 +1,6 @@
 """The Hugging Face layouts of a model's weights in a checkpoint directory: what is written, what counts as
 complete, how it is loaded back. The trainer reaches them through its ``model_files`` slot (trainer/model_files.py),
-which ``import vlmtrain`` fills with :data:`HUB_MODEL_FILES`.
+which ``import vlmtrain`` fills with :class:`HubModelFiles`.
 
 A model's full weights are `model.safetensors`, or shards listed in `model.safetensors.index.json` (+
 `config.json`), what `save_pretrained` writes; transformers models are loaded back through their own
@@ -15,7 +15,8 @@ trainable parameters gathered to rank 0); a full fine-tune keeps its weights in 
 whole model names them; sharded_files.py reads them in one process) with the parts' files and the config beside
 them.
 
-Checkpoint-parts protocol: :data:`PART_KINDS` lists one object per kind of part, each with
+Checkpoint-parts protocol: the trainer's ``checkpoint_parts`` slot (which ``import vlmtrain`` fills with
+:data:`PART_KINDS`) lists one object per kind of part, each with
   - ``owns(model)``: whether ``model`` saves in these parts;
   - ``part_files``: (config file, weights file): a checkpoint with the config lacks nothing only with the
     weights too;
