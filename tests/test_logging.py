@@ -107,3 +107,24 @@ def test_torch_compile_trains(tmp_path, compile):
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0 if compile else graphs == 0
     torch._dynamo.reset()
+
+
+def test_a_windows_rates_come_from_the_logging_layer(monkeypatch):
+    """The trainer's Throughput counts samples and skipped samples; the rates (here the pack fill of collated
+    rows) come from logging/throughput.py through the window_rates slot, and without it are not logged."""
+    from vlmtrain.logging.throughput import WindowRates
+    from vlmtrain.trainer import plugins
+    from vlmtrain.trainer.stats import Throughput
+
+    assert plugins.lookup("window_rates") is WindowRates
+    batch = {"skipped": {"bad_image": 1},
+             "pack_stats": {"samples": 3, "tokens": 30, "rows": 2, "capacity": 40, "images": 4}}
+    throughput = Throughput()
+    throughput.add_batch(batch, 0.0)
+    figures = throughput.compute()
+    assert (figures["pack_fill"], figures["padding_fraction"], figures["images_per_pack"]) == (0.75, 0.25, 2.0)
+    assert figures["tokens_per_second"] > 0 and figures["skipped_bad_image"] == 1 and throughput.samples == 3
+    monkeypatch.delitem(plugins._filled, "window_rates")
+    bare = Throughput()
+    bare.add_batch(batch, 0.0)
+    assert bare.compute() == {"skipped_bad_image": 1} and bare.samples == 3

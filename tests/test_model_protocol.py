@@ -19,9 +19,11 @@ from tiny import tiny_llama, token_samples
 import vlmtrain  # noqa: F401  (fills the trainer's slots)
 from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import CheckpointError
-from vlmtrain.models import flops, head_files, lora_files, protocol, sharded_files, sharding
+from vlmtrain.models import flops, head_files, lm_loss, lora_files, protocol, sharded_files, sharding
+from vlmtrain.models import model_files as hub_model_files
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.trainer import model_files, model_prep, optim, plugins
+from vlmtrain.trainer.stats import num_items_of
 
 SRC = Path(vlmtrain.__file__).parent
 
@@ -122,6 +124,50 @@ def test_a_lora_adapter_stands_in_for_the_base_weights(tmp_path):
         model_files.load_model_weights(tiny_llama(), str(tmp_path))
     os.remove(tmp_path / "adapter_model.safetensors")
     assert model_files.missing_weight_files(str(tmp_path)) == ["adapter_model.safetensors"]
+
+
+def test_the_trainer_writes_model_files_in_the_model_layers_format(tmp_path):
+    """``import vlmtrain`` fills the model_files slot with the Hugging Face layouts (config.json beside the
+    weights); with the slot empty a plain module's state dict is model.safetensors, loaded back by key."""
+    assert plugins.lookup("model_files") is hub_model_files.HubModelFiles
+    model_files.save_model_files(tiny_llama(), str(tmp_path / "hub"))
+    assert (tmp_path / "hub" / "config.json").is_file()
+
+
+def test_the_format_saves_in_the_parts_the_checkpoint_parts_slot_lists(monkeypatch):
+    assert model_files.has_score_heads(_with_heads())
+    monkeypatch.setitem(plugins._filled, "checkpoint_parts", (lora_files.ADAPTER_PARTS,))
+    assert not model_files.has_score_heads(_with_heads())
+
+
+def test_without_a_format_a_plain_module_round_trips_as_model_safetensors(tmp_path, monkeypatch):
+    monkeypatch.delitem(plugins._filled, "model_files")
+
+    def plain(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+        model[1].weight = model[0].weight  # tied: written once
+        return model
+
+    model, directory = plain(0), str(tmp_path)
+    assert model_files.missing_weight_files(directory) == ["model.safetensors"]
+    model_files.save_model_files(model, directory, state_dict=model.state_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert model_files.has_model_files(directory) and not model_files.has_score_heads(model)
+    other = plain(1)
+    model_files.load_model_weights(other, directory)
+    assert torch.equal(other[1].weight, model[0].weight) and other[1].weight is other[0].weight
+    with pytest.raises(CheckpointError, match="do not fit Linear: missing"):
+        model_files.load_model_weights(torch.nn.Linear(4, 4), directory)
+
+
+def test_a_causal_lm_loss_averages_over_the_shifted_labels_the_model_layer_counts(monkeypatch):
+    assert plugins.lookup("loss_targets") is lm_loss.causal_lm_targets
+    labels = torch.tensor([[-100, 5, 6, -100], [7, 8, 9, 10]])  # shifted: 2 + 3 targets
+    assert num_items_of({"loss": torch.tensor(1.0)}, tiny_llama(), {"labels": labels}).item() == 5
+    assert num_items_of({"loss": torch.tensor(1.0)}, torch.nn.Linear(2, 2), {"labels": labels}) is None
+    monkeypatch.delitem(plugins._filled, "loss_targets")
+    assert num_items_of({"loss": torch.tensor(1.0)}, tiny_llama(), {"labels": labels}) is None
 
 
 def test_a_trainer_without_a_collator_pads_with_the_data_default_collator(tmp_path):

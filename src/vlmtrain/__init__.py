@@ -30,15 +30,19 @@ def _fill_trainer_slots() -> None:
     from .data.collate import DefaultCollator
     from .models.flops import flop_counter
     from .models.head_files import HEAD_PARTS
+    from .models.lm_loss import causal_lm_targets
     from .models.lora_files import ADAPTER_PARTS
+    from .models.model_files import HubModelFiles
     from .models.sharded_files import read_model_weights
     from .models.sharding import transformer_blocks
 
     _trainer_plugins.register("trainer_class", Trainer)
     _trainer_plugins.register("default_collator", DefaultCollator)
     _trainer_plugins.register("flop_counter", flop_counter)
+    _trainer_plugins.register("loss_targets", causal_lm_targets)
     _trainer_plugins.register("checkpoint_parts", (ADAPTER_PARTS, HEAD_PARTS))
     _trainer_plugins.register("read_sharded_weights", read_model_weights)
+    _trainer_plugins.register("model_files", HubModelFiles)
     _trainer_plugins.register("fsdp_blocks", transformer_blocks)
 
 

@@ -1,7 +1,7 @@
 """Score heads' files next to a model's: `heads.safetensors` (weights) + `heads.json` (hidden size and head
 configs). Every vlmtrain checkpoint of a model with heads holds them, and so does a `vlmtrain export` folder:
 :func:`attach_heads` puts them on a model loaded with transformers alone. :class:`HeadFiles` is the heads' side
-of the trainer's checkpoint-parts protocol (trainer/model_files.py): the trainer writes the base model, the
+of the checkpoint-parts protocol (model_files.py): model_files.py writes the base model, the
 heads' files are written, checked and loaded here."""
 
 from __future__ import annotations
@@ -114,9 +114,9 @@ def attach_heads(model: nn.Module, directory: str) -> WithHeads:
 
 
 class HeadFiles:
-    """The score heads' side of the trainer's checkpoint-parts protocol (trainer/model_files.py; ``import
+    """The score heads' side of the checkpoint-parts protocol (model_files.py; ``import
     vlmtrain`` registers :data:`HEAD_PARTS` in its ``checkpoint_parts`` slot): a WithHeads model's base is saved
-    in the trainer's layouts, its heads in heads.safetensors + heads.json, which the methods below write, check
+    in model_files.py's layouts, its heads in heads.safetensors + heads.json, which the methods below write, check
     and load."""
 
     replaces_base = False

@@ -45,6 +45,26 @@ and nothing else (no logit soft-capping or scaling, no auxiliary loss): checked 
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
+def causal_lm_targets(model: Any, inputs: dict[str, Any]) -> torch.Tensor | None:
+    """How many targets a transformers model's loss averaged over when its output does not say: for a loss that
+    is the causal-LM one (causal LMs, and VLMs such as Qwen3-VL whose loss_type is ForConditionalGeneration:
+    both average over the shifted labels), those labels counted; else None. The trainer's ``loss_targets``
+    slot."""
+    labels = inputs.get("labels")
+    if _causal_lm_loss(model) and isinstance(labels, torch.Tensor):
+        return (labels[..., 1:] != IGNORE_INDEX).sum().float()
+    return None
+
+
+def _causal_lm_loss(model: Any) -> bool:
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is None:
+        return False
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    return loss_type in LOSS_MAPPING and LOSS_MAPPING[loss_type] is LOSS_MAPPING["ForCausalLM"]
+
+
 def _plain_linear(head: nn.Module) -> bool:
     return isinstance(head, nn.Linear) and type(head).forward is nn.Linear.forward
 

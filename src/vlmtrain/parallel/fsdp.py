@@ -2,7 +2,7 @@
 for models that do not fit one device. A full fine-tune's checkpoints are torch.distributed.checkpoint (DCP)
 directories, each rank writing its shards (`vlmtrain export` turns one into a single `model.safetensors`).
 A model with frozen weights (LoRA) saves only what trains: its trainable parameters gathered to rank 0
-(:func:`gather_trainable`) in the adapter / heads layout of trainer/model_files.py, and the optimizer state as
+(:func:`gather_trainable`) in the adapter / heads layout of models/model_files.py, and the optimizer state as
 one unsharded state dict keyed by parameter name (:func:`full_optimizer_state`), re-split over any world size
 at resume.
 

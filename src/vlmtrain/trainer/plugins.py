@@ -26,11 +26,14 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
                          "printer, metrics.jsonl, report_to's trackers; vlmtrain.logging.writers",
     "eval_samples": "(trainer, dataset, output, metric_key_prefix) -> None: keeps one evaluated set's per-sample "
                     "results for the run report; vlmtrain.logging.eval_samples",
+    "loss_targets": "(model, inputs) -> how many targets its loss averaged over, or None (models/lm_loss.py)",
+    "window_rates": "(flops, peak_tflops) -> a logging window's rates (stats.py's Throughput); logging/throughput.py",
     "flop_counter": "model -> (batch -> training FLOPs) or None, for tflops_per_second / mfu (models/flops.py)",
     "checkpoint_parts": "objects for models that save in parts, see model_files.py (models/lora_files.py, head_files.py)",
     "fsdp_blocks": "model -> the modules FSDP shards one by one before the root (models/sharding.py)",
     "sharding": "train.fsdp's plan (sharding.py's ShardingPlan: shard, save, load and gather model and "
                 "optimizer state); vlmtrain.parallel.fsdp",
+    "model_files": "(checkpoint_parts, read_sharded_weights) -> a model's files (model_files.py; models/model_files.py)",
     "read_sharded_weights": "directory -> a DCP checkpoint's model weights, in one process (models/sharded_files.py)",
 }
 _filled: dict[str, Any] = {}

@@ -1,8 +1,8 @@
-"""Running averages for logging: every loss a model returns, weighted by num_items, plus throughput."""
+"""Running averages for logging: every loss a model returns, weighted by num_items; a window's samples and
+skipped samples, with its rates from the logging layer."""
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .distributed import reduce_cpu, world_size
+from . import plugins
+from .distributed import reduce_cpu
 
 
 def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -43,25 +44,14 @@ def item_counts(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def num_items_of(outputs: Mapping[str, Any], model: Any = None,
                  inputs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
-    """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else, for a
-    transformers model whose loss is the causal-LM one (causal LMs, and VLMs such as Qwen3-VL whose loss_type
-    is ForConditionalGeneration: both average over the shifted labels), those labels counted; else None."""
+    """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else what the
+    ``loss_targets`` slot counts in the inputs (models/lm_loss.py: the shifted labels, for a transformers model
+    whose loss is the causal-LM one); else None."""
     n = outputs.get("num_items", outputs.get("num_tokens")) if isinstance(outputs, Mapping) else None
     if n is None:
-        labels = (inputs or {}).get("labels")
-        if _causal_lm_loss(model) and isinstance(labels, torch.Tensor):
-            return (labels[..., 1:] != -100).sum().float()
-        return None
+        count_targets = plugins.lookup("loss_targets")
+        return None if count_targets is None else count_targets(model, inputs or {})
     return n.detach().reshape(()).float() if isinstance(n, torch.Tensor) else torch.tensor(float(n))
-
-
-def _causal_lm_loss(model: Any) -> bool:
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type is None:
-        return False
-    from transformers.loss.loss_utils import LOSS_MAPPING
-
-    return loss_type in LOSS_MAPPING and LOSS_MAPPING[loss_type] is LOSS_MAPPING["ForCausalLM"]
 
 
 class LossAverager:
@@ -156,45 +146,33 @@ def dropped_for_rank_sync(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Throughput:
-    """Samples, tokens, data-wait time and skipped samples over a logging window (skipped also in total).
-
-    A batch's ``pack_stats`` (from a collator: samples, real tokens, rows, capacity, images) gives the
-    real sample/token counts of packed batches and the window's ``pack_fill`` (real tokens / row
-    capacity), ``padding_fraction`` and ``images_per_pack`` (images per row). With ``flops`` (batch ->
-    training FLOPs, from the ``flop_counter`` slot of trainer/plugins.py) also ``tflops_per_second`` per
-    device, and ``mfu`` with ``peak_tflops``.
-    """
+    """Samples and skipped samples over a logging window (skipped also in total), and the window's rates from the
+    ``window_rates`` slot of trainer/plugins.py (logging/throughput.py: samples, tokens and FLOPs per second,
+    data wait, pack fill), made with ``flops`` (batch -> training FLOPs, the ``flop_counter`` slot) and
+    ``peak_tflops``. With that slot empty, only the skipped samples are logged."""
 
     def __init__(self, flops: Callable[[Mapping[str, Any]], float] | None = None,
                  peak_tflops: float | None = None) -> None:
         self.skipped_total: Counter[str] = Counter()
-        self.count_flops, self.peak_tflops = flops, peak_tflops
+        make_rates = plugins.lookup("window_rates")
+        self.rates = None if make_rates is None else make_rates(flops, peak_tflops)
         self.reset()
 
     def reset(self) -> None:
-        self.start = time.perf_counter()
         self.samples = 0
-        self.tokens = 0
-        self.flops = 0.0
-        self.data_wait = 0.0
-        self.excluded = 0.0
         self.skipped: Counter[str] = Counter()
-        self.layout: Counter[str] = Counter()
         self.bad_keys: list[str] = []
+        if self.rates is not None:
+            self.rates.reset()
 
     def exclude(self, seconds: float) -> None:
         """Leave time spent outside training (evaluation, checkpointing) out of the rates."""
-        self.excluded += seconds
+        if self.rates is not None:
+            self.rates.exclude(seconds)
 
     def add_batch(self, batch: Mapping[str, Any], wait_seconds: float) -> None:
-        self.data_wait += wait_seconds
-        if self.count_flops is not None and isinstance(batch, Mapping):
-            try:
-                self.flops += self.count_flops(batch)
-            except Exception as e:  # noqa: BLE001 - a metric never stops training: it stops being logged
-                warnings.warn(f"tflops_per_second is no longer logged: counting a batch's FLOPs failed ({e!r})",
-                              stacklevel=3)
-                self.count_flops = None
+        if self.rates is not None:
+            self.rates.add_batch(batch, wait_seconds)
         skipped = skipped_counts(batch)
         self.skipped.update(skipped)
         self.skipped_total.update(skipped)
@@ -202,16 +180,11 @@ class Throughput:
         if keys and len(self.bad_keys) < 5:
             self.bad_keys += list(keys)[: 5 - len(self.bad_keys)]
         layout = batch.get("pack_stats") if isinstance(batch, Mapping) else None
-        if isinstance(layout, Mapping):
-            self.layout.update(layout)
-            self.samples += int(layout["samples"])
-            self.tokens += int(layout["tokens"])
-            return
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        if isinstance(ids, torch.Tensor):
+        if isinstance(layout, Mapping):
+            self.samples += int(layout["samples"])
+        elif isinstance(ids, torch.Tensor):
             self.samples += ids.shape[0]
-            self.tokens += int(mask.sum()) if isinstance(mask, torch.Tensor) else ids.numel()
         else:
             first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
             self.samples += first.shape[0] if first is not None and first.ndim else 0
@@ -227,28 +200,8 @@ class Throughput:
                 f"data (e.g. `vlmtrain data inspect`) or raise max_bad_sample_fraction.")
 
     def compute(self) -> dict[str, float]:
-        """Rates over the window; under torch.distributed samples and tokens are summed over ranks, the
-        data-wait fraction is the mean over ranks (``data_wait_fraction_max``: the slowest rank's) and so is
-        ``tflops_per_second`` (each rank's own batches over this rank's time: a per-device rate)."""
-        elapsed = max(time.perf_counter() - self.start - self.excluded, 1e-9)
-        wait = min(1.0, self.data_wait / elapsed)
-        samples, tokens, wait_sum, flops = reduce_cpu([float(self.samples), float(self.tokens), wait, self.flops])
-        wait_max = reduce_cpu([wait], "max")[0]
-        out = {"samples_per_second": round(samples / elapsed, 3),
-               "data_wait_fraction": round(wait_sum / world_size(), 4)}
-        if world_size() > 1:
-            out["data_wait_fraction_max"] = round(wait_max, 4)
-        if tokens:
-            out["tokens_per_second"] = round(tokens / elapsed, 3)
-        if self.count_flops is not None:
-            tflops = flops / world_size() / elapsed / 1e12
-            out["tflops_per_second"] = float(f"{tflops:.4g}")
-            if self.peak_tflops:
-                out["mfu"] = float(f"{tflops / self.peak_tflops:.4g}")
-        if self.layout["capacity"]:
-            fill = self.layout["tokens"] / self.layout["capacity"]
-            out.update(pack_fill=round(fill, 4), padding_fraction=round(1 - fill, 4),
-                       images_per_pack=round(self.layout["images"] / self.layout["rows"], 3))
+        """The window's rates (every rank calls it: they are summed over ranks) and skipped samples by reason."""
+        out = {} if self.rates is None else self.rates.compute(self.samples)
         out.update({f"skipped_{reason}": n for reason, n in sorted(self.skipped.items())})
         return out
 

@@ -261,7 +261,7 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
 
 def _load_heads_and_extras(model: Any, checkpoint: str) -> None:
     """The heads' weights, and under LoRA the trainable base tensors peft's adapter file does not hold
-    (trainable.safetensors, as the trainer writes them: trainer/model_files.py)."""
+    (trainable.safetensors, as checkpoints hold them: models/model_files.py)."""
     from vlmtrain.models.head_files import load_heads
 
     extra_path = os.path.join(checkpoint, "trainable.safetensors")
