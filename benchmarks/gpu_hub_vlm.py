@@ -83,6 +83,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="gradient/activation checkpointing in every contender (default on)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile in every contender (default off)")
+    p.add_argument("--pad-to-multiple-of", type=int, default=None, help="vlmtrain padded: batch lengths rounded "
+                   "up to a multiple (data.pad_to_multiple_of; fewer shapes to compile)")
     p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit "
                    "for --torch-compile (default torch's, 8: layers past it run eagerly)")
     p.add_argument("--peak-tflops", type=float, default=None, help="device peak bf16 TFLOP/s for MFU "

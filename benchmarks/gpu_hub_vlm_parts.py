@@ -354,7 +354,7 @@ def run_vlmtrain(s: Setup, meter: Meter, packed: bool) -> list[dict[str, Any]]:
     cfg = {"model": {"kind": "hub_vlm", "pretrained": s.model_dir, "torch_dtype": "bfloat16",
                      "attn_implementation": s.opts.attn, **({"lora": dict(LORA)} if s.lora else {})},
            "data": {"source": "jsonl", "train_file": s.data, "num_eval": 0, "max_length": 8192,
-                    "packing": packed},
+                    "packing": packed, "pad_to_multiple_of": s.opts.pad_to_multiple_of},
            "train": {"output_dir": os.path.join(s.out, name), **train}}
     path = os.path.join(s.out, f"{name}.yaml")
     with open(path, "w") as f:

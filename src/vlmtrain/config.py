@@ -159,6 +159,10 @@ class DataCore:
     null: pack each batch's own samples (a step keeps exactly its batch's samples)."""
     max_images_per_pack: int | None = None
     """(vlm, hub_vlm) At most this many images (own VLM: tiles count) in one packed row; null: no cap."""
+    pad_to_multiple_of: int | None = None
+    """(hub_vlm) Padded batches are as long as their longest sample rounded up to a multiple of this (the name
+    of transformers' collators' option), e.g. 64: fewer distinct lengths for train.torch_compile to compile,
+    lengths that GPU matrix kernels handle well. null: the longest sample. Packed rows keep pack_length."""
     tokenizer_vocab_size: int = 400
     """(vlm) Vocabulary size of the byte-level BPE trained on the training texts when model.tokenizer is null
     (>= ~400: below that its 263 base symbols leave no room for merges and answers are spelled out)."""
@@ -183,7 +187,7 @@ class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
                 raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ConfigError("data.image_mean and data.image_std need 3 values (RGB), the std ones > 0.")
-        for name in ("pack_length", "max_images_per_pack", "pack_window"):
+        for name in ("pack_length", "max_images_per_pack", "pack_window", "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}.")
         if self.pack_length is not None and self.source != "addition" and self.pack_length < self.max_length:

@@ -28,9 +28,12 @@ def _to_tensor(value: Any) -> Any:
     return value
 
 
-def pad_sequences(seqs: list[torch.Tensor], value: int | float, side: str = "right") -> torch.Tensor:
-    """Pad 1-D (or [L, ...]) tensors along dim 0 to the longest one."""
+def pad_sequences(seqs: list[torch.Tensor], value: int | float, side: str = "right",
+                  multiple: int | None = None) -> torch.Tensor:
+    """Pad 1-D (or [L, ...]) tensors along dim 0 to the longest one (rounded up to ``multiple``)."""
     longest = max(s.shape[0] for s in seqs)
+    if multiple:
+        longest = -(-longest // multiple) * multiple
     out = seqs[0].new_full((len(seqs), longest, *seqs[0].shape[1:]), value)
     for i, s in enumerate(seqs):
         if side == "right":

@@ -63,7 +63,7 @@ class HubVLMCollator:
                  label_collate: Callable[[list[dict[str, Any] | None]], dict[str, torch.Tensor]] | None = None,
                  eval_prompts: bool = False, pack_length: int | None = None, model_config: Any = None,
                  max_images_per_pack: int | None = None, flatten: bool = False,
-                 min_fill_gain: float = MIN_FILL_GAIN) -> None:
+                 min_fill_gain: float = MIN_FILL_GAIN, pad_to_multiple_of: int | None = None) -> None:
         pad = hub_processor.tokenizer.pad_token_id
         if pad is None:
             raise ValueError(f"HubVLMCollator needs a tokenizer with a pad token ({hub_processor.family.name})")
@@ -80,13 +80,16 @@ class HubVLMCollator:
             raise ValueError(f"packing {self.family.name} needs the model's config (its multimodal positions)")
         self.pack_length, self.model_config = pack_length, model_config
         self.max_images_per_pack, self.flatten, self.min_fill_gain = max_images_per_pack, flatten, min_fill_gain
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1 or None, got {pad_to_multiple_of}")
+        self.pad_to_multiple_of = pad_to_multiple_of
         evaluation = copy.copy(hub_processor)
         if eval_prompts:  # a prompt is a second processor call per sample: evaluation batches only
             evaluation.prompts = True
         if hub_processor.head_names:  # a model with heads scores unlabelled samples (no loss from them)
             evaluation.head_names = None
         if evaluation.prompts != hub_processor.prompts or evaluation.head_names != hub_processor.head_names:
-            self._evaluation = HubVLMCollator(evaluation, label_collate)
+            self._evaluation = HubVLMCollator(evaluation, label_collate, pad_to_multiple_of=pad_to_multiple_of)
         else:
             self._evaluation = copy.copy(self)
         # Evaluation keeps them: its batches line up label for label with the predictions (and generation).
@@ -193,7 +196,8 @@ class HubVLMCollator:
             elif how == "pad":
                 if len(present) != len(items):
                     raise ValueError(f"per-token key {key!r} is missing from some samples")
-                batch[key] = pad_sequences(present, pad_values.get(key, 0), side=side)
+                batch[key] = pad_sequences(present, pad_values.get(key, 0), side=side,
+                                           multiple=self.pad_to_multiple_of)
             elif how == "pad_images":
                 batch[key] = _pad_images(values, present[0])
             elif how == "stack":

@@ -191,7 +191,7 @@ def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], mo
                    "flatten": m.attn_implementation == "flash_attention_2"}
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
                               if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate,
-                              **packing)
+                              pad_to_multiple_of=d.pad_to_multiple_of, **packing)
     return hub_processor, collator
 
 
