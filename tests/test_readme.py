@@ -37,3 +37,14 @@ def test_no_page_speaks_in_internal_references():
     for path in [ROOT / "README.md", ROOT / "CHANGELOG.md", *PAGES]:
         hits = [line for line in path.read_text().splitlines() if pattern.search(line)]
         assert not hits, f"{path.relative_to(ROOT)}: {hits[:3]}"
+
+
+def test_the_stated_size_of_the_trainer_is_its_measured_size():
+    """README and docs/trainer.md say how many lines the trainer package has: a stale number is a bug."""
+    measured = sum(len(p.read_text().splitlines(keepends=True)) for p in (ROOT / "src/vlmtrain/trainer").glob("*.py"))
+    for name, text in (("README.md", README), ("docs/trainer.md", (ROOT / "docs" / "trainer.md").read_text())):
+        stated = re.search(r"`(?:src/)?vlmtrain/trainer/`\)? (?:package )?is ([\d,]+) lines", text)
+        assert stated, f"{name} no longer states the trainer's size"
+        assert int(stated.group(1).replace(",", "")) == measured, (
+            f"{name} says the trainer is {stated.group(1)} lines; `cat src/vlmtrain/trainer/*.py | wc -l` gives "
+            f"{measured}")
