@@ -28,7 +28,8 @@ from vlmtrain.config_checks import (
 from vlmtrain.data.registry import SOURCES, all_sources
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.kinds import KINDS, get_kind
-from vlmtrain.trainer.args import FsdpValue, TrainingArguments, WorkersValue
+from vlmtrain.trainer.args import TrainingArguments
+from vlmtrain.trainer.args_fields import FsdpValue, WorkersValue
 
 KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]
 SourceName = Literal[tuple(SOURCES)]  # type: ignore[valid-type]

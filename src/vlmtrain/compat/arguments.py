@@ -2,7 +2,7 @@
 
 A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.23
 argument name is a field of vlmtrain's TrainingArguments. The names vlmtrain implements live in
-vlmtrain/trainer/args.py; the rest are the fields of :class:`~vlmtrain.trainer.args_compat.TransformersOnlyArguments`,
+vlmtrain/trainer/args_fields.py; the rest are the fields of :class:`~vlmtrain.trainer.args_compat.TransformersOnlyArguments`,
 with transformers' defaults. Each of them is either
 
 - refused at anything but its default (:data:`REFUSED`: a ConfigError says what vlmtrain does instead), or
