@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import io
 import math
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 import transformers
+import vision_varlen  # (beside this file)
 import yaml
 from gpu_hub_vlm_data import BatchedCollator, JsonlSamples, write_samples  # (beside this file)
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -72,12 +74,15 @@ def model_config(size: str, attn: str) -> Any:
     return cfg
 
 
-def build_model(config: Any, device: torch.device, seed: int) -> torch.nn.Module:
+def build_model(config: Any, device: torch.device, seed: int, vision_attn: str = "same") -> torch.nn.Module:
     """Random init on the meta device, then materialised on ``device`` in bf16 and initialised under ``seed``
     (the same weights on every call in a process: checked by :func:`checksum`). The family's module groups and
-    image-token counts are attached, as the hub_vlm kind does, so vlmtrain's FLOP counter can read them."""
+    image-token counts are attached, as the hub_vlm kind does, so vlmtrain's FLOP counter can read them.
+    ``vision_attn`` 'varlen': the vision tower's attention as one call (vision_varlen.py; set after the model
+    is built, because transformers' checks at construction would look for a flash-attention kernel)."""
     with torch.device("meta"):
-        model = transformers.Qwen3VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+        # (a copy: the model keeps and may change its config, e.g. vision_attn below)
+        model = transformers.Qwen3VLForConditionalGeneration._from_config(copy.deepcopy(config), dtype=torch.bfloat16)
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -85,6 +90,8 @@ def build_model(config: Any, device: torch.device, seed: int) -> torch.nn.Module
     model.config.use_cache = False
     setattr(model, MODULE_GROUPS_ATTR, dict(FAMILY.module_groups))
     setattr(model, IMAGE_TOKENS_ATTR, lambda batch: FAMILY.image_tokens(model.config, batch))
+    if vision_attn == "varlen":
+        model.config.vision_config._attn_implementation = vision_varlen.register()
     return model
 
 
@@ -306,7 +313,7 @@ class Setup:
 def run_transformers(s: Setup, meter: Meter) -> list[dict[str, Any]]:
     """transformers.Trainer + BatchedCollator (+ peft LoRA on the language model, as users write it), the same
     sampler order as vlmtrain's (StatefulDistributedSampler, seed), loader waits timed in get_batch_samples."""
-    model = build_model(s.config, s.device, s.opts.seed)
+    model = build_model(s.config, s.device, s.opts.seed, s.opts.vision_attn)
     meter.init = checksum(model)
     if s.lora:  # (right after the init, as vlmtrain does: the same random state, the same adapter weights)
         import peft
@@ -361,7 +368,7 @@ def run_vlmtrain(s: Setup, meter: Meter, packed: bool) -> list[dict[str, Any]]:
         yaml.safe_dump(cfg, f)
 
     def make() -> torch.nn.Module:
-        model = build_model(s.config, s.device, s.opts.seed)
+        model = build_model(s.config, s.device, s.opts.seed, s.opts.vision_attn)
         meter.init = checksum(model)
         return model
 

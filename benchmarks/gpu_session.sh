@@ -5,11 +5,12 @@
 #
 #   bash benchmarks/gpu_session.sh                    # ~7 minutes on one H200 (2026-11-26)
 #   PARTS="bench-2b compile" bash benchmarks/gpu_session.sh   # only these parts: bench (= bench-2b bench-8b),
-#                                                            # compile, profile, variants, demo, tests
+#                                                            # compile, varlen, profile, variants, demo, tests
 #
 # compile: 2B vlmtrain padded with and without torch.compile (30 steps, lengths rounded to 64), recompiles
-# counted. profile: one eager vlmtrain step's top operators. variants: the 2B setup with torch.compile, and
-# without activation checkpointing (8 steps each, every contender; transformers compiles the whole model: ~150 s).
+# counted. varlen: the 2B benchmark with the vision attention in one call. profile: one eager vlmtrain step's top
+# operators. variants: the 2B setup with torch.compile, and without activation checkpointing (8 steps each, every
+# contender; transformers compiles the whole model: ~150 s).
 #
 # Packages missing on the machine can come as wheels in .whl/ (installed with --target, ahead of the machine's).
 set -u
@@ -55,6 +56,10 @@ if want compile; then  # vlmtrain padded, eager then regional torch.compile, len
             --contender "vlmtrain padded"
         grep -c "Recompiling function" "$OUT/compile-2b-$mode.log"
     done
+fi
+if want varlen; then  # every contender with the vision tower's attention in one varlen call (~150 s at 2B)
+    TAIL=12 step varlen-2b "${VARLEN_2B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 12 \
+        --warmup 4 --progress --vision-attn varlen
 fi
 if want profile; then  # where one eager vlmtrain step spends its time (torch.profiler; steps 5-7 left out)
     TAIL=60 step profile-2b "${PROFILE_S:-120}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 9 \

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,37 @@ def test_smoke_on_cuda_measures_peak_memory(bench, capsys, tmp_path):
         for name in ("transformers", "vlmtrain padded"):
             assert float(rows[name].split()[4]) > 0, block  # peak GiB
     assert out.rstrip().endswith("all checks passed")
+
+
+def test_vision_varlen_attention_takes_every_image_in_one_call_per_block(bench, monkeypatch):
+    """--vision-attn varlen: transformers hands the whole vision tower's attention of a multi-image batch to
+    benchmarks/vision_varlen.py, one call per block with every image's boundaries, and the model computes what
+    its own per-image attention computes (on CPU both run one sdpa per image)."""
+    from transformers import AttentionInterface
+
+    from tests.test_hub_packing import _samples
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+
+    parts, varlen = bench.parts, sys.modules["vision_varlen"]
+    calls = []
+    original = varlen.varlen_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["cu_seq_lens_q"].tolist())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(varlen, "varlen_attention", counted)
+    config = parts.model_config("tiny", "sdpa")
+    batch = HubVLMCollator(HubVLMProcessor(parts.processor_for("tiny"), parts.FAMILY, max_length=400,
+                                           prompts=False))(_samples())
+    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    losses = {}
+    for mode in ("same", "varlen"):
+        model = parts.build_model(config, torch.device("cpu"), 0, mode)
+        assert config.vision_config._attn_implementation == "sdpa"  # (the shared config is left as it was)
+        losses[mode] = model(**inputs).loss.item()
+    assert len(batch["image_grid_thw"]) == 7  # 1 + 0 + 2 + 1 + 3 images
+    assert len(calls) == config.vision_config.depth and all(len(c) == 8 for c in calls)  # 7 images: 8 bounds
+    assert losses["varlen"] == pytest.approx(losses["same"], rel=1e-4)  # (bf16 weights, another memory layout)
+    AttentionInterface._global_mapping.pop(varlen.NAME, None)
