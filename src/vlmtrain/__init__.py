@@ -25,9 +25,10 @@ from .trainer import plugins as _trainer_plugins
 
 
 def _fill_trainer_slots() -> None:
-    """What the trainer takes from the layers above it, which it never imports (trainer/plugins.py): the data
-    and model layers' parts, and the public Trainer class (compat)."""
+    """What the trainer takes from the layers above it, which it never imports (trainer/plugins.py): the data,
+    model and logging layers' parts, and the public Trainer class (compat)."""
     from .data.collate import DefaultCollator
+    from .logging.throughput import WindowRates
     from .models.flops import flop_counter
     from .models.head_files import HEAD_PARTS
     from .models.lm_loss import causal_lm_targets
@@ -39,6 +40,7 @@ def _fill_trainer_slots() -> None:
     _trainer_plugins.register("trainer_class", Trainer)
     _trainer_plugins.register("default_collator", DefaultCollator)
     _trainer_plugins.register("flop_counter", flop_counter)
+    _trainer_plugins.register("window_rates", WindowRates)
     _trainer_plugins.register("loss_targets", causal_lm_targets)
     _trainer_plugins.register("checkpoint_parts", (ADAPTER_PARTS, HEAD_PARTS))
     _trainer_plugins.register("read_sharded_weights", read_model_weights)

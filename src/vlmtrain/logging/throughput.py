@@ -1,6 +1,7 @@
 """A logging window's rates: samples and tokens per second, the time spent waiting for data, training FLOPs per
 second and MFU, and how full packed rows are. The Trainer's Throughput (trainer/stats.py) counts the window's
-samples and skipped samples and reaches these figures through its ``window_rates`` slot, which this module fills.
+samples and skipped samples and reaches these figures through its ``window_rates`` slot, which ``import vlmtrain``
+fills with :class:`WindowRates`.
 
 A batch's ``pack_stats`` (from a collator: samples, real tokens, rows, capacity, images) gives the real token
 counts of packed batches and the window's ``pack_fill`` (real tokens / row capacity), ``padding_fraction`` and
@@ -18,7 +19,6 @@ from typing import Any
 
 import torch
 
-from ..trainer import plugins
 from ..trainer.distributed import reduce_cpu, world_size
 
 
@@ -87,5 +87,3 @@ class WindowRates:
                        images_per_pack=round(self.layout["images"] / self.layout["rows"], 3))
         return out
 
-
-plugins.register("window_rates", WindowRates)

@@ -12,7 +12,6 @@ from ..trainer import plugins
 from ..trainer.callbacks import TrainerCallback
 from .console import PrinterCallback, ProgressCallback
 from .tensorboard import TensorBoardCallback  # noqa: F401 - its old home
-from .throughput import WindowRates  # noqa: F401 - registers the trainer's window_rates slot
 
 
 def _clean(value):
