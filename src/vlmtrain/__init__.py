@@ -4,6 +4,7 @@
 # `import vlmtrain.trainer` and `from vlmtrain import Trainer` see the same Trainer.
 from . import tasks  # noqa: F401 - the synthetic tasks register their data sources with data/
 from .compat import arguments as _transformers_arguments  # noqa: F401
+from .compat.callbacks import EarlyStoppingCallback
 from .compat.trainer import Trainer
 from .evaluation import async_eval as _async_eval  # noqa: F401
 from .inference import InferenceModel, load_for_inference
@@ -12,7 +13,6 @@ from .logging import writers as _writers  # noqa: F401
 from .models.head_files import attach_heads
 from .parallel import fsdp as _fsdp  # noqa: F401
 from .trainer import (
-    EarlyStoppingCallback,
     EvalPrediction,
     PredictionOutput,
     TrainerCallback,
@@ -27,6 +27,7 @@ from .trainer import plugins as _trainer_plugins
 def _fill_trainer_slots() -> None:
     """What the trainer takes from the layers above it, which it never imports (trainer/plugins.py): the data,
     model and logging layers' parts, and the public Trainer class (compat)."""
+    from .compat.loss_extras import BatchEvalMetrics, LabelSmoothing
     from .data.collate import DefaultCollator
     from .logging.throughput import WindowRates
     from .models.flops import flop_counter
@@ -38,6 +39,9 @@ def _fill_trainer_slots() -> None:
     from .models.sharding import transformer_blocks
 
     _trainer_plugins.register("trainer_class", Trainer)
+    _trainer_plugins.register("early_stopping_callback", EarlyStoppingCallback)
+    _trainer_plugins.register("label_smoothing", LabelSmoothing)
+    _trainer_plugins.register("batch_eval_metrics", BatchEvalMetrics)
     _trainer_plugins.register("default_collator", DefaultCollator)
     _trainer_plugins.register("flop_counter", flop_counter)
     _trainer_plugins.register("window_rates", WindowRates)

@@ -1,13 +1,14 @@
 """vlmtrain's public Trainer: the trainer core (vlmtrain/trainer/trainer.py: the loop, evaluation, checkpoints)
-with transformers' extra public methods (trainer_methods.py). ``import vlmtrain`` puts it in the trainer's
-``trainer_class`` slot, so ``vlmtrain.trainer.Trainer`` is this class too."""
+with transformers' counts (counts.py) and extra public methods (trainer_methods.py). ``import vlmtrain`` puts it
+in the trainer's ``trainer_class`` slot, so ``vlmtrain.trainer.Trainer`` is this class too."""
 
 from __future__ import annotations
 
 from ..trainer.trainer import TrainerCore
+from .counts import TransformersCounts
 from .trainer_methods import TransformersTrainerMethods
 
 
-class Trainer(TransformersTrainerMethods, TrainerCore):
+class Trainer(TransformersTrainerMethods, TransformersCounts, TrainerCore):
     """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, or a tuple `(loss, ...)`,
     on any map-style or iterable dataset of dict samples. Override the named steps to change behaviour."""

@@ -1,19 +1,13 @@
 """The training engine: transformers' Trainer API in a small core (:class:`TrainerCore`). ``Trainer`` here is
-``vlmtrain.Trainer``, the core with transformers' extra public methods, which ``import vlmtrain`` registers in
-the ``trainer_class`` slot (the compat layer above defines it)."""
+``vlmtrain.Trainer``, the core with transformers' counts and extra public methods, which ``import vlmtrain``
+registers in the ``trainer_class`` slot (the compat layer above defines it, and EarlyStoppingCallback)."""
 
 from typing import Any
 
 from ..errors import ConfigError
 from . import plugins
 from .args import TrainingArguments
-from .callbacks import (
-    CallbackHandler,
-    DefaultFlowCallback,
-    EarlyStoppingCallback,
-    ExportableState,
-    TrainerCallback,
-)
+from .callbacks import CallbackHandler, DefaultFlowCallback, ExportableState, TrainerCallback
 from .checkpoint import CheckpointError
 from .setup import set_seed
 from .state import EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
@@ -26,8 +20,12 @@ __all__ = [
 ]
 
 
+# the public names the compat layer above defines: name -> the slot that holds it
+_FROM_SLOTS = {"Trainer": "trainer_class", "EarlyStoppingCallback": "early_stopping_callback"}
+
+
 def __getattr__(name: str) -> Any:
-    """``Trainer``: the public class from the ``trainer_class`` slot (PEP 562: looked up on each access)."""
-    if name == "Trainer":
-        return plugins.require("trainer_class")
+    """The public classes of _FROM_SLOTS, from their slots (PEP 562: looked up on each access)."""
+    if name in _FROM_SLOTS:
+        return plugins.require(_FROM_SLOTS[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

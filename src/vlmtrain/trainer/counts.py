@@ -1,32 +1,16 @@
-"""What the loop counts as transformers' Trainer counts it: each micro-batch's FLOP estimate (state.total_flos)
-and input tokens (include_num_input_tokens_seen), the row state.log_history keeps of a log call, and the speed
-metrics of a train() call. A mixin of TrainerCore, kept apart so each file reads on its own."""
+"""The loop's counting hooks: the start of a train() call, and where transformers' counts plug in (each
+micro-batch's FLOP estimate and input tokens, the row state.log_history keeps of a log call, a train() call's
+speed metrics). Here they count nothing but time; vlmtrain.Trainer overrides them with transformers' counts
+(vlmtrain/compat/counts.py). A mixin of TrainerCore, kept apart so each file reads on its own."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from . import distributed as dist
-from .loss_extras import input_tokens, tokens_over_ranks
-
-# Per-step figures vlmtrain logs besides transformers' keys: they go to on_log (metrics.jsonl, the console, the
-# trackers) and never into state.log_history, whose rows stay what transformers' Trainer writes.
-STEP_FIGURES = frozenset({
-    "samples_per_second", "tokens_per_second", "data_wait_fraction", "data_wait_fraction_max", "tflops_per_second",
-    "mfu", "pack_fill", "padding_fraction", "images_per_pack"})
-
-
-def _input_tokens_mode(args: Any) -> str:
-    """transformers' include_num_input_tokens_seen as 'no' / 'all' / 'non_padding' (True means 'all')."""
-    value = getattr(args, "include_num_input_tokens_seen", "no")
-    if value is True:
-        return "all"
-    return "no" if value in (False, None, "no") else str(value)
-
 
 class CountsMixin:
-    """TrainerCore methods that count FLOPs, tokens, samples and time, with transformers' names."""
+    """TrainerCore's counting hooks, with plain defaults."""
 
     def _begin_session(self, restarted: bool = False) -> float:
         """Just before on_train_begin: this train() call's start (time, step, tokens seen); with ``restarted`` (a
@@ -39,71 +23,16 @@ class CountsMixin:
         self._initial_global_step, self._initial_tokens_seen = self.state.global_step, self.state.num_input_tokens_seen
         return self._train_start
 
-    def num_examples(self, dataloader: Any) -> int:
-        """Samples in a loader's dataset; without a length, batches x per_device_train_batch_size."""
-        try:
-            return len(dataloader.dataset)
-        except (AttributeError, TypeError):
-            return len(dataloader) * self.args.per_device_train_batch_size
-
-    def get_total_train_batch_size(self, args: Any) -> int:
-        """Samples per optimizer step: per-device batch x accumulation x ranks."""
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
-
-    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
-        """transformers' estimate of a batch's training FLOPs: 6 x input tokens x non-embedding parameters (0 for
-        a model without ``num_parameters``). vlmtrain's analytic count is logged as tflops_per_second."""
-        main = getattr(self.model, "main_input_name", "input_ids")
-        if main in inputs and hasattr(self.model, "num_parameters"):
-            if getattr(self, "_flos_params", None) is None:
-                self._flos_params = self.model.num_parameters(exclude_embeddings=True)
-            return 6 * inputs[main].numel() * self._flos_params
-        return 0
+    def _count_batch(self, batch: Any) -> None:
+        """Called on each micro-batch before its forward: nothing is counted here."""
 
     def store_flos(self) -> None:
-        """Add this process's FLOPs since the last call (over all ranks) to ``state.total_flos``."""
-        flos = float(getattr(self, "current_flos", 0.0))
-        self.state.total_flos += dist.reduce_cpu([flos])[0] if self.world_size > 1 else flos
-        self.current_flos = 0.0
-
-    def _count_batch(self, batch: Any) -> None:
-        """Per micro-batch, as transformers' loop: its FLOP estimate and (include_num_input_tokens_seen) its
-        input tokens, summed over ranks."""
-        if not isinstance(batch, dict):
-            return
-        self.current_flos = getattr(self, "current_flos", 0.0) + float(self.floating_point_ops(batch))
-        mode = _input_tokens_mode(self.args)
-        if mode == "no":
-            return
-        tokens = input_tokens(batch, mode, getattr(self.model, "main_input_name", "input_ids"),
-                              getattr(self.processing_class, "pad_token_id", None))
-        self.state.num_input_tokens_seen += tokens_over_ranks(tokens)
+        """Add the FLOPs counted since the last call to ``state.total_flos``: none are counted here."""
 
     def _log_row(self, logs: dict[str, Any], start_time: float | None) -> dict[str, Any]:
-        """What state.log_history keeps of a log call: transformers' keys (vlmtrain's per-step figures left
-        out), with num_input_tokens_seen (and train_tokens_per_second) when include_num_input_tokens_seen asks."""
-        if _input_tokens_mode(self.args) != "no":
-            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
-            if start_time is not None:
-                seen = self.state.num_input_tokens_seen - getattr(self, "_initial_tokens_seen", 0)
-                runtime = time.time() - start_time
-                logs["train_runtime"] = round(runtime, 4)
-                if runtime > 0:
-                    logs["train_tokens_per_second"] = round(seen / runtime, 3)
-        return {k: v for k, v in logs.items() if k not in STEP_FIGURES}
+        """What state.log_history keeps of a log call: all of it here."""
+        return logs
 
     def _train_speed_metrics(self, start: float, steps: int) -> dict[str, float]:
-        """train_runtime / train_samples_per_second / train_steps_per_second over this train() call, counted as
-        transformers counts them (planned samples x the share of the steps run)."""
-        runtime = time.time() - start
-        per_step = self.get_total_train_batch_size(self.args)
-        if self.args.max_steps > 0 or self._steps_in_epoch is None:
-            planned = self.state.max_steps * per_step
-        else:
-            planned = self.num_examples(self.train_dataloader) * self.args.num_train_epochs
-        samples = planned * steps / max(self.state.max_steps, 1)
-        out = {"train_runtime": round(runtime, 4)}
-        if runtime > 0:
-            out.update(train_samples_per_second=round(samples / runtime, 3),
-                       train_steps_per_second=round(steps / runtime, 3))
-        return out
+        """A train() call's speed metrics: its runtime here."""
+        return {"train_runtime": round(time.time() - start, 4)}

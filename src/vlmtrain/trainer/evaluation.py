@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist
 from . import plugins
-from .loss_extras import batch_metrics
 from .predictions import Collected, plain_numbers, select_outputs
 from .sharding import sharding_of
 from .state import EvalPrediction, PredictionOutput
@@ -291,6 +290,7 @@ class EvaluationMixin:
         rank's rows of it when the ranks shared the set)."""
         if self.args.batch_eval_metrics:
             rows = (dataloader.batch_size or self.args.per_device_eval_batch_size) * (self.world_size if sharding else 1)
+            batch_metrics = plugins.require("batch_eval_metrics").compute
             return plain_numbers(batch_metrics(self.compute_metrics, predictions, label_ids, rows, EvalPrediction)
                                  or {})
         return plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids)))

@@ -14,6 +14,11 @@ from typing import Any
 SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
     "trainer_class": "vlmtrain.Trainer: TrainerCore with transformers' extra public methods, what "
                      "vlmtrain.trainer.Trainer names (vlmtrain.compat.trainer)",
+    "label_smoothing": "(epsilon, model) -> (outputs, labels) -> loss: label_smoothing_factor (compat/loss_extras.py)",
+    "batch_eval_metrics": "check(compute_metrics) at Trainer(...), compute(...) at evaluation's end: "
+                          "batch_eval_metrics as transformers (compat/loss_extras.py)",
+    "early_stopping_callback": "transformers' EarlyStoppingCallback, what vlmtrain.trainer names so "
+                               "(vlmtrain.compat.callbacks)",
     "default_collator": "pad_token_id -> the collator a Trainer without data_collator uses (vlmtrain.data.collate)",
     "transformers_arguments": "(args) -> None: transformers' conventions at TrainingArguments' construction (JSON "
                               "dict strings, refused transformers-only values, aliases, report_to names); "

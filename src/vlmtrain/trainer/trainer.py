@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.cuda import empty_cache as empty_device_cache  # (a no-op until CUDA is initialized)
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -42,11 +43,6 @@ from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
 from .counts import CountsMixin
 from .evaluation import EvaluationMixin
-from .loss_extras import (
-    LabelSmoothing,
-    check_batch_metrics,
-    empty_device_cache,
-)
 from .model_prep import compile_model, enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
@@ -95,7 +91,7 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class, self.compute_metrics = processing_class, compute_metrics
         if self.args.batch_eval_metrics:
-            check_batch_metrics(compute_metrics)
+            plugins.require("batch_eval_metrics").check(compute_metrics)
         # (logits, labels) -> what evaluation keeps of each batch for compute_metrics, e.g. argmax ids
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
@@ -115,7 +111,7 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
         self._async_eval = evaluator(self.args) if self.args.async_eval and self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
-        self._label_smoother = (LabelSmoothing(self.args.label_smoothing_factor, self.model)
+        self._label_smoother = (plugins.require("label_smoothing")(self.args.label_smoothing_factor, self.model)
                                 if self.args.label_smoothing_factor else None)
         self.control = self._event("on_init_end")
 
