@@ -15,10 +15,10 @@ from tiny import TwoLossModel, tiny_llama, token_samples
 import vlmtrain.trainer.distributed as vdist
 from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.compat.arguments import IGNORED, REFUSED
+from vlmtrain.compat.arguments_fields import TransformersOnlyArguments
 from vlmtrain.config import load_run_config, parse_run_config
 from vlmtrain.errors import ConfigError
 from vlmtrain.trainer.args import ImplementedArguments
-from vlmtrain.trainer.args_compat import TransformersOnlyArguments
 
 TRANSFORMERS_FIELDS = [f for f in dataclasses.fields(transformers.TrainingArguments) if f.init]
 TRANSFORMERS_ONLY = dataclasses.fields(TransformersOnlyArguments)
@@ -171,7 +171,7 @@ def test_gradient_checkpointing_is_transformers_alias_of_activation_checkpointin
 def test_the_trainers_own_arguments_get_transformers_defaults_refusals_and_derived_values():
     # vlmtrain.compat fills them in; what a script sees on vlmtrain.trainer's class is transformers' behaviour
     from vlmtrain.compat import arguments_methods
-    from vlmtrain.trainer.args import TrainingArguments as CoreArguments
+    from vlmtrain.trainer import TrainingArguments as CoreArguments
 
     ours, hf = CoreArguments(use_cpu=True), transformers.TrainingArguments(use_cpu=True)
     assert (ours.gradient_checkpointing, ours.do_eval) == (hf.gradient_checkpointing, hf.do_eval) == (False, False)

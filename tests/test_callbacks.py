@@ -246,6 +246,17 @@ def test_early_stopping_state_saved_and_restored(tmp_path):
     assert second.state.best_metric == 1.0
 
 
+def test_early_stopping_counter_of_an_earlier_vlmtrain_checkpoint_is_restored():
+    # An earlier vlmtrain saved the callback's counter alone (no args / attributes) in trainer_state.json.
+    from vlmtrain import TrainerControl
+    from vlmtrain.trainer.callbacks import restore_callback_states
+
+    callback = EarlyStoppingCallback(3)
+    restore_callback_states([callback], TrainerControl(), {"EarlyStoppingCallback": {
+        "early_stopping_patience_counter": 2}})
+    assert callback.early_stopping_patience_counter == 2
+
+
 # -- add / pop / remove --------------------------------------------------------------------------------
 def test_add_pop_remove_callback(tmp_path):
     trainer = _trainer(tmp_path, max_steps=2)

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from optional_extras import requires
 
+from vlmtrain.compat.arguments import TrainingArguments
 from vlmtrain.config import DataConfig, ModelConfig
-from vlmtrain.trainer.args import TrainingArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 

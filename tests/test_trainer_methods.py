@@ -153,3 +153,22 @@ def test_the_public_trainer_is_the_core_with_transformers_methods(tmp_path, caps
     capsys.readouterr()
     trainer.log_metrics("train", {"train_loss": 0.5})
     assert capsys.readouterr().out == "mine\n***** train metrics *****\n  train_loss = 0.5\n"
+
+
+def test_the_public_arguments_and_callbacks_are_the_compat_layers_and_a_trainer_without_args_gets_them(
+        tmp_path, monkeypatch):
+    """vlmtrain.trainer names the compat layer's TrainingArguments (the core's TrainingArgumentsCore with
+    transformers' other names) and EarlyStoppingCallback, through their slots; a Trainer built without args gets
+    vlmtrain.TrainingArguments(), with transformers' names and derived values, as transformers' Trainer does."""
+    import vlmtrain.trainer
+    from vlmtrain.trainer import TrainingArgumentsCore
+
+    star: dict = {}
+    exec("from vlmtrain.trainer import *", star)
+    assert vlmtrain.TrainingArguments is vlmtrain.trainer.TrainingArguments is star["TrainingArguments"]
+    assert vlmtrain.EarlyStoppingCallback is vlmtrain.trainer.EarlyStoppingCallback is star["EarlyStoppingCallback"]
+    assert issubclass(vlmtrain.TrainingArguments, TrainingArgumentsCore) and not hasattr(TrainingArgumentsCore, "do_eval")
+    monkeypatch.chdir(tmp_path)
+    trainer = vlmtrain.Trainer(model=tiny_llama())
+    assert type(trainer.args) is vlmtrain.TrainingArguments
+    assert (trainer.args.output_dir, trainer.args.do_eval, trainer.args.world_size) == ("trainer_output", False, 1)

@@ -3,7 +3,7 @@
 # The layers above the trainer fill its slots (trainer/plugins.py) as they are imported, here, so that
 # `import vlmtrain.trainer` and `from vlmtrain import Trainer` see the same Trainer.
 from . import tasks  # noqa: F401 - the synthetic tasks register their data sources with data/
-from .compat import arguments as _transformers_arguments  # noqa: F401
+from .compat.arguments import TrainingArguments
 from .compat.callbacks import EarlyStoppingCallback
 from .compat.trainer import Trainer
 from .evaluation import async_eval as _async_eval  # noqa: F401
@@ -18,7 +18,6 @@ from .trainer import (
     TrainerCallback,
     TrainerControl,
     TrainerState,
-    TrainingArguments,
     TrainOutput,
 )
 from .trainer import plugins as _trainer_plugins
@@ -39,6 +38,7 @@ def _fill_trainer_slots() -> None:
     from .models.sharding import transformer_blocks
 
     _trainer_plugins.register("trainer_class", Trainer)
+    _trainer_plugins.register("arguments_class", TrainingArguments)
     _trainer_plugins.register("early_stopping_callback", EarlyStoppingCallback)
     _trainer_plugins.register("label_smoothing", LabelSmoothing)
     _trainer_plugins.register("batch_eval_metrics", BatchEvalMetrics)

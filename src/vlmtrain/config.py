@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 
 import vlmtrain.tasks  # noqa: F401 - the tasks register their data sources, which SourceName lists
+from vlmtrain.compat.arguments import TrainingArguments
 from vlmtrain.config_checks import (
     allows_none,
     check_argv,
@@ -28,7 +29,6 @@ from vlmtrain.config_checks import (
 from vlmtrain.data.registry import SOURCES, all_sources
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.kinds import KINDS, get_kind
-from vlmtrain.trainer.args import TrainingArguments
 from vlmtrain.trainer.args_fields import FsdpValue, WorkersValue
 
 KindName = Literal[tuple(KINDS)]  # type: ignore[valid-type]

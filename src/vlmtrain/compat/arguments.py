@@ -1,9 +1,10 @@
 """What transformers' TrainingArguments names and value forms mean in vlmtrain.
 
 A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.23
-argument name is a field of vlmtrain's TrainingArguments. The names vlmtrain implements live in
-vlmtrain/trainer/args_fields.py; the rest are the fields of :class:`~vlmtrain.trainer.args_compat.TransformersOnlyArguments`,
-with transformers' defaults. Each of them is either
+argument name is a field of vlmtrain's :class:`TrainingArguments`, defined here. The names vlmtrain implements
+live in vlmtrain/trainer/args_fields.py (checked by the core's TrainingArgumentsCore, vlmtrain/trainer/args.py);
+the rest are the fields of :class:`~vlmtrain.compat.arguments_fields.TransformersOnlyArguments`, with
+transformers' defaults. Each of them is either
 
 - refused at anything but its default (:data:`REFUSED`: a ConfigError says what vlmtrain does instead), or
 - accepted at any value because vlmtrain already behaves one fixed, documented way (:data:`IGNORED`).
@@ -11,8 +12,8 @@ with transformers' defaults. Each of them is either
 :data:`DIFFERENT` lists the implemented names that do not behave exactly as transformers' (the migration guide's
 rows, written by scripts/gen_migrating.py). :func:`apply` is what TrainingArguments does with transformers'
 conventions at construction (JSON dict strings, refused values, aliases and value forms, report_to's names,
-do_eval); it reaches the trainer through its ``transformers_arguments`` slot, filled when ``vlmtrain`` is
-imported, which also gives TrainingArguments transformers' derived values (vlmtrain.compat.arguments_methods).
+do_eval), before the core's checks; transformers' derived values come from vlmtrain.compat.arguments_methods.
+``import vlmtrain`` puts the class in the trainer's ``arguments_class`` slot.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ from __future__ import annotations
 import functools
 import json
 import typing
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ConfigError
 from ..logging.trackers import TRACKERS
-from ..trainer import plugins
-from ..trainer.args import ImplementedArguments, TrainingArguments, check_choice
-from ..trainer.args_compat import TransformersOnlyArguments
+from ..trainer.args import ImplementedArguments, TrainingArgumentsCore, check_choice
+from ..trainer.args_fields import FsdpValue, WorkersValue  # noqa: F401 (TrainingArguments.__init__'s annotations)
 from . import arguments_methods
+from .arguments_fields import TransformersOnlyArguments
 
 _OWN_OPTIMIZER = "build the optimizer yourself and pass Trainer(optimizers=(optimizer, scheduler))"
 _HALF_EVAL = "evaluation runs under the same autocast as training (bf16=True)"
@@ -295,5 +296,18 @@ def apply(args: Any) -> None:
     refuse_transformers_values(args)
 
 
-plugins.register("transformers_arguments", apply)
+
+@dataclass
+class TrainingArguments(TransformersOnlyArguments, TrainingArgumentsCore):
+    """Everything about how to train. Every transformers 5.23 TrainingArguments name is accepted: the ones
+    vlmtrain implements behave as there; the rest (arguments_fields.py) take their default, and any other value
+    is a ConfigError that says what vlmtrain does instead (the table above). Invalid combinations fail here, at
+    construction. transformers' derived values and serializations besides `device` (world_size, should_save,
+    main_process_first(), to_dict(), ...) come from vlmtrain.compat.arguments_methods."""
+
+    def __post_init__(self) -> None:
+        apply(self)  # transformers' conventions first, then the core's checks
+        super().__post_init__()
+
+
 arguments_methods.add_to(TrainingArguments)

@@ -1,12 +1,13 @@
 """The training engine: transformers' Trainer API in a small core (:class:`TrainerCore`). ``Trainer`` here is
 ``vlmtrain.Trainer``, the core with transformers' counts and extra public methods, which ``import vlmtrain``
-registers in the ``trainer_class`` slot (the compat layer above defines it, and EarlyStoppingCallback)."""
+registers in the ``trainer_class`` slot (the compat layer above defines it, TrainingArguments, the core's
+TrainingArgumentsCore with transformers' other names, and EarlyStoppingCallback)."""
 
 from typing import Any
 
 from ..errors import ConfigError
 from . import plugins
-from .args import TrainingArguments
+from .args import TrainingArgumentsCore
 from .callbacks import CallbackHandler, DefaultFlowCallback, ExportableState, TrainerCallback
 from .checkpoint import CheckpointError
 from .setup import set_seed
@@ -16,12 +17,13 @@ from .trainer import TrainerCore
 __all__ = [
     "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
     "EvalPrediction", "ExportableState", "PredictionOutput", "Trainer", "TrainerCallback", "TrainerCore",
-    "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "set_seed",
+    "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "TrainingArgumentsCore", "set_seed",
 ]
 
 
 # the public names the compat layer above defines: name -> the slot that holds it
-_FROM_SLOTS = {"Trainer": "trainer_class", "EarlyStoppingCallback": "early_stopping_callback"}
+_FROM_SLOTS = {"Trainer": "trainer_class", "TrainingArguments": "arguments_class",
+               "EarlyStoppingCallback": "early_stopping_callback"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,6 @@
-"""TrainingArguments: transformers' field names and defaults, validated at construction."""
+"""TrainingArgumentsCore: the arguments vlmtrain implements (transformers' field names and defaults), validated at
+construction. ``vlmtrain.TrainingArguments`` is this class with transformers' other names and conventions
+(vlmtrain/compat/arguments.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import torch
 from ..errors import ConfigError
 from . import distributed as dist
 from . import plugins
-from .args_compat import TransformersOnlyArguments
 from .args_fields import FsdpValue, ImplementedArguments, WorkersValue  # noqa: F401 (__init__'s annotations)
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
@@ -33,18 +34,13 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 @dataclass
-class TrainingArguments(TransformersOnlyArguments, ImplementedArguments):
-    """Everything about how to train. Every transformers 5.23 TrainingArguments name is accepted: the ones
-    vlmtrain implements behave as there; the rest (args_compat.py) take their default, and any other value is a
-    ConfigError that says what vlmtrain does instead (the table: vlmtrain.compat.arguments). Invalid combinations
-    fail here, at construction. transformers' derived values and serializations besides `device` (world_size,
-    should_save, main_process_first(), to_dict(), ...) are added by vlmtrain.compat.arguments_methods when
-    vlmtrain is imported."""
+class TrainingArgumentsCore(ImplementedArguments):
+    """Everything about how to train that vlmtrain implements. Invalid combinations fail here, at construction.
+    ``vlmtrain.TrainingArguments`` (what ``vlmtrain.trainer.TrainingArguments`` names and a Trainer without args
+    builds: the ``arguments_class`` slot) adds transformers' other names, its conventions, derived values and
+    serializations (world_size, should_save, main_process_first(), to_dict(), ...)."""
 
     def __post_init__(self) -> None:
-        # transformers' conventions first (JSON dict strings, refused transformers-only values and value forms,
-        # aliases, report_to's names, do_eval): vlmtrain.compat.arguments fills the slot when vlmtrain is imported
-        plugins.lookup("transformers_arguments", _unchanged)(self)
         self._resolve_defaults()
         self._check_strategies_and_steps()
         self._check_optimization()

@@ -1,6 +1,7 @@
-"""The arguments vlmtrain implements, as dataclass fields with their defaults and docstrings (the fields
-transformers has and vlmtrain only accepts: args_compat.py; their checks at construction: args.py). args.py
-imports the field types too: parsers resolve TrainingArguments.__init__'s annotations in its module."""
+"""The arguments vlmtrain implements, as dataclass fields with their defaults and docstrings (their checks at
+construction: args.py; the fields transformers has and vlmtrain only accepts: vlmtrain/compat/arguments_fields.py).
+The modules that make a dataclass of them import the field types too: parsers resolve its __init__'s annotations
+in its module."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class WorkersValue(str):
 @dataclass
 class ImplementedArguments:
     """The arguments vlmtrain implements; names and defaults follow transformers' TrainingArguments where it has
-    them. The fields of :class:`TrainingArguments` (these, then the transformers-only ones)."""
+    them. The fields of TrainingArgumentsCore, and the first ones of vlmtrain.TrainingArguments."""
 
     output_dir: str | None = "trainer_output"
     """Where checkpoints, metrics.jsonl and the resolved config are written (None: trainer_output, as in

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .args import TrainingArguments
+from .args import TrainingArgumentsCore
 from .state import TrainerControl, TrainerState
 
 EVENTS = (
@@ -58,12 +58,12 @@ class CallbackHandler:
     def callback_list(self) -> str:
         return "\n".join(type(cb).__name__ for cb in self.callbacks)
 
-    def call_event(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+    def call_event(self, event: str, args: TrainingArgumentsCore, state: TrainerState, control: TrainerControl,
                    **kwargs: Any) -> TrainerControl:
         """transformers' name for :meth:`call` (Trainer subclasses, e.g. TRL's, call it)."""
         return self.call(event, args, state, control, **kwargs)
 
-    def call(self, event: str, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+    def call(self, event: str, args: TrainingArgumentsCore, state: TrainerState, control: TrainerControl,
              **kwargs: Any) -> TrainerControl:
         # transformers resets these flags as the matching event starts.
         if event == "on_train_begin":

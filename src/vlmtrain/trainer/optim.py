@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .args import TrainingArguments
+from .args import TrainingArgumentsCore
 
 DEFAULT_GROUP = "default"
 
@@ -65,7 +65,7 @@ def _no_decay_names(model: nn.Module) -> set[str]:
     return names
 
 
-def _parameter_lrs(model: nn.Module, args: TrainingArguments) -> list[tuple[str, nn.Parameter, str | None, float]]:
+def _parameter_lrs(model: nn.Module, args: TrainingArgumentsCore) -> list[tuple[str, nn.Parameter, str | None, float]]:
     """(name, parameter, module_learning_rates key or None, learning rate) of every parameter; a ConfigError
     names keys that match no parameter."""
     lrs = dict(args.module_learning_rates or {})
@@ -87,7 +87,7 @@ def _parameter_lrs(model: nn.Module, args: TrainingArguments) -> list[tuple[str,
     return out
 
 
-def freeze_zero_lr(model: nn.Module, args: TrainingArguments) -> None:
+def freeze_zero_lr(model: nn.Module, args: TrainingArgumentsCore) -> None:
     """Freeze (requires_grad=False) the parameters whose learning rate is 0, as :func:`build_param_groups`
     does. The Trainer calls it before DDP / FSDP wrap the model: DDP fixes at construction which parameters
     it waits gradients for, so a module frozen after wrapping would fail at the second step."""
@@ -96,7 +96,7 @@ def freeze_zero_lr(model: nn.Module, args: TrainingArguments) -> None:
             p.requires_grad_(False)
 
 
-def build_param_groups(model: nn.Module, args: TrainingArguments) -> list[dict]:
+def build_param_groups(model: nn.Module, args: TrainingArgumentsCore) -> list[dict]:
     """One group per (module learning rate, decay or not). Parameters whose learning rate is 0 are frozen:
     requires_grad is set to False and they stay out of the optimizer. Keys are module names or the aliases of
     :func:`module_groups`; under score heads or peft, names gain `base.` / `base_model.model.` prefixes, which
@@ -121,7 +121,7 @@ def build_param_groups(model: nn.Module, args: TrainingArguments) -> list[dict]:
     return list(groups.values())
 
 
-def create_optimizer(model: nn.Module, args: TrainingArguments) -> torch.optim.Optimizer:
+def create_optimizer(model: nn.Module, args: TrainingArgumentsCore) -> torch.optim.Optimizer:
     groups = build_param_groups(model, args)
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
@@ -173,7 +173,7 @@ def _polynomial(step: int, warmup: int, total: int, end_rate: float = 0.0, power
     return (1 - end_rate) * remaining**power + end_rate
 
 
-def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments,
+def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgumentsCore,
                      num_training_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = args.get_warmup_steps(num_training_steps)
     kw = dict(args.lr_scheduler_kwargs or {})

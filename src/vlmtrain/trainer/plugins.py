@@ -20,9 +20,9 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
     "early_stopping_callback": "transformers' EarlyStoppingCallback, what vlmtrain.trainer names so "
                                "(vlmtrain.compat.callbacks)",
     "default_collator": "pad_token_id -> the collator a Trainer without data_collator uses (vlmtrain.data.collate)",
-    "transformers_arguments": "(args) -> None: transformers' conventions at TrainingArguments' construction (JSON "
-                              "dict strings, refused transformers-only values, aliases, report_to names); "
-                              "vlmtrain.compat.arguments",
+    "arguments_class": "vlmtrain.TrainingArguments: TrainingArgumentsCore with transformers' other names and "
+                       "conventions, what vlmtrain.trainer.TrainingArguments names and Trainer(args=None) builds "
+                       "(vlmtrain.compat.arguments)",
     "evaluation_arguments": "(args) -> None: checks of the async_eval_* arguments; vlmtrain.evaluation.async_eval",
     "checkpoint_evaluator": "(args) -> rank 0's evaluator of saved checkpoints in other processes (async_eval: "
                             "check_command, enqueue, poll, wait, in_use, state_dict, load_state_dict); "

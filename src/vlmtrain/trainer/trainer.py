@@ -39,7 +39,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from . import checkpoint as ckpt
 from . import distributed as dist
 from . import plugins
-from .args import TrainingArguments
+from .args import TrainingArgumentsCore
 from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
 from .counts import CountsMixin
 from .evaluation import EvaluationMixin
@@ -66,14 +66,14 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
     ModelOutput) with `loss`, or a tuple `(loss, ...)`, on any map-style or iterable dataset of dict samples.
     ``vlmtrain.Trainer`` adds transformers' extra public methods (log_metrics, save_metrics, ...)."""
 
-    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None,
+    def __init__(self, model: nn.Module | None = None, args: TrainingArgumentsCore | None = None,
                  data_collator: Any = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class: Any = None,
                  model_init: Any = None, compute_loss_func: Any = None, compute_metrics: Any = None,
                  callbacks: list[TrainerCallback] | None = None, optimizers: tuple[Any, Any] = (None, None),
                  optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
                  preprocess_logits_for_metrics: Any = None) -> None:
-        self.args = args if args is not None else TrainingArguments()
+        self.args = args if args is not None else plugins.require("arguments_class")()
         set_seed(self.args.seed)  # (before model_init builds the model)
         model = self._resolve_model(model, model_init, compute_loss_func, optimizers, optimizer_cls_and_kwargs)
         if eval_dataset is None:
@@ -445,5 +445,5 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
         self.control = self._event("on_log", logs=logs)
 
 
-def _no_checkpoint_evaluator(args: TrainingArguments) -> None:
+def _no_checkpoint_evaluator(args: TrainingArgumentsCore) -> None:
     raise ValueError("train.async_eval needs vlmtrain.evaluation.async_eval, which `import vlmtrain` registers.")

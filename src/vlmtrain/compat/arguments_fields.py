@@ -1,10 +1,10 @@
 """transformers' TrainingArguments names that vlmtrain accepts but does not implement.
 
 A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.23
-argument name is a field of vlmtrain's TrainingArguments. The names vlmtrain implements live in args.py; the rest
-are the fields of :class:`TransformersOnlyArguments` below, with transformers' defaults. What each of them does
-(refused at any value but its default, or accepted with no effect) is vlmtrain.compat.arguments' table, which
-checks them when TrainingArguments is built (the ``transformers_arguments`` slot of plugins.py).
+argument name is a field of vlmtrain's TrainingArguments. The names vlmtrain implements live in
+vlmtrain/trainer/args_fields.py; the rest are the fields of :class:`TransformersOnlyArguments` below, with
+transformers' defaults. What each of them does (refused at any value but its default, or accepted with no effect)
+is arguments.py's table, which checks them when TrainingArguments (arguments.py) is built.
 """
 
 from __future__ import annotations
