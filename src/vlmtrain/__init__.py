@@ -25,7 +25,7 @@ from .trainer import plugins as _trainer_plugins
 
 def _fill_trainer_slots() -> None:
     """What the trainer takes from the layers above it, which it never imports (trainer/plugins.py): the data,
-    model and logging layers' parts, and the public Trainer class (compat)."""
+    model and logging layers' parts, and the compat layer's public classes and transformers' options."""
     from .compat.loss_extras import BatchEvalMetrics, LabelSmoothing
     from .data.collate import DefaultCollator
     from .logging.throughput import WindowRates
