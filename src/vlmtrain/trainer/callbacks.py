@@ -156,7 +156,7 @@ def restore_callback_states(callbacks: list, control: TrainerControl, states: di
                 for key, value in data["attributes"].items():
                     setattr(rebuilt, key, value)
                 cb.__dict__.update(rebuilt.__dict__)
-            elif hasattr(cb, "load_state_dict"):  # (an ExportableState one: a state of an earlier vlmtrain)
+            elif hasattr(cb, "load_state_dict"):  # (also an ExportableState one given an older form of its state)
                 cb.load_state_dict(data)
 
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
-    "trainer_class": "vlmtrain.Trainer: TrainerCore with transformers' extra public methods, what "
+    "trainer_class": "vlmtrain.Trainer: TrainerCore with transformers' counts and extra public methods, what "
                      "vlmtrain.trainer.Trainer names (vlmtrain.compat.trainer)",
+    "arguments_class": "vlmtrain.TrainingArguments: TrainingArgumentsCore with transformers' other names and "
+                       "conventions, what vlmtrain.trainer.TrainingArguments names and Trainer(args=None) builds "
+                       "(vlmtrain.compat.arguments)",
     "label_smoothing": "(epsilon, model) -> (outputs, labels) -> loss: label_smoothing_factor (compat/loss_extras.py)",
     "batch_eval_metrics": "check(compute_metrics) at Trainer(...), compute(...) at evaluation's end: "
                           "batch_eval_metrics as transformers (compat/loss_extras.py)",
     "early_stopping_callback": "transformers' EarlyStoppingCallback, what vlmtrain.trainer names so "
                                "(vlmtrain.compat.callbacks)",
     "default_collator": "pad_token_id -> the collator a Trainer without data_collator uses (vlmtrain.data.collate)",
-    "arguments_class": "vlmtrain.TrainingArguments: TrainingArgumentsCore with transformers' other names and "
-                       "conventions, what vlmtrain.trainer.TrainingArguments names and Trainer(args=None) builds "
-                       "(vlmtrain.compat.arguments)",
     "evaluation_arguments": "(args) -> None: checks of the async_eval_* arguments; vlmtrain.evaluation.async_eval",
     "checkpoint_evaluator": "(args) -> rank 0's evaluator of saved checkpoints in other processes (async_eval: "
                             "check_command, enqueue, poll, wait, in_use, state_dict, load_state_dict); "
