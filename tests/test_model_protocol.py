@@ -21,6 +21,7 @@ from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import CheckpointError
 from vlmtrain.models import (
     flops,
+    generation,
     head_files,
     lm_loss,
     lora_files,
@@ -54,6 +55,7 @@ def test_import_vlmtrain_fills_every_slot_the_models_provide():
     assert plugins.lookup("fsdp_blocks") is sharding.transformer_blocks
     assert plugins.lookup("activation_checkpointing") is training_prep.enable_activation_checkpointing
     assert plugins.lookup("compile_model") is training_prep.compile_model
+    assert plugins.lookup("generation") is generation.GREEDY
     blocks = sharding.transformer_blocks(tiny_llama())
     assert blocks and all(type(b).__name__ == "LlamaDecoderLayer" for b in blocks)
     assert tuple(plugins.lookup("checkpoint_parts")) == (lora_files.ADAPTER_PARTS, head_files.HEAD_PARTS)
