@@ -161,8 +161,8 @@ class EvaluationMixin:
         if self.world_size <= 1:
             return None
         sharded = sharding_of(self.model) is not None
-        generation = plugins.require("generation") if self.args.predict_with_generate else None
-        if sharded and generation is not None and not generation.generates_in_step(self.model):
+        generation = plugins.require("generation") if sharded and self.args.predict_with_generate else None
+        if generation is not None and not generation.generates_in_step(self.model):
             if getattr(dataset, "splits_by_rank", False):
                 raise ValueError(f"Under train.fsdp with predict_with_generate, {type(self.model).__name__}.generate "
                                  "takes no `synced_gpus`, so every rank must generate for the same eval batches: "

@@ -127,12 +127,12 @@ class SetupMixin:
         if self.model_init is None:
             return
         set_seed(self.args.seed)
-        self.model = self._placed(self.call_model_init())
+        self.model = self._prepare_model(self.call_model_init())
         self.optimizer = self.lr_scheduler = self._flos_params = None
         self.callback_handler.refs["model"] = self.model
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
-    def _placed(self, model: nn.Module) -> nn.Module:
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
         """``model`` on the Trainer's device, with activation checkpointing on where the arguments ask for it
         (before DDP/FSDP wrap it in train(); the ``activation_checkpointing`` slot: models/training_prep.py)."""
         model = model.to(self.device)

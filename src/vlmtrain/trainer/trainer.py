@@ -85,7 +85,7 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
         dist.init_from_env(self.args.ddp_timeout, cpu=self.args.use_cpu)
         self.device = self.args.device
         set_tf32(self.args.tf32, self.device)
-        self.model = self._placed(model)  # (activation checkpointing on, before DDP/FSDP wrap it)
+        self.model = self._prepare_model(model)  # (activation checkpointing on, before DDP/FSDP wrap it)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         pad_id = getattr(processing_class, "pad_token_id", None) or 0
         self.data_collator = data_collator if data_collator is not None else plugins.require("default_collator")(pad_id)
