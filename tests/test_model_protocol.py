@@ -64,6 +64,22 @@ def test_import_vlmtrain_fills_every_slot_the_models_provide():
         plugins.register("nope", None)
 
 
+def test_the_generation_slot_tells_which_generate_keeps_fsdp_ranks_in_step():
+    """Evaluation lets FSDP ranks generate for different batches only with a generate that takes `synced_gpus`
+    (transformers' does; so does a wrapper passing **kwargs on, as peft's)."""
+    class FixedArguments(torch.nn.Module):
+        def generate(self, input_ids, max_new_tokens=1):
+            return input_ids
+
+    class PassesOn(torch.nn.Module):
+        def generate(self, **kwargs):
+            return kwargs
+
+    in_step = generation.GREEDY.generates_in_step
+    assert in_step(tiny_llama()) and in_step(PassesOn())
+    assert not in_step(FixedArguments()) and not in_step(torch.nn.Linear(1, 1))
+
+
 def _with_heads() -> WithHeads:
     torch.manual_seed(0)
     return WithHeads(tiny_llama(), {"score": {"type": "regression"}})
