@@ -109,6 +109,25 @@ def test_torch_compile_trains(tmp_path, compile):
     torch._dynamo.reset()
 
 
+def test_torch_compile_without_the_compile_model_slot_compiles_the_whole_model(tmp_path, monkeypatch):
+    """The trainer's own torch_compile, where the compile_model slot (models/training_prep.py) is empty:
+    torch.compile of the whole model, even of one marked for compilation layer by layer."""
+    from vlmtrain.models.protocol import REGIONAL_COMPILE_ATTR
+    from vlmtrain.trainer import plugins
+
+    monkeypatch.delitem(plugins._filled, "compile_model")
+    torch._dynamo.reset()
+    model = tiny_llama()
+    setattr(model, REGIONAL_COMPILE_ATTR, True)  # (the slot would compile its decoder layers in place instead)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
+                             save_strategy="no", disable_tqdm=True, torch_compile_backend="eager")
+    trainer = _ModelRecordingTrainer(model, args, train_dataset=token_samples(4))
+    trainer.step_models = []
+    trainer.train()
+    assert trainer.step_models == [torch._dynamo.eval_frame.OptimizedModule]
+    torch._dynamo.reset()
+
+
 def test_a_windows_rates_come_from_the_logging_layer(monkeypatch):
     """The trainer's Throughput counts samples and skipped samples; the rates (here the pack fill of collated
     rows) come from logging/throughput.py through the window_rates slot, and without it are not logged."""

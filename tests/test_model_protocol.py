@@ -19,10 +19,20 @@ from tiny import tiny_llama, token_samples
 import vlmtrain  # noqa: F401  (fills the trainer's slots)
 from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import CheckpointError
-from vlmtrain.models import flops, head_files, lm_loss, lora_files, protocol, sharded_files, sharding
+from vlmtrain.models import (
+    flops,
+    generation,
+    head_files,
+    lm_loss,
+    lora_files,
+    protocol,
+    sharded_files,
+    sharding,
+    training_prep,
+)
 from vlmtrain.models import model_files as hub_model_files
 from vlmtrain.models.heads import WithHeads
-from vlmtrain.trainer import model_files, model_prep, optim, plugins
+from vlmtrain.trainer import model_files, optim, plugins
 from vlmtrain.trainer.stats import num_items_of
 
 SRC = Path(vlmtrain.__file__).parent
@@ -30,7 +40,7 @@ SRC = Path(vlmtrain.__file__).parent
 
 def test_the_attribute_names_models_set_are_the_ones_the_trainer_reads():
     assert protocol.MODULE_GROUPS_ATTR == optim.MODULE_GROUPS_ATTR
-    assert protocol.REGIONAL_COMPILE_ATTR == model_prep.REGIONAL_COMPILE_ATTR
+    assert protocol.REGIONAL_COMPILE_ATTR == training_prep.REGIONAL_COMPILE_ATTR
     assert sharded_files.DCP_DIR == model_files.DCP_DIR
     assert head_files.HEAD_PARTS.part_files == (head_files.HEADS_CONFIG, head_files.HEADS_WEIGHTS)
     model = tiny_llama()
@@ -43,12 +53,31 @@ def test_import_vlmtrain_fills_every_slot_the_models_provide():
     assert plugins.lookup("flop_counter") is flops.flop_counter
     assert plugins.lookup("read_sharded_weights") is sharded_files.read_model_weights
     assert plugins.lookup("fsdp_blocks") is sharding.transformer_blocks
+    assert plugins.lookup("activation_checkpointing") is training_prep.enable_activation_checkpointing
+    assert plugins.lookup("compile_model") is training_prep.compile_model
+    assert plugins.lookup("generation") is generation.GREEDY
     blocks = sharding.transformer_blocks(tiny_llama())
     assert blocks and all(type(b).__name__ == "LlamaDecoderLayer" for b in blocks)
     assert tuple(plugins.lookup("checkpoint_parts")) == (lora_files.ADAPTER_PARTS, head_files.HEAD_PARTS)
     assert set(plugins.SLOTS) >= {"flop_counter", "read_sharded_weights", "checkpoint_parts", "fsdp_blocks"}
     with pytest.raises(KeyError, match="no trainer slot 'nope'"):
         plugins.register("nope", None)
+
+
+def test_the_generation_slot_tells_which_generate_keeps_fsdp_ranks_in_step():
+    """Evaluation lets FSDP ranks generate for different batches only with a generate that takes `synced_gpus`
+    (transformers' does; so does a wrapper passing **kwargs on, as peft's)."""
+    class FixedArguments(torch.nn.Module):
+        def generate(self, input_ids, max_new_tokens=1):
+            return input_ids
+
+    class PassesOn(torch.nn.Module):
+        def generate(self, **kwargs):
+            return kwargs
+
+    in_step = generation.GREEDY.generates_in_step
+    assert in_step(tiny_llama()) and in_step(PassesOn())
+    assert not in_step(FixedArguments()) and not in_step(torch.nn.Linear(1, 1))
 
 
 def _with_heads() -> WithHeads:

@@ -30,12 +30,14 @@ def _fill_trainer_slots() -> None:
     from .data.collate import DefaultCollator
     from .logging.throughput import WindowRates
     from .models.flops import flop_counter
+    from .models.generation import GREEDY
     from .models.head_files import HEAD_PARTS
     from .models.lm_loss import causal_lm_targets
     from .models.lora_files import ADAPTER_PARTS
     from .models.model_files import HubModelFiles
     from .models.sharded_files import read_model_weights
     from .models.sharding import transformer_blocks
+    from .models.training_prep import compile_model, enable_activation_checkpointing
 
     _trainer_plugins.register("trainer_class", Trainer)
     _trainer_plugins.register("arguments_class", TrainingArguments)
@@ -50,6 +52,9 @@ def _fill_trainer_slots() -> None:
     _trainer_plugins.register("read_sharded_weights", read_model_weights)
     _trainer_plugins.register("model_files", HubModelFiles)
     _trainer_plugins.register("fsdp_blocks", transformer_blocks)
+    _trainer_plugins.register("activation_checkpointing", enable_activation_checkpointing)
+    _trainer_plugins.register("compile_model", compile_model)
+    _trainer_plugins.register("generation", GREEDY)
 
 
 _fill_trainer_slots()

@@ -3,7 +3,6 @@ and compute_metrics. A mixin of TrainerCore, kept apart so each file reads on it
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 import time
@@ -161,7 +160,8 @@ class EvaluationMixin:
         if self.world_size <= 1:
             return None
         sharded = sharding_of(self.model) is not None
-        if sharded and self.args.predict_with_generate and not self._generates_in_step():
+        generation = plugins.require("generation") if sharded and self.args.predict_with_generate else None
+        if generation is not None and not generation.generates_in_step(self.model):
             if getattr(dataset, "splits_by_rank", False):
                 raise ValueError(f"Under train.fsdp with predict_with_generate, {type(self.model).__name__}.generate "
                                  "takes no `synced_gpus`, so every rank must generate for the same eval batches: "
@@ -173,19 +173,6 @@ class EvaluationMixin:
         if isinstance(dataset, IterableDataset):
             return None
         return "strided"
-
-    def _generates_in_step(self) -> bool:
-        """Whether the model's generate takes `synced_gpus` (transformers' generate does): every rank then runs
-        forward until every rank's generations are done, as FSDP needs (each forward is a collective)."""
-        generate = getattr(self.model, "generate", None)
-        if generate is None:
-            return False
-        try:
-            params = inspect.signature(generate).parameters
-        except (TypeError, ValueError):
-            return False
-        # (wrappers such as peft's pass **kwargs through to a transformers model)
-        return "synced_gpus" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
     def _lockstep(self, batch: Any, stand_in: Any) -> tuple[str, Any]:
         """Under FSDP every forward is a collective: each rank must run as many as the others, though each
@@ -278,10 +265,9 @@ class EvaluationMixin:
         metrics.update(self._eval_speed_metrics(tally, runtime))
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
                    for k, v in metrics.items()}
-        texts = None
-        if self.args.predict_with_generate and predictions is not None and hasattr(self.processing_class, "decode"):
-            texts = [self.processing_class.decode([t for t in row if t >= 0], skip_special_tokens=True)
-                     for row in predictions.tolist()]
+        texts = None  # (the generation slot: models/generation.py)
+        if self.args.predict_with_generate and predictions is not None:
+            texts = plugins.require("generation").texts(self.processing_class, predictions)
         return PredictionOutput(predictions, label_ids, metrics, texts, head_outputs)
 
     def _user_metrics(self, predictions: Any, label_ids: Any, dataloader: DataLoader,
@@ -401,19 +387,12 @@ class EvaluationMixin:
         return all(inputs.get(name) is not None for name in names)
 
     def generate(self, prompt: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Greedy generation from the batch's `prompt_*` inputs; returns only the new tokens."""
-        tok = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor's tokenizer
-        kwargs = {"max_new_tokens": self.args.generation_max_new_tokens, "do_sample": False}
-        if tok is not None and getattr(tok, "pad_token_id", None) is not None:
-            kwargs["pad_token_id"] = tok.pad_token_id
-        if getattr(self, "_eval_lockstep", False):  # FSDP, ranks on different batches: forward until all are done
-            kwargs["synced_gpus"] = True
+        """Greedy generation from the batch's `prompt_*` inputs; returns only the new tokens (the ``generation``
+        slot: models/generation.py). FSDP with ranks on different batches: forward until all are done."""
         with torch.no_grad(), self.autocast():
-            out = self.model.generate(**prompt, **kwargs)
-        new = out[:, prompt["input_ids"].shape[1]:]
-        if kwargs.get("pad_token_id") is not None:
-            new = new.masked_fill(new == kwargs["pad_token_id"], -100)
-        return new
+            return plugins.require("generation").generate(self.model, prompt, self.processing_class,
+                                                          self.args.generation_max_new_tokens,
+                                                          synced_gpus=getattr(self, "_eval_lockstep", False))
 
     def _update_best(self, metrics: dict[str, float]) -> bool:
         name = self.args.metric_for_best_model

@@ -36,6 +36,13 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
     "flop_counter": "model -> (batch -> training FLOPs) or None, for tflops_per_second / mfu (models/flops.py)",
     "checkpoint_parts": "objects for models that save in parts, see model_files.py (models/lora_files.py, head_files.py)",
     "fsdp_blocks": "model -> the modules FSDP shards one by one before the root (models/sharding.py)",
+    "activation_checkpointing": "(model, activation_checkpointing_kwargs) -> None: turns it on in the transformers "
+                                "models the model is or holds (models/training_prep.py)",
+    "compile_model": "(model, wrapped, backend, mode) -> what training steps run: torch_compile of each transformer "
+                     "layer of a model marked for it, in place, else of the whole wrapped model (default: the "
+                     "latter); models/training_prep.py",
+    "generation": "predict_with_generate's greedy generate(model, prompt, processing_class, max_new_tokens, "
+                  "synced_gpus), generates_in_step(model) and texts(processing_class, ids); models/generation.py",
     "sharding": "train.fsdp's plan (sharding.py's ShardingPlan: shard, save, load and gather model and "
                 "optimizer state); vlmtrain.parallel.fsdp",
     "model_files": "(checkpoint_parts, read_sharded_weights) -> a model's files (model_files.py; models/model_files.py)",

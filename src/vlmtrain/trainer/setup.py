@@ -1,6 +1,7 @@
-"""What happens before the first step and after the last: the model (or model_init's), the train data loader,
-optimizer and scheduler, the loop's counters, and the end-of-training summary. A mixin of TrainerCore, kept apart
-so each file reads on its own."""
+"""What happens before the first step and after the last: the model (or model_init's) and what is done to it
+(tf32, activation checkpointing and torch_compile: the last two through the slots models/training_prep.py
+fills), the train data loader, optimizer and scheduler, the loop's counters, and the end-of-training summary. A
+mixin of TrainerCore, kept apart so each file reads on its own."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from . import checkpoint as ckpt
 from . import plugins
-from .model_prep import enable_activation_checkpointing
 from .optim import build_param_groups, create_optimizer, create_scheduler
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
@@ -34,6 +34,23 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def set_tf32(tf32: bool | None, device: torch.device) -> None:
+    """TrainingArguments.tf32 on CUDA: allow (True) or forbid (False) TF32 matmuls and convolutions."""
+    if tf32 is None:
+        return
+    if device.type != "cuda":
+        if tf32:
+            warnings.warn("tf32=True has no effect without a CUDA device: ignored.", stacklevel=3)
+        return
+    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "tf32" if tf32 else "ieee"
+
+
+def compile_whole(model: nn.Module, wrapped: nn.Module, backend: str, mode: str | None) -> nn.Module:
+    """TrainingArguments.torch_compile where the ``compile_model`` slot is empty: ``torch.compile`` of the model
+    as DDP/FSDP wrap it (``wrapped``)."""
+    return torch.compile(wrapped, backend=backend, mode=mode)
 
 
 def load_model_state(model: nn.Module, directory: str) -> None:
@@ -110,12 +127,18 @@ class SetupMixin:
         if self.model_init is None:
             return
         set_seed(self.args.seed)
-        self.model = self.call_model_init().to(self.device)
-        if self.args.activation_checkpointing:
-            enable_activation_checkpointing(self.model, self.args.activation_checkpointing_kwargs)
+        self.model = self._prepare_model(self.call_model_init())
         self.optimizer = self.lr_scheduler = self._flos_params = None
         self.callback_handler.refs["model"] = self.model
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
+
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        """``model`` on the Trainer's device, with activation checkpointing on where the arguments ask for it
+        (before DDP/FSDP wrap it in train(); the ``activation_checkpointing`` slot: models/training_prep.py)."""
+        model = model.to(self.device)
+        if self.args.activation_checkpointing:
+            plugins.require("activation_checkpointing")(model, self.args.activation_checkpointing_kwargs)
+        return model
 
     def get_train_dataloader(self) -> StatefulDataLoader:
         """A StatefulDataLoader (its position is saved in checkpoints) over a seeded, per-rank shuffle."""

@@ -43,11 +43,10 @@ from .args import TrainingArgumentsCore
 from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
 from .counts import CountsMixin
 from .evaluation import EvaluationMixin
-from .model_prep import compile_model, enable_activation_checkpointing, set_tf32
 from .optim import freeze_zero_lr, learning_rates
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
-from .setup import SetupMixin, set_seed
+from .setup import SetupMixin, compile_whole, set_seed, set_tf32
 from .state import TrainerControl, TrainerState, TrainOutput
 from .stats import (
     BOOKKEEPING_KEYS,
@@ -82,9 +81,7 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
         dist.init_from_env(self.args.ddp_timeout, cpu=self.args.use_cpu)
         self.device = self.args.device
         set_tf32(self.args.tf32, self.device)
-        self.model = model.to(self.device)
-        if self.args.activation_checkpointing:  # before DDP/FSDP wrap the model (in train())
-            enable_activation_checkpointing(self.model, self.args.activation_checkpointing_kwargs)
+        self.model = self._prepare_model(model)  # (activation checkpointing on, before DDP/FSDP wrap it)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         pad_id = getattr(processing_class, "pad_token_id", None) or 0
         self.data_collator = data_collator if data_collator is not None else plugins.require("default_collator")(pad_id)
@@ -162,7 +159,8 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
             freeze_zero_lr(self.model, args)
         # Before the optimizer: FSDP replaces the parameters.
         model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs())
-        if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: model_prep.compile_model)
+        if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: the compile_model slot)
+            compile_model = plugins.lookup("compile_model", compile_whole)
             model = compile_model(self.model, model, args.torch_compile_backend or "inductor", args.torch_compile_mode)
         epochs = self._setup_training(loader)
         if resume is not None:

@@ -96,7 +96,7 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
     _attach_flop_info(model, family)
-    setattr(model, REGIONAL_COMPILE_ATTR, True)  # train.torch_compile compiles each layer (trainer/model_prep.py)
+    setattr(model, REGIONAL_COMPILE_ATTR, True)  # torch_compile compiles each layer (models/training_prep.py)
     _stop_at(model, stop_token_id)
     enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/lm_loss.py)
     return model

@@ -1,31 +1,17 @@
-"""What the Trainer does to a model before training, for TrainingArguments' tf32, activation_checkpointing and
-torch_compile."""
+"""What the Trainer has done to a model's structure before training, for TrainingArguments'
+activation_checkpointing and torch_compile: transformers' activation checkpointing switched on in the models it
+holds, and regional compilation of its transformer layers. ``import vlmtrain`` puts them in the trainer's
+``activation_checkpointing`` and ``compile_model`` slots (trainer/plugins.py)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
-
-
-def set_tf32(tf32: bool | None, device: torch.device) -> None:
-    """TrainingArguments.tf32 on CUDA: allow (True) or forbid (False) TF32 matmuls and convolutions."""
-    if tf32 is None:
-        return
-    if device.type != "cuda":
-        if tf32:
-            warnings.warn("tf32=True has no effect without a CUDA device: ignored.", stacklevel=3)
-        return
-    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "tf32" if tf32 else "ieee"
-
-
-REGIONAL_COMPILE_ATTR = "vlmtrain_regional_compile"
-"""A model (or a module inside it, e.g. under score heads or LoRA) with this attribute set to True is compiled
-layer by layer under ``torch_compile`` (see :func:`compile_model`); the hub_vlm kind sets it."""
+from .protocol import REGIONAL_COMPILE_ATTR
 
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
