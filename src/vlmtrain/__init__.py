@@ -26,7 +26,10 @@ from .trainer import plugins as _trainer_plugins
 
 def _fill_trainer_slots() -> None:
     """What the trainer takes from the layers above it, which it never imports (trainer/plugins.py): the data,
-    model and logging layers' parts, and the public Trainer class (compat)."""
+    model and logging layers' parts, the background checkpoint writer, and from compat the public Trainer class
+    and the resume of transformers' checkpoints."""
+    from .checkpointing.async_writer import AsyncCheckpointer
+    from .compat.checkpoints import position_from_step
     from .data.collate import DefaultCollator
     from .logging.throughput import WindowRates
     from .models.flops import flop_counter
@@ -46,6 +49,8 @@ def _fill_trainer_slots() -> None:
     _trainer_plugins.register("read_sharded_weights", read_model_weights)
     _trainer_plugins.register("model_files", HubModelFiles)
     _trainer_plugins.register("fsdp_blocks", transformer_blocks)
+    _trainer_plugins.register("checkpoint_writer", AsyncCheckpointer)
+    _trainer_plugins.register("step_position", position_from_step)
 
 
 _fill_trainer_slots()
