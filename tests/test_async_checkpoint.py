@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 from tiny import tiny_llama, token_samples
 
+from vlmtrain.checkpointing.async_writer import cpu_model_copy
 from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments
 from vlmtrain.trainer import checkpoint as ckpt
-from vlmtrain.trainer.async_checkpoint import cpu_model_copy
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "vlmtrain.evaluation": 5,
     "vlmtrain.compat": 5,
     "vlmtrain.parallel": 5,
+    "vlmtrain.checkpointing": 5,
     "vlmtrain.checkpoint_paths": 5,
     # what a run is made of, below the orchestrator that runs them
     "vlmtrain.config_checks": 6,

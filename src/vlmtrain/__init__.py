@@ -25,7 +25,10 @@ from .trainer import plugins as _trainer_plugins
 
 def _fill_trainer_slots() -> None:
     """What the trainer takes from the layers above it, which it never imports (trainer/plugins.py): the data,
-    model and logging layers' parts, and the compat layer's public classes and transformers' options."""
+    model and logging layers' parts, the background checkpoint writer, and the compat layer's public classes,
+    transformers' options and the resume of transformers' checkpoints."""
+    from .checkpointing.async_writer import AsyncCheckpointer
+    from .compat.checkpoints import position_from_step
     from .compat.loss_extras import BatchEvalMetrics, LabelSmoothing
     from .data.collate import DefaultCollator
     from .logging.throughput import WindowRates
@@ -55,6 +58,8 @@ def _fill_trainer_slots() -> None:
     _trainer_plugins.register("activation_checkpointing", enable_activation_checkpointing)
     _trainer_plugins.register("compile_model", compile_model)
     _trainer_plugins.register("generation", GREEDY)
+    _trainer_plugins.register("checkpoint_writer", AsyncCheckpointer)
+    _trainer_plugins.register("step_position", position_from_step)
 
 
 _fill_trainer_slots()

@@ -26,12 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmtrain.trainer import checkpoint as ckpt
 from vlmtrain.trainer import plugins
 from vlmtrain.trainer.model_files import (
     DCP_DIR,
     CheckpointError,
+    has_score_heads,
     has_sharded_weights,
     load_model_weights,
+    save_head_files,
     save_model_files,
     saves_trainable_only,
 )
@@ -64,6 +67,38 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: 
 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(directory, DCP_DIR))
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, output_dir: str, step: int,
+                    files: dict[str, Any], processing_class: Any, rank: int) -> str:
+    """output_dir/checkpoint-<step> of the sharded ``model`` with the trainer's ``files`` (this rank's; see
+    checkpoint.write_checkpoint), atomically (a collective). LoRA (a model that saves only what trains): its
+    trainable parameters and their optimizer state gathered to rank 0 and written like an unsharded LoRA
+    checkpoint's, never the frozen base. A full fine-tune: each rank writes its shards of model and optimizer
+    (DCP), rank 0 what from_pretrained needs besides the weights and the score heads, gathered."""
+    if saves_trainable_only(model):
+        state = gather_trainable(model)
+        optimizer_state = full_optimizer_state(model, optimizer)
+        if rank == 0:
+            files["optimizer.pt"] = optimizer_state
+        return ckpt.write_checkpoint(output_dir, step, files,
+                                     lambda d: save_model_files(model, d, processing_class, state), rank=rank)
+    heads = gather_params(model, "heads.layers.") if has_score_heads(model) else None
+    return ckpt.write_checkpoint(output_dir, step, files, lambda d: _save_model_config(model, d, processing_class, heads),
+                                 rank=rank, write_sharded=lambda d: save_sharded(model, optimizer, d))
+
+
+def _save_model_config(model: nn.Module, directory: str, processing_class: Any,
+                       heads: dict[str, Any] | None) -> None:
+    """What from_pretrained needs besides the weights (config.json, tokenizer/processor files), and the score
+    heads (`heads`: their gathered weights) as heads.safetensors + heads.json."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "save_pretrained"):
+        config.save_pretrained(directory)
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(directory)
+    if heads is not None:
+        save_head_files(model, directory, heads)
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
@@ -218,12 +253,9 @@ class FSDPPlan:
 
     is_sharded = staticmethod(is_sharded)
     shard_model = staticmethod(shard_model)
-    save_sharded = staticmethod(save_sharded)
+    save_checkpoint = staticmethod(save_checkpoint)
     load_sharded = staticmethod(load_sharded)
     load_model_state = staticmethod(load_model_state)
-    gather_trainable = staticmethod(gather_trainable)
-    gather_params = staticmethod(gather_params)
-    full_optimizer_state = staticmethod(full_optimizer_state)
     load_optimizer_state = staticmethod(load_optimizer_state)
     save_full_model = staticmethod(save_full_model)
 

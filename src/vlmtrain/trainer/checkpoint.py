@@ -143,7 +143,7 @@ def load_rng_state(directory: str, rank: int) -> dict:
 # A save has three parts, each closed by an agreement of every rank (one rank's error, e.g. a full disk, fails
 # them all at once): start_checkpoint (rank 0 makes the temporary directory), write_files (each rank its own
 # files; rank 0 also the model) and publish_checkpoint (rank 0 renames the directory into place). Synchronous
-# saves run them in a row (write_checkpoint); async_checkpoint.py runs write_files in a background thread.
+# saves run them in a row (write_checkpoint); the checkpoint_writer slot's writer, write_files in a thread.
 def temp_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"{TMP_PREFIX}{step}")
 

@@ -116,7 +116,7 @@ def has_score_heads(model: nn.Module) -> bool:
 
 def saves_trainable_only(model: nn.Module) -> bool:
     """True when the model's files hold only what trains (LoRA adapters, modules_to_save, heads), never its
-    frozen base: then FSDP gathers just those (the sharding plan's gather_trainable)."""
+    frozen base: then FSDP gathers just those (parallel/fsdp.py's gather_trainable)."""
     return _format().saves_trainable_only(model)
 
 

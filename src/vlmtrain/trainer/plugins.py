@@ -43,10 +43,15 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
                      "latter); models/training_prep.py",
     "generation": "predict_with_generate's greedy generate(model, prompt, processing_class, max_new_tokens, "
                   "synced_gpus), generates_in_step(model) and texts(processing_class, ids); models/generation.py",
-    "sharding": "train.fsdp's plan (sharding.py's ShardingPlan: shard, save, load and gather model and "
-                "optimizer state); vlmtrain.parallel.fsdp",
+    "sharding": "train.fsdp's plan (sharding.py's ShardingPlan: shard, save and load model and optimizer "
+                "state); vlmtrain.parallel.fsdp",
     "model_files": "(checkpoint_parts, read_sharded_weights) -> a model's files (model_files.py; models/model_files.py)",
     "read_sharded_weights": "directory -> a DCP checkpoint's model weights, in one process (models/sharded_files.py)",
+    "checkpoint_writer": "(output_dir, rank, after_publish) -> train.async_checkpoint's background writer (save(step, "
+                         "files, model, processing_class), poll, wait, abandon); none: checkpoints are written "
+                         "synchronously (vlmtrain.checkpointing.async_writer)",
+    "step_position": "(path, loop_file, loader, global_step, max_steps, steps_in_epoch, accumulation) -> (epoch, "
+                     "micro-step) of a checkpoint without loop state (transformers'); vlmtrain.compat.checkpoints",
 }
 _filled: dict[str, Any] = {}
 

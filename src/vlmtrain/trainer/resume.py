@@ -6,25 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
-import math
 import os
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-
 from . import checkpoint as ckpt
-from .async_checkpoint import AsyncCheckpointer, cpu_model_copy, cpu_snapshot
+from . import plugins
 from .callbacks import callback_states, restore_callback_states
-from .model_files import (
-    has_score_heads,
-    has_sharded_weights,
-    save_head_files,
-    save_model_files,
-    saves_trainable_only,
-)
+from .model_files import has_sharded_weights, saves_trainable_only
 from .setup import load_model_state
 from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
 from .state import TrainerState
@@ -45,7 +35,7 @@ class CheckpointMixin:
                 "skipped": dict(self._throughput.skipped_total), "run_loss": self._run_loss.state_dict(),
                 "async_eval": self._async_eval.state_dict() if self._async_eval is not None else None}
 
-    _async_saver: AsyncCheckpointer | None = None  # train.async_checkpoint: the background writer
+    _async_saver: Any = None  # train.async_checkpoint: the background writer (the checkpoint_writer slot's)
 
     def _save_checkpoint(self) -> str:
         out, step = self.args.output_dir, self.state.global_step
@@ -54,27 +44,16 @@ class CheckpointMixin:
         self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
-        sharding = sharding_of(self.model)
-        sharded = sharding is not None
-        if self.args.async_checkpoint and not sharded:  # (FSDP's saves stay synchronous)
+        sharding, writer = sharding_of(self.model), plugins.lookup("checkpoint_writer")
+        if self.args.async_checkpoint and writer is not None and sharding is None:  # (FSDP's saves stay synchronous)
             if self._async_saver is None:
-                self._async_saver = AsyncCheckpointer(out, self.rank, self._rotate_checkpoints)
-            return self._async_saver.save(step, self._snapshot)
-        files = self._checkpoint_files(sharded)
-        if sharded and saves_trainable_only(self.model):
-            # LoRA under FSDP: only the trainable parameters and their optimizer state are gathered (to rank 0)
-            # and written like an unsharded LoRA checkpoint's; the frozen base is never saved.
-            state = sharding.gather_trainable(self.model)
-            optimizer = sharding.full_optimizer_state(self.model, self.optimizer)
-            if self.rank == 0:
-                files["optimizer.pt"] = optimizer
-            path = ckpt.write_checkpoint(
-                out, step, files, lambda d: save_model_files(self.model, d, self.processing_class, state), rank=self.rank)
-        elif sharded:  # a full fine-tune: each rank writes its shards of model and optimizer (DCP)
-            heads = sharding.gather_params(self.model, "heads.layers.") if has_score_heads(self.model) else None
-            path = ckpt.write_checkpoint(
-                out, step, files, lambda d: self._save_model_config(d, heads), rank=self.rank,
-                write_sharded=lambda d: sharding.save_sharded(self.model, self.optimizer, d))
+                self._async_saver = writer(out, self.rank, self._rotate_checkpoints)
+            return self._async_saver.save(step, lambda: self._checkpoint_files(sharded=False), self.model,
+                                          self.processing_class)
+        files = self._checkpoint_files(sharded=sharding is not None)
+        if sharding is not None:  # the plan writes the model's (and optimizer's) shards or what it gathers
+            path = sharding.save_checkpoint(self.model, self.optimizer, out, step, files, self.processing_class,
+                                            self.rank)
         else:
             path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
         if self.rank == 0:
@@ -93,14 +72,6 @@ class CheckpointMixin:
             self.log(row)
         if rows:
             self._rotate_checkpoints()
-
-    def _snapshot(self) -> tuple[dict[str, Any], Any]:
-        """This rank's checkpoint as CPU copies, and (rank 0) a function writing the model copy's files."""
-        files = cpu_snapshot(self._checkpoint_files(sharded=False))
-        if self.rank != 0:
-            return files, None
-        model, processing_class = cpu_model_copy(self.model), self.processing_class
-        return files, lambda d: ckpt.save_model_files(model, d, processing_class)
 
     def _publish_written_checkpoint(self) -> None:
         """At a step end (every rank): move a background-written checkpoint into place once it is on disk."""
@@ -135,17 +106,6 @@ class CheckpointMixin:
                 files["optimizer.pt"] = self.optimizer.state_dict()
         return files
 
-    def _save_model_config(self, directory: str, heads: dict[str, Any] | None = None) -> None:
-        """What from_pretrained needs besides the weights (config.json, tokenizer/processor files), and the score
-        heads (`heads`: their gathered weights) as heads.safetensors + heads.json."""
-        config = getattr(self.model, "config", None)
-        if hasattr(config, "save_pretrained"):
-            config.save_pretrained(directory)
-        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-            self.processing_class.save_pretrained(directory)
-        if heads is not None:
-            save_head_files(self.model, directory, heads)
-
     def _load_checkpoint(self, path: str) -> None:
         sharding = sharding_of(self.model)
         sharded, sharded_model = has_sharded_weights(path), sharding is not None
@@ -173,7 +133,11 @@ class CheckpointMixin:
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
         loop_file = os.path.join(path, f"{LOOP_STATE}_{self.rank}.pt")
         if not os.path.isfile(loop_file):  # transformers' checkpoint: the position follows from global_step
-            self._loop_state_from_step(path)
+            position_from_step = plugins.lookup("step_position", _no_step_position)
+            self._epoch_index, self._micro_step = position_from_step(
+                path, os.path.basename(loop_file), self.train_dataloader, self.state.global_step,
+                self.state.max_steps, self._steps_in_epoch, self.args.gradient_accumulation_steps)
+            self._last_logged_step = self.state.global_step
             ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
             return
         loop = ckpt.load_torch(loop_file)
@@ -202,36 +166,6 @@ class CheckpointMixin:
             if name is not None:
                 group.setdefault("name", name)
 
-    def _loop_state_from_step(self, path: str) -> None:
-        """Where a checkpoint without vlmtrain's loop state (one transformers' Trainer wrote) resumes, by
-        transformers' rule: epoch global_step // updates per epoch, after (global_step % updates per epoch) *
-        gradient_accumulation_steps micro-batches of it, which the loader reads and drops (O(position): once).
-        Lost next to a vlmtrain checkpoint: the losses of a logging window cut by the save (the first log
-        after the resume averages the steps since it, as transformers' does), the run's mean loss before it
-        (TrainOutput.training_loss covers the resumed steps), and the skipped-sample counts."""
-        warnings.warn(f"{path!r} has no {LOOP_STATE}_{self.rank}.pt (a checkpoint of transformers' Trainer?): "
-                      f"resuming at the data position global_step gives, as transformers does.", stacklevel=4)
-        accum, steps, step = self.args.gradient_accumulation_steps, self._steps_in_epoch, self.state.global_step
-        per_epoch = math.ceil(steps / accum) if steps is not None else self.state.max_steps
-        self._epoch_index, self._micro_step = step // per_epoch, (step % per_epoch) * accum
-        self._last_logged_step = step
-        loader = self.train_dataloader
-        if self._micro_step == 0:
-            return
-        if not hasattr(loader, "load_state_dict"):
-            raise ckpt.CheckpointError(f"Resuming {path!r} mid-epoch without {LOOP_STATE}_{self.rank}.pt needs a "
-                                       "train data loader with state_dict/load_state_dict (a StatefulDataLoader).")
-        if isinstance(loader.sampler, StatefulDistributedSampler):
-            loader.sampler.set_epoch(self._epoch_index)
-        elif hasattr(loader.dataset, "set_epoch"):
-            loader.dataset.set_epoch(self._epoch_index)
-        batches = iter(loader)
-        for _ in itertools.islice(batches, self._micro_step):
-            pass
-        position = loader.state_dict()
-        del batches
-        loader.load_state_dict(position)
-
     def save_model(self, output_dir: str | None = None) -> None:
         """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).
         Under FSDP every rank must call it: the shards are gathered first."""
@@ -240,3 +174,9 @@ class CheckpointMixin:
             sharding.save_full_model(self.model, output_dir, self.processing_class, self.rank)
         elif self.rank == 0:
             ckpt.save_model_files(self.model, output_dir, self.processing_class)
+
+
+def _no_step_position(path: str, loop_file: str, *_: Any) -> tuple[int, int]:
+    """The ``step_position`` slot's plain default: a checkpoint without vlmtrain's loop state is refused."""
+    raise ckpt.CheckpointError(f"{path!r} has no {loop_file}: resuming a checkpoint of transformers' Trainer needs "
+                               "vlmtrain.compat.checkpoints, which `import vlmtrain` registers.")

@@ -25,23 +25,16 @@ class ShardingPlan(Protocol):
     def shard_model(self, model: nn.Module, bf16: bool = False) -> nn.Module:
         """Shard ``model`` in place over the default process group (``bf16``: bfloat16 compute)."""
 
-    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-        """Model and optimizer state into the checkpoint ``directory``, each rank writing its own shards."""
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, output_dir: str, step: int,
+                        files: dict[str, Any], processing_class: Any, rank: int) -> str:
+        """output_dir/checkpoint-<step> of the sharded ``model`` with ``files`` (this rank's, as
+        checkpoint.write_checkpoint takes them; the optimizer is the plan's to save); returns its path."""
 
     def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-        """The inverse of ``save_sharded``."""
+        """Model and optimizer state from the shards that ``save_checkpoint`` wrote (`dcp/`)."""
 
     def load_model_state(self, model: nn.Module, directory: str) -> None:
         """A checkpoint's model weights (shards or files) into the sharded ``model``."""
-
-    def gather_trainable(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The trainable parameters, full, on rank 0 ({} elsewhere), keyed by parameter name."""
-
-    def gather_params(self, model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-        """The parameters under ``prefix``, full, on every rank, keyed without it."""
-
-    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer state unsharded on rank 0 ({} elsewhere), keyed by parameter name."""
 
     def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                              state: dict[str, Any]) -> None:

@@ -7,11 +7,15 @@ the ranks agree whether every rank's writer is done, and then, as a synchronous 
 (every rank raises) or rank 0 renames the directory into place. So a checkpoint still appears complete or not at
 all, and kill -9 at any moment leaves at most a temporary directory that the next start removes. At most one save
 is in flight: the next save and the end of training wait for it.
+
+The trainer never imports this module: ``import vlmtrain`` puts :class:`AsyncCheckpointer` in its
+``checkpoint_writer`` slot, and the trainer writes synchronously when the slot is empty or the model is sharded.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -20,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import checkpoint as ckpt
-from .distributed import barrier, reduce_cpu
+from vlmtrain.trainer import checkpoint as ckpt
+from vlmtrain.trainer.distributed import barrier, reduce_cpu
 
 
 def cpu_snapshot(obj: Any) -> Any:
@@ -61,19 +65,23 @@ class AsyncCheckpointer:
     def pending(self) -> bool:
         return self._step is not None
 
-    def save(self, step: int, snapshot: Callable[[], tuple[dict[str, Any], Callable[[str], None] | None]]) -> str:
-        """Publish the previous save (waiting for it), then take ``snapshot()`` -> (files, write_model or None)
-        now and write it in the background. Returns the path the checkpoint will have."""
+    def save(self, step: int, files: Callable[[], dict[str, Any]], model: nn.Module, processing_class: Any) -> str:
+        """Publish the previous save (waiting for it), then copy this rank's ``files()`` ({name: object}) and
+        (rank 0) ``model`` to CPU now and write them, with ``processing_class``'s files, in the background.
+        Returns the path the checkpoint will have."""
         self.wait()
-        files, write_model = {}, None
+        snapshot, write_model = {}, None
 
         def take() -> None:
-            nonlocal files, write_model
-            files, write_model = snapshot()
+            nonlocal snapshot, write_model
+            snapshot = cpu_snapshot(files())
+            if self.rank == 0:
+                write_model = functools.partial(ckpt.save_model_files, cpu_model_copy(model),
+                                                processing_class=processing_class)
 
         tmp = ckpt.start_checkpoint(self.output_dir, step, self.rank, error=ckpt.capture(take))
         self._step, self._error = step, None
-        self._thread = threading.Thread(target=self._write, args=(tmp, files, write_model),
+        self._thread = threading.Thread(target=self._write, args=(tmp, snapshot, write_model),
                                         name=f"vlmtrain-checkpoint-{step}")
         self._thread.start()
         return os.path.join(self.output_dir, f"{ckpt.PREFIX}-{step}")

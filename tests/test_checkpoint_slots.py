@@ -1,0 +1,58 @@
+"""The trainer's checkpoint slots and their plain defaults: ``import vlmtrain`` fills ``checkpoint_writer`` with
+train.async_checkpoint's background writer and ``step_position`` with the resume of transformers' checkpoints;
+with a slot empty the trainer writes synchronously, and refuses a checkpoint without its loop state, naming it."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+from tiny import tiny_llama, token_samples
+
+from vlmtrain.checkpointing.async_writer import AsyncCheckpointer
+from vlmtrain.compat.checkpoints import position_from_step
+from vlmtrain.errors import CheckpointError
+from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments, plugins
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _args(out, **kw) -> TrainingArguments:
+    kw = {"max_steps": 4, "per_device_train_batch_size": 4, "learning_rate": 1e-2, "save_steps": 2,
+          "disable_tqdm": True, **kw}
+    return TrainingArguments(output_dir=str(out), **kw)
+
+
+class CheckpointsAtSave(TrainerCallback):
+    """At each on_save: whether the saved checkpoint is complete on disk, and whether a writer thread runs."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, bool]] = []
+
+    def on_save(self, args, state, control, **kwargs):
+        done = os.path.isfile(os.path.join(args.output_dir, f"checkpoint-{state.global_step}", "trainer_state.json"))
+        writing = any(t.name.startswith("vlmtrain-checkpoint") for t in threading.enumerate())
+        self.seen.append((done, writing))
+
+
+def test_import_vlmtrain_fills_the_checkpoint_slots():
+    assert plugins.lookup("checkpoint_writer") is AsyncCheckpointer
+    assert plugins.lookup("step_position") is position_from_step
+
+
+def test_without_a_checkpoint_writer_async_checkpoint_saves_synchronously(tmp_path, monkeypatch):
+    monkeypatch.delitem(plugins._filled, "checkpoint_writer")
+    watch = CheckpointsAtSave()
+    Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(16),
+            callbacks=[watch]).train()
+    assert watch.seen == [(True, False), (True, False)]  # each checkpoint complete at its save, no writer thread
+
+
+def test_without_step_position_a_checkpoint_without_loop_state_is_refused(tmp_path, monkeypatch):
+    Trainer(tiny_llama(0), _args(tmp_path, max_steps=2), train_dataset=token_samples(16)).train()
+    os.remove(tmp_path / "checkpoint-2" / "loop_state_0.pt")  # as transformers' Trainer writes it
+    monkeypatch.delitem(plugins._filled, "step_position")
+    resumed = Trainer(tiny_llama(0), _args(tmp_path), train_dataset=token_samples(16))
+    with pytest.raises(CheckpointError, match="has no loop_state_0.pt: resuming a checkpoint of transformers'"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
