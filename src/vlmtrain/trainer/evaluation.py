@@ -4,7 +4,6 @@ and compute_metrics. A mixin of TrainerCore, kept apart so each file reads on it
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import warnings
 from collections import Counter
@@ -262,7 +261,7 @@ class EvaluationMixin:
             metrics.update(self.model.head_metrics(head_outputs, labels.named("labels_")))
         if self.compute_metrics is not None and predictions is not None:
             metrics.update(self._user_metrics(predictions, label_ids, dataloader, sharding))
-        metrics.update(self._eval_speed_metrics(tally, runtime))
+        metrics.update(self._eval_counts(tally, runtime))
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
                    for k, v in metrics.items()}
         texts = None  # (the generation slot: models/generation.py)
@@ -281,18 +280,10 @@ class EvaluationMixin:
                                  or {})
         return plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids)))
 
-    def _eval_speed_metrics(self, tally: _EvalTally, runtime: float) -> dict[str, Any]:
-        """transformers' speed metrics (steps: batches of per_device_eval_batch_size x ranks), the sample count,
-        the skipped samples by reason, and model_preparation_time where transformers reports it."""
-        steps = math.ceil(tally.samples / (self.args.per_device_eval_batch_size * self.world_size))
-        metrics = {"runtime": round(runtime, 4), "samples_per_second": round(tally.samples / max(runtime, 1e-9), 3),
-                   "steps_per_second": round(steps / max(runtime, 1e-9), 3), "samples": tally.samples}
-        metrics.update({f"skipped_{reason}": n for reason, n in sorted(tally.skipped.items())})
-        if getattr(self, "_train_start", None) is None and not hasattr(self, "model_preparation_time"):
-            self.model_preparation_time = 0.0  # (transformers reports it from an evaluation before training on)
-        if hasattr(self, "model_preparation_time"):
-            metrics["model_preparation_time"] = self.model_preparation_time
-        return metrics
+    def _eval_counts(self, tally: _EvalTally, runtime: float) -> dict[str, Any]:
+        """An evaluation's sample count and its skipped samples by reason (vlmtrain.Trainer adds transformers'
+        speed metrics over ``runtime``: vlmtrain/compat/evaluation.py)."""
+        return {"samples": tally.samples, **{f"skipped_{reason}": n for reason, n in sorted(tally.skipped.items())}}
 
     def _reduce_for_metrics(self, pred: Any, label: Any) -> Any:
         """What evaluation keeps of one batch's predictions: ``preprocess_logits_for_metrics(pred, labels)``
@@ -315,8 +306,7 @@ class EvaluationMixin:
                         ignore_keys: list[str] | None = None) -> tuple:
         """Returns (loss, predictions, labels, extras) where extras holds `loss_*`, `num_items` and each
         `num_items_<name>` (the item count of `loss_<name>`). Predictions are logits, generated ids when
-        predict_with_generate is on, or several named outputs (see trainer/predictions.py: head outputs, or
-        transformers' convention when `args.label_names` is set)."""
+        predict_with_generate is on, or several named outputs (score heads': see trainer/predictions.py)."""
         prompt = {k[len("prompt_"):]: v.to(self.device) for k, v in inputs.items()
                   if k.startswith("prompt_") and isinstance(v, torch.Tensor)}
         inputs = self._prepare_inputs(inputs)
@@ -328,7 +318,7 @@ class EvaluationMixin:
         if getattr(self, "_forward_takes_loss_only", False) and (prediction_loss_only or generating):
             inputs = {**inputs, "loss_only": True}  # (no logits kept: the LM head only at the targets)
         loss, extras, outputs = self._eval_forward(model, inputs, forward)
-        if isinstance(outputs, (tuple, list)):  # (loss, logits, ...): predictions are what follows the loss
+        if isinstance(outputs, (tuple, list)):  # (loss, logits, ...) as transformers returns them
             return self._tuple_predictions(loss, outputs, inputs, prediction_loss_only)
         if prediction_loss_only:
             return loss, None, None, extras
@@ -337,14 +327,19 @@ class EvaluationMixin:
                 raise ValueError("predict_with_generate needs `prompt_input_ids` (and prompt_attention_mask) in "
                                  "each batch: have the data collator add the left-padded prompts.")
             generated = self.generate(prompt)
-            heads, head_labels = select_outputs(self.model, outputs, inputs, None, ignore_keys)
+            heads, head_labels = select_outputs(outputs, inputs, ignore_keys)
             if not isinstance(heads, Mapping):  # no score heads: the generated ids alone
                 return loss, generated, labels, extras
             # score heads too: kept beside the generations (evaluation_loop splits them again)
             return loss, {"generated": generated, **heads}, {"labels": labels, **(head_labels or {})}, extras
-        predictions, labels = select_outputs(self.model, outputs, inputs, getattr(self.args, "label_names", None),
-                                             ignore_keys)
+        predictions, labels = self._predictions_and_labels(outputs, inputs, ignore_keys)
         return loss, predictions, labels, extras
+
+    def _predictions_and_labels(self, outputs: Any, inputs: dict[str, Any],
+                                ignore_keys: list[str] | None) -> tuple[Any, Any]:
+        """What evaluation keeps of a batch's outputs and labels: trainer/predictions.py's select_outputs
+        (vlmtrain.Trainer follows `args.label_names` when set: vlmtrain/compat/evaluation.py)."""
+        return select_outputs(outputs, inputs, ignore_keys)
 
     def _eval_forward(self, model: nn.Module, inputs: dict[str, Any], forward: bool) -> tuple[Any, dict, Any]:
         """prediction_step's forward, without gradients: (loss, extras, outputs). The loss is compute_loss's
@@ -370,21 +365,14 @@ class EvaluationMixin:
 
     def _tuple_predictions(self, loss: Any, outputs: tuple | list, inputs: dict[str, Any],
                            prediction_loss_only: bool) -> tuple:
-        """prediction_step's result for a model returning a tuple `(loss, logits, ...)` (or its outputs without
-        the loss): predictions are what follows the loss, labels those of `args.label_names`."""
-        predictions = tuple(outputs[1:] if loss is not None else outputs)
-        if prediction_loss_only:
-            return loss, None, None, {}
-        names = getattr(self.args, "label_names", None) or ["labels"]
-        label_values = tuple(inputs.get(n) for n in names) if self._has_labels(inputs) else None
-        return (loss, predictions[0] if len(predictions) == 1 else predictions,
-                label_values[0] if label_values is not None and len(label_values) == 1 else label_values, {})
+        """prediction_step's result for a model returning a tuple: its loss alone (vlmtrain.Trainer reads
+        transformers' `(loss, logits, ...)` convention: vlmtrain/compat/evaluation.py)."""
+        return loss, None, None, {}
 
     def _has_labels(self, inputs: Mapping[str, Any]) -> bool:
-        """Whether the batch holds every label (``args.label_names``, default ``labels``): then evaluation takes the
-        loss from compute_loss, as transformers' prediction_step does."""
-        names = getattr(self.args, "label_names", None) or ["labels"]
-        return all(inputs.get(name) is not None for name in names)
+        """Whether the batch holds its `labels` (vlmtrain.Trainer: every one of `args.label_names`): then
+        evaluation takes the loss from compute_loss, as transformers' prediction_step does."""
+        return inputs.get("labels") is not None
 
     def generate(self, prompt: dict[str, torch.Tensor]) -> torch.Tensor:
         """Greedy generation from the batch's `prompt_*` inputs; returns only the new tokens (the ``generation``

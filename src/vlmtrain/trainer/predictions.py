@@ -1,11 +1,7 @@
 """What evaluation keeps of each batch for compute_metrics and predict, and how it is put together.
 
-Three cases, in this order:
-- `args.label_names` set (transformers' convention, for scripts written for its Trainer): labels are those
-  batch keys (a tuple in that order; the model still gets them in forward); predictions are every tensor
-  output but `loss` and `ignore_keys` (default: the model config's `keys_to_ignore_at_inference`), in output
-  order, scalars (e.g. `loss_1`) as one value per batch. vlmtrain's `num_items*` counts are left out, and so
-  are a score-head model's full LM `logits`.
+Two cases (vlmtrain.Trainer puts transformers' `args.label_names` convention before them:
+vlmtrain/compat/evaluation.py):
 - the model returns head outputs `logits_<name>`: predictions are those, labels the batch's `labels_<name>`
   (never the full LM logits, B x L x vocab, for the whole eval set).
 - else: the `logits` output (or the first other tensor output) and the batch's `labels`.
@@ -23,27 +19,12 @@ import torch
 from . import distributed as dist
 
 
-def _is_count(key: str) -> bool:
-    return key in ("num_items", "num_tokens") or key.startswith("num_items_")
-
-
-def select_outputs(model: Any, outputs: Any, inputs: Mapping[str, Any], label_names: list[str] | None,
-                   ignore_keys: list[str] | None) -> tuple[Any, Any]:
+def select_outputs(outputs: Any, inputs: Mapping[str, Any], ignore_keys: list[str] | None) -> tuple[Any, Any]:
     """(predictions, labels) of one batch: a tensor, or a dict of named tensors (see the module docstring)."""
     if not isinstance(outputs, Mapping):
         return None, inputs.get("labels")
     heads = {k: v for k, v in outputs.items()
              if k.startswith("logits_") and isinstance(v, torch.Tensor) and k not in (ignore_keys or [])}
-    if label_names:
-        if ignore_keys is None:
-            config = getattr(model, "config", None)
-            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", None) or ["past_key_values"])
-        drop_lm_logits = bool(heads) and getattr(model, "head_configs", None) is not None
-        preds = {k: v for k, v in outputs.items()
-                 if k != "loss" and k not in ignore_keys and isinstance(v, torch.Tensor) and not _is_count(k)
-                 and not (k == "logits" and drop_lm_logits)}
-        has_labels = all(inputs.get(name) is not None for name in label_names)
-        return preds or None, {name: inputs[name] for name in label_names} if has_labels else None
     if heads:
         labels = {f"labels_{k[len('logits_'):]}": inputs[f"labels_{k[len('logits_'):]}"] for k in heads
                   if isinstance(inputs.get(f"labels_{k[len('logits_'):]}"), torch.Tensor)}
