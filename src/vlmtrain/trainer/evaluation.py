@@ -249,7 +249,7 @@ class EvaluationMixin:
 
     def _eval_output(self, tally: _EvalTally, runtime: float, sharding: str | None, dataloader: DataLoader,
                      metric_key_prefix: str) -> PredictionOutput:
-        """Predictions, labels and metrics (`<prefix>_<name>`: losses, score heads', compute_metrics', speed and
+        """Predictions, labels and metrics (`<prefix>_<name>`: losses, score heads', compute_metrics', sample and
         skipped counts) of an evaluation; generations decoded to texts."""
         preds, labels = tally.preds, tally.labels
         predictions, label_ids = preds.result(), labels.result()
@@ -306,7 +306,8 @@ class EvaluationMixin:
                         ignore_keys: list[str] | None = None) -> tuple:
         """Returns (loss, predictions, labels, extras) where extras holds `loss_*`, `num_items` and each
         `num_items_<name>` (the item count of `loss_<name>`). Predictions are logits, generated ids when
-        predict_with_generate is on, or several named outputs (score heads': see trainer/predictions.py)."""
+        predict_with_generate is on, or several named outputs (see trainer/predictions.py: head outputs; in
+        vlmtrain.Trainer also transformers' convention when `args.label_names` is set)."""
         prompt = {k[len("prompt_"):]: v.to(self.device) for k, v in inputs.items()
                   if k.startswith("prompt_") and isinstance(v, torch.Tensor)}
         inputs = self._prepare_inputs(inputs)
