@@ -107,7 +107,7 @@ def test_import_vlmtrain_fills_the_step_sampling_slot():
 
 
 def test_without_the_step_sampling_slot_a_step_following_dataset_is_refused(tmp_path, monkeypatch):
-    """The trainer alone cannot give samples their step: it names the empty slot, and trains plain datasets."""
+    """The trainer alone cannot give samples their step: it names the empty slot; plain datasets train."""
     from vlmtrain.trainer import plugins
 
     monkeypatch.delitem(plugins._filled, "step_sampling")

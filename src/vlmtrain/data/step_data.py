@@ -79,8 +79,8 @@ class StepSampler(StatefulDistributedSampler):
 
 def step_sampling(dataset: Any, num_replicas: int, rank: int, seed: int, batch_size: int,
                   gradient_accumulation_steps: int) -> tuple[ItemsAtStep, StepSampler] | None:
-    """The Trainer's ``step_sampling`` slot: for a train dataset that follows the step, the dataset indexed by
-    ``(index, step)`` pairs and its sampler; None for any other (checked first: :func:`check_step_dataset`)."""
+    """The Trainer's ``step_sampling`` slot: for a train dataset that follows the step, the dataset indexed
+    by ``(index, step)`` pairs and its sampler; None for any other. :func:`check_step_dataset` comes first."""
     check_step_dataset(dataset)
     if not follows_step(dataset):
         return None

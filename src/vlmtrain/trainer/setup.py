@@ -82,7 +82,7 @@ def dataloader_workers(value: int | str, cuda: bool, cpus: int | None = None,
 
 
 def _no_step_sampling(dataset: Any, *_: Any) -> None:
-    """The ``step_sampling`` slot empty: a dataset that follows the training step is refused, naming the slot."""
+    """The ``step_sampling`` slot empty: a dataset that follows the training step is refused, naming it."""
     if getattr(dataset, "follows_step", False):
         plugins.require("step_sampling")
 
@@ -152,7 +152,8 @@ class SetupMixin:
         args, seed = self.args, self.args.data_seed if self.args.data_seed is not None else self.args.seed
         dataset, sampler = self.train_dataset, None
         at_step = plugins.lookup("step_sampling", _no_step_sampling)(
-            dataset, self.world_size, self.rank, seed, args.per_device_train_batch_size, args.gradient_accumulation_steps)
+            dataset, self.world_size, self.rank, seed, args.per_device_train_batch_size,
+            args.gradient_accumulation_steps)
         if at_step is not None:  # a curriculum: each index comes with the step it feeds (data/step_data.py)
             dataset, sampler = at_step
         elif not isinstance(dataset, IterableDataset):
