@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny import VOCAB, tiny_llama, token_samples
 
+from vlmtrain.data.step_data import StepSampler
 from vlmtrain.errors import ConfigError
 from vlmtrain.trainer import Trainer, TrainingArguments
-from vlmtrain.trainer.step_data import StepSampler
 
 
 class StepTagged(torch.utils.data.Dataset):
@@ -97,6 +97,23 @@ class Told(StepTagged):
 def test_step_following_that_workers_cannot_reproduce_fails_at_start(tmp_path, data, match):
     with pytest.raises(ConfigError, match=match):
         _train(tmp_path, data, 0, max_steps=1)
+
+
+def test_import_vlmtrain_fills_the_step_sampling_slot():
+    from vlmtrain.data.step_data import step_sampling
+    from vlmtrain.trainer import plugins
+
+    assert plugins.lookup("step_sampling") is step_sampling
+
+
+def test_without_the_step_sampling_slot_a_step_following_dataset_is_refused(tmp_path, monkeypatch):
+    """The trainer alone cannot give samples their step: it names the empty slot; plain datasets train."""
+    from vlmtrain.trainer import plugins
+
+    monkeypatch.delitem(plugins._filled, "step_sampling")
+    with pytest.raises(RuntimeError, match="'step_sampling' slot is empty: import vlmtrain"):
+        _train(tmp_path / "steps", StepTagged(8), 0, max_steps=1)
+    assert len(_train(tmp_path / "plain", token_samples(8, min_len=8, max_len=8), 0, max_steps=1)) == 1
 
 
 @pytest.mark.slow

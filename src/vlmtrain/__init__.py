@@ -31,6 +31,7 @@ def _fill_trainer_slots() -> None:
     from .compat.checkpoints import position_from_step
     from .compat.loss_extras import BatchEvalMetrics, LabelSmoothing
     from .data.collate import DefaultCollator
+    from .data.step_data import step_sampling
     from .logging.throughput import WindowRates
     from .models.flops import flop_counter
     from .models.generation import GREEDY
@@ -48,6 +49,7 @@ def _fill_trainer_slots() -> None:
     _trainer_plugins.register("label_smoothing", LabelSmoothing)
     _trainer_plugins.register("batch_eval_metrics", BatchEvalMetrics)
     _trainer_plugins.register("default_collator", DefaultCollator)
+    _trainer_plugins.register("step_sampling", step_sampling)
     _trainer_plugins.register("flop_counter", flop_counter)
     _trainer_plugins.register("window_rates", WindowRates)
     _trainer_plugins.register("loss_targets", causal_lm_targets)

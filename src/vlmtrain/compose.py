@@ -57,7 +57,7 @@ def _window_packing(cfg: RunConfig, parts: dict[str, Any]) -> None:
     """data.pack_window: train on rows packed from windows of consecutive samples (PackedDataset)."""
     from vlmtrain.data.pack_stream import PackedDataset, RowCollator
     from vlmtrain.data.sources import IndexedSource, StreamingDataset
-    from vlmtrain.trainer.step_data import follows_step
+    from vlmtrain.data.step_data import follows_step
 
     d, train = cfg.data, parts["train_dataset"]
     if follows_step(train):  # a stream has no sampler to give each sample its step

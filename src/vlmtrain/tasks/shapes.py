@@ -74,7 +74,7 @@ class ShapesVQA(Dataset):
     from scratch learns relative position only after it learned to read one named object's x this way.
     The warm-up makes an item depend on the training step too: ``follows_step`` is then True, and
     the Trainer's sampler asks for :meth:`get_item_at_step` with the step each position of the data
-    order feeds (see vlmtrain.trainer.step_data), so worker processes and resumes see the same items.
+    order feeds (see vlmtrain.data.step_data), so worker processes and resumes see the same items.
     ``ds[i]`` is item ``i`` at step 0.
     """
 

@@ -22,6 +22,10 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
                           "batch_eval_metrics as transformers (compat/loss_extras.py)",
     "early_stopping_callback": "transformers' EarlyStoppingCallback, what vlmtrain.trainer names so "
                                "(vlmtrain.compat.callbacks)",
+    "step_sampling": "(dataset, num_replicas, rank, seed, batch_size, gradient_accumulation_steps) -> None, "
+                     "or for a train dataset that follows the training step (the dataset indexed by (index, "
+                     "step), a sampler whose first_step the loop sets as each epoch begins); "
+                     "vlmtrain.data.step_data",
     "default_collator": "pad_token_id -> the collator a Trainer without data_collator uses (vlmtrain.data.collate)",
     "evaluation_arguments": "(args) -> None: checks of the async_eval_* arguments; vlmtrain.evaluation.async_eval",
     "checkpoint_evaluator": "(args) -> rank 0's evaluator of saved checkpoints in other processes (async_eval: "

@@ -26,7 +26,6 @@ from .optim import build_param_groups, create_optimizer, create_scheduler
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
 from .stats import LossAverager, NonfiniteSteps, Throughput
-from .step_data import ItemsAtStep, StepSampler, check_step_dataset, follows_step
 
 
 def set_seed(seed: int) -> None:
@@ -80,6 +79,12 @@ def dataloader_workers(value: int | str, cuda: bool, cpus: int | None = None,
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     return max(0, min(4, cpus // max(1, local_world_size) - 2))
+
+
+def _no_step_sampling(dataset: Any, *_: Any) -> None:
+    """The ``step_sampling`` slot empty: a dataset that follows the training step is refused, naming it."""
+    if getattr(dataset, "follows_step", False):
+        plugins.require("step_sampling")
 
 
 class SetupMixin:
@@ -145,12 +150,12 @@ class SetupMixin:
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset: pass Trainer(train_dataset=...).")
         args, seed = self.args, self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        check_step_dataset(self.train_dataset)
         dataset, sampler = self.train_dataset, None
-        if follows_step(dataset):  # a curriculum: each index comes with the step it feeds (see step_data.py)
-            sampler = StepSampler(dataset, self.world_size, self.rank, seed, args.per_device_train_batch_size,
-                                  args.gradient_accumulation_steps)
-            dataset = ItemsAtStep(dataset)
+        at_step = plugins.lookup("step_sampling", _no_step_sampling)(
+            dataset, self.world_size, self.rank, seed, args.per_device_train_batch_size,
+            args.gradient_accumulation_steps)
+        if at_step is not None:  # a curriculum: each index comes with the step it feeds (data/step_data.py)
+            dataset, sampler = at_step
         elif not isinstance(dataset, IterableDataset):
             sampler = StatefulDistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
                                                  shuffle=args.train_sampling_strategy != "sequential", seed=seed,

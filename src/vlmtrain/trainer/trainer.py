@@ -57,7 +57,6 @@ from .stats import (
     item_counts,
     num_items_of,
 )
-from .step_data import StepSampler
 
 
 class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
@@ -229,7 +228,7 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
         sampler, dataset = getattr(loader, "sampler", None), getattr(loader, "dataset", None)  # (any iterable)
         if isinstance(sampler, StatefulDistributedSampler):
             sampler.set_epoch(self._epoch_index)
-        if isinstance(sampler, StepSampler):  # steps done when this epoch began (micro_step > 0: resumed)
+        if hasattr(sampler, "first_step"):  # steps done when this epoch began (micro_step > 0: resumed)
             sampler.first_step = self.state.global_step - self._micro_step // self.args.gradient_accumulation_steps
         elif hasattr(dataset, "set_epoch"):  # a stream (e.g. StreamingDataset) reshuffles its shards
             dataset.set_epoch(self._epoch_index)

@@ -78,7 +78,7 @@ def items_across_training(dataset: Any, n: int, total_steps: int) -> Iterator[An
     """Up to ``n`` training items to build a tokenizer from: the first ``n`` of a dataset, but a step-following
     dataset's item ``i`` as step ``i * total_steps // n`` sees it, so that every phase of its curriculum is in
     (its step-0 items may lack whole question types). A step-following dataset is the trainer's
-    (trainer/step_data.py): ``follows_step = True`` and ``get_item_at_step(index, step)``."""
+    (data/step_data.py): ``follows_step = True`` and ``get_item_at_step(index, step)``."""
     if not getattr(dataset, "follows_step", False) or total_steps <= 0:
         return itertools.islice(iter(dataset), n)  # (a stream has no len: its first samples)
     n = min(n, len(dataset))
