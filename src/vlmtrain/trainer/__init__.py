@@ -1,7 +1,7 @@
 """The training engine: transformers' Trainer API in a small core (:class:`TrainerCore`). ``Trainer`` here is
-``vlmtrain.Trainer``, the core with transformers' counts and extra public methods, which ``import vlmtrain``
-registers in the ``trainer_class`` slot (the compat layer above defines it, TrainingArguments, the core's
-TrainingArgumentsCore with transformers' other names, and EarlyStoppingCallback)."""
+``vlmtrain.Trainer``, the core with transformers' counts, evaluation conventions and extra public methods,
+which ``import vlmtrain`` registers in the ``trainer_class`` slot (the compat layer above defines it,
+TrainingArguments, the core's TrainingArgumentsCore with transformers' other names, and EarlyStoppingCallback)."""
 
 from typing import Any
 

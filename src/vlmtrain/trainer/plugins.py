@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
-    "trainer_class": "vlmtrain.Trainer: TrainerCore with transformers' counts and extra public methods, what "
-                     "vlmtrain.trainer.Trainer names (vlmtrain.compat.trainer)",
+    "trainer_class": "vlmtrain.Trainer: TrainerCore with transformers' counts, evaluation conventions and extra "
+                     "public methods, what vlmtrain.trainer.Trainer names (vlmtrain.compat.trainer)",
     "arguments_class": "vlmtrain.TrainingArguments: TrainingArgumentsCore with transformers' other names and "
                        "conventions, what vlmtrain.trainer.TrainingArguments names and Trainer(args=None) builds "
                        "(vlmtrain.compat.arguments)",

@@ -1,5 +1,6 @@
 """TrainerCore: transformers' Trainer API (train / evaluate / predict, callbacks, checkpoints) in a small loop.
-``vlmtrain.Trainer`` is TrainerCore with transformers' extra public methods (vlmtrain/compat/trainer_methods.py).
+``vlmtrain.Trainer`` is TrainerCore with transformers' counts, evaluation conventions and extra public methods
+(vlmtrain/compat/).
 
 Gradient scaling: the gradient of a step is that of one big batch (the step's micro-batches on every rank)
 however it is split, for every loss the model returns.
