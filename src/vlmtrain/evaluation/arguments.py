@@ -14,7 +14,8 @@ from ..trainer.args import check_choice
 
 @dataclass
 class EvaluationArguments:
-    """The arguments of lmms-eval and of async evaluation (train.lmms_eval_*, train.async_eval*)."""
+    """The arguments of lmms-eval and of async evaluation (train.lmms_eval_*, train.async_eval*). Their checks
+    below run when vlmtrain.TrainingArguments is built, among the core's (they read its save_strategy too)."""
 
     lmms_eval_tasks: list[str] | None = None
     """lmms-eval tasks that `vlmtrain eval --checkpoint` (and so async evaluation) also runs on the checkpoint,
@@ -76,5 +77,5 @@ class EvaluationArguments:
         if self.async_eval_command is not None and not any("{result_file}" in p for p in self.async_eval_command):
             raise ConfigError("async_eval_command must write its metrics to {result_file} (a placeholder in one of "
                               f"its arguments); got {self.async_eval_command!r}.")
-        if self.async_eval and self.save_strategy == "no":  # type: ignore[attr-defined] (the core's field)
+        if self.async_eval and self.save_strategy == "no":  # (save_strategy: the core's field)
             raise ConfigError("async_eval evaluates saved checkpoints: set save_strategy to steps or epoch.")
