@@ -4,8 +4,9 @@
     python scripts/gen_config_reference.py --check   # exit 1 if the committed page differs (what the tests check)
 
 The docstring under each field (``key: type = default`` then ``\"\"\"meaning\"\"\"``) in src/vlmtrain/config.py
-(ModelConfig, DataConfig and the data sources' option classes) and src/vlmtrain/trainer/args_fields.py
-(TrainingArguments' implemented names) is the single source of the reference: the page, ``vlmtrain train
+(ModelConfig, DataConfig and the data sources' option classes) and the classes of TrainingArguments' implemented
+names (vlmtrain.compat.arguments.ImplementedArguments: src/vlmtrain/trainer/args_fields.py and the evaluation,
+logging and compat layers' argument groups) is the single source of the reference: the page, ``vlmtrain train
 --help`` and the code cannot drift apart. transformers' other TrainingArguments names (accepted so that a
 transformers script runs unchanged) are described by ``vlmtrain.compat.arguments.describe``.
 """
@@ -20,10 +21,9 @@ import re
 import sys
 from pathlib import Path
 
-from vlmtrain.compat.arguments import describe
+from vlmtrain.compat.arguments import ImplementedArguments, describe
 from vlmtrain.compat.arguments_fields import TransformersOnlyArguments
 from vlmtrain.config import SECTIONS
-from vlmtrain.trainer.args import ImplementedArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "configuration.md"

@@ -14,11 +14,10 @@ from tiny import TwoLossModel, tiny_llama, token_samples
 
 import vlmtrain.trainer.distributed as vdist
 from vlmtrain import Trainer, TrainingArguments
-from vlmtrain.compat.arguments import IGNORED, REFUSED
+from vlmtrain.compat.arguments import IGNORED, REFUSED, ImplementedArguments
 from vlmtrain.compat.arguments_fields import TransformersOnlyArguments
 from vlmtrain.config import load_run_config, parse_run_config
 from vlmtrain.errors import ConfigError
-from vlmtrain.trainer.args import ImplementedArguments
 
 TRANSFORMERS_FIELDS = [f for f in dataclasses.fields(transformers.TrainingArguments) if f.init]
 TRANSFORMERS_ONLY = dataclasses.fields(TransformersOnlyArguments)

@@ -208,8 +208,7 @@ def _gen_migrating():
 def test_migration_table_lists_every_transformers_argument_and_is_current():
     import dataclasses
 
-    from vlmtrain.compat.arguments import DIFFERENT, IGNORED, REFUSED
-    from vlmtrain.trainer.args import ImplementedArguments
+    from vlmtrain.compat.arguments import DIFFERENT, IGNORED, REFUSED, ImplementedArguments
 
     gen = _gen_migrating()
     page = gen.PAGE.read_text()

@@ -2,9 +2,11 @@
 
 A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.23
 argument name is a field of vlmtrain's :class:`TrainingArguments`, defined here. The names vlmtrain implements
-live in vlmtrain/trainer/args_fields.py (checked by the core's TrainingArgumentsCore, vlmtrain/trainer/args.py);
-the rest are the fields of :class:`~vlmtrain.compat.arguments_fields.TransformersOnlyArguments`, with
-transformers' defaults. Each of them is either
+(:class:`ImplementedArguments`) are the trainer core's (vlmtrain/trainer/args_fields.py, checked by its
+TrainingArgumentsCore, vlmtrain/trainer/args.py) and the groups each higher layer declares: evaluation/arguments.py,
+logging/arguments.py and this layer's CompatArguments (arguments_fields.py). The rest are the fields of
+:class:`~vlmtrain.compat.arguments_fields.TransformersOnlyArguments`, with transformers' defaults. Each of them
+is either
 
 - refused at anything but its default (:data:`REFUSED`: a ConfigError says what vlmtrain does instead), or
 - accepted at any value because vlmtrain already behaves one fixed, documented way (:data:`IGNORED`).
@@ -25,11 +27,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ConfigError
+from ..evaluation.arguments import EvaluationArguments
+from ..logging.arguments import LoggingArguments
 from ..logging.trackers import TRACKERS
-from ..trainer.args import ImplementedArguments, TrainingArgumentsCore, check_choice
-from ..trainer.args_fields import FsdpValue, WorkersValue  # noqa: F401 (TrainingArguments.__init__'s annotations)
+from ..trainer.args import TrainingArgumentsCore, check_choice
+from ..trainer.args_fields import CoreArguments, FsdpValue, WorkersValue  # noqa: F401 (the last two: __init__'s)
 from . import arguments_methods
-from .arguments_fields import TransformersOnlyArguments
+from .arguments_fields import CompatArguments, TransformersOnlyArguments
 
 _OWN_OPTIMIZER = "build the optimizer yourself and pass Trainer(optimizers=(optimizer, scheduler))"
 _HALF_EVAL = "evaluation runs under the same autocast as training (bf16=True)"
@@ -253,9 +257,6 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-_IMPLEMENTED = frozenset(f.name for f in fields(ImplementedArguments))
-
-
 def _convert_str_dict(passed_value: dict) -> dict:
     """transformers' _convert_str_dict: string values 'true'/'false' -> bool, digits -> int or float, nested."""
     for key, value in passed_value.items():
@@ -298,7 +299,16 @@ def apply(args: Any) -> None:
 
 
 @dataclass
-class TrainingArguments(TransformersOnlyArguments, TrainingArgumentsCore):
+class ImplementedArguments(CompatArguments, LoggingArguments, EvaluationArguments, CoreArguments):
+    """Every name vlmtrain implements, in the order of TrainingArguments' fields: the trainer core's, then the
+    evaluation, logging and compat layers' groups."""
+
+
+_IMPLEMENTED = frozenset(f.name for f in fields(ImplementedArguments))
+
+
+@dataclass
+class TrainingArguments(TransformersOnlyArguments, ImplementedArguments, TrainingArgumentsCore):
     """Everything about how to train. Every transformers 5.23 TrainingArguments name is accepted: the ones
     vlmtrain implements behave as there; the rest (arguments_fields.py) take their default, and any other value
     is a ConfigError that says what vlmtrain does instead (the table above). Invalid combinations fail here, at
@@ -306,8 +316,15 @@ class TrainingArguments(TransformersOnlyArguments, TrainingArgumentsCore):
     main_process_first(), to_dict(), ...) come from vlmtrain.compat.arguments_methods."""
 
     def __post_init__(self) -> None:
-        apply(self)  # transformers' conventions first, then the core's checks
+        apply(self)  # transformers' conventions first, then the core's checks with the groups' in their place
+        self._resolve_logging()
         super().__post_init__()
+
+    def _check_evaluation(self) -> None:
+        """The core's evaluation limits, between the evaluation group's lmms-eval and async_eval checks."""
+        self._check_lmms_eval()
+        super()._check_evaluation()
+        self._check_async_eval()
 
 
 arguments_methods.add_to(TrainingArguments)

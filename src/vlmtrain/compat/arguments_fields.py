@@ -1,16 +1,34 @@
-"""transformers' TrainingArguments names that vlmtrain accepts but does not implement.
+"""transformers' TrainingArguments names that only the compat layer reads.
 
 A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.23
 argument name is a field of vlmtrain's TrainingArguments. The names vlmtrain implements live in
-vlmtrain/trainer/args_fields.py; the rest are the fields of :class:`TransformersOnlyArguments` below, with
-transformers' defaults. What each of them does (refused at any value but its default, or accepted with no effect)
-is arguments.py's table, which checks them when TrainingArguments (arguments.py) is built.
+vlmtrain/trainer/args_fields.py, the evaluation and logging layers' arguments.py and :class:`CompatArguments`
+below (older aliases and values that arguments.py resolves or refuses at construction); the rest are the fields of
+:class:`TransformersOnlyArguments` below, with transformers' defaults. What each of those does (refused at any
+value but its default, or accepted with no effect) is arguments.py's table, which checks them when
+TrainingArguments (arguments.py) is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass
+class CompatArguments:
+    """transformers' names vlmtrain implements in the compat layer, which resolves or refuses their values at
+    construction (arguments.py); the trainer core never reads them."""
+
+    include_for_metrics: list[str] = field(default_factory=list)
+    """transformers' 'inputs' / 'loss' extras for compute_metrics: not implemented yet, only [] is accepted."""
+    gradient_checkpointing: bool | None = None
+    """transformers' older name of activation_checkpointing (used when that is unset; then mirrors it)."""
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
+    """transformers' older name of activation_checkpointing_kwargs (used when that is unset; then mirrors it)."""
+    remove_unused_columns: bool = True
+    """Accepted for transformers' scripts, either value: vlmtrain never drops columns. The data collator decides
+    what a batch holds, and every key of the batch reaches the model's forward."""
 
 
 @dataclass

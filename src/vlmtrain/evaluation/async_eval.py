@@ -32,7 +32,6 @@ from ..errors import ConfigError
 from ..logging.eval_samples import THUMBNAIL_DIR
 from ..trainer import checkpoint as ckpt
 from ..trainer import plugins
-from ..trainer.args import check_choice
 
 DIR = "async_eval"
 DEFAULT_COMMAND = ("{python}", "-m", "vlmtrain", "eval", "--config", "{run_dir}/config.yaml", "--checkpoint",
@@ -284,8 +283,10 @@ class AsyncEvaluator:
             self._launch(step)
         return rows
 
-    def wait(self, current_step: int, timeout: float) -> list[dict[str, Any]]:
-        """At the end of training: launch what is queued and wait for everything, at most ``timeout`` seconds."""
+    def wait(self, current_step: int) -> list[dict[str, Any]]:
+        """At the end of training: launch what is queued and wait for everything, at most async_eval_wait_at_end_s
+        seconds."""
+        timeout = self.args.async_eval_wait_at_end_s
         deadline, rows = time.monotonic() + timeout, []
         while True:
             rows += self.poll(current_step)
@@ -379,27 +380,9 @@ class AsyncEvaluator:
         return os.path.join(self.run_dir, DIR, f"step-{step}.log")
 
 
-def check_arguments(args: Any) -> None:
-    """TrainingArguments' async_eval_* fields, checked at construction (the trainer calls this through its
-    ``evaluation_arguments`` slot)."""
-    check_choice("async_eval_launcher", args.async_eval_launcher, ("subprocess", "submitit"))
-    check_choice("async_eval_when_full", args.async_eval_when_full, ("wait", "skip"))
-    if not re.fullmatch(r"auto|cpu|cuda:\d+", str(args.async_eval_device)):
-        raise ConfigError(f"async_eval_device={args.async_eval_device!r}: expected 'auto', 'cpu' or 'cuda:N' "
-                          "(N: a GPU index as this process numbers them, e.g. 'cuda:7').")
-    if args.async_eval_device.startswith("cuda:") and args.async_eval_launcher != "subprocess":
-        raise ConfigError(f"async_eval_device={args.async_eval_device!r} names a GPU of this machine, but "
-                          f"async_eval_launcher={args.async_eval_launcher!r} runs evaluations elsewhere: leave "
-                          "it 'auto' (the scheduler assigns GPUs, e.g. async_eval_launcher_kwargs "
-                          "{gpus_per_node: 1}) or set 'cpu'.")
-    if args.async_eval_max_pending < 1:
-        raise ConfigError(f"async_eval_max_pending must be >= 1, got {args.async_eval_max_pending}.")
-    if args.async_eval_command is not None and not any("{result_file}" in p for p in args.async_eval_command):
-        raise ConfigError("async_eval_command must write its metrics to {result_file} (a placeholder in one of "
-                          f"its arguments); got {args.async_eval_command!r}.")
-    if args.async_eval and args.save_strategy == "no":
-        raise ConfigError("async_eval evaluates saved checkpoints: set save_strategy to steps or epoch.")
+def checkpoint_evaluator(args: Any) -> AsyncEvaluator | None:
+    """The trainer's ``checkpoint_evaluator``: rank 0's AsyncEvaluator when train.async_eval is on, else None."""
+    return AsyncEvaluator(args) if args.async_eval else None
 
 
-plugins.register("checkpoint_evaluator", AsyncEvaluator)
-plugins.register("evaluation_arguments", check_arguments)
+plugins.register("checkpoint_evaluator", checkpoint_evaluator)

@@ -1,6 +1,6 @@
-"""TrainingArgumentsCore: the arguments vlmtrain implements (transformers' field names and defaults), validated at
-construction. ``vlmtrain.TrainingArguments`` is this class with transformers' other names and conventions
-(vlmtrain/compat/arguments.py)."""
+"""TrainingArgumentsCore: the arguments the trainer core reads (transformers' field names and defaults), validated
+at construction. ``vlmtrain.TrainingArguments`` is this class with the higher layers' arguments and transformers'
+other names and conventions (vlmtrain/compat/arguments.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import torch
 
 from ..errors import ConfigError
 from . import distributed as dist
-from . import plugins
-from .args_fields import FsdpValue, ImplementedArguments, WorkersValue  # noqa: F401 (__init__'s annotations)
+from .args_fields import CoreArguments, FsdpValue, WorkersValue  # noqa: F401 (__init__'s annotations)
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
@@ -34,11 +33,11 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 
 
 @dataclass
-class TrainingArgumentsCore(ImplementedArguments):
-    """Everything about how to train that vlmtrain implements. Invalid combinations fail here, at construction.
+class TrainingArgumentsCore(CoreArguments):
+    """Everything about how to train that the trainer core reads. Invalid combinations fail here, at construction.
     ``vlmtrain.TrainingArguments`` (what ``vlmtrain.trainer.TrainingArguments`` names and a Trainer without args
-    builds: the ``arguments_class`` slot) adds transformers' other names, its conventions, derived values and
-    serializations (world_size, should_save, main_process_first(), to_dict(), ...)."""
+    builds: the ``arguments_class`` slot) adds the higher layers' arguments (evaluation, logging), transformers'
+    other names, its conventions, derived values and serializations (world_size, should_save, to_dict(), ...)."""
 
     def __post_init__(self) -> None:
         self._resolve_defaults()
@@ -53,7 +52,6 @@ class TrainingArgumentsCore(ImplementedArguments):
         if self.activation_checkpointing is None:
             self.activation_checkpointing = False
         self.output_dir = os.path.expanduser("trainer_output" if self.output_dir is None else self.output_dir)
-        self.disable_tqdm = bool(self.disable_tqdm)
 
     def _check_strategies_and_steps(self) -> None:
         """The choices of optimizer, schedule and strategies; batch sizes; logging/save/eval steps; a length."""
@@ -116,12 +114,9 @@ class TrainingArgumentsCore(ImplementedArguments):
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
 
     def _check_evaluation(self) -> None:
-        """Evaluation's limits; then the async_eval_* arguments (vlmtrain.evaluation.async_eval fills the slot)."""
-        if self.lmms_eval_limit is not None and self.lmms_eval_limit < 1:
-            raise ConfigError(f"lmms_eval_limit must be >= 1, or None for every document; got {self.lmms_eval_limit}.")
+        """Evaluation's limits."""
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
-        plugins.lookup("evaluation_arguments", _unchanged)(self)
 
     def _check_runtime(self) -> None:
         """Throughput, distributed, failure, sampling, memory, loss and data loader settings."""
@@ -199,7 +194,3 @@ class TrainingArgumentsCore(ImplementedArguments):
         values = {"find_unused_parameters": self.ddp_find_unused_parameters, "bucket_cap_mb": self.ddp_bucket_cap_mb,
                   "broadcast_buffers": self.ddp_broadcast_buffers, "static_graph": self.ddp_static_graph}
         return {k: v for k, v in values.items() if v is not None}
-
-
-def _unchanged(args: Any) -> None:
-    """An empty slot's stand-in: nothing to resolve or check."""

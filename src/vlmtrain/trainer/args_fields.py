@@ -1,11 +1,12 @@
-"""The arguments vlmtrain implements, as dataclass fields with their defaults and docstrings (their checks at
-construction: args.py; the fields transformers has and vlmtrain only accepts: vlmtrain/compat/arguments_fields.py).
+"""The arguments the trainer core reads, as dataclass fields with their defaults and docstrings (their checks at
+construction: args.py). The higher layers declare theirs (vlmtrain/evaluation/arguments.py,
+vlmtrain/logging/arguments.py, vlmtrain/compat/arguments_fields.py), which vlmtrain.TrainingArguments adds.
 The modules that make a dataclass of them import the field types too: parsers resolve its __init__'s annotations
 in its module."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -22,9 +23,9 @@ class WorkersValue(str):
 
 
 @dataclass
-class ImplementedArguments:
-    """The arguments vlmtrain implements; names and defaults follow transformers' TrainingArguments where it has
-    them. The fields of TrainingArgumentsCore, and the first ones of vlmtrain.TrainingArguments."""
+class CoreArguments:
+    """The arguments the trainer core reads; names and defaults follow transformers' TrainingArguments where it
+    has them. The fields of TrainingArgumentsCore, and the first ones of vlmtrain.TrainingArguments."""
 
     output_dir: str | None = "trainer_output"
     """Where checkpoints, metrics.jsonl and the resolved config are written (None: trainer_output, as in
@@ -92,14 +93,6 @@ class ImplementedArguments:
     """Evaluate on at most this many batches per eval set (None: all)."""
     eval_on_start: bool = False
     """Evaluate once before the first training step (logged at step 0), as a sanity check of the eval setup."""
-    lmms_eval_tasks: list[str] | None = None
-    """lmms-eval tasks that `vlmtrain eval --checkpoint` (and so async evaluation) also runs on the checkpoint,
-    logged as eval_lmms_{task}_{metric}; needs the lmms extra (docs: Evaluation and tracking). None: none."""
-    lmms_eval_include_path: str | None = None
-    """Directory of lmms-eval task YAMLs (searched recursively) that defines lmms_eval_tasks; None: lmms-eval's
-    built-in tasks only (most download from the Hugging Face Hub)."""
-    lmms_eval_limit: int | None = None
-    """Run each lmms-eval task on at most this many documents (None: all)."""
     batch_eval_metrics: bool = False
     """compute_metrics(eval_prediction, compute_result) is called once per evaluation batch (on tensors; every
     rank's rows of that batch), compute_result=True on the last, whose return is the metrics, as transformers.
@@ -107,8 +100,6 @@ class ImplementedArguments:
     label_names: list[str] | None = None
     """Keys of the batch that hold labels (e.g. [score_labels, type_labels]): evaluation hands these arrays to
     compute_metrics as label_ids (a tuple when there are several). None: the batch's 'labels'."""
-    include_for_metrics: list[str] = field(default_factory=list)
-    """transformers' 'inputs' / 'loss' extras for compute_metrics: not implemented yet, only [] is accepted."""
     ddp_timeout: int = 1800
     """Seconds a collective may wait for the other ranks before failing (torch.distributed's timeout): how
     long a run hangs when a rank or node is lost without its process dying."""
@@ -139,10 +130,6 @@ class ImplementedArguments:
     activation_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Arguments of activation_checkpointing_enable(): every_n_layers, offload; other keys (e.g. use_reentrant)
     go to torch.utils.checkpoint. None: {use_reentrant: false}."""
-    gradient_checkpointing: bool | None = None
-    """transformers' older name of activation_checkpointing (used when that is unset; then mirrors it)."""
-    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
-    """transformers' older name of activation_checkpointing_kwargs (used when that is unset; then mirrors it)."""
     max_consecutive_nonfinite_steps: int = 10
     """A step whose loss or gradients are NaN/Inf is skipped on every rank (no update; counted as
     nonfinite_steps in the log); this many in a row stop training with an error. 0 = never stop."""
@@ -159,36 +146,6 @@ class ImplementedArguments:
     """Write checkpoints in a background thread from a CPU copy of the state, while training goes on (still
     atomic; the next save and the end of training wait for it; a failed write raises on every rank at the next
     step end). on_save then fires when the write starts. FSDP checkpoints stay synchronous."""
-    async_eval: bool = False
-    """Evaluate each saved checkpoint in a separate process while training goes on (rank 0 launches it). Results
-    are logged at the checkpoint's step (metrics.jsonl and trackers) with eval_async, eval_checkpoint and when
-    they arrived; exactly once across resumes. Inline evaluation (eval_strategy) is independent of it."""
-    async_eval_launcher: str = "subprocess"
-    """How async evaluations run: subprocess (on this machine) or submitit (SLURM on a cluster, local processes
-    elsewhere; pip install 'vlmtrain[submitit]')."""
-    async_eval_launcher_kwargs: dict[str, Any] | str | None = None
-    """submitit's parameters, passed through (e.g. {slurm_partition: eval, gpus_per_node: 1, timeout_min: 60};
-    cluster: local|slurm|debug picks the executor)."""
-    async_eval_command: list[str] | None = None
-    """The evaluation command; None: `{python} -m vlmtrain eval --config {run_dir}/config.yaml --checkpoint
-    {checkpoint} --result-file {result_file} --train.output_dir {output_dir}`. Placeholders: python, run_dir,
-    checkpoint, result_file, step, output_dir. It must write {result_file} as JSON {"metrics": {...}}."""
-    async_eval_python: str | None = None
-    """Python interpreter of the default evaluation command (e.g. another environment's); None: this one."""
-    async_eval_device: str = "auto"
-    """Where async evaluation processes compute (set through their CUDA_VISIBLE_DEVICES): auto (the last GPU
-    this process sees: with torchrun's ranks on the first GPUs, a free one if any, else the last rank's, rank
-    0's only on a one-GPU machine; nothing changes without GPUs or under submitit, whose scheduler assigns
-    them), cpu (no GPU), or cuda:N (the N-th GPU this process sees; subprocess launcher only)."""
-    async_eval_max_pending: int = 1
-    """Evaluations running at once; a checkpoint saved while that many run follows async_eval_when_full."""
-    async_eval_when_full: str = "wait"
-    """wait (training pauses until an evaluation finishes) or skip (that checkpoint is not evaluated; logged)."""
-    async_eval_timeout_s: float = 3600
-    """An evaluation running longer is stopped and logged as failed (0: no limit)."""
-    async_eval_wait_at_end_s: float = 3600
-    """At the end, training waits at most this long for evaluations still running; later ones are logged by
-    `vlmtrain eval --checkpoint RUN_DIR --all`."""
     metric_for_best_model: str | None = None
     """Metric (e.g. 'loss', 'eval_accuracy') that picks the best checkpoint; 'eval_' is prefixed when missing."""
     greater_is_better: bool | None = None
@@ -230,25 +187,6 @@ class ImplementedArguments:
     none); None: torch's default (2)."""
     dataloader_multiprocessing_context: str | None = None
     """Start method of the training loader's workers: fork, spawn or forkserver; None: the platform's default."""
-    remove_unused_columns: bool = True
-    """Accepted for transformers' scripts, either value: vlmtrain never drops columns. The data collator decides
-    what a batch holds, and every key of the batch reaches the model's forward."""
-    report_to: None | str | list[str] = "none"
-    """Trackers besides metrics.jsonl (always written), as transformers names them: none, tensorboard, wandb,
-    mlflow, trackio, a list of them, or all (every installed one). Each needs its extra (pip install
-    'vlmtrain[wandb]'); one that is missing or cannot start is a warning, and training goes on with the rest.
-    A resumed run continues the same tracker run. The docs page Evaluation and tracking says where each one writes."""
-    run_name: str | None = None
-    """Name of the run in metrics writers and trackers; None: output_dir's basename."""
-    project: str = "huggingface"
-    """The tracker project the run goes to: wandb's project, MLflow's experiment, trackio's project (the
-    WANDB_PROJECT and MLFLOW_EXPERIMENT_NAME environment variables win when set)."""
-    trackio_space_id: str | None = None
-    """trackio: also sync the run to this Hugging Face Space (e.g. 'user/space'); None: local only."""
-    trackio_bucket_id: str | None = None
-    """trackio: the Hugging Face Bucket a trackio_space_id Space stores its data in; None: trackio's default."""
-    disable_tqdm: bool | None = False
-    """Hide progress bars (None: false)."""
     resume_from_checkpoint: str | None = None
     """Checkpoint dir to resume from, or 'true'/'latest' for the newest complete one in output_dir."""
     torch_compile: bool = False

@@ -103,9 +103,10 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
         self.train_dataloader: StatefulDataLoader | None = None
         self._preemption: PreemptionGuard | None = None
         self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
-        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes (vlmtrain.evaluation.async_eval)
-        evaluator = plugins.lookup("checkpoint_evaluator", _no_checkpoint_evaluator)
-        self._async_eval = evaluator(self.args) if self.args.async_eval and self.rank == 0 else None
+        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes (vlmtrain.evaluation.async_eval
+        # fills the slot; its evaluator is None when the arguments ask for none)
+        evaluator = plugins.lookup("checkpoint_evaluator", lambda args: None)
+        self._async_eval = evaluator(self.args) if self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
         self._label_smoother = (plugins.require("label_smoothing")(self.args.label_smoothing_factor, self.model)
@@ -441,7 +442,3 @@ class TrainerCore(SetupMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
         row = self._log_row(logs, start_time)
         self.state.log_history.append({**row, "step": row.get("step", self.state.global_step)})
         self.control = self._event("on_log", logs=logs)
-
-
-def _no_checkpoint_evaluator(args: TrainingArgumentsCore) -> None:
-    raise ValueError("train.async_eval needs vlmtrain.evaluation.async_eval, which `import vlmtrain` registers.")
