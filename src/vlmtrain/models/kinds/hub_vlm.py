@@ -32,7 +32,10 @@ def check(cfg: Any) -> None:
         parse_heads(m.heads)  # an unknown head type or loss fails before anything is loaded
 
 
-PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2")
+VARLEN_TORCH = "varlen_torch"
+"""model.attn_implementation: the text attention as PyTorch varlen attention per document (models/varlen_attention.py)."""
+
+PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", VARLEN_TORCH)
 """model.attn_implementation values that keep packed samples apart (null is transformers' default, sdpa)."""
 
 
@@ -66,6 +69,37 @@ def validate(cfg: Any) -> None:
             raise ConfigError("data.packing=true with model.attn_implementation='flash_attention_2', but the "
                               "flash_attn package is not installed (pip install flash-attn), or set "
                               "model.attn_implementation: sdpa.")
+    if cfg.model.attn_implementation == VARLEN_TORCH:
+        check_varlen_torch(cfg)
+
+
+def check_varlen_torch(cfg: Any, cuda: bool | None = None) -> None:
+    """model.attn_implementation: varlen_torch where it cannot run: a text model with other than full causal
+    attention layers (Gemma 3's sliding windows) or attention dropout; on a CUDA machine (``cuda``; default:
+    torch sees a GPU) a torch without ``torch.nn.attention.varlen`` (< 2.10), or float32 weights and compute
+    (its flash kernel takes bfloat16 / float16)."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(cfg.model.pretrained).get_text_config(decoder=True)
+    odd = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
+    if odd or getattr(text, "attention_dropout", 0.0):
+        what = f"{', '.join(odd)} layers" if odd else f"attention_dropout={text.attention_dropout}"
+        raise ConfigError(f"model.attn_implementation={VARLEN_TORCH!r} computes full causal attention without "
+                          f"dropout per document, but {cfg.model.pretrained}'s text model has {what}. Set "
+                          f"model.attn_implementation: sdpa.")
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return  # (elsewhere: one sdpa call per document, any dtype)
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        raise ConfigError(f"model.attn_implementation={VARLEN_TORCH!r} on CUDA needs torch.nn.attention.varlen "
+                          f"(torch >= 2.10; installed {torch.__version__}). Upgrade torch, or set "
+                          f"model.attn_implementation: sdpa.")
+    if cfg.model.torch_dtype == "float32" and not cfg.train.bf16:
+        raise ConfigError(f"model.attn_implementation={VARLEN_TORCH!r} on CUDA runs a flash kernel that takes "
+                          f"bfloat16, but model.torch_dtype is float32 and train.bf16 is off. Set "
+                          f"model.torch_dtype: bfloat16 or train.bf16: true, or model.attn_implementation: sdpa.")
 
 
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
@@ -89,9 +123,13 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
     if device is not None:
         kwargs["device_map"] = torch.device(device)
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    if attn_implementation:  # (varlen_torch: loaded as sdpa, then set on the text model only)
+        kwargs["attn_implementation"] = "sdpa" if attn_implementation == VARLEN_TORCH else attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
+    if attn_implementation == VARLEN_TORCH:
+        from vlmtrain.models.varlen_attention import use_varlen_text_attention
+
+        use_varlen_text_attention(model)
     linear_patch_embeddings(model)
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
