@@ -82,6 +82,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vision-attn", choices=("same", "varlen"), default="same", help="the vision tower's "
                    "attention for every contender: same as --attn (transformers: one call per image) or varlen (one "
                    "torch varlen_attn call for all images; benchmarks/vision_varlen.py)")
+    p.add_argument("--text-attn", choices=("same", "varlen"), default="same", help="vlmtrain packed's text "
+                   "attention: same as --attn (sdpa: a dense block-diagonal mask per row) or varlen "
+                   "(model.attn_implementation: varlen_torch, per document with no mask; torch varlen_attn on CUDA)")
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="gradient/activation checkpointing in every contender (default on)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
@@ -128,7 +131,8 @@ def header(opts: argparse.Namespace, device: torch.device, workers: int) -> None
           f"{platform.python_version()}  cpus {os.cpu_count()}")
     print(f"batch {opts.batch_size} samples/step | {opts.steps} steps, rates over steps {max(opts.warmup, 1) + 1}.."
           f"{opts.steps}{f' but {opts.warmup + 1}..{opts.warmup + 3} (profiled)' if opts.profile else ''} | "
-          f"attention {opts.attn}{' (vision: varlen)' if opts.vision_attn == 'varlen' else ''} | activation "
+          f"attention {opts.attn}{' (vision: varlen)' if opts.vision_attn == 'varlen' else ''}"
+          f"{' (vlmtrain packed text: varlen_torch)' if opts.text_attn == 'varlen' else ''} | activation "
           f"checkpointing "
           f"{'on' if opts.activation_checkpointing else 'off'} | torch.compile "
           f"{'on' if opts.torch_compile else 'off'} (recompile limit {torch._dynamo.config.recompile_limit}) | {workers} data-loader workers | seed {opts.seed}")

@@ -358,8 +358,9 @@ def run_vlmtrain(s: Setup, meter: Meter, packed: bool) -> list[dict[str, Any]]:
     train = {k: v for k, v in s.common_args().items() if k not in ("gradient_checkpointing_kwargs",)}
     if s.opts.activation_checkpointing:
         train["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+    attn = "varlen_torch" if packed and s.opts.text_attn == "varlen" else s.opts.attn  # (set on the text model)
     cfg = {"model": {"kind": "hub_vlm", "pretrained": s.model_dir, "torch_dtype": "bfloat16",
-                     "attn_implementation": s.opts.attn, **({"lora": dict(LORA)} if s.lora else {})},
+                     "attn_implementation": attn, **({"lora": dict(LORA)} if s.lora else {})},
            "data": {"source": "jsonl", "train_file": s.data, "num_eval": 0, "max_length": 8192,
                     "packing": packed, "pad_to_multiple_of": s.opts.pad_to_multiple_of},
            "train": {"output_dir": os.path.join(s.out, name), **train}}

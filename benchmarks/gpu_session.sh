@@ -8,7 +8,8 @@
 #                                                            # compile, varlen, profile, variants, demo, tests
 #
 # compile: 2B vlmtrain padded with and without torch.compile (30 steps, lengths rounded to 64), recompiles
-# counted. varlen: the 2B benchmark with the vision attention in one call. profile: one eager vlmtrain step's top
+# counted. varlen: the 2B benchmark with the vision attention in one call, and vlmtrain packed's text attention
+# as model.attn_implementation varlen_torch (per document, no dense mask). profile: one eager vlmtrain step's top
 # operators. variants: the 2B setup with torch.compile, and without activation checkpointing (8 steps each, every
 # contender; transformers compiles the whole model: ~150 s).
 #
@@ -57,9 +58,9 @@ if want compile; then  # vlmtrain padded, eager then regional torch.compile, len
         grep -c "Recompiling function" "$OUT/compile-2b-$mode.log"
     done
 fi
-if want varlen; then  # every contender with the vision tower's attention in one varlen call (~150 s at 2B)
+if want varlen; then  # vision attention in one varlen call (every contender), packed text varlen_torch (~150 s)
     TAIL=12 step varlen-2b "${VARLEN_2B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 12 \
-        --warmup 4 --progress --vision-attn varlen
+        --warmup 4 --progress --vision-attn varlen --text-attn varlen
 fi
 if want profile; then  # where one eager vlmtrain step spends its time (torch.profiler; steps 5-7 left out)
     TAIL=60 step profile-2b "${PROFILE_S:-120}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 9 \
@@ -85,5 +86,5 @@ if waits:
 print("demo final:", [r for r in rows if "train_runtime" in r][-1:])
 EOF
 want tests && TAIL=12 step gpu-tests "${TESTS_S:-120}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-    tests/test_hub_workers.py tests/test_benchmarks_smoke.py
+    tests/test_hub_workers.py tests/test_benchmarks_smoke.py tests/test_varlen_attention.py
 echo "done after $((SECONDS - start))s"

@@ -61,6 +61,23 @@ def test_smoke_runs_only_the_chosen_contender(bench, capsys, tmp_path):
 
 
 @pytest.mark.slow
+def test_text_varlen_runs_vlmtrain_packed_with_varlen_torch(bench, capsys, tmp_path, monkeypatch):
+    """--text-attn varlen: vlmtrain packed's text attention is model.attn_implementation varlen_torch (its
+    per-document path runs), with the same step-1 loss as transformers' sdpa on the same samples."""
+    from vlmtrain.models import varlen_attention
+
+    calls = []
+    per_document = varlen_attention._varlen
+    monkeypatch.setattr(varlen_attention, "_varlen", lambda *a, **k: (calls.append(1), per_document(*a, **k))[1])
+    assert bench.main(["--smoke", "--only", "2b-full", "--contender", "transformers", "--contender",
+                       "vlmtrain packed", "--text-attn", "varlen", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(vlmtrain packed text: varlen_torch)" in out and calls
+    assert set(_rows(out)) == {"transformers", "vlmtrain packed"}, out
+    assert "step-1 losses within 0.01 relative: yes" in out and out.rstrip().endswith("all checks passed"), out
+
+
+@pytest.mark.slow
 @requires("peft", "lora")
 def test_smoke_runs_every_contender_on_the_same_start_and_data(bench, capsys, tmp_path):
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0

@@ -203,3 +203,27 @@ def test_varlen_torch_settings_that_cannot_run_fail_before_any_work(root, tmp_pa
     with pytest.raises(ConfigError, match="model.attn_implementation='varlen_torch' computes full causal "
                                           "attention without dropout per document, but .* sliding_attention"):
         kind.validate(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_varlen_kernel_equals_the_per_document_path(autocast):
+    """On CUDA the documents go to torch.nn.attention.varlen.varlen_attn (bf16, grouped-query heads, causal):
+    outputs and input gradients match the CPU path's on the same values (bf16 tolerance). ``autocast``: fp32
+    q/k/v under bf16 autocast (train.bf16 with fp32 weights) are cast for the kernel."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 8, 40, 64), torch.randn(2, 2, 40, 64), torch.randn(2, 2, 40, 64)
+    q, k, v = (t.bfloat16().float() for t in (q, k, v))  # (values exact in bf16)
+    pos = torch.cat([torch.arange(17), torch.arange(23), torch.arange(40)]).reshape(2, 40)
+
+    def run(device, dtype):
+        leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda" and autocast):
+            out, _ = varlen_attention.varlen_attention(_Causal(), *leaves, None, position_ids=pos.to(device))
+        out.float().square().sum().backward()
+        return [out.float().cpu()] + [t.grad.float().cpu() for t in leaves]
+
+    got = run("cuda", torch.float32 if autocast else torch.bfloat16)
+    ref = run("cpu", torch.float32)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

@@ -52,7 +52,8 @@ class ModelConfig:
     float32). train.bf16 is different: bfloat16 compute from float32 weights."""
     attn_implementation: str | None = None
     """(hub_vlm) transformers attention implementation: eager, sdpa, flash_attention_2, ...; None: its
-    default."""
+    default. varlen_torch: vlmtrain's text attention per document with no dense mask (PyTorch's varlen_attn on
+    CUDA, torch >= 2.10, bfloat16; one sdpa call per document elsewhere), for packed rows; see docs/hub-vlms.md."""
     heads: dict[str, dict[str, Any]] | None = None
     """(hub_vlm) Score heads on the last non-pad token: {name: {type: classification|regression,
     num_outputs, loss: ce|bce|mse|huber, weight}}; labels come from each sample's `labels: {name: value}`."""

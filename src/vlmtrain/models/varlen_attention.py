@@ -129,15 +129,15 @@ def _varlen_options(causal: bool) -> dict[str, Any]:
 
 # The same position_ids / padding mask reaches every layer of one forward (and its recomputation): their
 # boundaries are found once (one host sync), kept while that tensor is the one last seen.
-_last: dict[str, tuple[weakref.ref, Any]] = {}
+_last: dict[str, tuple[weakref.ref, int, Any]] = {}
 
 
 def _remembered(kind: str, tensor: torch.Tensor, compute: Any) -> Any:
     seen = _last.get(kind)
-    if seen is not None and seen[0]() is tensor:
-        return seen[1]
+    if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:  # (not changed in place)
+        return seen[2]
     result = compute()
-    _last[kind] = (weakref.ref(tensor), result)
+    _last[kind] = (weakref.ref(tensor), tensor._version, result)
     return result
 
 
