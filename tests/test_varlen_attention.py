@@ -227,3 +227,24 @@ def test_cuda_varlen_kernel_equals_the_per_document_path(autocast):
     ref = run("cpu", torch.float32)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.slow
+def test_a_packed_run_with_varlen_torch_logs_the_losses_of_sdpa(root, tmp_path, one_thread):
+    """Through run.train (packed training rows, padded evaluation): the same losses as with sdpa."""
+    import json
+
+    from vlmtrain import run
+
+    def losses(attn: str) -> list[float]:
+        out = tmp_path / attn
+        config = _config(tmp_path, _tiny("qwen3_vl", root))
+        run.train(load_run_config(config, {"model.attn_implementation": attn, "train.output_dir": str(out),
+                                           "data.eval_file": str(tmp_path / "data.jsonl"), "train.eval_strategy": "steps",
+                                           "train.eval_steps": 2}))
+        rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        return [r[k] for r in rows for k in ("loss", "eval_loss") if k in r and "train_runtime" not in r]
+
+    varlen, sdpa = losses("varlen_torch"), losses("sdpa")
+    assert len(varlen) >= 3, varlen
+    assert varlen == pytest.approx(sdpa, rel=1e-5)
