@@ -110,7 +110,8 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     (the family's end of turn), generation stops there too. ``device``: load the weights straight onto it
     (``device_map``), in ``torch_dtype``, never a float32 copy first. A patch embedding Conv3d whose stride is
     its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/patch_embed.py; same weights and
-    state dict)."""
+    state dict). ``attn_implementation`` 'varlen_torch': loaded with sdpa, then the text model's attention is
+    models/varlen_attention.py's (the vision tower keeps sdpa)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -123,7 +124,7 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
     if device is not None:
         kwargs["device_map"] = torch.device(device)
-    if attn_implementation:  # (varlen_torch: loaded as sdpa, then set on the text model only)
+    if attn_implementation:  # (varlen_torch is the text model's only: set after loading with sdpa)
         kwargs["attn_implementation"] = "sdpa" if attn_implementation == VARLEN_TORCH else attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
     if attn_implementation == VARLEN_TORCH:
