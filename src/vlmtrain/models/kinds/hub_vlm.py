@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 from typing import Any
 
-from vlmtrain.errors import CheckpointError, ConfigError
+from vlmtrain.errors import ConfigError
+from vlmtrain.models.hub_loading import (
+    VARLEN_TORCH,
+    end_of_turn_id,
+    generate,
+    load_for_inference,
+    load_generator,
+    load_model,
+    owns_checkpoint,
+)
 from vlmtrain.models.kinds import ModelKind
 
 DTYPES = ("float32", "bfloat16")
@@ -31,9 +39,6 @@ def check(cfg: Any) -> None:
 
         parse_heads(m.heads)  # an unknown head type or loss fails before anything is loaded
 
-
-VARLEN_TORCH = "varlen_torch"
-"""model.attn_implementation: the text attention as PyTorch varlen attention per document (models/varlen_attention.py)."""
 
 PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", VARLEN_TORCH)
 """model.attn_implementation values that keep packed samples apart (null is transformers' default, sdpa)."""
@@ -100,72 +105,6 @@ def check_varlen_torch(cfg: Any, cuda: bool | None = None) -> None:
         raise ConfigError(f"model.attn_implementation={VARLEN_TORCH!r} on CUDA runs a flash kernel that takes "
                           f"bfloat16, but model.torch_dtype is float32 and train.bf16 is off. Set "
                           f"model.torch_dtype: bfloat16 or train.bf16: true, or model.attn_implementation: sdpa.")
-
-
-def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
-               stop_token_id: int | None = None, device: Any = None) -> Any:
-    """The transformers VLM of a Hub id or directory (AutoModelForImageTextToText), with the family's module
-    groups attached (module_learning_rates / LoRA aliases vision, projector, text) and a ``loss_only`` forward
-    (models/lm_loss.enable_lm_loss); with ``stop_token_id``
-    (the family's end of turn), generation stops there too. ``device``: load the weights straight onto it
-    (``device_map``), in ``torch_dtype``, never a float32 copy first. A patch embedding Conv3d whose stride is
-    its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/patch_embed.py; same weights and
-    state dict). ``attn_implementation`` 'varlen_torch': loaded with sdpa, then the text model's attention is
-    models/varlen_attention.py's (the vision tower keeps sdpa)."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from vlmtrain.models.families import family_of
-    from vlmtrain.models.lm_loss import enable_lm_loss
-    from vlmtrain.models.meta import from_pretrained
-    from vlmtrain.models.patch_embed import linear_patch_embeddings
-    from vlmtrain.models.protocol import MODULE_GROUPS_ATTR, REGIONAL_COMPILE_ATTR
-
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
-    if device is not None:
-        kwargs["device_map"] = torch.device(device)
-    if attn_implementation:  # (varlen_torch is the text model's only: set after loading with sdpa)
-        kwargs["attn_implementation"] = "sdpa" if attn_implementation == VARLEN_TORCH else attn_implementation
-    model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
-    if attn_implementation == VARLEN_TORCH:
-        from vlmtrain.models.varlen_attention import use_varlen_text_attention
-
-        use_varlen_text_attention(model)
-    linear_patch_embeddings(model)
-    family = family_of(pretrained)
-    setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
-    _attach_flop_info(model, family)
-    setattr(model, REGIONAL_COMPILE_ATTR, True)  # torch_compile compiles each layer (models/training_prep.py)
-    _stop_at(model, stop_token_id)
-    enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/lm_loss.py)
-    return model
-
-
-def _attach_flop_info(model: Any, family: Any) -> None:
-    """What the logged tflops count a family's images and odd matmuls by (models/flops.py)."""
-    from vlmtrain.models.flops import IMAGE_TOKENS_ATTR, MATMUL_PARAMETERS_ATTR, WINDOWED_ATTENTION_ATTR
-
-    if family.image_tokens is not None:
-        setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
-    if family.windowed_attention is not None:
-        setattr(model, WINDOWED_ATTENTION_ATTR, family.windowed_attention(model.config))
-    if family.matmul_parameters:
-        setattr(model, MATMUL_PARAMETERS_ATTR, family.matmul_parameters)
-
-
-def _stop_at(model: Any, stop_token_id: int | None) -> None:
-    """Generation stops at ``stop_token_id`` (the family's end of turn) too."""
-    if stop_token_id is not None and model.generation_config is not None:
-        eos = model.generation_config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        model.generation_config.eos_token_id = [stop_token_id, *[e for e in eos if e != stop_token_id]]
-
-
-def end_of_turn_id(processor: Any, family: Any) -> int | None:
-    """The id of the family's end-of-turn token in the processor's tokenizer (None if it has none)."""
-    tokenizer = processor.tokenizer
-    token_id = tokenizer.convert_tokens_to_ids(family.end_of_turn)
-    return None if token_id is None or token_id == tokenizer.unk_token_id else token_id
 
 
 def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
@@ -236,236 +175,6 @@ def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], mo
 
 def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
     return {}
-
-
-def owns_checkpoint(config: dict[str, Any]) -> bool:
-    from vlmtrain.models.families import REGISTRY
-
-    return config.get("model_type") in REGISTRY
-
-
-def base_of_checkpoint(checkpoint: str) -> str:
-    """Where a checkpoint's full weights are: itself, or for a LoRA checkpoint (adapter only) the base model
-    its adapter_config.json names."""
-    import json
-
-    path = os.path.join(checkpoint, "adapter_config.json")
-    if not os.path.isfile(path):
-        return checkpoint
-    with open(path) as f:
-        base = json.load(f).get("base_model_name_or_path")
-    if not base:
-        raise ConfigError(f"{path} names no base_model_name_or_path: cannot tell which model the adapter is for.")
-    return base
-
-
-def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id: int | None = None,
-                    device: Any = None) -> Any:
-    """A Hub VLM checkpoint as vlmtrain wrote it, in eval mode: full weights (model.safetensors, shards, or an
-    FSDP ``dcp/`` dump) or base + LoRA adapter, plus its score heads (heads.json / heads.safetensors) when it
-    has them, as a :class:`~vlmtrain.models.heads.WithHeads`. The base weights are read in ``torch_dtype``
-    straight onto ``device`` (default CPU); heads stay float32. A file that does not fit the model is a
-    CheckpointError naming it and what was expected."""
-    import torch
-
-    from vlmtrain.models.sharded_files import has_sharded_weights
-
-    if has_sharded_weights(checkpoint) and not _has_full_weights(checkpoint):
-        return _load_dcp(checkpoint, torch_dtype, stop_token_id, device)
-    model = load_model(base_of_checkpoint(checkpoint), torch_dtype, stop_token_id=stop_token_id, device=device)
-    if os.path.isfile(os.path.join(checkpoint, "heads.json")):
-        from vlmtrain.models.head_files import read_head_configs
-        from vlmtrain.models.heads import WithHeads
-
-        model = WithHeads(model, read_head_configs(checkpoint))
-        model.heads.to(_device_of(model.base))
-    if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
-        from peft import PeftModel
-
-        try:
-            if hasattr(model, "heads"):
-                model.base = PeftModel.from_pretrained(model.base, checkpoint)
-            else:
-                model = PeftModel.from_pretrained(model, checkpoint)
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise CheckpointError(f"{os.path.join(checkpoint, 'adapter_model.safetensors')} does not fit the base "
-                                  f"model {base_of_checkpoint(checkpoint)!r}: {str(err)[:300]}") from err
-    if hasattr(model, "heads"):
-        from vlmtrain.models.head_files import check_saved_heads
-
-        check_saved_heads(model, checkpoint)
-        _load_heads_and_extras(model, checkpoint)  # (the base was loaded above)
-    return (model.to(torch.device(device)) if device is not None else model).eval()
-
-
-def _load_heads_and_extras(model: Any, checkpoint: str) -> None:
-    """The heads' weights, and under LoRA the trainable base tensors peft's adapter file does not hold
-    (trainable.safetensors, as checkpoints hold them: models/model_files.py)."""
-    from vlmtrain.models.head_files import load_heads
-
-    extra_path = os.path.join(checkpoint, "trainable.safetensors")
-    if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")) and os.path.isfile(extra_path):
-        import safetensors.torch
-
-        unexpected = model.base.load_state_dict(safetensors.torch.load_file(extra_path), strict=False).unexpected_keys
-        if unexpected:
-            raise CheckpointError(f"{extra_path!r} holds tensors the model does not have: {unexpected[:5]}.")
-    load_heads(model, checkpoint)
-
-
-def _has_full_weights(checkpoint: str) -> bool:
-    return any(os.path.isfile(os.path.join(checkpoint, n)) for n in ("model.safetensors", "model.safetensors.index.json",
-                                                                      "adapter_config.json"))
-
-
-def _device_of(model: Any) -> Any:
-    return next(model.parameters()).device
-
-
-def _load_dcp(checkpoint: str, torch_dtype: str, stop_token_id: int | None, device: Any) -> Any:
-    """An FSDP checkpoint (``dcp/``): the whole model's weights, gathered in this process (fsdp.read_model_weights),
-    put into the architecture of its config.json; heads from heads.json, else the run's config.yaml."""
-    import torch
-
-    from vlmtrain.models.head_files import read_head_configs
-    from vlmtrain.models.heads import WithHeads
-    from vlmtrain.models.sharded_files import read_model_weights
-
-    state = read_model_weights(checkpoint)
-    heads = None
-    if os.path.isfile(os.path.join(checkpoint, "heads.json")):
-        heads = read_head_configs(checkpoint)
-    elif any(k.startswith("heads.") for k in state):
-        heads = _run_config_value(checkpoint, "model", "heads")
-        if not heads:
-            raise CheckpointError(f"{checkpoint}/dcp holds score heads but neither {checkpoint}/heads.json nor the "
-                                  f"run's config.yaml (model.heads) says what they are.")
-    with torch.device(device or "cpu"):  # (random init where the weights go; they are overwritten below)
-        model = _from_config(checkpoint, getattr(torch, torch_dtype), stop_token_id)
-        if heads:
-            model = WithHeads(model, heads)
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    tied = [k for k in missing if k.endswith("lm_head.weight")]
-    if [k for k in missing if k not in tied] or unexpected:
-        raise CheckpointError(f"the weights in {os.path.join(checkpoint, 'dcp')} do not fit "
-                              f"{type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}.")
-    for key in list(state):  # one tensor at a time into the model's own (dtype, device)
-        own[key].copy_(state.pop(key))
-    return model.eval()
-
-
-def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
-    from transformers import AutoConfig, AutoModelForImageTextToText
-
-    from vlmtrain.models.families import family_of
-    from vlmtrain.models.patch_embed import linear_patch_embeddings
-    from vlmtrain.models.protocol import MODULE_GROUPS_ATTR
-
-    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
-    linear_patch_embeddings(model)
-    setattr(model, MODULE_GROUPS_ATTR, dict(family_of(checkpoint).module_groups))
-    _stop_at(model, stop_token_id)
-    return model
-
-
-def _run_config_value(checkpoint: str, section: str, key: str) -> Any:
-    """``section.key`` of the run's config.yaml (in the checkpoint directory or its parent run directory)."""
-    import yaml
-
-    for where in (checkpoint, os.path.dirname(os.path.abspath(checkpoint))):
-        path = os.path.join(where, "config.yaml")
-        if os.path.isfile(path):
-            with open(path) as f:
-                return ((yaml.safe_load(f) or {}).get(section) or {}).get(key)
-    return None
-
-
-def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int | None = None,
-                       max_images: int | None = None) -> dict[str, Any]:
-    """The parts :class:`vlmtrain.inference.InferenceModel` needs for a Hub VLM checkpoint: ``model`` (eval
-    mode, weights in ``dtype`` on ``device``; heads float32), ``processor`` (the family's image-only
-    processor, the checkpoint's own when it saved one), ``process`` (one the_cauldron sample -> per-sample
-    tensors, the training HubVLMProcessor; raises SkipSample), ``collate`` (processed items -> a batch) and
-    ``generate`` (samples -> answers). ``max_length`` / ``max_images`` default to the run's config.yaml
-    (data.max_length / data.max_images, next to the checkpoint or in its run directory), else no limit."""
-    import torch
-
-    from vlmtrain.data.hub_collate import HubVLMCollator
-    from vlmtrain.data.hub_processing import HubVLMProcessor
-    from vlmtrain.models.families import family_of
-
-    base = checkpoint if os.path.isfile(os.path.join(checkpoint, "config.json")) else base_of_checkpoint(checkpoint)
-    family = family_of(base)
-    has_processor = os.path.isfile(os.path.join(checkpoint, "tokenizer_config.json"))
-    processor = family.load_processor(checkpoint if has_processor else base)
-    dtype_name = str(dtype).removeprefix("torch.")
-    model = load_checkpoint(checkpoint, dtype_name, stop_token_id=end_of_turn_id(processor, family), device=device)
-    model.eval()
-    if max_length is None:
-        max_length = _run_config_value(checkpoint, "data", "max_length") or 1 << 20
-    if max_images is None:
-        max_images = _run_config_value(checkpoint, "data", "max_images") or 1 << 10
-    heads = getattr(model, "head_configs", None) or {}
-    label_check = None
-    if heads:
-        from vlmtrain.models.heads import check_head_labels
-
-        label_check = functools.partial(check_head_labels, heads)
-    hub = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, label_check=label_check,
-                          prompts=False)
-    collator = HubVLMCollator(hub)
-    prompts = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, prompts=True)
-    return {"model": model, "processor": processor, "process": hub.process, "collate": collator,
-            "generate": _generator(model, processor, prompts, torch.device(device))}
-
-
-def _generator(model: Any, processor: Any, prompts: Any, device: Any) -> Callable[..., list[str]]:
-    """generate(samples, max_new_tokens) for load_for_inference: greedy answers, each to its sample's last user
-    turn, stopping at the end-of-turn token (``prompts``: the HubVLMProcessor that builds generation prompts)."""
-    import torch
-
-    from vlmtrain.data.hub_collate import HubVLMCollator
-
-    prompt_collator = HubVLMCollator(prompts)
-
-    def generate(samples: list[dict[str, Any]], max_new_tokens: int = 32) -> list[str]:
-        """Greedy answers to samples (each answering its last user turn), stopping at the end-of-turn token."""
-        from vlmtrain.data.processing import SkipSample
-
-        try:
-            items = [prompts.process(s) for s in samples]
-        except SkipSample as e:
-            raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
-        batch = prompt_collator(items)
-        inputs = {k[len("prompt_"):]: v.to(device) if isinstance(v, torch.Tensor) else v
-                  for k, v in batch.items() if k.startswith("prompt_")}
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=processor.tokenizer.pad_token_id)
-        new = out[:, inputs["input_ids"].shape[1]:]
-        return [processor.tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
-
-    return generate
-
-
-def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
-    """Load a Hub VLM checkpoint (LoRA ones included) once, float32; the returned answer(prompt, images,
-    max_new_tokens) generates greedily, stopping at the family's end-of-turn token."""
-    import torch
-
-    parts = load_for_inference(checkpoint, torch.device(device or "cpu"), torch.float32, max_length=1 << 20,
-                               max_images=1 << 10)
-
-    def answer(prompt: str, images: list[Any] | None = None, max_new_tokens: int = 32) -> str:
-        return parts["generate"]([{"images": list(images or []), "texts": [{"user": prompt}]}], max_new_tokens)[0]
-
-    return answer
-
-
-def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
-    """Greedy answer to one prompt (with images) from a Hub VLM checkpoint (see load_generator)."""
-    return load_generator(checkpoint)(prompt, images, max_new_tokens)
 
 
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
