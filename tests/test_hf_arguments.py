@@ -12,7 +12,7 @@ import transformers
 from tiny import tiny_llama, token_samples
 
 import vlmtrain
-import vlmtrain.trainer.trainer as vtrainer
+import vlmtrain.trainer.step as vstep
 from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import ConfigError
@@ -167,7 +167,7 @@ def test_num_input_tokens_seen_equals_transformers(tmp_path, mode):
 def test_torch_empty_cache_steps_empties_at_the_steps_transformers_does(tmp_path, monkeypatch):
     calls = {"hf": [], "ours": []}
     monkeypatch.setattr(transformers.trainer, "clear_device_cache", lambda *a, **k: calls["hf"].append(1))
-    monkeypatch.setattr(vtrainer, "empty_device_cache", lambda: calls["ours"].append(1))
+    monkeypatch.setattr(vstep, "empty_device_cache", lambda: calls["ours"].append(1))
     for framework in calls:
         _run(framework, tmp_path / framework, torch_empty_cache_steps=2, gradient_accumulation_steps=2, max_steps=3)
     assert len(calls["ours"]) == len(calls["hf"]) == 4  # the micro-batches of steps 1 and 3 (global_step 0 and 2)
