@@ -91,6 +91,23 @@ def _documents(batch: dict) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in zip(starts, starts[1:])]
 
 
+def assert_documents_match(logits: torch.Tensor, packed: dict, ref_logits: torch.Tensor, padded: dict,
+                           n_samples: int) -> None:
+    """Every sample's packed logits equal its padded ones at its real positions (1e-5); each sample is found by
+    its tokens among the packed documents."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    ids = packed["input_ids"].reshape(-1)
+    lengths = padded["attention_mask"].sum(1).tolist()
+    matched = 0
+    for start, n in _documents(packed):
+        for i, length in enumerate(lengths):
+            if length == n and torch.equal(ids[start:start + n], padded["input_ids"][i, :n]):
+                torch.testing.assert_close(flat[start:start + n], ref_logits[i, :n], rtol=1e-5, atol=1e-5)
+                matched += 1
+                break
+    assert matched == n_samples
+
+
 @pytest.mark.parametrize("name", list(PACKING))
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_logits_loss_and_gradients_equal_unpacked(root, name, attn, one_thread):
@@ -110,18 +127,7 @@ def test_packed_logits_loss_and_gradients_equal_unpacked(root, name, attn, one_t
         assert any(n.startswith(family.module_groups[group]) for n in grads), group
     for n in grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-5, msg=n)
-    # every sample's logits at its real positions, found by its tokens among the packed documents
-    flat = logits.reshape(-1, logits.shape[-1])
-    ids = packed["input_ids"].reshape(-1)
-    lengths = padded["attention_mask"].sum(1).tolist()
-    matched = 0
-    for start, n in _documents(packed):
-        for i, length in enumerate(lengths):
-            if length == n and torch.equal(ids[start:start + n], padded["input_ids"][i, :n]):
-                torch.testing.assert_close(flat[start:start + n], ref_logits[i, :n], rtol=1e-5, atol=1e-5)
-                matched += 1
-                break
-    assert matched == len(samples)
+    assert_documents_match(logits, packed, ref_logits, padded, len(samples))
 
 
 @pytest.mark.parametrize("name", ["qwen3_vl", "idefics3"])

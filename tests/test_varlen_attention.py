@@ -17,12 +17,12 @@ from tests.test_hub_packing import (
     PACKING,
     _collators,
     _config,
-    _documents,
     _forward,
     _parts,
     _sample,
     _samples,
     _tiny,
+    assert_documents_match,
 )
 from vlmtrain.config import ConfigError, load_run_config
 from vlmtrain.models import varlen_attention
@@ -132,16 +132,7 @@ def test_packed_rows_with_varlen_torch_equal_sdpa_block_mask_and_unpacked(root, 
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-5, msg=n)
     pad_logits, pad_loss, _ = _forward(sdpa, padded)
     torch.testing.assert_close(loss, pad_loss, rtol=1e-5, atol=1e-5)
-    flat, ids = logits.reshape(-1, logits.shape[-1]), packed["input_ids"].reshape(-1)
-    lengths = padded["attention_mask"].sum(1).tolist()
-    matched = 0
-    for start, n in _documents(packed):
-        for i, length in enumerate(lengths):
-            if length == n and torch.equal(ids[start:start + n], padded["input_ids"][i, :n]):
-                torch.testing.assert_close(flat[start:start + n], pad_logits[i, :n], rtol=1e-5, atol=1e-5)
-                matched += 1
-                break
-    assert matched == len(samples)
+    assert_documents_match(logits, packed, pad_logits, padded, len(samples))
 
 
 def test_padded_batches_and_generation_with_varlen_torch_equal_sdpa(root, monkeypatch, one_thread):
