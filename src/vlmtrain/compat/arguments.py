@@ -297,7 +297,6 @@ def apply(args: Any) -> None:
     refuse_transformers_values(args)
 
 
-
 @dataclass
 class ImplementedArguments(CompatArguments, LoggingArguments, EvaluationArguments, CoreArguments):
     """Every name vlmtrain implements, in the order of TrainingArguments' fields: the trainer core's, then the

@@ -45,11 +45,6 @@ def input_tokens(batch: Mapping[str, Any], mode: str, main_input_name: str, pad_
     return ids.numel()
 
 
-def tokens_over_ranks(count: int) -> int:
-    """A count summed over every rank (one small CPU all-reduce; the count itself without torch.distributed)."""
-    return int(dist.reduce_cpu([float(count)])[0]) if dist.is_distributed() else count
-
-
 class TransformersCounts:
     """Trainer methods that count FLOPs, tokens, samples and time, with transformers' names, over TrainerCore's
     attributes (args, state, model, processing_class, world_size, train_dataloader)."""
@@ -78,7 +73,7 @@ class TransformersCounts:
     def store_flos(self) -> None:
         """Add this process's FLOPs since the last call (over all ranks) to ``state.total_flos``."""
         flos = float(getattr(self, "current_flos", 0.0))
-        self.state.total_flos += dist.reduce_cpu([flos])[0] if self.world_size > 1 else flos
+        self.state.total_flos += dist.reduce_cpu([flos])[0]  # (the value itself in one process)
         self.current_flos = 0.0
 
     def _count_batch(self, batch: Any) -> None:
@@ -92,7 +87,7 @@ class TransformersCounts:
             return
         tokens = input_tokens(batch, mode, getattr(self.model, "main_input_name", "input_ids"),
                               getattr(self.processing_class, "pad_token_id", None))
-        self.state.num_input_tokens_seen += tokens_over_ranks(tokens)
+        self.state.num_input_tokens_seen += int(dist.reduce_cpu([float(tokens)])[0])  # summed over ranks
 
     def _log_row(self, logs: dict[str, Any], start_time: float | None) -> dict[str, Any]:
         """What state.log_history keeps of a log call: transformers' keys (vlmtrain's per-step figures left

@@ -11,9 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vlmtrain.errors import CheckpointError, ConfigError
-
-VARLEN_TORCH = "varlen_torch"
-"""model.attn_implementation: the text attention as PyTorch varlen attention per document (models/varlen_attention.py)."""
+from vlmtrain.models.varlen_attention import NAME as VARLEN_TORCH  # (model.attn_implementation: varlen_torch)
+from vlmtrain.models.varlen_attention import use_varlen_text_attention
 
 
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
@@ -42,8 +41,6 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
         kwargs["attn_implementation"] = "sdpa" if attn_implementation == VARLEN_TORCH else attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
     if attn_implementation == VARLEN_TORCH:
-        from vlmtrain.models.varlen_attention import use_varlen_text_attention
-
         use_varlen_text_attention(model)
     linear_patch_embeddings(model)
     family = family_of(pretrained)
