@@ -227,8 +227,9 @@ def test_modeling_globals_are_put_back():
     assert (m.apply_rotary_pos_emb, m.Qwen3VLTextRMSNorm) == (rope, norm) and not hasattr(m, "added_by_a_patch")
     try:
         with liger.modeling_globals_restored(keep="rotary_pos_emb"):
-            m.apply_rotary_pos_emb = m.Qwen3VLTextRMSNorm = None
+            m.apply_rotary_pos_emb = m.Qwen3VLTextRMSNorm = m.apply_multimodal_rotary_pos_emb = None
         assert m.apply_rotary_pos_emb is None and m.Qwen3VLTextRMSNorm is norm
+        assert not hasattr(m, "apply_multimodal_rotary_pos_emb")  # (added: nothing in transformers calls it)
     finally:
         m.apply_rotary_pos_emb = rope
 

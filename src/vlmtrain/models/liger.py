@@ -37,14 +37,17 @@ LOSS_KERNELS = ("fused_linear_cross_entropy", "cross_entropy")
 
 COVERED: dict[str, str] = {
     "qwen3_vl": "RMSNorm (text model, q/k norms included), RoPE (text and vision), SwiGLU (text MLPs)",
-    "qwen2_5_vl": "RMSNorm (text model and vision blocks), multimodal RoPE, SwiGLU (text MLPs)",
+    "qwen2_5_vl": "RMSNorm (text model and vision blocks), RoPE (text and vision), SwiGLU (text MLPs)",
     "gemma3": "RMSNorm (text model, projector), RoPE, GeGLU (text MLPs), LayerNorm (SigLIP vision tower)",
     "smolvlm": "RMSNorm, RoPE and SwiGLU (its Llama text model), LayerNorm (vision tower)",
 }
 """model_type -> what Liger patches, for vlmtrain's Hub VLM families that Liger covers (liger-kernel 0.6-0.8;
 LLaVA-OneVision and Idefics3 it does not). Qwen3-VL's SwiGLU is vlmtrain's: Liger's qwen3_vl patch takes a
 ``swiglu`` option but applies nothing; vlmtrain binds Liger's SwiGLU forward to the text MLPs (gate, up, down,
-silu: what Liger does for Qwen2.5-VL) unless liger_kernel_config says ``swiglu: false``."""
+silu: what Liger does for Qwen2.5-VL) unless liger_kernel_config says ``swiglu: false``. Qwen2.5-VL's RoPE is
+vlmtrain's too where transformers (5.x) applies the multimodal sections in the rotary embedding and calls the plain
+rotary functions Qwen3-VL has: Liger's Qwen2.5-VL patch replaces a function those versions no longer call, so
+vlmtrain swaps in Liger's Qwen3-VL rotary functions (the same computation) unless ``rope: false``."""
 
 _KEPT_GLOBALS = "rotary_pos_emb"  # modeling-module functions whose Liger version stays (apply_*rotary_pos_emb*)
 
@@ -150,6 +153,8 @@ def apply_liger_kernel(model: nn.Module, liger_kernel_config: Mapping[str, Any] 
                            f"loss kernels were off; vlmtrain's LM loss would be lost. Please report it.")
     if model_type == "qwen3_vl" and options.get("swiglu", True):
         _qwen3_vl_swiglu(target)
+    if model_type == "qwen2_5_vl" and options.get("rope", True):
+        _qwen2_5_vl_rope()
 
 
 def _options_of(patch: Any, target: nn.Module, table: Mapping[str, Any]) -> set[str]:
@@ -177,11 +182,23 @@ def _qwen3_vl_swiglu(target: nn.Module) -> None:
         layer.mlp.forward = types.MethodType(LigerSwiGLUMLP.forward, layer.mlp)
 
 
+def _qwen2_5_vl_rope() -> None:
+    """Liger's rotary functions for Qwen2.5-VL's text and vision attention, where transformers has Qwen3-VL's
+    plain ones there (no ``apply_multimodal_rotary_pos_emb``: the sections are mixed in the rotary embedding)."""
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as modeling
+
+    if "apply_multimodal_rotary_pos_emb" in vars(modeling):  # (older transformers: Liger's own patch applies)
+        return
+    modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
+    modeling.apply_rotary_pos_emb_vision = liger_rotary_pos_emb_vision
+
+
 @contextlib.contextmanager
 def modeling_globals_restored(keep: str | None = None) -> Iterator[None]:
     """Within it, transformers' modeling modules (``transformers.models.*.modeling_*``) may be changed (Liger
     swaps classes and functions there); on leaving, every name changed, added or removed is put back as it was,
-    except names containing ``keep``."""
+    except the changed names that contain ``keep`` (a name added, which transformers' code cannot call, goes)."""
     modules = {name: module for name, module in sys.modules.items()
                if name.startswith("transformers.models.") and ".modeling_" in name and module is not None}
     before = {name: dict(vars(module)) for name, module in modules.items()}
@@ -191,7 +208,7 @@ def modeling_globals_restored(keep: str | None = None) -> Iterator[None]:
         for name, module in modules.items():
             now, then = vars(module), before[name]
             for key in set(now) | set(then):
-                if (keep and keep in key) or now.get(key, _MISSING) is then.get(key, _MISSING):
+                if (keep and keep in key and key in then) or now.get(key, _MISSING) is then.get(key, _MISSING):
                     continue
                 if key in then:
                     setattr(module, key, then[key])
