@@ -260,8 +260,10 @@ def _loss_and_grads(model, inputs):
 @pytest.mark.parametrize("name", list(GPU_FAMILIES))
 def test_liger_loss_and_gradients_equal_the_unpatched_model(tmp_path, restored_modeling, name):
     """The same weights and multi-image batch, bf16 on CUDA: the model before and after apply_liger_kernel gives
-    the same loss (1e-2 relative) and the same gradient for every parameter (relative norm of the difference
-    <= 5e-2), and Liger's kernels did run (the norms are Liger's)."""
+    the same loss (1e-2 relative) and the same gradients: all together within 3e-2 (norm of the difference over
+    the norm), each parameter's within 0.1 of its norm plus 1e-3 of the whole gradient's (some are zero in exact
+    arithmetic, e.g. SigLIP's key biases). On CPU, bf16 against float32 gives 0.6-1.4e-2 together and at most
+    0.086 for one parameter for these models. And Liger's kernels did run (the norms are Liger's)."""
     from tests.test_hub_packing import _samples
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
@@ -280,9 +282,11 @@ def test_liger_loss_and_gradients_equal_the_unpatched_model(tmp_path, restored_m
     liger_loss, liger_grads = _loss_and_grads(model, inputs)
     assert math.isfinite(loss) and liger_loss == pytest.approx(loss.item(), rel=1e-2)
     assert set(liger_grads) == set(grads)
+    total = torch.sqrt(sum(g.norm() ** 2 for g in grads.values()))
+    differs = torch.sqrt(sum((liger_grads[n] - g).norm() ** 2 for n, g in grads.items()))
+    assert differs <= 3e-2 * total, (differs / total).item()
     for n, g in grads.items():
-        if g.norm() > 0:
-            assert (liger_grads[n] - g).norm() <= 5e-2 * g.norm(), n
+        assert (liger_grads[n] - g).norm() <= 0.1 * g.norm() + 1e-3 * total, n
 
 
 @pytest.mark.gpu
