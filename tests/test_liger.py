@@ -115,10 +115,10 @@ def test_a_run_config_is_checked_before_the_model_loads(tmp_path, monkeypatch, m
     data or weights are read."""
     from vlmtrain import compose
     from vlmtrain.config import load_run_config
-    from vlmtrain.models import hub_loading
+    from vlmtrain.models.kinds import hub_vlm
 
     monkeypatch.setattr(liger, "liger_version", lambda: None)
-    monkeypatch.setattr(hub_loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(hub_vlm, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": model_type}))
     cfg = {"model": {"kind": "hub_vlm", "pretrained": str(tmp_path / "model")},
