@@ -14,9 +14,13 @@ kernel (--attn), data-loader workers, activation checkpointing and torch.compile
 
   transformers     transformers.Trainer + a batched processor collator with padding (one processor call per
                    batch, labels = the assistant answers), as its users write it; LoRA through peft
+  transformers + liger   the same with TrainingArguments(use_liger_kernel=True) (Liger's RMSNorm, RoPE and fused
+                   linear cross-entropy for Qwen3-VL); with --liger or --smoke; skipped without CUDA or
+                   liger-kernel
   vlmtrain padded  vlmtrain's `hub_vlm` kind through run.build on a config (data.packing: false)
   vlmtrain packed  the same with data.packing: true; skipped, with vlmtrain's own message, where the installed
                    vlmtrain refuses packing for Hub VLMs
+  (--liger: both vlmtrain contenders with train.use_liger_kernel: Liger's RMSNorm, RoPE, SwiGLU, vlmtrain's loss)
 
 Setups: 2B full fine-tune (everything trains) and 8B LoRA (r 16, alpha 32, adapters on the language model's
 linear layers; vision tower, projector and the rest frozen).
@@ -34,6 +38,7 @@ weights with the same number of trainable parameters, and the step-1 losses agre
     python benchmarks/gpu_hub_vlm.py                       # both setups, ~20 steps each: a few minutes on an H100
     python benchmarks/gpu_hub_vlm.py --only 8b-lora --steps 30 --batch-size 8
     python benchmarks/gpu_hub_vlm.py --no-activation-checkpointing --torch-compile
+    python benchmarks/gpu_hub_vlm.py --only 2b-full --liger   # + transformers + liger, vlmtrain with Liger
     python benchmarks/gpu_hub_vlm.py --smoke               # the whole pipeline on tiny configs, 3 steps: on the GPU
                                                            # if there is one (a minute), else on CPU (the test)
 
@@ -62,7 +67,8 @@ import vlmtrain  # noqa: E402
 from vlmtrain.trainer.setup import dataloader_workers  # noqa: E402
 
 SETUPS = {"2b-full": ("2b", False), "8b-lora": ("8b", True)}
-CONTENDERS = ("transformers", "vlmtrain padded", "vlmtrain packed")
+CONTENDERS = ("transformers", "transformers + liger", "vlmtrain padded", "vlmtrain packed")
+LIGER = "transformers + liger"  # (a default contender with --liger or --smoke only)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 LOSS_RTOL = 1e-2
 
@@ -89,6 +95,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="gradient/activation checkpointing in every contender (default on)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile in every contender (default off)")
+    p.add_argument("--liger", action="store_true", help="the vlmtrain contenders with train.use_liger_kernel "
+                   "(Liger's RMSNorm, RoPE, SwiGLU; vlmtrain's own loss), and the 'transformers + liger' contender "
+                   "among the defaults (needs CUDA and liger-kernel)")
     p.add_argument("--pad-to-multiple-of", type=int, default=None, help="vlmtrain padded: batch lengths rounded "
                    "up to a multiple (data.pad_to_multiple_of; fewer shapes to compile)")
     p.add_argument("--recompile-limit", type=int, default=None, help="torch._dynamo.config.recompile_limit "
@@ -98,7 +107,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="print each step's time and data wait on stderr")
     p.add_argument("--contender", choices=CONTENDERS, action="append", help="run only this contender "
-                   "(repeatable; default all three: the ratios need transformers)")
+                   "(repeatable; default all but 'transformers + liger', which --liger and --smoke add: the ratios "
+                   "need transformers)")
     p.add_argument("--profile", choices=CONTENDERS, action="append", help="profile this contender's 2 steps "
                    "after --warmup (torch.profiler; top operators by device time on stderr; repeatable); those "
                    "steps and the one after them (the report) are left out of the rates")
@@ -135,7 +145,9 @@ def header(opts: argparse.Namespace, device: torch.device, workers: int) -> None
           f"{' (vlmtrain packed text: varlen_torch)' if opts.text_attn == 'varlen' else ''} | activation "
           f"checkpointing "
           f"{'on' if opts.activation_checkpointing else 'off'} | torch.compile "
-          f"{'on' if opts.torch_compile else 'off'} (recompile limit {torch._dynamo.config.recompile_limit}) | {workers} data-loader workers | seed {opts.seed}")
+          f"{'on' if opts.torch_compile else 'off'} (recompile limit {torch._dynamo.config.recompile_limit}) | "
+          f"Liger kernels in vlmtrain {'on' if opts.liger else 'off'} | {workers} data-loader workers | seed "
+          f"{opts.seed}")
 
 
 def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: str, workers: int,
@@ -156,7 +168,10 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
           f"lr {run_opts.lr:g}")
 
     results: dict[str, dict] = {}
-    for contender in opts.contender or CONTENDERS:
+    for contender in opts.contender or [c for c in CONTENDERS if c != LIGER or opts.liger or opts.smoke]:
+        if contender == LIGER and parts.liger_skip(device):
+            results[contender] = {"skipped": parts.liger_skip(device)}
+            continue
         meter = parts.Meter(device=device, progress=opts.progress,
                             profile_after=opts.warmup if contender in (opts.profile or ()) else None)
         print(f"  {contender} ...", file=sys.stderr, flush=True)
@@ -167,10 +182,11 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
                 print(f"  note: {left:.1f} GiB still allocated from the previous contender (counted in this peak)")
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            with warnings.catch_warnings():
+            # (Liger swaps functions in transformers' modeling modules: put back for the next contender)
+            with warnings.catch_warnings(), parts.modeling_globals_restored():
                 warnings.simplefilter("ignore")
-                if contender == "transformers":
-                    history = parts.run_transformers(setup, meter)
+                if contender.startswith("transformers"):
+                    history = parts.run_transformers(setup, meter, liger=contender == LIGER)
                 else:
                     history = parts.run_vlmtrain(setup, meter, packed=contender.endswith("packed"))
         except parts.ConfigError as err:
@@ -192,23 +208,28 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
 
 def report(results: dict[str, dict], peak: float | None) -> bool:
     base = results.get("transformers", {})
-    print(f"  {'contender':<16} {'tokens/s':>10} {'x tf':>6} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
+    print(f"  {'contender':<20} {'tokens/s':>10} {'x tf':>6} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} "
           f"{'x tf':>6} {'data wait':>9} {'fill':>5} {'loss @1':>9}")
     for name in CONTENDERS:
         if name not in results:  # (--contender)
             continue
         r = results[name]
         if "skipped" in r:
-            print(f"  {name:<16} skipped: {r['skipped']}")
+            print(f"  {name:<20} skipped: {r['skipped']}")
             continue
         tf, mem = r["flops_per_s"] / 1e12, r["peak_gib"]
         ratio = r["tokens_per_s"] / base["tokens_per_s"] if "tokens_per_s" in base else math.nan
         mem_ratio = mem / base["peak_gib"] if "peak_gib" in base else math.nan
         mfu = f"{tf / peak:.1%}" if peak else "-"
         mem_s, mem_r = (f"{mem:.2f}", f"{mem_ratio:.2f}") if math.isfinite(mem) else ("-", "-")
-        print(f"  {name:<16} {r['tokens_per_s']:>10.1f} {ratio:>6.2f} {tf:>8.2f} {mfu:>6} {mem_s:>9} "
+        print(f"  {name:<20} {r['tokens_per_s']:>10.1f} {ratio:>6.2f} {tf:>8.2f} {mfu:>6} {mem_s:>9} "
               f"{mem_r:>6} {r['data_wait']:>9.1%} {r['fill']:>5.2f} {r['loss1']:>9.5f}")
     ran = {k: r for k, r in results.items() if "skipped" not in r}
+    if LIGER in ran:  # (the issue's bar: vlmtrain against transformers' best setup)
+        lg = ran[LIGER]
+        print("  vs transformers + liger: " + "; ".join(
+            f"{k} {r['tokens_per_s'] / lg['tokens_per_s']:.2f}x tokens/s at {r['peak_gib'] / lg['peak_gib']:.2f}x "
+            f"peak memory" for k, r in ran.items() if k.startswith("vlmtrain")))
     if len(ran) < 2:  # (e.g. out of memory): a finding, not a failed check
         print(f"  {len(ran)} contender(s) ran: nothing to compare")
         return True

@@ -5,13 +5,16 @@
 #
 #   bash benchmarks/gpu_session.sh                    # ~7 minutes on one H200 (2026-11-26)
 #   PARTS="bench-2b compile" bash benchmarks/gpu_session.sh   # only these parts: bench (= bench-2b bench-8b),
-#                                                            # compile, varlen, profile, variants, demo, tests
+#                                                            # compile, varlen, profile, variants, liger, demo,
+#                                                            # tests
 #
 # compile: 2B vlmtrain padded with and without torch.compile (30 steps, lengths rounded to 64), recompiles
 # counted. varlen: the 2B benchmark with the vision attention in one call, and vlmtrain packed's text attention
 # as model.attn_implementation varlen_torch (per document, no dense mask). profile: one eager vlmtrain step's top
 # operators. variants: the 2B setup with torch.compile, and without activation checkpointing (8 steps each, every
-# contender; transformers compiles the whole model: ~150 s).
+# contender; transformers compiles the whole model: ~150 s). liger: the 2B benchmark with transformers' Trainer with
+# and without use_liger_kernel and vlmtrain padded / packed with train.use_liger_kernel (needs the liger-kernel
+# wheel in .whl/: pip download --no-deps liger-kernel -d .whl).
 #
 # Packages missing on the machine can come as wheels in .whl/ (installed with --target, ahead of the machine's).
 set -u
@@ -72,6 +75,10 @@ if want variants; then  # (the full-bench variants: every contender with torch.c
     TAIL=10 step bench-2b-no-ac "${VARIANT_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 8 \
         --warmup 3 --progress --no-activation-checkpointing
 fi
+if want liger; then  # transformers, transformers + liger, vlmtrain padded / packed with Liger (7 steps, 4 timed)
+    TAIL=14 step liger-2b "${LIGER_2B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 7 --warmup 3 \
+        --progress --liger
+fi
 want demo && step demo "${DEMO_S:-130}" $PY -m vlmtrain demo --output-dir /tmp/gpu_session_demo
 cp /tmp/gpu_session_demo/metrics.jsonl "$OUT/demo-metrics.jsonl" 2>/dev/null
 want demo && $PY - <<'EOF'
@@ -86,5 +93,5 @@ if waits:
 print("demo final:", [r for r in rows if "train_runtime" in r][-1:])
 EOF
 want tests && TAIL=12 step gpu-tests "${TESTS_S:-120}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-    tests/test_hub_workers.py tests/test_benchmarks_smoke.py tests/test_varlen_attention.py
+    tests/test_hub_workers.py tests/test_benchmarks_smoke.py tests/test_varlen_attention.py tests/test_liger.py
 echo "done after $((SECONDS - start))s"

@@ -35,8 +35,8 @@ def test_without_cuda_it_says_so_and_exits_0(bench, capsys):
 
 
 def _rows(block: str) -> dict[str, str]:
-    return {m.group(1): m.group(2) for m in re.finditer(r"^  (transformers|vlmtrain padded|vlmtrain packed)\s+(.*)$",
-                                                        block, re.M)}
+    return {m.group(1): m.group(2) for m in re.finditer(
+        r"^  (transformers \+ liger|transformers|vlmtrain padded|vlmtrain packed)\s+(.*)$", block, re.M)}
 
 
 def test_profiled_steps_and_the_report_step_are_left_out_of_the_rates(bench):
@@ -58,6 +58,23 @@ def test_smoke_runs_only_the_chosen_contender(bench, capsys, tmp_path):
     out = capsys.readouterr().out
     assert set(_rows(out)) == {"vlmtrain padded"}, out
     assert "1 contender(s) ran: nothing to compare" in out
+
+
+@pytest.mark.slow
+def test_liger_contenders_say_why_they_cannot_run_on_cpu(bench, capsys, tmp_path):
+    """--liger on CPU: 'transformers + liger' is skipped (CUDA only), vlmtrain with train.use_liger_kernel is
+    refused by vlmtrain itself before training (liger-kernel missing, or no CUDA device), transformers runs."""
+    assert bench.main(["--smoke", "--liger", "--only", "2b-full", "--contender", "transformers", "--contender",
+                       "transformers + liger", "--contender", "vlmtrain padded", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert set(rows) == {"transformers", "transformers + liger", "vlmtrain padded"}, out
+    assert float(rows["transformers"].split()[0]) > 0
+    assert rows["transformers + liger"] == "skipped: Liger's kernels are Triton kernels: CUDA only"
+    refused = rows["vlmtrain padded"]  # (liger-kernel is checked first, then the device)
+    assert refused.startswith("skipped: vlmtrain refuses it: use_liger_kernel=true"), out
+    assert "needs liger-kernel, which is not installed" in refused or "run on a CUDA GPU" in refused, out
+    assert "Liger kernels in vlmtrain on" in out and "1 contender(s) ran: nothing to compare" in out
 
 
 @pytest.mark.slow
@@ -86,7 +103,8 @@ def test_smoke_runs_every_contender_on_the_same_start_and_data(bench, capsys, tm
     assert [b.split(":")[0] for b in blocks] == ["2b-full", "8b-lora"]
     for block in blocks:
         rows = _rows(block)
-        assert set(rows) == {"transformers", "vlmtrain padded", "vlmtrain packed"}, block
+        assert set(rows) == {"transformers", "transformers + liger", "vlmtrain padded", "vlmtrain packed"}, block
+        assert rows["transformers + liger"] == "skipped: Liger's kernels are Triton kernels: CUDA only", block
         for name in ("transformers", "vlmtrain padded"):
             tokens_per_s, ratio = (float(v) for v in rows[name].split()[:2])
             assert tokens_per_s > 0, block
@@ -112,6 +130,8 @@ def test_smoke_on_cuda_measures_peak_memory(bench, capsys, tmp_path):
         rows = _rows(block)
         for name in ("transformers", "vlmtrain padded"):
             assert float(rows[name].split()[4]) > 0, block  # peak GiB
+        liger = rows["transformers + liger"]  # (runs where the liger-kernel wheel came along)
+        assert liger.startswith("skipped: liger-kernel is not installed") or float(liger.split()[4]) > 0, block
     assert out.rstrip().endswith("all checks passed")
 
 

@@ -36,6 +36,7 @@ def _fill_trainer_slots() -> None:
     from .models.flops import flop_counter
     from .models.generation import GREEDY
     from .models.head_files import HEAD_PARTS
+    from .models.liger import apply_liger_kernel
     from .models.lm_loss import causal_lm_targets
     from .models.lora_files import ADAPTER_PARTS
     from .models.model_files import HubModelFiles
@@ -59,6 +60,7 @@ def _fill_trainer_slots() -> None:
     _trainer_plugins.register("fsdp_blocks", transformer_blocks)
     _trainer_plugins.register("activation_checkpointing", enable_activation_checkpointing)
     _trainer_plugins.register("compile_model", compile_model)
+    _trainer_plugins.register("liger_kernel", apply_liger_kernel)
     _trainer_plugins.register("generation", GREEDY)
     _trainer_plugins.register("checkpoint_writer", AsyncCheckpointer)
     _trainer_plugins.register("step_position", position_from_step)

@@ -37,7 +37,6 @@ from .arguments_fields import CompatArguments, TransformersOnlyArguments
 
 _OWN_OPTIMIZER = "build the optimizer yourself and pass Trainer(optimizers=(optimizer, scheduler))"
 _HALF_EVAL = "evaluation runs under the same autocast as training (bf16=True)"
-_LIGER = "apply Liger's patches to the model (liger_kernel.transformers.apply_liger_kernel_to_*) before Trainer(...)"
 _LOG_LEVEL = "set levels with logging.getLogger(...).setLevel; vlmtrain logs metrics from rank 0 only"
 _HUB = "upload output_dir (or a checkpoint-N folder) with huggingface_hub's upload_folder after training"
 _ACCELERATE = "vlmtrain does not use accelerate: launch with torchrun; DDP is automatic and fsdp=True shards the model"
@@ -53,8 +52,6 @@ REFUSED: dict[str, str] = {
     "fp16": "use bf16=True (bfloat16 autocast, no loss scaling needed)",
     "bf16_full_eval": _HALF_EVAL,
     "fp16_full_eval": _HALF_EVAL,
-    "use_liger_kernel": _LIGER,
-    "liger_kernel_config": _LIGER,
     "use_cache": "training forwards pass use_cache=False; override Trainer.compute_loss if a model needs its cache",
     "neftune_noise_alpha": "add the embedding noise in the model (e.g. a forward hook on its input embeddings)",
     "auto_find_batch_size": "vlmtrain does not restart training after an out-of-memory error (transformers does "
@@ -115,6 +112,13 @@ DIFFERENT: dict[str, str] = {
                                   "checkpointing is on)",
     "remove_unused_columns": "accepted, no effect: vlmtrain never drops dataset columns; the data collator decides "
                              "what a batch holds",
+    "use_liger_kernel": "Liger's RMSNorm, rotary, SwiGLU/GeGLU and LayerNorm kernels on the Hub VLM families Liger "
+                        "covers (qwen3_vl, qwen2_5_vl, gemma3, smolvlm; Qwen3-VL's SwiGLU too), never its loss "
+                        "kernels (vlmtrain's chunked LM loss stays); without liger-kernel, a CUDA device or a "
+                        "covered model an error (transformers: an error, or a warning and no kernels)",
+    "liger_kernel_config": "Liger's options as transformers passes them, but fused_linear_cross_entropy and "
+                           "cross_entropy cannot be true, an option the family's patch lacks is an error "
+                           "(transformers: dropped), and setting it without use_liger_kernel is an error",
     "train_sampling_strategy": "random is a seeded per-epoch shuffle (data_seed) whose order differs from "
                                "transformers' RandomSampler; sequential is the same; group_by_length and "
                                "batch_rebalance are refused (use data.packing)",

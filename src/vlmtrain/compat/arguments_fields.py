@@ -41,8 +41,6 @@ class TransformersOnlyArguments:
     fp16: bool = False
     bf16_full_eval: bool = False
     fp16_full_eval: bool = False
-    use_liger_kernel: bool = False
-    liger_kernel_config: dict[str, bool] | None = None
     use_cache: bool = False
     neftune_noise_alpha: float | None = None
     auto_find_batch_size: bool = False

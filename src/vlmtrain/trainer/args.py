@@ -143,9 +143,28 @@ class TrainingArgumentsCore(CoreArguments):
                 isinstance(self.dataloader_num_workers, int) and self.dataloader_num_workers >= 0):
             raise ConfigError(f"dataloader_num_workers must be a number >= 0 or 'auto', got "
                               f"{self.dataloader_num_workers!r}.")
+        self._check_liger()
         if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
             raise ConfigError("dataloader_prefetch_factor needs dataloader_num_workers > 0 (batches are loaded ahead "
                               "by worker processes); unset it or add workers.")
+
+    def _check_liger(self) -> None:
+        """liger_kernel_config needs use_liger_kernel and keeps the loss kernels off (the model and device are
+        checked where the Trainer prepares the model: the ``liger_kernel`` slot, models/liger.py)."""
+        config = self.liger_kernel_config
+        if config is None:
+            return
+        if not self.use_liger_kernel:
+            raise ConfigError(f"liger_kernel_config={config!r} configures Liger's kernels, but use_liger_kernel is "
+                              f"false: set use_liger_kernel: true, or drop liger_kernel_config.")
+        if not isinstance(config, dict) or not all(isinstance(v, bool) for v in config.values()):
+            raise ConfigError(f"liger_kernel_config must map Liger's options to true/false (e.g. {{'rope': false}}), "
+                              f"got {config!r}.")
+        on = [k for k in ("fused_linear_cross_entropy", "cross_entropy") if config.get(k)]
+        if on:
+            raise ConfigError(f"liger_kernel_config[{on[0]!r}]=true: vlmtrain computes the LM loss itself (chunked, "
+                              f"at the target tokens only), so Liger's loss kernels stay off. Drop the key, or set "
+                              f"it false.")
 
     def _check_steps(self, name: str, strategy: str) -> None:
         """logging/save/eval_steps as transformers takes them: > 0; a float in (0, 1) is a ratio of the total

@@ -196,6 +196,15 @@ class CoreArguments:
     """torch.compile's backend (e.g. inductor, aot_eager); setting it turns torch_compile on."""
     torch_compile_mode: str | None = None
     """torch.compile's mode (e.g. default, reduce-overhead, max-autotune); setting it turns torch_compile on."""
+    use_liger_kernel: bool = False
+    """Liger Kernel's Triton kernels (RMSNorm, rotary embeddings, SwiGLU / GeGLU, LayerNorm) in a Hub VLM of a
+    family Liger covers (qwen3_vl, qwen2_5_vl, gemma3, smolvlm), patched into the model instance before
+    training; vlmtrain's own chunked LM loss stays (Liger's loss kernels are never applied). CUDA only; needs
+    the liger extra (pip install 'vlmtrain[liger]'). Anything else (no GPU, another model) is an error."""
+    liger_kernel_config: dict[str, bool] | None = None
+    """Liger's options for the family's patch, as transformers passes them (e.g. {rope: false, swiglu: true});
+    unset ones take Liger's defaults (Qwen3-VL: SwiGLU too). fused_linear_cross_entropy and cross_entropy
+    cannot be turned on. Needs use_liger_kernel."""
     predict_with_generate: bool = False
     """Evaluation/prediction generate from the batch's `prompt_*` inputs and return the generated ids."""
     generation_max_new_tokens: int = 32

@@ -41,6 +41,8 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
     "fsdp_blocks": "model -> the modules FSDP shards one by one before the root (models/sharding.py)",
     "activation_checkpointing": "(model, activation_checkpointing_kwargs) -> None: turns it on in the transformers "
                                 "models the model is or holds (models/training_prep.py)",
+    "liger_kernel": "(model, liger_kernel_config) -> None: use_liger_kernel's Triton kernels patched into the "
+                    "transformers VLM the model is or holds, or a ConfigError (models/liger.py)",
     "compile_model": "(model, wrapped, backend, mode) -> what training steps run: torch_compile of each transformer "
                      "layer of a model marked for it, in place, else of the whole wrapped model (default: the "
                      "latter); models/training_prep.py",

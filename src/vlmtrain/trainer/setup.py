@@ -138,9 +138,12 @@ class SetupMixin:
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        """``model`` on the Trainer's device, with activation checkpointing on where the arguments ask for it
-        (before DDP/FSDP wrap it in train(); the ``activation_checkpointing`` slot: models/training_prep.py)."""
+        """``model`` on the Trainer's device, with Liger's kernels (use_liger_kernel: the ``liger_kernel`` slot,
+        models/liger.py) and activation checkpointing on where the arguments ask for them (before DDP/FSDP wrap it
+        in train(); the ``activation_checkpointing`` slot: models/training_prep.py)."""
         model = model.to(self.device)
+        if self.args.use_liger_kernel:
+            plugins.require("liger_kernel")(model, self.args.liger_kernel_config)
         if self.args.activation_checkpointing:
             plugins.require("activation_checkpointing")(model, self.args.activation_checkpointing_kwargs)
         return model

@@ -76,6 +76,11 @@ def validate(cfg: Any) -> None:
                               "model.attn_implementation: sdpa.")
     if cfg.model.attn_implementation == VARLEN_TORCH:
         check_varlen_torch(cfg)
+    if cfg.train.use_liger_kernel:  # (before the weights load: the family, liger-kernel, a CUDA device)
+        from vlmtrain.models.families import model_type_of
+        from vlmtrain.models.liger import check_liger
+
+        check_liger(model_type_of(cfg.model.pretrained), cfg.train.liger_kernel_config)
 
 
 def check_varlen_torch(cfg: Any, cuda: bool | None = None) -> None:
