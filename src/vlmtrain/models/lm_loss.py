@@ -99,12 +99,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del z
             if need_rows:  # (under autocast, mm casts the weight as the full path's linear did)
                 grad_rows[start:start + chunk_rows] = torch.mm(grad, weight)
-            if need_weight:
+            if need_weight:  # accumulated over the chunks in float32 (in bf16 each chunk's sum would round)
                 if grad_weight is None:
-                    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-                torch.addmm(grad_weight, grad.t(), x.to(dtype), out=grad_weight)  # (FlopCounterMode sees it)
+                    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                torch.addmm(grad_weight, grad.t().float(), x.float(), out=grad_weight)  # (FlopCounterMode sees it)
             if need_bias:
-                part = grad.sum(dim=0)
+                part = grad.sum(dim=0, dtype=torch.float32)
                 grad_bias = part if grad_bias is None else grad_bias + part
             del grad  # (before the next chunk's logits)
         if need_weight and grad_weight is None:  # no target: a zero gradient, so every rank reaches the weight
