@@ -36,6 +36,7 @@ class CheckpointMixin:
                 "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
                 "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step,
                 "skipped": dict(self._throughput.skipped_total), "run_loss": self._run_loss.state_dict(),
+                "nonfinite": self._nonfinite.state_dict(),
                 "async_eval": self._async_eval.state_dict() if self._async_eval is not None else None}
 
     _async_saver: Any = None  # train.async_checkpoint: the background writer (the checkpoint_writer slot's)
@@ -170,6 +171,8 @@ class CheckpointMixin:
         if "run_loss" in loop:  # the whole run's mean loss (TrainOutput.train_loss) goes on across resumes
             self._run_loss.load_state_dict(loop["run_loss"])
         self._last_logged_step = loop["last_logged_step"]
+        if "nonfinite" in loop:  # steps skipped for NaN/Inf: in a row (max_consecutive_nonfinite_steps), in all
+            self._nonfinite.load_state_dict(loop["nonfinite"])
         if self._async_eval is not None:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))
