@@ -49,7 +49,8 @@ class CoreArguments:
     weight_decay: float = 0.0
     """Decoupled weight decay; never applied to biases and normalization weights."""
     adam_beta1: float = 0.9
-    """AdamW beta1 (also SGD momentum when optim='sgd')."""
+    """AdamW beta1. optim='sgd' is plain SGD without momentum, as transformers' Trainer builds it (which sets its
+    momentum only through optim_args); for SGD with momentum pass your own optimizer (Trainer(optimizers=...))."""
     adam_beta2: float = 0.999
     """AdamW beta2."""
     adam_epsilon: float = 1e-8
