@@ -16,6 +16,7 @@ from . import checkpoint as ckpt
 from . import distributed as dist
 from . import plugins
 from .callbacks import callback_states, restore_callback_states
+from .loader_state import load_loader_state
 from .model_files import has_sharded_weights, saves_trainable_only
 from .setup import load_model_state
 from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
@@ -164,8 +165,8 @@ class CheckpointMixin:
             ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
             return
         loop = ckpt.load_torch(loop_file)
-        if loop["loader"] is not None:
-            self.train_dataloader.load_state_dict(loop["loader"])
+        if loop["loader"] is not None:  # (saved with another dataloader_num_workers: map-style data resumes too)
+            load_loader_state(self.train_dataloader, loop["loader"], path)
         self._epoch_index, self._micro_step = loop["epoch_index"], loop["micro_step"]
         self._train_losses.load_state_dict(loop["train_losses"])
         if "run_loss" in loop:  # the whole run's mean loss (TrainOutput.train_loss) goes on across resumes
