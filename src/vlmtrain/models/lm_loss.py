@@ -12,9 +12,10 @@ so a long answer never holds more than ``chunk_rows x vocab`` logits at once, in
 - any other output layer (a peft LoRA or modules_to_save wrapper, a quantized layer) runs each chunk under
   ``torch.utils.checkpoint``: its logits are recomputed in backward, one chunk at a time.
 
-The loss is summed in float32 (as transformers upcasts its logits); the caller divides by the target count (or
-by a count over several micro-batches) as before. :func:`enable_lm_loss` gives a transformers causal LM or
-Hub VLM a ``loss_only=True`` forward that uses it.
+The loss is summed in float32 (as transformers upcasts its logits), and so are the head's weight and bias
+gradients over the chunks (in bf16 each chunk would round the running sum again); the caller divides by the
+target count (or by a count over several micro-batches) as before. :func:`enable_lm_loss` gives a transformers
+causal LM or Hub VLM a ``loss_only=True`` forward that uses it.
 """
 
 from __future__ import annotations
