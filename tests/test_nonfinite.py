@@ -57,3 +57,22 @@ def test_too_many_consecutive_nonfinite_steps_stop_training(tmp_path):
     model = NaNAt({2, 3, 4})
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=r"steps 2\.\.4: 3 consecutive steps"):
         Trainer(model, _args(tmp_path, max_consecutive_nonfinite_steps=3), train_dataset=token_samples(32)).train()
+
+
+def test_the_nonfinite_counts_survive_a_resume(tmp_path):
+    """Steps 2 and 3 are NaN and checkpoint-3 is saved; resumed there, a NaN step 4 is the third in a row (as in
+    the uninterrupted run, which stops at step 4), and the run's count of skipped steps goes on."""
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=2,
+                             save_strategy="steps", save_steps=3, disable_tqdm=True, report_to="none",
+                             learning_rate=1e-3, max_consecutive_nonfinite_steps=3)
+    with pytest.warns(UserWarning, match="non-finite"):
+        first = Trainer(NaNAt({2, 3}), args, train_dataset=token_samples(32)).train()
+    assert first.metrics["train_nonfinite_steps"] == 2
+    resumed = Trainer(NaNAt({1}), args, train_dataset=token_samples(32))  # (call 1 of the resumed run: step 4)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match=r"steps 2\.\.4: 3 consecutive steps"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    again = Trainer(NaNAt(set()), args, train_dataset=token_samples(32)).train(  # (a clean step 4 instead)
+        resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert again.metrics["train_nonfinite_steps"] == 2
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r.get("nonfinite_steps") for r in rows if r.get("step") == 4 and "train_runtime" not in r] == [1]

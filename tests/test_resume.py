@@ -234,3 +234,24 @@ def test_data_order_after_resume_equals_straight_run(tmp_path, workers):
     assert resumed_model.seen == seen[MICRO_BEFORE_STOP:]
     assert logged(resumed, "loss") == logged(straight, "loss")
     assert_same_weights(resumed_model, straight_model)
+
+
+@pytest.mark.parametrize(("before", "after"), [(0, 1), (1, 0)])
+def test_resume_with_another_number_of_dataloader_workers(tmp_path, before, after):
+    """dataloader_num_workers ('auto' resolves by machine) changes between the crash and the resume: a map-style
+    dataset's position is its sample index, so the resumed run sees the straight run's batches and ends with its
+    weights."""
+    data = IndexedSamples(token_samples(NUM_SAMPLES, seed=1))
+    straight_model = RecordingLM(0)
+    straight = Trainer(straight_model, make_args(tmp_path / "a", before), train_dataset=data)
+    straight.train()
+    crashed = Trainer(RecordingLM(0), make_args(tmp_path / "b", before), train_dataset=data,
+                      callbacks=[CrashAfterSave(STOP_AT)])
+    with pytest.raises(Interrupted):
+        crashed.train()
+    resumed_model = RecordingLM(99)
+    resumed = Trainer(resumed_model, make_args(tmp_path / "b", after), train_dataset=data)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed_model.seen == straight_model.seen[MICRO_BEFORE_STOP:]
+    assert logged(resumed, "loss") == logged(straight, "loss")
+    assert_same_weights(resumed_model, straight_model)

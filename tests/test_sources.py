@@ -7,6 +7,7 @@ import os
 from collections import Counter
 
 import pytest
+import torch
 from optional_extras import requires
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -286,3 +287,58 @@ def test_trainer_runs_epochs_over_a_single_source_stream(shapes, tmp_path):
     epochs = [sum(seen[i:i + 10], []) for i in (0, 10, 20)]
     assert all(sorted(e) == sorted(f"s:{i}" for i in range(N)) for e in epochs)
     assert epochs[0] != epochs[1] != epochs[2]  # reshuffled shards
+
+
+class _KeyedModel(torch.nn.Module):
+    """TwoLossModel that records the sample indices of each batch it trains on (in the main process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.tiny import TwoLossModel
+
+        self.inner, self.seen = TwoLossModel(), []
+
+    def forward(self, idx, **batch):
+        self.seen.append(idx.tolist())
+        return self.inner(**batch)
+
+
+def _keyed_collate(samples):
+    """Runs in the loader's workers: the batch carries its samples' indices as a tensor."""
+    n = len(samples)
+    return {"idx": torch.tensor([int(s[KEY].split(":")[1]) for s in samples]), "x": torch.randn(n, 3, 4),
+            "y": torch.zeros(n, 3, 2), "mask": torch.ones(n, 3)}
+
+
+def _train_stream(shapes, out, max_steps, **args):
+    from vlmtrain import Trainer, TrainingArguments
+
+    stream = StreamingDataset([IndexedSource(shapes, name="s", block_size=6)], seed=4)  # 10 shards
+    model = _KeyedModel()
+    args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=6,
+                             disable_tqdm=True, report_to="none", logging_steps=10, **args)
+    trainer = Trainer(model, args, train_dataset=stream, data_collator=_keyed_collate)
+    return trainer, model
+
+
+def test_persistent_workers_reshuffle_a_stream_every_epoch(shapes, tmp_path):
+    """With one persistent worker (its copy of the stream outlives the epoch) each epoch reads its own shard order,
+    the one a run without persistent workers reads."""
+    runs = {}
+    for persistent in (False, True):
+        trainer, model = _train_stream(shapes, tmp_path / str(persistent), 20, save_strategy="no",
+                                       dataloader_num_workers=1, dataloader_persistent_workers=persistent)
+        trainer.train()
+        runs[persistent] = [sum(model.seen[i:i + 10], []) for i in (0, 10)]
+    first, second = runs[True]
+    assert sorted(first) == sorted(second) == list(range(N)) and first != second
+    assert runs[True] == runs[False]
+
+
+def test_a_stream_resumed_with_another_number_of_workers_names_the_setting(shapes, tmp_path):
+    trainer, _ = _train_stream(shapes, tmp_path, 2, save_strategy="steps", save_steps=2, dataloader_num_workers=0)
+    trainer.train()
+    resumed, _ = _train_stream(shapes, tmp_path, 4, save_strategy="no", dataloader_num_workers=1)
+    with pytest.raises(ValueError, match=r"checkpoint-2.*dataloader_num_workers=0.*dataloader_num_workers=1.*"
+                                         r"resume with train.dataloader_num_workers=0"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))

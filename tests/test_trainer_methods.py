@@ -172,3 +172,16 @@ def test_the_public_arguments_and_callbacks_are_the_compat_layers_and_a_trainer_
     trainer = vlmtrain.Trainer(model=tiny_llama())
     assert type(trainer.args) is vlmtrain.TrainingArguments
     assert (trainer.args.output_dir, trainer.args.do_eval, trainer.args.world_size) == ("trainer_output", False, 1)
+
+
+def test_sgd_is_built_as_transformers_builds_it(tmp_path):
+    """optim='sgd' with adam_beta1 set: the same SGD hyperparameters as transformers' Trainer (which takes SGD's
+    momentum from optim_args only, never from adam_beta1: momentum 0)."""
+    groups = {}
+    for fw, trainer in _pair(tmp_path, optim="sgd", adam_beta1=0.8, weight_decay=0.1).items():
+        trainer.create_optimizer()
+        assert type(trainer.optimizer) is torch.optim.SGD
+        groups[fw] = sorted((g["weight_decay"], g["momentum"], g["dampening"], g["nesterov"], len(g["params"]))
+                            for g in trainer.optimizer.param_groups)
+    assert groups["ours"] == groups["hf"]
+    assert {g[1] for g in groups["ours"]} == {0}

@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 KEY, DROPPED, COUNTS_ONLY = "__key__", "__dropped__", "__counts_only__"
@@ -249,6 +250,10 @@ class StreamingDataset(IterableDataset):
         self.filters = list(filters)
         self.rank, self.world_size = rank, world_size
         self.epoch = 0
+        # set_epoch's value in shared memory: a persistent DataLoader worker's copy, which set_epoch never reaches,
+        # reads it as each epoch's iteration begins (as HF datasets' IterableDataset shares its epoch)
+        self._shared_epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        self._followed_epoch = 0  # the shared value this copy last took
         self._state: dict[str, Any] | None = None
         self._readers: list[_Reader] | None = None
         self._draws = 0
@@ -266,11 +271,24 @@ class StreamingDataset(IterableDataset):
         return rank * workers + worker, world * workers
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` (one source). A resumed state for this same epoch is kept."""
+        """Start ``epoch`` (one source), here and in persistent workers' copies. A resumed state for this same
+        epoch is kept."""
+        self._shared_epoch.fill_(epoch)
+        self._start_epoch(epoch)
+
+    def _follow_epoch(self) -> None:
+        """Take the epoch set_epoch last shared, if it changed since this copy took one."""
+        epoch = int(self._shared_epoch)
+        if epoch != self._followed_epoch:
+            self._start_epoch(epoch)
+
+    def _start_epoch(self, epoch: int) -> None:
+        self._followed_epoch = epoch
         if epoch != self.epoch:
             self.epoch, self._state = epoch, None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._follow_epoch()  # (in a persistent worker: the epoch the main process's set_epoch started)
         reader, readers = self._reader_id()
         self._readers = [_Reader(s, reader, readers, self.seed + k, self.shuffle) for k, s in enumerate(self.sources)]
         self._draws = 0

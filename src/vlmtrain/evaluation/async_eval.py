@@ -208,8 +208,9 @@ LAUNCHERS = {"subprocess": _SubprocessJob, "submitit": _SubmititJob}
 
 
 class AsyncEvaluator:
-    """Rank 0's queue of checkpoints to evaluate in other processes (see the module docstring). ``poll`` and
-    ``wait`` return the rows to log; ``state_dict`` goes into every checkpoint."""
+    """Rank 0's queue of checkpoints to evaluate in other processes (see the module docstring). ``poll`` returns
+    the rows to log and never blocks: where training must wait for an evaluation it sets ``waiting`` and the
+    trainer polls again, every rank waiting with rank 0; ``state_dict`` goes into every checkpoint."""
 
     def __init__(self, args: Any) -> None:
         self.args, self.run_dir = args, args.output_dir
@@ -218,6 +219,8 @@ class AsyncEvaluator:
         self._jobs: dict[int, tuple[Any, float]] = {}  # step -> (job, start time)
         self._attempts: Counter = Counter()
         self._device_env: dict[str, str] | None = None  # CUDA_VISIBLE_DEVICES for train.async_eval_device
+        self.waiting = False  # set by poll: training must not go on before the next poll
+        self._end_deadline: float | None = None  # (at the end of training) async_eval_wait_at_end_s from then
 
     # -- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -256,10 +259,14 @@ class AsyncEvaluator:
                 os.remove(path)
         self.queue.append(step)
 
-    def poll(self, current_step: int) -> list[dict[str, Any]]:
-        """Non-blocking: rows for evaluations that finished; jobs launched for complete checkpoints that have a
-        free slot (async_eval_when_full: 'wait' blocks here until one frees, 'skip' logs the step as skipped)."""
-        rows = self._collect(current_step)
+    def poll(self, current_step: int, at_end: bool = False) -> list[dict[str, Any]]:
+        """Never blocks: rows for evaluations that finished; jobs launched for complete checkpoints that have a
+        free slot (async_eval_when_full: 'skip' logs a step that has none as skipped). Afterwards :attr:`waiting`
+        says whether training must not go on yet, and the caller polls again after a pause (every rank waits
+        there together, see TrainerCore._poll_async_evaluations): a complete checkpoint has no free slot
+        (async_eval_when_full: 'wait'), or, ``at_end`` (the end of training), evaluations are still queued,
+        for at most async_eval_wait_at_end_s from the first such call."""
+        rows, self.waiting = self._collect(current_step), False
         for step in list(self.queue):
             if step in self._jobs:
                 continue
@@ -273,35 +280,34 @@ class AsyncEvaluator:
                               f"evaluated again (the file is kept as {result}.corrupt).", stacklevel=3)
                 os.replace(result, result + ".corrupt")
             if not os.path.isfile(os.path.join(self._checkpoint(step), ckpt.STATE_NAME)):
+                if at_end and not os.path.isdir(self._checkpoint(step)):
+                    rows.append(self._row(step, current_step, {
+                        "eval_async_error": f"{self._checkpoint(step)} is missing"}))
                 continue  # (async_checkpoint) still being written
             if len(self._jobs) >= self.args.async_eval_max_pending:
                 if self.args.async_eval_when_full == "skip":
                     rows.append(self._row(step, current_step, {"eval_async_status": (
                         f"skipped: {len(self._jobs)} evaluations were still running (async_eval_max_pending)")}))
                     continue
-                rows += self._wait_for_slot(current_step)
+                self.waiting = True  # launched, in order, once a slot frees
+                break
             self._launch(step)
+        if at_end:
+            self._wait_at_end()
         return rows
 
-    def wait(self, current_step: int) -> list[dict[str, Any]]:
-        """At the end of training: launch what is queued and wait for everything, at most async_eval_wait_at_end_s
-        seconds."""
+    def _wait_at_end(self) -> None:
+        """(at the end of training) Wait while anything is queued, within async_eval_wait_at_end_s."""
         timeout = self.args.async_eval_wait_at_end_s
-        deadline, rows = time.monotonic() + timeout, []
-        while True:
-            rows += self.poll(current_step)
-            missing = [s for s in self.queue if s not in self._jobs and not os.path.isdir(self._checkpoint(s))]
-            for step in missing:
-                rows.append(self._row(step, current_step, {"eval_async_error": f"{self._checkpoint(step)} is missing"}))
-            if not self.queue or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        if self.queue:
+        if self._end_deadline is None:
+            self._end_deadline = time.monotonic() + timeout
+        self.waiting = bool(self.queue)
+        if self.queue and time.monotonic() > self._end_deadline:
             warnings.warn(f"train.async_eval: {len(self.queue)} evaluation(s) still running after "
                           f"async_eval_wait_at_end_s={timeout:g} s (steps {self.queue}); their results are not "
                           f"logged by this run: `vlmtrain eval --checkpoint {self.run_dir} --all` logs them later.",
-                          stacklevel=3)
-        return rows
+                          stacklevel=4)
+            self.waiting = False
 
     # -- internals ---------------------------------------------------------------------------------------
     def _collect(self, current_step: int) -> list[dict[str, Any]]:
@@ -332,13 +338,6 @@ class AsyncEvaluator:
             else:
                 rows.append(self._row(step, current_step, {"eval_async_error": (
                     f"corrupt or missing result file {self._result_file(step)}; log: {job.log_path}")}))
-        return rows
-
-    def _wait_for_slot(self, current_step: int) -> list[dict[str, Any]]:
-        rows = []
-        while len(self._jobs) >= self.args.async_eval_max_pending:
-            time.sleep(0.2)
-            rows += self._collect(current_step)
         return rows
 
     def _launch(self, step: int) -> None:

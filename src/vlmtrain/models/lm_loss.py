@@ -12,9 +12,10 @@ so a long answer never holds more than ``chunk_rows x vocab`` logits at once, in
 - any other output layer (a peft LoRA or modules_to_save wrapper, a quantized layer) runs each chunk under
   ``torch.utils.checkpoint``: its logits are recomputed in backward, one chunk at a time.
 
-The loss is summed in float32 (as transformers upcasts its logits); the caller divides by the target count (or
-by a count over several micro-batches) as before. :func:`enable_lm_loss` gives a transformers causal LM or
-Hub VLM a ``loss_only=True`` forward that uses it.
+The loss is summed in float32 (as transformers upcasts its logits), and so are the head's weight and bias
+gradients over the chunks (in bf16 each chunk would round the running sum again); the caller divides by the
+target count (or by a count over several micro-batches) as before. :func:`enable_lm_loss` gives a transformers
+causal LM or Hub VLM a ``loss_only=True`` forward that uses it.
 """
 
 from __future__ import annotations
@@ -99,12 +100,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del z
             if need_rows:  # (under autocast, mm casts the weight as the full path's linear did)
                 grad_rows[start:start + chunk_rows] = torch.mm(grad, weight)
-            if need_weight:
+            if need_weight:  # accumulated over the chunks in float32 (in bf16 each chunk's sum would round)
                 if grad_weight is None:
-                    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-                torch.addmm(grad_weight, grad.t(), x.to(dtype), out=grad_weight)  # (FlopCounterMode sees it)
+                    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                torch.addmm(grad_weight, grad.t().float(), x.float(), out=grad_weight)  # (FlopCounterMode sees it)
             if need_bias:
-                part = grad.sum(dim=0)
+                part = grad.sum(dim=0, dtype=torch.float32)
                 grad_bias = part if grad_bias is None else grad_bias + part
             del grad  # (before the next chunk's logits)
         if need_weight and grad_weight is None:  # no target: a zero gradient, so every rank reaches the weight

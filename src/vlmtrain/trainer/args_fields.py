@@ -49,7 +49,8 @@ class CoreArguments:
     weight_decay: float = 0.0
     """Decoupled weight decay; never applied to biases and normalization weights."""
     adam_beta1: float = 0.9
-    """AdamW beta1 (also SGD momentum when optim='sgd')."""
+    """AdamW beta1. optim='sgd' is plain SGD without momentum, as transformers' Trainer builds it (which sets its
+    momentum only through optim_args); for SGD with momentum pass your own optimizer (Trainer(optimizers=...))."""
     adam_beta2: float = 0.999
     """AdamW beta2."""
     adam_epsilon: float = 1e-8
@@ -181,7 +182,8 @@ class CoreArguments:
     dataloader_drop_last: bool = False
     """Drop the last incomplete training batch of each epoch."""
     dataloader_persistent_workers: bool = False
-    """Keep the training loader's worker processes alive between epochs (with dataloader_num_workers > 0)."""
+    """Keep the training loader's worker processes alive between epochs (with dataloader_num_workers > 0); a
+    stream still reshuffles its shards every epoch."""
     dataloader_prefetch_factor: int | None = None
     """Batches each training worker loads ahead (needs dataloader_num_workers > 0; left out where 'auto' gives
     none); None: torch's default (2)."""

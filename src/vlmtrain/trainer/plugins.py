@@ -27,9 +27,9 @@ SLOTS: dict[str, str] = {  # slot name -> what it holds, and who fills it
                      "step), a sampler whose first_step the loop sets as each epoch begins); "
                      "vlmtrain.data.step_data",
     "default_collator": "pad_token_id -> the collator a Trainer without data_collator uses (vlmtrain.data.collate)",
-    "checkpoint_evaluator": "(args) -> rank 0's evaluator of saved checkpoints in other processes, None unless "
-                            "train.async_eval (check_command, enqueue, poll, wait, in_use, state_dict, "
-                            "load_state_dict); vlmtrain.evaluation.async_eval",
+    "checkpoint_evaluator": "(args) -> the evaluator of saved checkpoints in other processes (rank 0 keeps it), "
+                            "None unless train.async_eval (check_command, enqueue, poll(step, at_end) and its "
+                            "waiting flag, in_use, state_dict, load_state_dict); vlmtrain.evaluation.async_eval",
     "logging_callbacks": "(args) -> the callbacks every Trainer gets after DefaultFlowCallback: progress bar or "
                          "printer, metrics.jsonl, report_to's trackers; vlmtrain.logging.writers",
     "eval_samples": "(trainer, dataset, output, metric_key_prefix) -> None: keeps one evaluated set's per-sample "

@@ -7,18 +7,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from . import checkpoint as ckpt
+from . import distributed as dist
 from . import plugins
 from .callbacks import callback_states, restore_callback_states
+from .loader_state import load_loader_state
 from .model_files import has_sharded_weights, saves_trainable_only
 from .setup import load_model_state
 from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
 from .state import TrainerState
 
+ASYNC_EVAL_POLL_S = 0.2  # (async_eval) seconds between polls while the ranks wait for an evaluation
 LOOP_STATE = "loop_state"  # loop_state_<rank>.pt: vlmtrain's own position and window state (transformers ignores it)
 
 
@@ -33,6 +37,7 @@ class CheckpointMixin:
                 "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
                 "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step,
                 "skipped": dict(self._throughput.skipped_total), "run_loss": self._run_loss.state_dict(),
+                "nonfinite": self._nonfinite.state_dict(),
                 "async_eval": self._async_eval.state_dict() if self._async_eval is not None else None}
 
     _async_saver: Any = None  # train.async_checkpoint: the background writer (the checkpoint_writer slot's)
@@ -64,6 +69,25 @@ class CheckpointMixin:
         waiting = self._async_eval.in_use() if self._async_eval is not None else []  # (async_eval) kept until logged
         ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
                                 keep=waiting)
+
+    def _poll_async_evaluations(self, at_end: bool = False) -> None:
+        """(async_eval, every rank) At a step end, or ``at_end`` of training: rank 0 logs the evaluations that
+        finished and launches the next. Where it must wait for one (async_eval_when_full: wait with no free slot;
+        at the end, until all are logged or async_eval_wait_at_end_s) every rank waits here with it, the ranks
+        agreeing once per poll through one small all-reduce: no rank sits in a collective meanwhile, so the wait
+        may last longer than ddp_timeout."""
+        if not self._async_eval_on:
+            return
+        while True:
+            waiting = False
+            if self._async_eval is not None:
+                self._log_async_evaluations(self._async_eval.poll(self.state.global_step, at_end=at_end))
+                waiting = self._async_eval.waiting
+            if self.world_size > 1:
+                waiting = dist.reduce_cpu([float(waiting)], "max")[0] > 0
+            if not waiting:
+                return
+            time.sleep(ASYNC_EVAL_POLL_S)
 
     def _log_async_evaluations(self, rows: list[dict]) -> None:
         """(async_eval, rank 0) Log each finished evaluation at its checkpoint's step; their checkpoints may
@@ -141,13 +165,15 @@ class CheckpointMixin:
             ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
             return
         loop = ckpt.load_torch(loop_file)
-        if loop["loader"] is not None:
-            self.train_dataloader.load_state_dict(loop["loader"])
+        if loop["loader"] is not None:  # (saved with another dataloader_num_workers: map-style data resumes too)
+            load_loader_state(self.train_dataloader, loop["loader"], path)
         self._epoch_index, self._micro_step = loop["epoch_index"], loop["micro_step"]
         self._train_losses.load_state_dict(loop["train_losses"])
         if "run_loss" in loop:  # the whole run's mean loss (TrainOutput.train_loss) goes on across resumes
             self._run_loss.load_state_dict(loop["run_loss"])
         self._last_logged_step = loop["last_logged_step"]
+        if "nonfinite" in loop:  # steps skipped for NaN/Inf: in a row (max_consecutive_nonfinite_steps), in all
+            self._nonfinite.load_state_dict(loop["nonfinite"])
         if self._async_eval is not None:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))

@@ -253,8 +253,7 @@ class SetupMixin:
 
     def _finish_training(self, start: float) -> TrainOutput:
         self._wait_for_checkpoint()  # (async_checkpoint) the last save is complete before train() returns
-        if self._async_eval is not None:  # (async_eval) evaluations still running, for a bounded time
-            self._log_async_evaluations(self._async_eval.wait(self.state.global_step))
+        self._poll_async_evaluations(at_end=True)  # (async_eval) evaluations still running, for a bounded time
         train_loss = self._run_loss.compute().get("loss", math.nan)
         steps = self.state.global_step
         # transformers' keys: train_runtime, train_samples_per_second, train_steps_per_second (this call's steps),

@@ -228,3 +228,10 @@ class NonfiniteSteps:
     def pop_window(self) -> int:
         window, self.window = self.window, 0
         return window
+
+    def state_dict(self) -> dict[str, int]:
+        """The counts a checkpoint keeps: a resumed run goes on counting steps in a row, in the window, in all."""
+        return {"run": self.run, "window": self.window, "total": self.total}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.run, self.window, self.total = state["run"], state["window"], state["total"]

@@ -83,9 +83,10 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         self._preemption: PreemptionGuard | None = None
         self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
         # train.async_eval: rank 0 has saved checkpoints evaluated by other processes (vlmtrain.evaluation.async_eval
-        # fills the slot; its evaluator is None when the arguments ask for none)
-        evaluator = plugins.lookup("checkpoint_evaluator", lambda args: None)
-        self._async_eval = evaluator(self.args) if self.rank == 0 else None
+        # fills the slot; its evaluator is None when the arguments ask for none); every rank waits with it
+        evaluator = plugins.lookup("checkpoint_evaluator", lambda args: None)(self.args)
+        self._async_eval = evaluator if self.rank == 0 else None
+        self._async_eval_on = evaluator is not None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
         self._label_smoother = (plugins.require("label_smoothing")(self.args.label_smoothing_factor, self.model)
@@ -279,8 +280,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
             self.store_flos()  # (state.total_flos up to date in trainer_state.json)
             self._save_checkpoint()
             self.control = self._event("on_save")
-        if self._async_eval is not None:
-            self._log_async_evaluations(self._async_eval.poll(self.state.global_step))
+        self._poll_async_evaluations()
         self._throughput.exclude(time.perf_counter() - paused)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
