@@ -81,7 +81,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "flash_attention_2, ... (default sdpa)")
     p.add_argument("--vision-attn", choices=("same", "varlen"), default="same", help="the vision tower's "
                    "attention for every contender: same as --attn (transformers: one call per image) or varlen (one "
-                   "torch varlen_attn call for all images; benchmarks/vision_varlen.py)")
+                   "torch varlen_attn call for all images: vlmtrain.models.vision_attention, which vlmtrain's "
+                   "model.attn_implementation: varlen_torch also sets)")
     p.add_argument("--text-attn", choices=("same", "varlen"), default="same", help="vlmtrain packed's text "
                    "attention: same as --attn (sdpa: a dense block-diagonal mask per row) or varlen "
                    "(model.attn_implementation: varlen_torch, per document with no mask; torch varlen_attn on CUDA)")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -117,23 +116,24 @@ def test_smoke_on_cuda_measures_peak_memory(bench, capsys, tmp_path):
 
 def test_vision_varlen_attention_takes_every_image_in_one_call_per_block(bench, monkeypatch):
     """--vision-attn varlen: transformers hands the whole vision tower's attention of a multi-image batch to
-    benchmarks/vision_varlen.py, one call per block with every image's boundaries, and the model computes what
-    its own per-image attention computes (on CPU both run one sdpa per image)."""
+    the library's vlmtrain/models/vision_attention.py, one call per block with every image's boundaries, and the
+    model computes what its own per-image attention computes (on CPU both run one sdpa per image)."""
     from transformers import AttentionInterface
 
     from tests.test_hub_packing import _samples
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.models import vision_attention as varlen
 
-    parts, varlen = bench.parts, sys.modules["vision_varlen"]
+    parts = bench.parts
     calls = []
-    original = varlen.varlen_attention
+    original = varlen.vision_varlen_attention
 
     def counted(*args, **kwargs):
         calls.append(kwargs["cu_seq_lens_q"].tolist())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(varlen, "varlen_attention", counted)
+    monkeypatch.setattr(varlen, "vision_varlen_attention", counted)
     config = parts.model_config("tiny", "sdpa")
     batch = HubVLMCollator(HubVLMProcessor(parts.processor_for("tiny"), parts.FAMILY, max_length=400,
                                            prompts=False))(_samples())

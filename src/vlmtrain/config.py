@@ -53,7 +53,8 @@ class ModelConfig:
     attn_implementation: str | None = None
     """(hub_vlm) transformers attention implementation: eager, sdpa, flash_attention_2, ...; None: its
     default. varlen_torch: vlmtrain's text attention per document with no dense mask (PyTorch's varlen_attn on
-    CUDA, torch >= 2.10, bfloat16; one sdpa call per document elsewhere), for packed rows; see docs/hub-vlms.md."""
+    CUDA, torch >= 2.10, bfloat16; one sdpa call per document elsewhere), for packed rows, and a Qwen-VL vision
+    tower's attention over all images in one call (not one per image); see docs/hub-vlms.md."""
     heads: dict[str, dict[str, Any]] | None = None
     """(hub_vlm) Score heads on the last non-pad token: {name: {type: classification|regression,
     num_outputs, loss: ce|bce|mse|huber, weight}}; labels come from each sample's `labels: {name: value}`."""
