@@ -56,13 +56,15 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_hub_vlm_budget as budget  # noqa: E402
 import gpu_hub_vlm_parts as parts  # noqa: E402
 
 import vlmtrain  # noqa: E402
 from vlmtrain.trainer.setup import dataloader_workers  # noqa: E402
 
 SETUPS = {"2b-full": ("2b", False), "8b-lora": ("8b", True)}
-CONTENDERS = ("transformers", "vlmtrain padded", "vlmtrain packed")
+CONTENDERS = ("transformers", "vlmtrain padded", "vlmtrain packed", budget.NAME)
+SAME_BATCHES = ("transformers", "vlmtrain padded", "vlmtrain packed")  # (budget: its own samples per step)
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 LOSS_RTOL = 1e-2
 
@@ -86,6 +88,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--text-attn", choices=("same", "varlen"), default="same", help="vlmtrain packed's text "
                    "attention: same as --attn (sdpa: a dense block-diagonal mask per row) or varlen "
                    "(model.attn_implementation: varlen_torch, per document with no mask; torch varlen_attn on CUDA)")
+    budget.add_options(p)
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="gradient/activation checkpointing in every contender (default on)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
@@ -146,7 +149,10 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
     config = parts.model_config(size, opts.attn)
     processor = parts.processor_for(size)
     sub = os.path.join(out, name)
-    data = parts.write_samples(os.path.join(sub, "data"), opts.batch_size * opts.steps, opts.seed, opts.smoke)
+    samples = opts.batch_size * opts.steps
+    if budget.NAME in (opts.contender or CONTENDERS):  # (as many samples as its token budget takes)
+        samples = max(samples, budget.samples_needed(opts, size))
+    data = parts.write_samples(os.path.join(sub, "data"), samples, opts.seed, opts.smoke)
     model_dir = parts.write_model_dir(os.path.join(sub, "model"), config, processor)
     run_opts = argparse.Namespace(**{**vars(opts), "workers": workers,
                                      "lr": opts.lr or (1e-4 if lora else 1e-5)})
@@ -173,7 +179,8 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
                 if contender == "transformers":
                     history = parts.run_transformers(setup, meter)
                 else:
-                    history = parts.run_vlmtrain(setup, meter, packed=contender.endswith("packed"))
+                    history = parts.run_vlmtrain(setup, meter, packed=contender.endswith("packed"),
+                                                 budget=contender == budget.NAME)
         except parts.ConfigError as err:
             results[contender] = {"skipped": f"vlmtrain refuses it: {err}"}
             continue
@@ -213,8 +220,9 @@ def report(results: dict[str, dict], peak: float | None) -> bool:
     if len(ran) < 2:  # (e.g. out of memory): a finding, not a failed check
         print(f"  {len(ran)} contender(s) ran: nothing to compare")
         return True
-    firsts = {r["first"] for r in ran.values()}
-    losses = [r["loss1"] for r in ran.values()]
+    same = {k: r for k, r in ran.items() if k in SAME_BATCHES} or ran
+    firsts = {r["first"] for r in same.values()}
+    losses = [r["loss1"] for r in ran.values()]  # (budget too: a random init's loss hardly depends on the batch)
     same_data = len(firsts) == 1 and None not in firsts
     inits = {r["init"] for r in ran.values()}
     same_init = len(inits) == 1 and None not in inits

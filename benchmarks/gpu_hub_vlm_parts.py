@@ -17,7 +17,9 @@ from typing import Any
 import torch
 import transformers
 import yaml
-from gpu_hub_vlm_data import BatchedCollator, JsonlSamples, write_samples  # (beside this file)
+from gpu_hub_vlm_budget import config as budget_config  # (beside this file)
+from gpu_hub_vlm_budget import max_image_patches
+from gpu_hub_vlm_data import BatchedCollator, JsonlSamples, write_samples
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
@@ -348,14 +350,15 @@ def run_transformers(s: Setup, meter: Meter) -> list[dict[str, Any]]:
     return history
 
 
-def run_vlmtrain(s: Setup, meter: Meter, packed: bool) -> list[dict[str, Any]]:
+def run_vlmtrain(s: Setup, meter: Meter, packed: bool, budget: bool = False) -> list[dict[str, Any]]:
     """vlmtrain through run.build on a config (model.kind hub_vlm, data.source jsonl, data.packing), the
     kind's loader handed the in-memory model; loader waits timed around the training loader's iterator.
-    Raises ConfigError when the installed vlmtrain refuses the configuration (e.g. data.packing)."""
+    ``budget``: token-budget micro-batches (gpu_hub_vlm_budget.py). Raises ConfigError when the installed
+    vlmtrain refuses the configuration (e.g. data.packing)."""
     from vlmtrain import run
     from vlmtrain.config import load_run_config
 
-    name = "vlmtrain_packed" if packed else "vlmtrain_padded"
+    name = "vlmtrain_budget" if budget else "vlmtrain_packed" if packed else "vlmtrain_padded"
     train = {k: v for k, v in s.common_args().items() if k not in ("gradient_checkpointing_kwargs",)}
     if s.opts.activation_checkpointing:
         train["activation_checkpointing_kwargs"] = {"use_reentrant": False}
@@ -365,6 +368,10 @@ def run_vlmtrain(s: Setup, meter: Meter, packed: bool) -> list[dict[str, Any]]:
            "data": {"source": "jsonl", "train_file": s.data, "num_eval": 0, "max_length": 8192,
                     "packing": packed, "pad_to_multiple_of": s.opts.pad_to_multiple_of},
            "train": {"output_dir": os.path.join(s.out, name), **train}}
+    if budget:
+        data, train_keys, cfg["model"]["attn_implementation"] = budget_config(s.opts, max_image_patches(s.processor))
+        cfg["data"].update(data)
+        cfg["train"].update(train_keys)
     path = os.path.join(s.out, f"{name}.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from optional_extras import requires
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_hub_vlm.py"
@@ -34,7 +35,7 @@ def test_without_cuda_it_says_so_and_exits_0(bench, capsys):
 
 
 def _rows(block: str) -> dict[str, str]:
-    return {m.group(1): m.group(2) for m in re.finditer(r"^  (transformers|vlmtrain padded|vlmtrain packed)\s+(.*)$",
+    return {m.group(1): m.group(2) for m in re.finditer(r"^  (transformers|vlmtrain padded|vlmtrain packed|vlmtrain budget)\s+(.*)$",
                                                         block, re.M)}
 
 
@@ -57,6 +58,33 @@ def test_smoke_runs_only_the_chosen_contender(bench, capsys, tmp_path):
     out = capsys.readouterr().out
     assert set(_rows(out)) == {"vlmtrain padded"}, out
     assert "1 contender(s) ran: nothing to compare" in out
+
+
+@pytest.mark.slow
+def test_budget_contender_trains_one_row_of_T_tokens_per_step(bench, capsys, tmp_path, monkeypatch):
+    """vlmtrain budget: every step one packed row of --budget-tokens (data.pack_window, batch 1), the vision
+    tower padded to --budget-patches, text and vision attention varlen_torch."""
+    from vlmtrain.models import vision_attention
+
+    shapes, calls = set(), []
+    counted = bench.parts.Counted.__call__
+
+    def spy(self, rows):
+        batch = counted(self, rows)
+        shapes.add(tuple(batch["input_ids"].shape))
+        return batch
+
+    monkeypatch.setattr(bench.parts.Counted, "__call__", spy)
+    inner = vision_attention.vision_varlen_attention
+    monkeypatch.setattr(vision_attention, "vision_varlen_attention", lambda *a, **k: (calls.append(1), inner(*a, **k))[1])
+    assert bench.main(["--smoke", "--only", "2b-full", "--contender", "vlmtrain budget", "--budget-tokens", "512",
+                       "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert set(_rows(out)) == {"vlmtrain budget"} and shapes == {(1, 512)} and calls, out
+    fill = float(_rows(out)["vlmtrain budget"].split()[-2])
+    assert fill > 0.9, out
+    written = yaml.safe_load(open(tmp_path / "2b-full" / "vlmtrain_budget.yaml"))
+    assert written["data"]["max_patches_per_pack"] == 8192 and written["model"]["attn_implementation"] == "varlen_torch"
 
 
 @pytest.mark.slow
@@ -85,13 +113,14 @@ def test_smoke_runs_every_contender_on_the_same_start_and_data(bench, capsys, tm
     assert [b.split(":")[0] for b in blocks] == ["2b-full", "8b-lora"]
     for block in blocks:
         rows = _rows(block)
-        assert set(rows) == {"transformers", "vlmtrain padded", "vlmtrain packed"}, block
+        assert set(rows) == {"transformers", "vlmtrain padded", "vlmtrain packed", "vlmtrain budget"}, block
         for name in ("transformers", "vlmtrain padded"):
             tokens_per_s, ratio = (float(v) for v in rows[name].split()[:2])
             assert tokens_per_s > 0, block
         assert float(rows["transformers"].split()[1]) == 1.0
         loss = {name: float(rows[name].split()[-1]) for name in ("transformers", "vlmtrain padded")}
         assert loss["transformers"] == pytest.approx(loss["vlmtrain padded"], rel=1e-2)
+        assert float(rows["vlmtrain budget"].split()[0]) > 0, block
         packed = rows["vlmtrain packed"]
         assert packed.startswith("skipped: vlmtrain refuses it: ") or float(packed.split()[0]) > 0
         assert re.search(r"same weights at the start \(checksums \[[^,\]]+\]\): yes", block), block
