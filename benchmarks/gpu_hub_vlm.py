@@ -17,6 +17,10 @@ kernel (--attn), data-loader workers, activation checkpointing and torch.compile
   vlmtrain padded  vlmtrain's `hub_vlm` kind through run.build on a config (data.packing: false)
   vlmtrain packed  the same with data.packing: true; skipped, with vlmtrain's own message, where the installed
                    vlmtrain refuses packing for Hub VLMs
+  vlmtrain budget  (only when named: --contender "vlmtrain budget") token-budget micro-batches: one packed row
+                   of --budget-tokens per step, the vision tower padded to --budget-patches, text and vision
+                   attention varlen_torch (gpu_hub_vlm_budget.py); its steps hold other samples than the
+                   others' (left out of the same-first-batch check; its step-1 loss is still compared)
 
 Setups: 2B full fine-tune (everything trains) and 8B LoRA (r 16, alpha 32, adapters on the language model's
 linear layers; vision tower, projector and the rest frozen).
@@ -65,6 +69,7 @@ from vlmtrain.trainer.setup import dataloader_workers  # noqa: E402
 SETUPS = {"2b-full": ("2b", False), "8b-lora": ("8b", True)}
 CONTENDERS = ("transformers", "vlmtrain padded", "vlmtrain packed", budget.NAME)
 SAME_BATCHES = ("transformers", "vlmtrain padded", "vlmtrain packed")  # (budget: its own samples per step)
+DEFAULT_CONTENDERS = SAME_BATCHES  # (budget runs when named: --contender "vlmtrain budget")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 LOSS_RTOL = 1e-2
 
@@ -102,7 +107,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="print each step's time and data wait on stderr")
     p.add_argument("--contender", choices=CONTENDERS, action="append", help="run only this contender "
-                   "(repeatable; default all three: the ratios need transformers)")
+                   "(repeatable; default transformers, vlmtrain padded and packed: the ratios need transformers)")
     p.add_argument("--profile", choices=CONTENDERS, action="append", help="profile this contender's 2 steps "
                    "after --warmup (torch.profiler; top operators by device time on stderr; repeatable); those "
                    "steps and the one after them (the report) are left out of the rates")
@@ -150,7 +155,7 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
     processor = parts.processor_for(size)
     sub = os.path.join(out, name)
     samples = opts.batch_size * opts.steps
-    if budget.NAME in (opts.contender or CONTENDERS):  # (as many samples as its token budget takes)
+    if budget.NAME in (opts.contender or DEFAULT_CONTENDERS):  # (as many samples as its token budget takes)
         samples = max(samples, budget.samples_needed(opts, size))
     data = parts.write_samples(os.path.join(sub, "data"), samples, opts.seed, opts.smoke)
     model_dir = parts.write_model_dir(os.path.join(sub, "model"), config, processor)
@@ -163,7 +168,7 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
           f"lr {run_opts.lr:g}")
 
     results: dict[str, dict] = {}
-    for contender in opts.contender or CONTENDERS:
+    for contender in opts.contender or DEFAULT_CONTENDERS:
         meter = parts.Meter(device=device, progress=opts.progress,
                             profile_after=opts.warmup if contender in (opts.profile or ()) else None)
         print(f"  {contender} ...", file=sys.stderr, flush=True)

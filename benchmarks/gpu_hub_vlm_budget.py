@@ -16,7 +16,8 @@ from typing import Any
 
 NAME = "vlmtrain budget"
 PATCHES_PER_TOKEN = 3.25
-"""P = this x T by default: image tokens are ~74% of this data's tokens, 4 patches each (budget_fill.py)."""
+"""P = this x T by default: image tokens are 74.5% of this data's tokens, 4 patches each; token fill 0.971 at
+window 256 (budget_fill.py, docs/hub-vlms.md)."""
 AVERAGE_SAMPLE_TOKENS = {"tiny": 100, "2b": 1185, "8b": 1185}
 """Tokens per sample of this data (budget_fill.py; tiny: --smoke), to write enough samples for its steps."""
 

@@ -113,14 +113,13 @@ def test_smoke_runs_every_contender_on_the_same_start_and_data(bench, capsys, tm
     assert [b.split(":")[0] for b in blocks] == ["2b-full", "8b-lora"]
     for block in blocks:
         rows = _rows(block)
-        assert set(rows) == {"transformers", "vlmtrain padded", "vlmtrain packed", "vlmtrain budget"}, block
+        assert set(rows) == {"transformers", "vlmtrain padded", "vlmtrain packed"}, block
         for name in ("transformers", "vlmtrain padded"):
             tokens_per_s, ratio = (float(v) for v in rows[name].split()[:2])
             assert tokens_per_s > 0, block
         assert float(rows["transformers"].split()[1]) == 1.0
         loss = {name: float(rows[name].split()[-1]) for name in ("transformers", "vlmtrain padded")}
         assert loss["transformers"] == pytest.approx(loss["vlmtrain padded"], rel=1e-2)
-        assert float(rows["vlmtrain budget"].split()[0]) > 0, block
         packed = rows["vlmtrain packed"]
         assert packed.startswith("skipped: vlmtrain refuses it: ") or float(packed.split()[0]) > 0
         assert re.search(r"same weights at the start \(checksums \[[^,\]]+\]\): yes", block), block
