@@ -165,3 +165,43 @@ def test_budgets_that_cannot_hold_a_sample_are_errors_naming_the_setting(root, t
     with pytest.raises(ValueError, match=r"sample .* has \d+ vision patches, more than "
                                          r"data.max_patches_per_pack=8: one sample must fit one packed row"):
         next(iter(ds))
+
+
+class _Stream:
+    """Processed items as a stream with a position (what PackedDataset needs of its stream)."""
+
+    def __init__(self, items):
+        self.items, self.at = items, 0
+
+    def __iter__(self):
+        while self.at < len(self.items):
+            self.at += 1
+            yield self.items[self.at - 1]
+
+    def state_dict(self):
+        return {"at": self.at}
+
+    def load_state_dict(self, state):
+        self.at = state["at"]
+
+
+def test_the_window_packer_keeps_every_row_within_the_patch_budget():
+    """Where patches, not tokens, run out first: no row holds more than max_patches_per_pack patches (the
+    knapsack's second resource), every sample is placed whole, and a sample over the budget is named."""
+    from vlmtrain.data.pack_stream import PackedDataset
+    from vlmtrain.data.packing import vision_patches
+
+    gen = torch.Generator().manual_seed(0)
+    items = [{"input_ids": torch.zeros(int(torch.randint(10, 60, (1,), generator=gen))),
+              "image_grid_thw": torch.tensor([[1, 2 * int(torch.randint(1, 5, (1,), generator=gen)), 8]]),
+              "__key__": f"s{i}"} for i in range(40)]
+    ds = PackedDataset(_Stream(items), lambda it: it, 1000, None, window=40, keep_items=True,
+                       max_patches_per_pack=96)
+    rows = [row["items"] for row in ds]
+    assert sorted(it["__key__"] for row in rows for it in row) == sorted(it["__key__"] for it in items)
+    assert max(sum(vision_patches(it) for it in row) for row in rows) <= 96
+    assert max(sum(len(it["input_ids"]) for it in row) for row in rows) < 400  # (tokens never bound here)
+    ds = PackedDataset(_Stream(items), lambda it: it, 1000, None, window=40, keep_items=True,
+                       max_patches_per_pack=60)
+    with pytest.raises(ValueError, match=r"sample s\d+ has 64 vision patches, more than data.max_patches_per_pack=60"):
+        list(ds)
