@@ -205,3 +205,28 @@ def test_the_window_packer_keeps_every_row_within_the_patch_budget():
                        max_patches_per_pack=60)
     with pytest.raises(ValueError, match=r"sample s\d+ has 64 vision patches, more than data.max_patches_per_pack=60"):
         list(ds)
+
+
+def test_per_batch_packing_caps_each_rows_patches_too(root, one_thread):
+    """data.max_patches_per_pack without a window: the collator's own knapsack (each batch's samples) keeps every
+    row within the patch budget, and a sample over it is an error."""
+    from tests.test_hub_packing import _samples
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.data.packing import vision_patches
+
+    family, processor, model = _parts("qwen3_vl", root)
+    hub = HubVLMProcessor(processor, family, max_length=400, prompts=False)
+    samples = _samples()
+    most = max(vision_patches(hub.process(s)) for s in samples)
+    collate = HubVLMCollator(hub, pack_length=400, model_config=model.config, min_fill_gain=-1.0,
+                             max_patches_per_pack=most)
+    batch = collate(samples)
+    rows = batch["input_ids"].shape[0]
+    assert rows > HubVLMCollator(hub, pack_length=400, model_config=model.config,
+                                 min_fill_gain=-1.0)(samples)["input_ids"].shape[0]  # (the cap binds here)
+    image = batch["input_ids"] == model.config.image_token_id  # 4 patches per image token
+    assert (image.sum(1) * 4 <= most).all() and batch["pack_stats"]["samples"] == len(samples)
+    collate.max_patches_per_pack = most - 4
+    with pytest.raises(ValueError, match=f"a sample has {most} vision patches, more than data.max_patches_per_pack"):
+        collate(samples)
