@@ -167,8 +167,8 @@ class DataCore:
     vision tower's input padded with blank images to a multiple of it (with pack_window and
     per_device_train_batch_size 1, a token-budget micro-batch: exactly this many, every step the same vision
     shape; evaluation batches' to a multiple; the padding never reaches the language model, the loss or the
-    logged FLOPs). A multiple of
-    spatial_merge_size^2 (4), at least max_images x the patches of the largest image; see docs/hub-vlms.md."""
+    logged FLOPs). A multiple of spatial_merge_size^2 (4), at least max_images x the patches of the largest
+    image; see docs/hub-vlms.md."""
     pad_to_multiple_of: int | None = None
     """(hub_vlm) Padded batches are as long as their longest sample rounded up to a multiple of this (the name
     of transformers' collators' option), e.g. 64: fewer distinct lengths for train.torch_compile to compile,
