@@ -21,6 +21,10 @@ kernel (--attn), data-loader workers, activation checkpointing and torch.compile
   vlmtrain packed  the same with data.packing: true; skipped, with vlmtrain's own message, where the installed
                    vlmtrain refuses packing for Hub VLMs
   (--liger: both vlmtrain contenders with train.use_liger_kernel: Liger's RMSNorm, RoPE, SwiGLU, vlmtrain's loss)
+  vlmtrain budget  (only when named: --contender "vlmtrain budget") token-budget micro-batches: one packed row
+                   of --budget-tokens per step, the vision tower padded to --budget-patches, text and vision
+                   attention varlen_torch (gpu_hub_vlm_budget.py); its steps hold other samples than the
+                   others' (left out of the same-first-batch check; its step-1 loss is still compared)
 
 Setups: 2B full fine-tune (everything trains) and 8B LoRA (r 16, alpha 32, adapters on the language model's
 linear layers; vision tower, projector and the rest frozen).
@@ -61,14 +65,17 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_hub_vlm_budget as budget  # noqa: E402
 import gpu_hub_vlm_parts as parts  # noqa: E402
 
 import vlmtrain  # noqa: E402
 from vlmtrain.trainer.setup import dataloader_workers  # noqa: E402
 
 SETUPS = {"2b-full": ("2b", False), "8b-lora": ("8b", True)}
-CONTENDERS = ("transformers", "transformers + liger", "vlmtrain padded", "vlmtrain packed")
+CONTENDERS = ("transformers", "transformers + liger", "vlmtrain padded", "vlmtrain packed", budget.NAME)
 LIGER = "transformers + liger"  # (a default contender with --liger or --smoke only)
+SAME_BATCHES = ("transformers", LIGER, "vlmtrain padded", "vlmtrain packed")  # (budget: its own samples per step)
+DEFAULT_CONTENDERS = SAME_BATCHES  # (budget runs when named: --contender "vlmtrain budget")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 LOSS_RTOL = 1e-2
 
@@ -87,10 +94,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "flash_attention_2, ... (default sdpa)")
     p.add_argument("--vision-attn", choices=("same", "varlen"), default="same", help="the vision tower's "
                    "attention for every contender: same as --attn (transformers: one call per image) or varlen (one "
-                   "torch varlen_attn call for all images; benchmarks/vision_varlen.py)")
+                   "torch varlen_attn call for all images: vlmtrain.models.vision_attention, which vlmtrain's "
+                   "model.attn_implementation: varlen_torch also sets)")
     p.add_argument("--text-attn", choices=("same", "varlen"), default="same", help="vlmtrain packed's text "
                    "attention: same as --attn (sdpa: a dense block-diagonal mask per row) or varlen "
                    "(model.attn_implementation: varlen_torch, per document with no mask; torch varlen_attn on CUDA)")
+    budget.add_options(p)
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="gradient/activation checkpointing in every contender (default on)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
@@ -107,8 +116,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--progress", action="store_true", help="print each step's time and data wait on stderr")
     p.add_argument("--contender", choices=CONTENDERS, action="append", help="run only this contender "
-                   "(repeatable; default all but 'transformers + liger', which --liger and --smoke add: the ratios "
-                   "need transformers)")
+                   "(repeatable; default transformers, vlmtrain padded and packed, and 'transformers + liger' with "
+                   "--liger or --smoke: the ratios need transformers; 'vlmtrain budget' only when named)")
     p.add_argument("--profile", choices=CONTENDERS, action="append", help="profile this contender's 2 steps "
                    "after --warmup (torch.profiler; top operators by device time on stderr; repeatable); those "
                    "steps and the one after them (the report) are left out of the rates")
@@ -157,7 +166,10 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
     config = parts.model_config(size, opts.attn)
     processor = parts.processor_for(size)
     sub = os.path.join(out, name)
-    data = parts.write_samples(os.path.join(sub, "data"), opts.batch_size * opts.steps, opts.seed, opts.smoke)
+    samples = opts.batch_size * opts.steps
+    if budget.NAME in (opts.contender or DEFAULT_CONTENDERS):  # (as many samples as its token budget takes)
+        samples = max(samples, budget.samples_needed(opts, size))
+    data = parts.write_samples(os.path.join(sub, "data"), samples, opts.seed, opts.smoke)
     model_dir = parts.write_model_dir(os.path.join(sub, "model"), config, processor)
     run_opts = argparse.Namespace(**{**vars(opts), "workers": workers,
                                      "lr": opts.lr or (1e-4 if lora else 1e-5)})
@@ -168,7 +180,7 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
           f"lr {run_opts.lr:g}")
 
     results: dict[str, dict] = {}
-    for contender in opts.contender or [c for c in CONTENDERS if c != LIGER or opts.liger or opts.smoke]:
+    for contender in opts.contender or [c for c in DEFAULT_CONTENDERS if c != LIGER or opts.liger or opts.smoke]:
         if contender == LIGER and parts.liger_skip(device):
             results[contender] = {"skipped": parts.liger_skip(device)}
             continue
@@ -188,7 +200,8 @@ def run_setup(name: str, opts: argparse.Namespace, device: torch.device, out: st
                 if contender.startswith("transformers"):
                     history = parts.run_transformers(setup, meter, liger=contender == LIGER)
                 else:
-                    history = parts.run_vlmtrain(setup, meter, packed=contender.endswith("packed"))
+                    history = parts.run_vlmtrain(setup, meter, packed=contender.endswith("packed"),
+                                                 budget=contender == budget.NAME)
         except parts.ConfigError as err:
             results[contender] = {"skipped": f"vlmtrain refuses it: {err}"}
             continue
@@ -233,8 +246,9 @@ def report(results: dict[str, dict], peak: float | None) -> bool:
     if len(ran) < 2:  # (e.g. out of memory): a finding, not a failed check
         print(f"  {len(ran)} contender(s) ran: nothing to compare")
         return True
-    firsts = {r["first"] for r in ran.values()}
-    losses = [r["loss1"] for r in ran.values()]
+    same = {k: r for k, r in ran.items() if k in SAME_BATCHES} or ran
+    firsts = {r["first"] for r in same.values()}
+    losses = [r["loss1"] for r in ran.values()]  # (budget too: a random init's loss hardly depends on the batch)
     same_data = len(firsts) == 1 and None not in firsts
     inits = {r["init"] for r in ran.values()}
     same_init = len(inits) == 1 and None not in inits

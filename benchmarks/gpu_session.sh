@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/gpu_session.sh                    # ~7 minutes on one H200 (2026-11-26)
 #   PARTS="bench-2b compile" bash benchmarks/gpu_session.sh   # only these parts: bench (= bench-2b bench-8b),
-#                                                            # compile, varlen, profile, variants, liger, demo,
+#                                                            # compile, varlen, budget, profile, variants, liger,
+#                                                            # demo,
 #                                                            # tests
 #
 # compile: 2B vlmtrain padded with and without torch.compile (30 steps, lengths rounded to 64), recompiles
@@ -64,6 +65,13 @@ fi
 if want varlen; then  # vision attention in one varlen call (every contender), packed text varlen_torch (~150 s)
     TAIL=12 step varlen-2b "${VARLEN_2B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 12 \
         --warmup 4 --progress --vision-attn varlen --text-attn varlen
+fi
+if want budget; then  # token-budget micro-batches (one row of 16,384 tokens a step, vision padded, varlen_torch)
+    # against transformers, 2B then 8B (~4 minutes on an H200, not measured yet)
+    TAIL=10 step budget-2b "${BUDGET_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 12 --warmup 4 \
+        --progress --contender transformers --contender "vlmtrain budget"
+    TAIL=10 step budget-8b "${BUDGET_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 8b-lora --steps 10 --warmup 3 \
+        --progress --contender transformers --contender "vlmtrain budget"
 fi
 if want profile; then  # where one eager vlmtrain step spends its time (torch.profiler; steps 5-7 left out)
     TAIL=60 step profile-2b "${PROFILE_S:-120}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 9 \

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from optional_extras import requires
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_hub_vlm.py"
@@ -36,7 +36,8 @@ def test_without_cuda_it_says_so_and_exits_0(bench, capsys):
 
 def _rows(block: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in re.finditer(
-        r"^  (transformers \+ liger|transformers|vlmtrain padded|vlmtrain packed)\s+(.*)$", block, re.M)}
+        r"^  (transformers \+ liger|transformers|vlmtrain padded|vlmtrain packed|vlmtrain budget)\s+(.*)$", block,
+        re.M)}
 
 
 def test_profiled_steps_and_the_report_step_are_left_out_of_the_rates(bench):
@@ -75,6 +76,33 @@ def test_liger_contenders_say_why_they_cannot_run_on_cpu(bench, capsys, tmp_path
     assert refused.startswith("skipped: vlmtrain refuses it: use_liger_kernel=true"), out
     assert "needs liger-kernel, which is not installed" in refused or "run on a CUDA GPU" in refused, out
     assert "Liger kernels in vlmtrain on" in out and "1 contender(s) ran: nothing to compare" in out
+
+
+@pytest.mark.slow
+def test_budget_contender_trains_one_row_of_T_tokens_per_step(bench, capsys, tmp_path, monkeypatch):
+    """vlmtrain budget: every step one packed row of --budget-tokens (data.pack_window, batch 1), the vision
+    tower padded to --budget-patches, text and vision attention varlen_torch."""
+    from vlmtrain.models import vision_attention
+
+    shapes, calls = set(), []
+    counted = bench.parts.Counted.__call__
+
+    def spy(self, rows):
+        batch = counted(self, rows)
+        shapes.add(tuple(batch["input_ids"].shape))
+        return batch
+
+    monkeypatch.setattr(bench.parts.Counted, "__call__", spy)
+    inner = vision_attention.vision_varlen_attention
+    monkeypatch.setattr(vision_attention, "vision_varlen_attention", lambda *a, **k: (calls.append(1), inner(*a, **k))[1])
+    assert bench.main(["--smoke", "--only", "2b-full", "--contender", "vlmtrain budget", "--budget-tokens", "512",
+                       "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert set(_rows(out)) == {"vlmtrain budget"} and shapes == {(1, 512)} and calls, out
+    fill = float(_rows(out)["vlmtrain budget"].split()[-2])
+    assert fill > 0.9, out
+    written = yaml.safe_load(open(tmp_path / "2b-full" / "vlmtrain_budget.yaml"))
+    assert written["data"]["max_patches_per_pack"] == 8192 and written["model"]["attn_implementation"] == "varlen_torch"
 
 
 @pytest.mark.slow
@@ -137,23 +165,24 @@ def test_smoke_on_cuda_measures_peak_memory(bench, capsys, tmp_path):
 
 def test_vision_varlen_attention_takes_every_image_in_one_call_per_block(bench, monkeypatch):
     """--vision-attn varlen: transformers hands the whole vision tower's attention of a multi-image batch to
-    benchmarks/vision_varlen.py, one call per block with every image's boundaries, and the model computes what
-    its own per-image attention computes (on CPU both run one sdpa per image)."""
+    the library's vlmtrain/models/vision_attention.py, one call per block with every image's boundaries, and the
+    model computes what its own per-image attention computes (on CPU both run one sdpa per image)."""
     from transformers import AttentionInterface
 
     from tests.test_hub_packing import _samples
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.models import vision_attention as varlen
 
-    parts, varlen = bench.parts, sys.modules["vision_varlen"]
+    parts = bench.parts
     calls = []
-    original = varlen.varlen_attention
+    original = varlen.vision_varlen_attention
 
     def counted(*args, **kwargs):
         calls.append(kwargs["cu_seq_lens_q"].tolist())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(varlen, "varlen_attention", counted)
+    monkeypatch.setattr(varlen, "vision_varlen_attention", counted)
     config = parts.model_config("tiny", "sdpa")
     batch = HubVLMCollator(HubVLMProcessor(parts.processor_for("tiny"), parts.FAMILY, max_length=400,
                                            prompts=False))(_samples())

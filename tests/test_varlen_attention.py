@@ -27,6 +27,8 @@ from tests.test_hub_packing import (
 from vlmtrain.config import ConfigError, load_run_config
 from vlmtrain.models import varlen_attention
 from vlmtrain.models.families import get_family
+from vlmtrain.models.vision_attention import NAME as VISION_NAME
+from vlmtrain.models.vision_attention import VISION_MODEL_TYPES
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,8 @@ def test_packed_rows_with_varlen_torch_equal_sdpa_block_mask_and_unpacked(root, 
     model = _varlen_model(_tiny(name, root))
     assert model.config.get_text_config(decoder=True)._attn_implementation == "varlen_torch"
     vision = getattr(model.config, "vision_config", None)
-    assert vision is None or vision._attn_implementation == "sdpa"  # (the vision tower keeps its own)
+    qwen_tower = getattr(vision, "model_type", None) in VISION_MODEL_TYPES  # (all images in one call)
+    assert vision is None or vision._attn_implementation == (VISION_NAME if qwen_tower else "sdpa")
     sdpa.eval()
     model.eval()
     pack, pad = _collators(family, processor, sdpa, pack_length=400)

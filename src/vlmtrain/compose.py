@@ -71,7 +71,8 @@ def _window_packing(cfg: RunConfig, parts: dict[str, Any]) -> None:
     tokenizer = getattr(parts["tokenizer"], "tokenizer", parts["tokenizer"])  # (a processor's tokenizer)
     parts["train_dataset"] = PackedDataset(train, parts["process"], collator.pack_length, tokenizer.pad_token_id,
                                            window=d.pack_window, max_images_per_pack=d.max_images_per_pack,
-                                           keep_items=own_rows is not None)
+                                           keep_items=own_rows is not None,
+                                           max_patches_per_pack=d.max_patches_per_pack)
     parts["data_collator"] = RowCollator(parts["padded_collator"], collate=own_rows)
 
 

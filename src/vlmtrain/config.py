@@ -53,7 +53,8 @@ class ModelConfig:
     attn_implementation: str | None = None
     """(hub_vlm) transformers attention implementation: eager, sdpa, flash_attention_2, ...; None: its
     default. varlen_torch: vlmtrain's text attention per document with no dense mask (PyTorch's varlen_attn on
-    CUDA, torch >= 2.10, bfloat16; one sdpa call per document elsewhere), for packed rows; see docs/hub-vlms.md."""
+    CUDA, torch >= 2.10, bfloat16; one sdpa call per document elsewhere), for packed rows, and a Qwen-VL vision
+    tower's attention over all images in one call (not one per image); see docs/hub-vlms.md."""
     heads: dict[str, dict[str, Any]] | None = None
     """(hub_vlm) Score heads on the last non-pad token: {name: {type: classification|regression,
     num_outputs, loss: ce|bce|mse|huber, weight}}; labels come from each sample's `labels: {name: value}`."""
@@ -161,6 +162,13 @@ class DataCore:
     null: pack each batch's own samples (a step keeps exactly its batch's samples)."""
     max_images_per_pack: int | None = None
     """(vlm, hub_vlm) At most this many images (own VLM: tiles count) in one packed row; null: no cap."""
+    max_patches_per_pack: int | None = None
+    """(hub_vlm: Qwen3-VL, Qwen2.5-VL; with packing) At most this many vision patches in one packed row, and the
+    vision tower's input padded with blank images to a multiple of it (with pack_window and
+    per_device_train_batch_size 1, a token-budget micro-batch: exactly this many, every step the same vision
+    shape; evaluation batches' to a multiple; the padding never reaches the language model, the loss or the
+    logged FLOPs). A multiple of spatial_merge_size^2 (4), at least max_images x the patches of the largest
+    image; see docs/hub-vlms.md."""
     pad_to_multiple_of: int | None = None
     """(hub_vlm) Padded batches are as long as their longest sample rounded up to a multiple of this (the name
     of transformers' collators' option), e.g. 64: fewer distinct lengths for train.torch_compile to compile,
@@ -189,7 +197,8 @@ class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
                 raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ConfigError("data.image_mean and data.image_std need 3 values (RGB), the std ones > 0.")
-        for name in ("pack_length", "max_images_per_pack", "pack_window", "pad_to_multiple_of"):
+        for name in ("pack_length", "max_images_per_pack", "max_patches_per_pack", "pack_window",
+                     "pad_to_multiple_of"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}.")
         if self.pack_length is not None and self.source != "addition" and self.pack_length < self.max_length:
@@ -227,6 +236,10 @@ class RunConfig:
                               f"(got {self.model.kind!r}).")
         if source.check is not None:
             source.check(self)
+        if self.data.max_patches_per_pack is not None and self.model.kind != "hub_vlm":
+            raise ConfigError(f"data.max_patches_per_pack pads a Hub VLM's (Qwen-VL) vision tower; model.kind is "
+                              f"{self.model.kind!r}. Remove data.max_patches_per_pack (data.max_images_per_pack "
+                              f"caps a packed row's images).")
         kind = get_kind(self.model.kind)
         if kind.check is not None:
             kind.check(self)

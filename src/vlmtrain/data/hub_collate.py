@@ -19,7 +19,7 @@ import torch
 from vlmtrain.data.collate import pad_sequences
 from vlmtrain.data.hub_packing import pack_hub_items
 from vlmtrain.data.hub_processing import HubVLMProcessor
-from vlmtrain.data.packing import MIN_FILL_GAIN, pack_lengths, pack_stats, worth_packing
+from vlmtrain.data.packing import MIN_FILL_GAIN, pack_lengths, pack_stats, vision_patches, worth_packing
 from vlmtrain.data.processing import IGNORE_INDEX, process_or_skip
 
 _PASS_THROUGH = ("num_images", "head_labels")
@@ -63,7 +63,8 @@ class HubVLMCollator:
                  label_collate: Callable[[list[dict[str, Any] | None]], dict[str, torch.Tensor]] | None = None,
                  eval_prompts: bool = False, pack_length: int | None = None, model_config: Any = None,
                  max_images_per_pack: int | None = None, flatten: bool = False,
-                 min_fill_gain: float = MIN_FILL_GAIN, pad_to_multiple_of: int | None = None) -> None:
+                 min_fill_gain: float = MIN_FILL_GAIN, pad_to_multiple_of: int | None = None,
+                 max_patches_per_pack: int | None = None) -> None:
         pad = hub_processor.tokenizer.pad_token_id
         if pad is None:
             raise ValueError(f"HubVLMCollator needs a tokenizer with a pad token ({hub_processor.family.name})")
@@ -80,6 +81,7 @@ class HubVLMCollator:
             raise ValueError(f"packing {self.family.name} needs the model's config (its multimodal positions)")
         self.pack_length, self.model_config = pack_length, model_config
         self.max_images_per_pack, self.flatten, self.min_fill_gain = max_images_per_pack, flatten, min_fill_gain
+        self.max_patches_per_pack = max_patches_per_pack
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1 or None, got {pad_to_multiple_of}")
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -115,8 +117,15 @@ class HubVLMCollator:
             return {"skipped": dict(+skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         if self.pack_length is not None:
             lengths = [int(len(it["input_ids"])) for it in items]
-            bins = pack_lengths(lengths, self.pack_length, [int(it.get("num_images", 0)) for it in items],
-                                self.max_images_per_pack)
+            if self.max_patches_per_pack is not None:  # (vision patches per row, not images)
+                patches = [vision_patches(it) for it in items]
+                if max(patches) > self.max_patches_per_pack:
+                    raise ValueError(f"a sample has {max(patches)} vision patches, more than "
+                                     f"data.max_patches_per_pack={self.max_patches_per_pack}")
+                bins = pack_lengths(lengths, self.pack_length, patches, self.max_patches_per_pack)
+            else:
+                bins = pack_lengths(lengths, self.pack_length, [int(it.get("num_images", 0)) for it in items],
+                                    self.max_images_per_pack)
             if worth_packing(lengths, len(bins), self.pack_length, self.min_fill_gain):
                 return {**self.pack(items, bins), "skipped": dict(+skipped), "skipped_keys": keys[:5]}
         batch = self.collate_items(items, side="right")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from vlmtrain.data.packing import pack_items, pack_lengths, pack_stats
+from vlmtrain.data.packing import pack_items, pack_lengths, pack_stats, vision_patches
 from vlmtrain.data.processing import SkipSample
 from vlmtrain.data.sources import KEY, drop_counts, is_counts_only
 
@@ -40,11 +40,14 @@ class PackedDataset(IterableDataset):
 
     def __init__(self, stream: Any, process: Callable[[dict[str, Any]], dict[str, Any]], pack_length: int,
                  pad_token_id: int | None, window: int = 256, max_images_per_pack: int | None = None,
-                 keep_items: bool = False) -> None:
+                 keep_items: bool = False, max_patches_per_pack: int | None = None) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        if max_patches_per_pack is not None and (max_images_per_pack is not None or not keep_items):
+            raise ValueError("max_patches_per_pack (a Hub VLM's rows, keep_items) replaces max_images_per_pack")
         self.stream, self.process, self.pack_length = stream, process, pack_length
         self.pad_token_id, self.window, self.max_images_per_pack = pad_token_id, window, max_images_per_pack
+        self.max_patches_per_pack = max_patches_per_pack
         self.keep_items = keep_items
         self._window_start: dict[str, Any] | None = None
         self._rows_done = 0
@@ -91,8 +94,18 @@ class PackedDataset(IterableDataset):
                 continue
             if "pixel_values" in item and not self.keep_items:  # views (tiles) occupy image-token runs
                 item = {**item, "num_images": item["pixel_values"].shape[0]}
+            self._check_fits(item, sample)
             items.append(item)
         return items, skipped, keys
+
+    def _check_fits(self, item: dict[str, Any], sample: dict[str, Any]) -> None:
+        """A sample larger than a row (tokens, or vision patches with max_patches_per_pack) is an error naming it."""
+        n, patches = len(item["input_ids"]), vision_patches(item)
+        for what, size, cap, key in (("tokens", n, self.pack_length, "pack_length"),
+                                     ("vision patches", patches, self.max_patches_per_pack, "max_patches_per_pack")):
+            if cap is not None and size > cap:
+                raise ValueError(f"sample {sample.get(KEY, '?')} has {size} {what}, more than data.{key}={cap}: "
+                                 f"one sample must fit one packed row.")
 
     def _rows(self, items: list[dict], skipped: Counter[str], keys: list[str]) -> list[dict[str, Any]]:
         if not items:  # a window of bad samples only: one empty row carries the counts
@@ -100,12 +113,16 @@ class PackedDataset(IterableDataset):
         if self.keep_items:
             lengths = [len(it["input_ids"]) for it in items]
             images = [int(it.get("num_images", 0) or 0) for it in items]
+            if self.max_patches_per_pack is not None:  # (the second resource: vision patches, not images)
+                bins = pack_lengths(lengths, self.pack_length, [vision_patches(it) for it in items],
+                                    self.max_patches_per_pack)
+            else:
+                bins = pack_lengths(lengths, self.pack_length, images, self.max_images_per_pack)
             return [{"items": [items[i] for i in members], "skipped": dict(skipped) if r == 0 else {},
                      "skipped_keys": keys[:5] if r == 0 else [],
                      "pack_stats": pack_stats(len(members), sum(lengths[i] for i in members), 1, self.pack_length,
                                               sum(images[i] for i in members))}
-                    for r, members in enumerate(pack_lengths(lengths, self.pack_length, images,
-                                                             self.max_images_per_pack))]
+                    for r, members in enumerate(bins)]
         batch, bins = pack_items(items, self.pack_length, self.pad_token_id, self.max_images_per_pack)
         vlm = any("pixel_values" in it for it in items)
         rows: list[dict[str, Any]] = []

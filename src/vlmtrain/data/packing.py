@@ -95,6 +95,12 @@ def pack_items(items: Sequence[dict[str, Any]], pack_length: int, pad_token_id: 
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}, bins
 
 
+def vision_patches(item: dict[str, Any]) -> int:
+    """A processed Hub VLM sample's vision patches (Qwen-VL: the sum over ``image_grid_thw`` of t x h x w)."""
+    grid = item.get("image_grid_thw")
+    return 0 if grid is None else int(torch.as_tensor(grid).reshape(-1, 3).prod(-1).sum())
+
+
 MIN_FILL_GAIN = 0.05
 
 

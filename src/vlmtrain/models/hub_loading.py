@@ -13,6 +13,7 @@ from typing import Any
 from vlmtrain.errors import CheckpointError, ConfigError
 from vlmtrain.models.varlen_attention import NAME as VARLEN_TORCH  # (model.attn_implementation: varlen_torch)
 from vlmtrain.models.varlen_attention import use_varlen_text_attention
+from vlmtrain.models.vision_attention import use_varlen_vision_attention
 
 
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
@@ -24,7 +25,8 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     (``device_map``), in ``torch_dtype``, never a float32 copy first. A patch embedding Conv3d whose stride is
     its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/patch_embed.py; same weights and
     state dict). ``attn_implementation`` 'varlen_torch': loaded with sdpa, then the text model's attention is
-    models/varlen_attention.py's (the vision tower keeps sdpa)."""
+    models/varlen_attention.py's and a Qwen-VL vision tower's models/vision_attention.py's (all images in one
+    call; other vision towers keep sdpa)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -37,11 +39,12 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
     if device is not None:
         kwargs["device_map"] = torch.device(device)
-    if attn_implementation:  # (varlen_torch is the text model's only: set after loading with sdpa)
+    if attn_implementation:  # (varlen_torch is set after loading with sdpa)
         kwargs["attn_implementation"] = "sdpa" if attn_implementation == VARLEN_TORCH else attn_implementation
     model = from_pretrained(AutoModelForImageTextToText, pretrained, **kwargs)  # (meta device: config only)
     if attn_implementation == VARLEN_TORCH:
         use_varlen_text_attention(model)
+        use_varlen_vision_attention(model)
     linear_patch_embeddings(model)
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))

@@ -34,6 +34,13 @@ def check(cfg: Any) -> None:
         raise ConfigError(f"data.pack_window={cfg.data.pack_window} packs rows, but Hub VLM batches are packed only "
                           f"with data.packing: true (got {cfg.data.packing!r}). Set data.packing: true, or drop "
                           f"data.pack_window.")
+    if cfg.data.max_patches_per_pack is not None and not cfg.data.packing:
+        raise ConfigError(f"data.max_patches_per_pack={cfg.data.max_patches_per_pack} caps and pads the vision "
+                          f"patches of packed rows, but data.packing is {cfg.data.packing!r}. Set data.packing: "
+                          f"true (and data.pack_window for token-budget micro-batches), or drop "
+                          f"data.max_patches_per_pack.")
+    if cfg.data.max_patches_per_pack is not None and cfg.data.max_images_per_pack is not None:
+        raise ConfigError("data.max_patches_per_pack and data.max_images_per_pack both cap a packed row; set one.")
     if m.heads is not None:
         from vlmtrain.models.heads import parse_heads
 
@@ -81,6 +88,35 @@ def validate(cfg: Any) -> None:
         from vlmtrain.models.liger import check_liger
 
         check_liger(model_type_of(cfg.model.pretrained), cfg.train.liger_kernel_config)
+    if cfg.data.max_patches_per_pack is not None:
+        check_patch_budget(cfg)
+
+
+def check_patch_budget(cfg: Any, max_image_patches: int | None = None) -> None:
+    """data.max_patches_per_pack where it cannot apply: a vision tower other than Qwen-VL's (validate), a value
+    that is not whole merge x merge blocks, or (``max_image_patches``: the processor's largest image, known in
+    build) one smaller than a sample of data.max_images such images."""
+    from transformers import AutoConfig
+
+    from vlmtrain.models.vision_attention import VISION_MODEL_TYPES
+
+    budget = cfg.data.max_patches_per_pack
+    vision = getattr(AutoConfig.from_pretrained(cfg.model.pretrained), "vision_config", None)
+    if getattr(vision, "model_type", None) not in VISION_MODEL_TYPES:
+        raise ConfigError(f"data.max_patches_per_pack pads a Qwen-VL vision tower (patches of any number per "
+                          f"image); {cfg.model.pretrained}'s is {getattr(vision, 'model_type', None)!r}, whose "
+                          f"images are fixed-size crops: use data.max_images_per_pack.")
+    blocks = vision.spatial_merge_size ** 2
+    if budget % blocks:
+        raise ConfigError(f"data.max_patches_per_pack={budget} must be a multiple of spatial_merge_size^2 = "
+                          f"{blocks} (an image is whole {vision.spatial_merge_size}x{vision.spatial_merge_size} "
+                          f"blocks of patches).")
+    if max_image_patches is not None and budget < cfg.data.max_images * max_image_patches:
+        raise ConfigError(f"data.max_patches_per_pack={budget} is smaller than one sample can be: "
+                          f"data.max_images={cfg.data.max_images} images of up to {max_image_patches} patches "
+                          f"each (the image size cap: data.max_pixels / max_image_tokens) = "
+                          f"{cfg.data.max_images * max_image_patches}. Raise data.max_patches_per_pack, or lower "
+                          f"data.max_images or the image size.")
 
 
 def check_varlen_torch(cfg: Any, cuda: bool | None = None) -> None:
@@ -133,6 +169,12 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     stop = end_of_turn_id(processor, family)
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
         model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation, stop_token_id=stop)
+        if d.max_patches_per_pack is not None:  # (every step's vision tower sees a multiple of it)
+            from vlmtrain.models.vision_padding import pad_vision_patches
+
+            ip = processor.image_processor
+            check_patch_budget(cfg, ip.size["longest_edge"] // ip.patch_size ** 2)
+            pad_vision_patches(model, d.max_patches_per_pack)
         model_config = model.config  # (packing: Qwen's multimodal positions are computed from it per sample)
         heads = {}
         if m.heads:
@@ -170,7 +212,7 @@ def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], mo
     packing = {}
     if d.packing:  # (check_packing refused heads; flash-attention finds documents from one row's positions)
         packing = {"pack_length": d.pack_length or d.max_length, "model_config": model_config,
-                   "max_images_per_pack": d.max_images_per_pack,
+                   "max_images_per_pack": d.max_images_per_pack, "max_patches_per_pack": d.max_patches_per_pack,
                    "flatten": m.attn_implementation == "flash_attention_2"}
     collator = HubVLMCollator(hub_processor, label_collate=functools.partial(head_label_tensors, heads)
                               if heads else _no_head_labels, eval_prompts=cfg.train.predict_with_generate,
