@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh                    # ~7 minutes on one H200 (2026-11-26)
 #   PARTS="bench-2b compile" bash benchmarks/gpu_session.sh   # only these parts: bench (= bench-2b bench-8b),
 #                                                            # compile, varlen, budget, profile, variants, liger,
-#                                                            # demo,
+#                                                            # table-2b, table-8b (issue 44's contenders), demo,
 #                                                            # tests
 #
 # compile: 2B vlmtrain padded with and without torch.compile (30 steps, lengths rounded to 64), recompiles
@@ -87,6 +87,16 @@ if want liger; then  # transformers, transformers + liger, vlmtrain padded / pac
     TAIL=14 step liger-2b "${LIGER_2B_S:-170}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps 7 --warmup 3 \
         --progress --liger
 fi
+if want table-2b; then  # issue 44's table at 2B: transformers, transformers + liger, vlmtrain padded, vlmtrain budget
+    TAIL=14 step table-2b "${TABLE_2B_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 2b-full --steps "${TABLE_STEPS:-18}" \
+        --warmup 4 --progress --contender transformers --contender "transformers + liger" \
+        --contender "vlmtrain padded" --contender "vlmtrain budget" ${TABLE_ARGS:-}
+fi
+if want table-8b; then  # the same at 8B LoRA
+    TAIL=14 step table-8b "${TABLE_8B_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 8b-lora --steps "${TABLE_STEPS:-18}" \
+        --warmup 4 --progress --contender transformers --contender "transformers + liger" \
+        --contender "vlmtrain padded" --contender "vlmtrain budget" ${TABLE_ARGS:-}
+fi
 want demo && step demo "${DEMO_S:-130}" $PY -m vlmtrain demo --output-dir /tmp/gpu_session_demo
 cp /tmp/gpu_session_demo/metrics.jsonl "$OUT/demo-metrics.jsonl" 2>/dev/null
 want demo && $PY - <<'EOF'
@@ -101,5 +111,6 @@ if waits:
 print("demo final:", [r for r in rows if "train_runtime" in r][-1:])
 EOF
 want tests && TAIL=12 step gpu-tests "${TESTS_S:-120}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py \
-    tests/test_hub_workers.py tests/test_benchmarks_smoke.py tests/test_varlen_attention.py tests/test_liger.py
+    tests/test_hub_workers.py tests/test_benchmarks_smoke.py tests/test_varlen_attention.py tests/test_liger.py \
+    tests/test_vision_attention.py
 echo "done after $((SECONDS - start))s"
