@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import types
 
@@ -200,6 +201,24 @@ def test_options_are_liger_s_with_the_loss_kernels_off(tmp_path, fake_liger):
         vlmtrain.Trainer(model=_tiny_qwen3_vl(), args=_args(tmp_path, liger_kernel_config={"geglu": True}))
 
 
+def test_a_liger_patch_that_cannot_import_names_both_versions(monkeypatch, fake_liger):
+    """liger-kernel 0.8.5's Qwen-VL patches import an output class that transformers >= 5.23 removed: the run stops
+    with a config error naming liger-kernel's and transformers' versions and what to do, not an ImportError."""
+    import transformers
+
+    table = sys.modules["liger_kernel.transformers.monkey_patch"].MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    def patch(model=None, rope=True, rms_norm=True, swiglu=False, fused_linear_cross_entropy=True,
+              cross_entropy=False):
+        raise ImportError("cannot import name 'LigerQwen3VLCausalLMOutputWithPast'")
+
+    monkeypatch.setitem(table, "qwen3_vl", patch)
+    with pytest.raises(ConfigError, match=rf"qwen3_vl patch does not work with transformers "
+                                          rf"{re.escape(transformers.__version__)} \(cannot import name "
+                                          r"'LigerQwen3VLCausalLMOutputWithPast'\).*use_liger_kernel: false"):
+        liger.apply_liger_kernel(_tiny_qwen3_vl())
+
+
 def test_a_liger_that_replaces_the_forward_is_refused(monkeypatch, fake_liger):
     """Should a Liger release replace the model's forward although its loss kernels are off, the run stops."""
     table = sys.modules["liger_kernel.transformers.monkey_patch"].MODEL_TYPE_TO_APPLY_LIGER_FN
@@ -280,7 +299,7 @@ def test_liger_loss_and_gradients_equal_the_unpatched_model(tmp_path, restored_m
     liger.apply_liger_kernel(model)
     assert any(m._get_name().startswith("Liger") for m in model.modules())
     liger_loss, liger_grads = _loss_and_grads(model, inputs)
-    assert math.isfinite(loss) and liger_loss == pytest.approx(loss.item(), rel=1e-2)
+    assert math.isfinite(loss.item()) and liger_loss.item() == pytest.approx(loss.item(), rel=1e-2)
     assert set(liger_grads) == set(grads)
     total = torch.sqrt(sum(g.norm() ** 2 for g in grads.values()))
     differs = torch.sqrt(sum((liger_grads[n] - g).norm() ** 2 for n, g in grads.items()))

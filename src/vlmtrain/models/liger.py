@@ -147,7 +147,15 @@ def apply_liger_kernel(model: nn.Module, liger_kernel_config: Mapping[str, Any] 
     kwargs = {k: v for k, v in {**options, **dict.fromkeys(LOSS_KERNELS, False)}.items() if k in accepted}
     forward = target.__dict__.get("forward")  # (vlmtrain's loss_only forward, models/lm_loss.py)
     with modeling_globals_restored(keep=_KEPT_GLOBALS):
-        patch(model=target, **kwargs)
+        try:
+            patch(model=target, **kwargs)
+        except ImportError as err:  # (e.g. liger-kernel 0.8.5's Qwen-VL patch with transformers >= 5.23)
+            import transformers
+
+            raise ConfigError(f"use_liger_kernel=true: liger-kernel {liger_version()}'s {model_type} patch does not "
+                              f"work with transformers {transformers.__version__} ({err}). Install a transformers "
+                              f"that release supports (liger-kernel 0.8.5: transformers <= 5.22.2 for Qwen-VL) or a "
+                              f"newer liger-kernel, or set use_liger_kernel: false.") from err
     if target.__dict__.get("forward") is not forward:
         raise RuntimeError(f"liger-kernel {liger_version()} replaced {type(target).__name__}.forward although its "
                            f"loss kernels were off; vlmtrain's LM loss would be lost. Please report it.")
