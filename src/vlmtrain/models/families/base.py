@@ -76,6 +76,12 @@ class Family:
     None: they can."""
     pad_values: Mapping[str, int | float] = field(default_factory=dict)
     """Padding value per 'pad' key (input_ids: the tokenizer's pad id is used; labels: -100; others 0)."""
+    dummy_image: Callable[[Any], dict[str, torch.Tensor]] | None = None
+    """dummy_image(model config) -> the family's smallest valid image input, as ``get_image_features``' keyword
+    arguments (CPU tensors): what the vision tower and projector run on, with a zero contribution, when a
+    micro-batch has no image and several processes train, so every rank runs the same collectives
+    (models/dummy_vision.py). None: the vision tower runs only on real images (one process only: not safe
+    under DDP / FSDP with text-only micro-batches)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Anything else a family needs to say (documented in its module)."""
 
