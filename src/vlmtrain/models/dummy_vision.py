@@ -88,21 +88,21 @@ def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, t
     ``model.model``) the dummy image path: under several processes, a forward without ``pixel_values`` first
     encodes ``dummy_image(config)`` (get_image_features' keyword arguments, on CPU) and adds 0 x its features
     to the text embeddings (see the module docstring)."""
-    own_forward = vlm.forward
+    own_forward = type(vlm).forward  # (the class's, called with self: a deepcopy of the model stays right)
 
     @functools.wraps(own_forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("pixel_values") is not None or not needed() or _decode_step(kwargs):
-            return own_forward(*args, **kwargs)
+            return own_forward(self, *args, **kwargs)
         embedding = self.get_input_embeddings()
         inputs = {k: v.to(embedding.weight.device) for k, v in dummy_image(self.config).items()}
         zero = zero_of(hub_features(self, inputs))
         if kwargs.get("inputs_embeds") is not None:  # (the embeddings were computed outside: no hook fires)
             kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + zero.to(kwargs["inputs_embeds"].dtype)
-            return own_forward(*args, **kwargs)
+            return own_forward(self, *args, **kwargs)
         handle = add_to_embeddings(embedding, zero)
         try:
-            return own_forward(*args, **kwargs)
+            return own_forward(self, *args, **kwargs)
         finally:
             handle.remove()
 
