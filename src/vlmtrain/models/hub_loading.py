@@ -49,6 +49,7 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     setattr(model, REGIONAL_COMPILE_ATTR, True)  # torch_compile compiles each layer (models/training_prep.py)
     _stop_at(model, stop_token_id)
     _dummy_vision(model, family)  # a batch without images still runs the vision tower under several ranks
+    _freeze_unused(model, family)
     enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/lm_loss.py)
     return model
 
@@ -77,6 +78,16 @@ def _dummy_vision(model: Any, family: Any) -> None:
         raise TypeError(f"{type(model).__name__}.{model.base_model_prefix} has no get_image_features: the "
                         f"{family.name} family's dummy image cannot run (every rank must run its vision tower).")
     enable_dummy_vision(inner, family.dummy_image)
+
+
+def _freeze_unused(model: Any, family: Any) -> None:
+    """Parameters no forward uses (the family's ``unused_parameters``) stay frozen: they would never get a
+    gradient, which DDP refuses without ``ddp_find_unused_parameters``."""
+    if family.unused_parameters is not None:
+        prefixes = family.unused_parameters(model.config)
+        for name, param in model.named_parameters():
+            if name.startswith(prefixes):
+                param.requires_grad_(False)
 
 
 def _stop_at(model: Any, stop_token_id: int | None) -> None:

@@ -82,6 +82,11 @@ class Family:
     micro-batch has no image and several processes train, so every rank runs the same collectives
     (models/dummy_vision.py). None: the vision tower runs only on real images (one process only: not safe
     under DDP / FSDP with text-only micro-batches)."""
+    unused_parameters: Callable[[Any], tuple[str, ...]] | None = None
+    """unused_parameters(model config) -> name prefixes of parameters no forward of the model ever uses (e.g. a
+    vision tower's final norm when the model takes an earlier layer's output): frozen at load, since they never
+    get a gradient and DDP (without ``ddp_find_unused_parameters``) refuses a trainable parameter that gets
+    none. None: every parameter is used."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Anything else a family needs to say (documented in its module)."""
 

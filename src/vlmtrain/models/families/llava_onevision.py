@@ -70,6 +70,17 @@ def dummy_image(config: Any) -> dict[str, Any]:
             "image_sizes": torch.tensor([[side, side]]), "batch_num_images": torch.tensor([1])}
 
 
+def unused_parameters(config: Any) -> tuple[str, ...]:
+    """The vision tower's parts after the hidden states the model takes (``vision_feature_layer``: a layer's output,
+    before the tower's post_layernorm): that norm, any pooling head and the layers after the last one taken."""
+    layers = config.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    depth = config.vision_config.num_hidden_layers
+    last = max(layer % (depth + 1) for layer in layers)  # an index into hidden_states (0: the embeddings)
+    tower = "model.vision_tower."
+    return (f"{tower}post_layernorm.", f"{tower}head.", *(f"{tower}encoder.layers.{i}." for i in range(last, depth)))
+
+
 FAMILY = Family(
     name="llava_onevision",
     model_types=("llava_onevision",),
@@ -83,5 +94,6 @@ FAMILY = Family(
     load_processor=functools.partial(load_processor, processor_class, keys=PROCESSOR_KEYS),
     build_tiny=build_tiny,
     dummy_image=dummy_image,
+    unused_parameters=unused_parameters,
     image_tokens=image_tokens.llava_onevision,
 )
