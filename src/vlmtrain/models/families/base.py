@@ -3,7 +3,8 @@
 The model's processor and code do token expansion and pixel handling; a family only adds a training chat
 template (with ``{% generation %}`` markers), how each processor output is batched, which parameter names
 make up the ``vision`` / ``projector`` / ``text`` groups, how to bound its image size (where the checkpoint
-does not fix it), and a builder of a tiny random-init checkpoint for offline tests.
+does not fix it), its smallest valid image (what the vision tower runs on, adding zero, when a rank's batch has
+none) and a builder of a tiny random-init checkpoint for offline tests.
 """
 
 from __future__ import annotations
