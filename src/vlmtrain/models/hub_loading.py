@@ -51,6 +51,8 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     _attach_flop_info(model, family)
     setattr(model, REGIONAL_COMPILE_ATTR, True)  # torch_compile compiles each layer (models/training_prep.py)
     _stop_at(model, stop_token_id)
+    _dummy_vision(model, family)  # a batch without images still runs the vision tower under several ranks
+    _freeze_unused(model, family)
     enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/lm_loss.py)
     return model
 
@@ -65,6 +67,30 @@ def _attach_flop_info(model: Any, family: Any) -> None:
         setattr(model, WINDOWED_ATTENTION_ATTR, family.windowed_attention(model.config))
     if family.matmul_parameters:
         setattr(model, MATMUL_PARAMETERS_ATTR, family.matmul_parameters)
+
+
+def _dummy_vision(model: Any, family: Any) -> None:
+    """Under several processes, a forward without images runs the vision tower on the family's dummy image, with
+    a zero contribution (models/dummy_vision.py), so every rank runs the same collectives."""
+    from vlmtrain.models.dummy_vision import enable_dummy_vision
+
+    if family.dummy_image is None:
+        return
+    inner = getattr(model, model.base_model_prefix, None)
+    if inner is None or not hasattr(inner, "get_image_features"):
+        raise TypeError(f"{type(model).__name__}.{model.base_model_prefix} has no get_image_features: the "
+                        f"{family.name} family's dummy image cannot run (every rank must run its vision tower).")
+    enable_dummy_vision(inner, family.dummy_image)
+
+
+def _freeze_unused(model: Any, family: Any) -> None:
+    """Parameters no forward uses (the family's ``unused_parameters``) stay frozen: they would never get a
+    gradient, which DDP refuses without ``ddp_find_unused_parameters``."""
+    if family.unused_parameters is not None:
+        prefixes = family.unused_parameters(model.config)
+        for name, param in model.named_parameters():
+            if name.startswith(prefixes):
+                param.requires_grad_(False)
 
 
 def _stop_at(model: Any, stop_token_id: int | None) -> None:
@@ -208,8 +234,10 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
 
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
     linear_patch_embeddings(model)
-    setattr(model, MODULE_GROUPS_ATTR, dict(family_of(checkpoint).module_groups))
+    family = family_of(checkpoint)
+    setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
     _stop_at(model, stop_token_id)
+    _dummy_vision(model, family)
     return model
 
 

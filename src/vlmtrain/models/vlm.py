@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..errors import ConfigError
+from .dummy_vision import needed, zero_of
 from .lm_loss import lm_loss_sum
 from .projector import PROJECTOR_TYPES, ModalityProjector
 
@@ -203,6 +204,18 @@ class VisionLanguageModel(PreTrainedModel):
                              f"(images per sample from placeholders: {[x // length for x in per_sample]}); "
                              f"sample {len(per_sample) - 1} or an earlier one lost its image tokens.")
 
+    def _dummy_image_zero(self, embeds: torch.Tensor) -> torch.Tensor:
+        """0 x the encoding of one blank image: under several processes a batch without images still runs the
+        vision tower and projector (image index included) as a batch with images does, so every rank runs the
+        same collectives (DDP's gradient buckets, FSDP's all-gathers) and every image-side parameter gets an
+        exact zero gradient (models/dummy_vision.py)."""
+        size, length = self.config.image_size, self.config.image_token_length
+        blank = embeds.new_zeros(1, 3, size, size, dtype=torch.float32)
+        images = self.encode_images(blank)
+        images = self.projector.add_image_index(images, torch.ones(1, length, dtype=torch.bool,
+                                                                   device=embeds.device), length)
+        return zero_of(images).to(embeds.dtype)
+
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
               image_counts: torch.Tensor | list[int] | None = None) -> torch.Tensor:
         """Decoder input embeddings with image embeddings spliced in at the image-token positions, in order."""
@@ -217,13 +230,9 @@ class VisionLanguageModel(PreTrainedModel):
         if n_slots != n_images * self.config.image_token_length or image_counts is not None:
             self._check_image_tokens(input_ids, n_images, image_counts)
         if n_images == 0:
-            if self.training and torch.is_grad_enabled():
-                # No image in this batch: still touch the image-side params (zero grads) so DDP, which
-                # expects every trainable parameter to get a gradient, does not fail on text-only batches.
-                params = [p for m in (self.vision_encoder, self.projector) for p in m.parameters() if p.requires_grad]
-                if params:
-                    embeds = embeds + 0.0 * sum(p.sum() for p in params).to(embeds.dtype)
-            return embeds
+            # (also in one process's training: every trainable parameter gets a gradient, as DDP expects)
+            dummy = needed() or (self.training and torch.is_grad_enabled())
+            return embeds + self._dummy_image_zero(embeds) if dummy else embeds
         images = self.encode_images(pixel_values).to(embeds.dtype)
         images = self.projector.add_image_index(images, is_image, self.config.image_token_length)
         # masked_scatter fills the True positions in row-major order: images in order of appearance.

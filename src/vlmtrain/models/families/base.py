@@ -3,7 +3,8 @@
 The model's processor and code do token expansion and pixel handling; a family only adds a training chat
 template (with ``{% generation %}`` markers), how each processor output is batched, which parameter names
 make up the ``vision`` / ``projector`` / ``text`` groups, how to bound its image size (where the checkpoint
-does not fix it), and a builder of a tiny random-init checkpoint for offline tests.
+does not fix it), its smallest valid image (what the vision tower runs on, adding zero, when a rank's batch has
+none) and a builder of a tiny random-init checkpoint for offline tests.
 """
 
 from __future__ import annotations
@@ -76,6 +77,17 @@ class Family:
     None: they can."""
     pad_values: Mapping[str, int | float] = field(default_factory=dict)
     """Padding value per 'pad' key (input_ids: the tokenizer's pad id is used; labels: -100; others 0)."""
+    dummy_image: Callable[[Any], dict[str, torch.Tensor]] | None = None
+    """dummy_image(model config) -> the family's smallest valid image input, as ``get_image_features``' keyword
+    arguments (CPU tensors): what the vision tower and projector run on, with a zero contribution, when a
+    micro-batch has no image and several processes train, so every rank runs the same collectives
+    (models/dummy_vision.py). None: the vision tower runs only on real images (one process only: not safe
+    under DDP / FSDP with text-only micro-batches)."""
+    unused_parameters: Callable[[Any], tuple[str, ...]] | None = None
+    """unused_parameters(model config) -> name prefixes of parameters no forward of the model ever uses (e.g. a
+    vision tower's final norm when the model takes an earlier layer's output): frozen at load, since they never
+    get a gradient and DDP (without ``ddp_find_unused_parameters``) refuses a trainable parameter that gets
+    none. None: every parameter is used."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Anything else a family needs to say (documented in its module)."""
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from . import image_tokens
 from .base import Family
@@ -57,6 +58,14 @@ def build_tiny(out_dir: str, seed: int = 0) -> str:
     return save_tiny(out_dir, Gemma3ForConditionalGeneration, config, processor, seed, generation=generation)
 
 
+def dummy_image(config: Any) -> dict[str, Any]:
+    """The smallest valid image: every image is one view of the vision tower's fixed image_size."""
+    import torch
+
+    vision = config.vision_config
+    return {"pixel_values": torch.zeros(1, vision.num_channels, vision.image_size, vision.image_size)}
+
+
 FAMILY = Family(
     name="gemma3",
     model_types=("gemma3",),
@@ -69,6 +78,7 @@ FAMILY = Family(
     load_processor=functools.partial(load_processor, processor_class, keys=("image_seq_length",),
                                      from_image_processor={"image_seq_length": 256}),
     build_tiny=build_tiny,
+    dummy_image=dummy_image,
     packing_unsupported=(
         "its image tokens attend to each other bidirectionally (token_type_ids), and transformers' mask for its "
         "sliding-window layers looks those image blocks up at each sample's own positions inside a packed row, "

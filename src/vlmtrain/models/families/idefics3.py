@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from . import image_tokens, model_type_of
 from .base import Family
@@ -63,6 +64,17 @@ def build_tiny(out_dir: str, seed: int = 0, model_type: str = "idefics3") -> str
     return save_tiny(out_dir, model_class, config, processor, seed, generation=ids)
 
 
+def dummy_image(config: Any) -> dict[str, Any]:
+    """The smallest valid image: one crop (the vision tower's image_size), not all zero (the model drops
+    all-zero crops as padding)."""
+    import torch
+
+    vision = config.vision_config
+    side = vision.image_size
+    return {"pixel_values": torch.ones(1, 1, vision.num_channels, side, side),
+            "pixel_attention_mask": torch.ones(1, 1, side, side, dtype=torch.bool)}
+
+
 FAMILY = Family(
     name="idefics3",
     model_types=("idefics3", "smolvlm"),
@@ -74,5 +86,6 @@ FAMILY = Family(
     text_module="model.text_model",
     load_processor=functools.partial(load_processor, processor_class, keys=("image_seq_len",)),
     build_tiny=build_tiny,
+    dummy_image=dummy_image,
     image_tokens=image_tokens.idefics3,
 )

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from . import image_tokens
 from .base import Family, pad_crops_and_concat
@@ -56,6 +57,30 @@ def build_tiny(out_dir: str, seed: int = 0) -> str:
     return save_tiny(out_dir, LlavaOnevisionForConditionalGeneration, config, processor, seed, generation=ids)
 
 
+def dummy_image(config: Any) -> dict[str, Any]:
+    """The smallest valid image: one image of the view size alone in its sample ("anyres": its base view and
+    the one crop of the smallest grid, which uses image_newline as every anyres image does)."""
+    import torch
+    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+    vision = config.vision_config
+    side = vision.image_size
+    views = image_size_to_num_patches([side, side], config.image_grid_pinpoints, side)
+    return {"pixel_values": torch.zeros(1, views, vision.num_channels, side, side),
+            "image_sizes": torch.tensor([[side, side]]), "batch_num_images": torch.tensor([1])}
+
+
+def unused_parameters(config: Any) -> tuple[str, ...]:
+    """The vision tower's parts after the hidden states the model takes (``vision_feature_layer``: a layer's output,
+    before the tower's post_layernorm): that norm, any pooling head and the layers after the last one taken."""
+    layers = config.vision_feature_layer
+    layers = [layers] if isinstance(layers, int) else list(layers)
+    depth = config.vision_config.num_hidden_layers
+    last = max(layer % (depth + 1) for layer in layers)  # an index into hidden_states (0: the embeddings)
+    tower = "model.vision_tower."
+    return (f"{tower}post_layernorm.", f"{tower}head.", *(f"{tower}encoder.layers.{i}." for i in range(last, depth)))
+
+
 FAMILY = Family(
     name="llava_onevision",
     model_types=("llava_onevision",),
@@ -68,5 +93,7 @@ FAMILY = Family(
     text_module="model.language_model",
     load_processor=functools.partial(load_processor, processor_class, keys=PROCESSOR_KEYS),
     build_tiny=build_tiny,
+    dummy_image=dummy_image,
+    unused_parameters=unused_parameters,
     image_tokens=image_tokens.llava_onevision,
 )

@@ -71,6 +71,7 @@ FAMILY = Family(
     text_module="model.language_model",
     load_processor=functools.partial(load_processor, processor_class),
     build_tiny=build_tiny,
+    dummy_image=qwen.dummy_image,
     image_size=qwen.set_image_size,
     rope_positions=functools.partial(qwen.rope_positions, "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
                                      "Qwen2_5_VLModel"),

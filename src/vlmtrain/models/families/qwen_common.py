@@ -45,6 +45,15 @@ def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
     return [] if grid is None else [(t * h * w, t * h * w // merge) for t, h, w in grid.tolist()]
 
 
+def dummy_image(config: Any) -> dict[str, torch.Tensor]:
+    """Qwen's smallest valid image (the ``dummy_image`` of both families): one frame of merge x merge patches,
+    which the projector merges into one image token."""
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    return {"pixel_values": torch.zeros(merge * merge, patch), "image_grid_thw": torch.tensor([[1, merge, merge]])}
+
+
 def rope_positions(module: str, class_name: str, config: Any, item: Any) -> torch.Tensor:
     """One processed sample's multimodal rotary positions [3, L] (temporal, height, width), computed for the
     sample alone by the model's own ``get_rope_index`` (class ``class_name`` of ``module``; called without

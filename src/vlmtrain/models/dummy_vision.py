@@ -1,0 +1,109 @@
+"""The vision tower runs on every rank, on every micro-batch: a batch without an image runs it on a dummy image.
+
+Under DDP a parameter that one rank used and another did not breaks the gradient all-reduce (gloo: "Received
+data size doesn't match expected size"); under FSDP each vision block is its own unit, and a rank that skips the
+tower skips its all-gathers, so the ranks' collectives no longer pair up (an error, or a hang until the
+process-group timeout). The rule: no rank's data decides whether a collective runs or what it carries.
+
+So when several processes run (``torch.distributed`` initialized, world size > 1) and a forward gets no
+``pixel_values``, the vision tower and projector run on a family's smallest valid image (the ``dummy_image``
+of its record, e.g. one 2 x 2 patch grid for Qwen-VL), *before* the text model, as real images do (the same
+order of FSDP all-gathers; in backward, of reduce-scatters). ``0 x`` the sum of the features the language model
+would receive is added to the text embeddings: every vision and projector parameter gets an exact zero gradient,
+and the loss, logits and every other gradient are bitwise those of the run without it. A batch with images
+computes exactly what it did. One process never runs the dummy; nor do decoding steps of ``generate`` (no rank
+encodes images there). benchmarks/dummy_vision.py measures its cost.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["enable_dummy_vision", "needed", "zero_of"]
+
+
+def needed() -> bool:
+    """Whether a batch without images runs the dummy: several processes (the same answer on every rank)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def zero_of(features: Any) -> torch.Tensor:
+    """0 x the sum of every floating tensor in ``features`` (a tensor, or nested lists / tuples / mappings of
+    them): a scalar zero whose gradient reaches every parameter that made them."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point():
+                tensors.append(x)
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(features)
+    if not tensors:
+        raise ValueError("the dummy image gave no floating-point features")
+    return sum(t.float().sum() for t in tensors) * 0.0
+
+
+def add_to_embeddings(embedding: nn.Module, zero: torch.Tensor) -> Any:
+    """A forward hook on ``embedding`` (the text model's input embeddings) that adds ``zero`` to its output;
+    returns the handle (remove it after the forward)."""
+
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + zero.to(output.dtype)
+
+    return embedding.register_forward_hook(hook)
+
+
+def _decode_step(kwargs: Mapping[str, Any]) -> bool:
+    """A generation step after the prefill (a non-empty KV cache): no rank encodes images there."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if cache is None:
+        return False
+    length = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 1
+    return int(length) > 0
+
+
+def hub_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Any:
+    """What a transformers VLM's language model receives from ``get_image_features(**inputs)``: the projected
+    image embeddings (``pooler_output``) and, for Qwen3-VL, the deepstack features fed to its first layers."""
+    out = model.get_image_features(**inputs, return_dict=True)
+    return [out.pooler_output, getattr(out, "deepstack_features", None)]
+
+
+def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, torch.Tensor]]) -> None:
+    """Give a transformers VLM model (the module with ``get_image_features``, e.g. Qwen3VLModel: a Hub VLM's
+    ``model.model``) the dummy image path: under several processes, a forward without ``pixel_values`` first
+    encodes ``dummy_image(config)`` (get_image_features' keyword arguments, on CPU) and adds 0 x its features
+    to the text embeddings (see the module docstring)."""
+    own_forward = type(vlm).forward  # (the class's, called with self: a deepcopy of the model stays right)
+
+    @functools.wraps(own_forward)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("pixel_values") is not None or not needed() or _decode_step(kwargs):
+            return own_forward(self, *args, **kwargs)
+        embedding = self.get_input_embeddings()
+        inputs = {k: v.to(embedding.weight.device) for k, v in dummy_image(self.config).items()}
+        zero = zero_of(hub_features(self, inputs))
+        if kwargs.get("inputs_embeds") is not None:  # (the embeddings were computed outside: no hook fires)
+            kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + zero.to(kwargs["inputs_embeds"].dtype)
+            return own_forward(self, *args, **kwargs)
+        handle = add_to_embeddings(embedding, zero)
+        try:
+            return own_forward(self, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    vlm.forward = types.MethodType(forward, vlm)

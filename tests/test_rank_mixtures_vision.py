@@ -1,0 +1,191 @@
+"""Ranks whose micro-batches differ in kind: rank 0 gets only image samples, rank 1 only text-only ones (2 gloo
+ranks, per-device batch 1, ddp_timeout 30 so a collective mismatch fails fast instead of hanging).
+
+Per case (a tiny Hub VLM, full fine-tune or LoRA with a trained projector, under DDP or FSDP; the own VLM under
+DDP and FSDP): 2 training steps and an evaluation finish, and the final weights (SGD, fp32, 1e-6) and the eval
+loss equal a 1-process run over the same global samples. The vision tower and projector learn (the image rank's
+gradients reach them), so the dummy image's zero contribution is checked against real ones. The cases come in
+groups, one torchrun launch per group (each case built and run in turn in one process group); the 1-process
+references run in the test's process.
+
+Besides, in one process and per Hub family (all 5): a text-only batch with the dummy path on gives the same
+loss and gradients as without it, and every trainable vision and projector parameter gets a gradient (zero).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = {"r": 4, "modules_to_save": ["projector"]}  # adapters on the text model, the projector trained whole
+# case -> (model: a Hub family or "vlm", train.fsdp, model.lora)
+CASES = {
+    "qwen3_vl-ddp-full": ("qwen3_vl", False, None),
+    "qwen3_vl-ddp-lora": ("qwen3_vl", False, LORA),
+    "qwen3_vl-fsdp-full": ("qwen3_vl", True, None),
+    "qwen3_vl-fsdp-lora": ("qwen3_vl", True, LORA),
+    "idefics3-ddp-full": ("idefics3", False, None),
+    "llava_onevision-ddp-full": ("llava_onevision", False, None),
+    "gemma3-fsdp-lora": ("gemma3", True, LORA),
+    "vlm-ddp": ("vlm", False, None),
+    "vlm-fsdp": ("vlm", True, None),
+}
+OWN_VLM = {
+    "kind": "vlm",
+    "vision": {"model_type": "siglip_vision_model", "image_size": 32, "patch_size": 8, "hidden_size": 32,
+               "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2},
+    "text": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 256},
+    "pixel_shuffle_factor": 2,
+}
+# One torchrun launch per group (other-families: slow)
+GROUPS = {"qwen3_vl-ddp": ["qwen3_vl-ddp-full", "qwen3_vl-ddp-lora"],
+          "qwen3_vl-fsdp": ["qwen3_vl-fsdp-full", "qwen3_vl-fsdp-lora"],
+          "own-vlm": ["vlm-ddp", "vlm-fsdp"],
+          "other-families": ["idefics3-ddp-full", "llava_onevision-ddp-full", "gemma3-fsdp-lora"]}
+TOWER = {"qwen3_vl": ("model.visual.blocks.", "model.visual.merger."),
+         "idefics3": ("model.vision_model.encoder.", "model.connector."),
+         "llava_onevision": ("model.vision_tower.encoder.", "model.multi_modal_projector."),
+         "gemma3": ("model.vision_tower.", "model.multi_modal_projector."),
+         "vlm": ("vision_encoder.", "projector.")}
+
+
+def _samples(tmp: Path, n: int, offset: int) -> list[dict]:
+    """n samples alternating image (even index) and text-only (odd), the images small random PNGs."""
+    rng = np.random.default_rng(offset)
+    out = []
+    for i in range(n):
+        turn = {"user": f"What is sample {offset + i}?", "assistant": f"It is {offset + i} of them."}
+        sample = {"images": [], "texts": [turn]}
+        if i % 2 == 0:
+            name = f"img{offset + i}.png"
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "RGB").save(tmp / name)
+            sample["images"] = [name]
+        out.append(sample)
+    return out
+
+
+def _config(tmp: Path, case: str, checkpoints: dict[str, str], nproc: int) -> Path:
+    model, fsdp, lora = CASES[case]
+    batch = 2 // nproc
+    if model == "vlm":
+        model_cfg = dict(OWN_VLM)
+    else:
+        model_cfg = {"kind": "hub_vlm", "pretrained": checkpoints[model], "torch_dtype": "float32", "lora": lora}
+    cfg = {
+        "model": model_cfg,
+        "data": {"source": "jsonl", "train_file": str(tmp / "train.jsonl"), "eval_file": str(tmp / "eval.jsonl"),
+                 "max_length": 128, "max_images": 1},
+        "train": {"output_dir": str(tmp / f"{case}-{nproc}"), "max_steps": 2, "optim": "sgd", "learning_rate": 0.5,
+                  "weight_decay": 0.0, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
+                  "per_device_train_batch_size": batch, "per_device_eval_batch_size": batch,
+                  "train_sampling_strategy": "sequential", "logging_steps": 1, "eval_strategy": "no",
+                  "save_strategy": "no", "dataloader_num_workers": 0, "disable_tqdm": True, "seed": 0,
+                  "ddp_timeout": 30, "fsdp": fsdp, "report_to": "none"},
+    }
+    path = tmp / f"{case}-{nproc}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _problem(tmp: Path, case: str, output: str) -> str | None:
+    """What is wrong with a case's 2-rank run against its 1-process one (None: nothing)."""
+    two_path, one_path = tmp / f"{case}-2.pt", tmp / f"{case}-1.pt"
+    if not two_path.is_file():
+        return f"the 2-rank run did not finish:\n{output}"
+    two, one = torch.load(two_path, weights_only=False), torch.load(one_path, weights_only=False)
+    if not two["global_step"] == one["global_step"] == 2:
+        return f"steps {two['global_step']} (2 ranks) vs {one['global_step']} (1 process)"
+    if sorted(two["weights"]) != sorted(one["weights"]):
+        return "not the same parameters"
+    worst = max((float((two["weights"][k] - one["weights"][k]).abs().max()), k) for k in one["weights"])
+    if worst[0] >= 1e-6:
+        return f"weights differ from one process's: {worst}"
+    if abs(two["eval_loss"] - one["eval_loss"]) >= 1e-5:
+        return f"eval_loss {two['eval_loss']} (2 ranks) vs {one['eval_loss']} (1 process)"
+    # the vision tower and projector learned from rank 0's images (under LoRA: the projector)
+    model, _, lora = CASES[case]
+    for prefix in TOWER[model][1:] if lora else TOWER[model]:
+        names = [k for k in two["weights"] if prefix in k]
+        if not names or all(torch.equal(two["weights"][k], two["initial"][k]) for k in names):
+            return f"no parameter under {prefix!r} changed"
+    return None
+
+
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) if g == "other-families" else g
+                                   for g in GROUPS])
+def test_image_rank_and_text_only_rank_match_one_process(tmp_path, one_thread, group):
+    """The group's cases in one torchrun launch (one process group, each case built and run in turn), the
+    1-process references in this process."""
+    from tests.rank_mixtures_vision_worker import run
+    from vlmtrain.models.families import get_family
+
+    cases = GROUPS[group]
+    for name, samples in (("train", _samples(tmp_path, 4, 0)), ("eval", _samples(tmp_path, 2, 100))):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    families = sorted({CASES[c][0] for c in cases} - {"vlm"})
+    checkpoints = {f: get_family(f).build_tiny(str(tmp_path / f"tiny-{f}"), seed=0) for f in families}
+    configs = [str(_config(tmp_path, c, checkpoints, 2)) for c in cases]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "rank_mixtures_vision_worker.py"), str(tmp_path), *configs]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    output = done.stdout[-3000:] + done.stderr[-5000:]
+    for case in cases:
+        run(str(_config(tmp_path, case, checkpoints, 1)), str(tmp_path))
+    problems = {case: _problem(tmp_path, case, output) for case in cases}
+    assert not any(problems.values()), "\n".join(f"{c}: {p}" for c, p in problems.items() if p)
+
+FAMILIES = [("qwen3_vl", {}), ("qwen2_5_vl", {}), ("idefics3", {}), ("idefics3", {"model_type": "smolvlm"}),
+            ("llava_onevision", {}), ("gemma3", {})]
+
+
+@pytest.mark.parametrize("name,options", FAMILIES, ids=[o.get("model_type", n) for n, o in FAMILIES])
+def test_dummy_image_adds_zero_and_reaches_the_vision_tower(tmp_path, monkeypatch, one_thread, name, options):
+    """In one process with the dummy path forced on: a text-only batch's loss and every gradient the plain
+    forward gives are bitwise the same, and every trainable vision / projector parameter gets a gradient, all
+    zero. What the model never uses (the family's unused_parameters: LLaVA-OneVision's post_layernorm, after the
+    layer output it takes) is frozen at load."""
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.models import dummy_vision
+    from vlmtrain.models.families import get_family
+    from vlmtrain.models.hub_loading import load_model
+
+    family = get_family(name)
+    path = family.build_tiny(str(tmp_path / "tiny"), seed=0, **options)
+    model = load_model(path).train()
+    hub = HubVLMProcessor(family.load_processor(path), family, max_length=128, max_images=1, prompts=False)
+    batch = HubVLMCollator(hub, label_collate=lambda raw: {})(
+        [hub.process({"images": [], "texts": [{"user": "Hi there", "assistant": "Yes."}]})])
+    batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(dummy_vision, "needed", lambda on=on: on)
+        model.zero_grad(set_to_none=True)
+        out = model(**batch, loss_only=True)
+        out["loss"].backward()
+        runs[on] = out["loss"].detach(), {n: p.grad for n, p in model.named_parameters()}
+    assert torch.equal(runs[False][0], runs[True][0])
+    plain, dummy = runs[False][1], runs[True][1]
+    image_side = [n for n in plain if n.startswith(family.module_groups["vision"] + family.module_groups["projector"])]
+    unused = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert unused == ([n for n in plain if n.startswith(family.unused_parameters(model.config))]
+                      if family.unused_parameters else [])
+    assert len(unused) == (2 if name == "llava_onevision" else 0)  # (its tower's post_layernorm)
+    assert image_side and all(plain[n] is None for n in image_side)
+    for n in set(image_side) - set(unused):
+        assert dummy[n] is not None and not dummy[n].any(), n
+    for n, grad in plain.items():
+        if grad is not None:
+            assert torch.equal(grad, dummy[n]), n
