@@ -43,22 +43,25 @@ def _train(path, family, out, **args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, "selective"])
 def test_hub_vlm_compiles_each_layer_and_trains_as_eager(tmp_path, checkpointing):
     """Qwen3-VL with torch_compile (torch_compile_backend turns it on): each decoder layer and vision block is compiled in place (its forward goes
     through torch.compile; dynamo captured graphs), the model itself is not wrapped (its state dict keys stay the
     checkpoint's), and three steps give eager's losses (forward and, through the updates, backward), with and
-    without activation checkpointing."""
+    without activation checkpointing (full and selective)."""
     family = get_family("qwen3_vl")
     path = family.build_tiny(str(tmp_path / "tiny"), seed=0)
-    _, eager = _train(path, family, tmp_path / "eager", activation_checkpointing=checkpointing)
+    if checkpointing == "selective":
+        args = {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"mode": "selective"}}
+    else:
+        args = {"activation_checkpointing": checkpointing}
+    _, eager = _train(path, family, tmp_path / "eager", **args)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     # aot_eager: dynamo's graphs and AOT autograd's joint forward/backward, without inductor's C++ build (minutes
     # on 2 CPU cores; the whole-model test in test_logging.py runs inductor)
-    trainer, compiled = _train(path, family, tmp_path / "compiled", torch_compile_backend="aot_eager",
-                               activation_checkpointing=checkpointing)
+    trainer, compiled = _train(path, family, tmp_path / "compiled", torch_compile_backend="aot_eager", **args)
     layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
     names = [n for n, m in trainer.model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
     assert len(layers) == 4 and any(".visual.blocks." in n for n in names)  # 2 vision blocks, 2 decoder layers
