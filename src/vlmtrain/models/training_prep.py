@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
+import types
 from typing import Any
 
 import torch
@@ -28,6 +30,13 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
+EAGER_ARGUMENT = "cu_seqlens"
+"""Regional compile leaves out (runs eagerly) the submodules of a layer whose forward takes this argument: the
+Qwen-VL vision attention, which splits its sequence at each image's boundary (python ints read from
+``cu_seqlens``) and attends image by image. Traced, it would break the graph at the split and recompile for every
+new number of images and image size; left out, the rest of the block (norms, MLP) compiles once."""
+
+
 def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str | None) -> nn.Module:
     """TrainingArguments.torch_compile. A model marked for regional compilation (REGIONAL_COMPILE_ATTR) has each of
     its transformer layers compiled in place (``nn.Module.compile``: parameter names and state dict unchanged;
@@ -42,8 +51,44 @@ def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str 
                           f"transformer layer (transformers' GradientCheckpointingLayer) to compile.")
     for layer in layers:
         if getattr(layer, "_compiled_call_impl", None) is None:  # (a second train() keeps the compiled layers)
-            layer.compile(backend=backend, mode=mode)
+            layer.forward = types.MethodType(_forward_of_its_own(type(layer)), layer)
+            for module in list(layer.modules())[1:]:  # (the layer itself takes the boundaries to hand them on)
+                if EAGER_ARGUMENT in inspect.signature(module.forward).parameters:
+                    module.forward = torch.compiler.disable(module.forward)
+            layer._compiled_call_impl = _without_duck_sizing(
+                torch.compile(layer._call_impl, backend=backend, mode=mode, dynamic=True))
     return wrapped
+
+
+def _without_duck_sizing(compiled: Any) -> Any:
+    """``compiled`` called with duck sizing off: by default dynamo gives sizes that happen to be equal when it
+    compiles (e.g. a batch's 1,024 vision patches and a hidden size of 1,024) one symbol, and that guess then
+    specializes the patch count to the hidden size and recompiles at the next batch."""
+    from torch.fx.experimental import _config as fx_config
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and not a._is_view() else a for a in args)
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+@functools.cache
+def _forward_of_its_own(cls: type) -> Any:
+    """``cls.forward`` with a code object of the class's own. transformers wraps every layer class's forward in the
+    same function (GradientCheckpointingLayer's forward_with_checkpointing), and dynamo keeps its compiled graphs,
+    its recompile limit and its record of which sizes changed (automatic dynamic shapes) per code object: shared,
+    a vision block's 2-D inputs and a decoder layer's 3-D ones would evict and recompile each other's graphs. The
+    copy is set on each instance (``type(layer).forward`` stays the wrapper, which checks that it is the outermost
+    one)."""
+    forward = cls.forward
+    code = forward.__code__.replace(co_name=f"{cls.__name__}_forward",
+                                    co_qualname=f"{cls.__name__}.{forward.__code__.co_name}")
+    own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
+    own.__kwdefaults__ = forward.__kwdefaults__
+    return functools.wraps(forward)(own)
 
 
 def _checkpointable(model: nn.Module) -> list[nn.Module]:
