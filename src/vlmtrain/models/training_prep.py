@@ -39,10 +39,12 @@ new number of images and image size; left out, the rest of the block (norms, MLP
 
 def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str | None) -> nn.Module:
     """TrainingArguments.torch_compile. A model marked for regional compilation (REGIONAL_COMPILE_ATTR) has each of
-    its transformer layers compiled in place (``nn.Module.compile``: parameter names and state dict unchanged;
-    torchtitan's way: one small graph per layer type, reused by every copy, instead of one for the whole model,
-    so compiling takes seconds and a graph break stays local) and ``wrapped`` (the model as DDP/FSDP wrap it) is
-    returned as is; any other model is compiled whole: ``torch.compile(wrapped)``."""
+    its transformer layers compiled in place (as ``nn.Module.compile`` does: parameter names and state dict
+    unchanged; torchtitan's way: one small graph per layer type, reused by every copy, instead of one for the
+    whole model, so compiling takes seconds and a graph break stays local) and ``wrapped`` (the model as DDP/FSDP
+    wrap it) is returned as is; any other model is compiled whole: ``torch.compile(wrapped)``. Each layer type
+    compiles once whatever the lengths and image counts: its own code object, dynamic shapes without duck sizing,
+    inputs handed over alike, and the attention that reads python ints from the data left out (docs/speed.md)."""
     if not any(getattr(m, REGIONAL_COMPILE_ATTR, False) for m in model.modules()):
         return torch.compile(wrapped, backend=backend, mode=mode)
     layers = transformer_layers(model)
@@ -63,7 +65,9 @@ def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str 
 def _without_duck_sizing(compiled: Any) -> Any:
     """``compiled`` called with duck sizing off: by default dynamo gives sizes that happen to be equal when it
     compiles (e.g. a batch's 1,024 vision patches and a hidden size of 1,024) one symbol, and that guess then
-    specializes the patch count to the hidden size and recompiles at the next batch."""
+    specializes the patch count to the hidden size and recompiles at the next batch. Positional tensors that are
+    not views are handed over as views of themselves: dynamo guards a view input (the first vision block's, a
+    reshape of the patch embedding) by its base too, and would otherwise compile a second graph for the rest."""
     from torch.fx.experimental import _config as fx_config
 
     @functools.wraps(compiled)
