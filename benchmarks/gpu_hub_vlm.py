@@ -102,6 +102,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     budget.add_options(p)
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="gradient/activation checkpointing in every contender (default on)")
+    p.add_argument("--checkpointing-mode", choices=("full", "selective"), default="full", help="vlmtrain's "
+                   "activation_checkpointing_kwargs mode: full (recompute whole layers, as transformers) or selective "
+                   "(keep matmul and attention outputs, recompute the rest); transformers' Trainer always full")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile in every contender (default off)")
     p.add_argument("--liger", action="store_true", help="the vlmtrain contenders with train.use_liger_kernel "
@@ -153,7 +156,7 @@ def header(opts: argparse.Namespace, device: torch.device, workers: int) -> None
           f"attention {opts.attn}{' (vision: varlen)' if opts.vision_attn == 'varlen' else ''}"
           f"{' (vlmtrain packed text: varlen_torch)' if opts.text_attn == 'varlen' else ''} | activation "
           f"checkpointing "
-          f"{'on' if opts.activation_checkpointing else 'off'} | torch.compile "
+          f"{(opts.checkpointing_mode if opts.checkpointing_mode != 'full' else 'on') if opts.activation_checkpointing else 'off'} | torch.compile "
           f"{'on' if opts.torch_compile else 'off'} (recompile limit {torch._dynamo.config.recompile_limit}) | "
           f"Liger kernels in vlmtrain {'on' if opts.liger else 'off'} | {workers} data-loader workers | seed "
           f"{opts.seed}")

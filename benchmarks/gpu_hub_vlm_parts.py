@@ -150,7 +150,7 @@ def run_vlmtrain(s: Setup, meter: Meter, packed: bool, budget: bool = False) -> 
     name = "vlmtrain_budget" if budget else "vlmtrain_packed" if packed else "vlmtrain_padded"
     train = {k: v for k, v in s.common_args().items() if k not in ("gradient_checkpointing_kwargs",)}
     if s.opts.activation_checkpointing:
-        train["activation_checkpointing_kwargs"] = {"use_reentrant": False}
+        train["activation_checkpointing_kwargs"] = {"use_reentrant": False, "mode": s.opts.checkpointing_mode}
     if s.opts.liger:  # (Liger's RMSNorm, RoPE, SwiGLU; vlmtrain's own chunked loss)
         train["use_liger_kernel"] = True
     attn = "varlen_torch" if packed and s.opts.text_attn == "varlen" else s.opts.attn  # (set on the text model)

@@ -106,6 +106,22 @@ def test_budget_contender_trains_one_row_of_T_tokens_per_step(bench, capsys, tmp
 
 
 @pytest.mark.slow
+def test_selective_checkpointing_runs_vlmtrain_with_the_losses_of_full(bench, capsys, tmp_path, monkeypatch):
+    """--checkpointing-mode selective: vlmtrain padded checkpoints with the selective policy (it decides what each
+    checkpointed operator keeps), with the same step-1 loss as transformers' full recompute on the same samples."""
+    from vlmtrain.models import training_prep
+
+    calls = []
+    policy = training_prep._selective_policy
+    monkeypatch.setattr(training_prep, "_selective_policy", lambda *a, **k: (calls.append(1), policy(*a, **k))[1])
+    assert bench.main(["--smoke", "--only", "2b-full", "--contender", "transformers", "--contender",
+                       "vlmtrain padded", "--checkpointing-mode", "selective", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "activation checkpointing selective" in out and calls
+    assert "step-1 losses within 0.01 relative: yes" in out and out.rstrip().endswith("all checks passed"), out
+
+
+@pytest.mark.slow
 def test_text_varlen_runs_vlmtrain_packed_with_varlen_torch(bench, capsys, tmp_path, monkeypatch):
     """--text-attn varlen: vlmtrain packed's text attention is model.attn_implementation varlen_torch (its
     per-document path runs), with the same step-1 loss as transformers' sdpa on the same samples."""

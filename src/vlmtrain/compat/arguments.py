@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..evaluation.arguments import EvaluationArguments
 from ..logging.arguments import LoggingArguments
 from ..logging.trackers import TRACKERS
+from ..models.training_prep import checkpointing_mode
 from ..trainer.args import TrainingArgumentsCore, check_choice
 from ..trainer.args_fields import CoreArguments, FsdpValue, WorkersValue  # noqa: F401 (the last two: __init__'s)
 from . import arguments_methods
@@ -294,11 +295,12 @@ def _fsdp_flag(value: bool | str | list[str] | None) -> bool:
 def apply(args: Any) -> None:
     """transformers' conventions at TrainingArguments' construction, before its own checks: JSON dict strings
     parsed, transformers-only values refused, aliases and value forms resolved, transformers' values that
-    vlmtrain lacks refused."""
+    vlmtrain lacks refused, activation_checkpointing_kwargs' mode checked."""
     parse_json_dicts(args)
     check_transformers_only(args)
     resolve_transformers_names(args)
     refuse_transformers_values(args)
+    checkpointing_mode(args.activation_checkpointing_kwargs)  # (its mode: full or selective)
 
 
 @dataclass

@@ -221,6 +221,8 @@ def _loss_only_forward(model: nn.Module, decoder_params: set[str], chunk_rows: i
     kwargs.pop("logits_to_keep", None)
     if "labels" in decoder_params:  # (Gemma 3's model takes them as its ForConditionalGeneration passes them)
         kwargs["labels"] = labels
+    if "use_cache" in decoder_params or "kwargs" in decoder_params:  # no KV cache for a loss (transformers 5 builds
+        kwargs.setdefault("use_cache", False)  # one in training from the config's use_cache otherwise)
     hidden = decoder(*args, **kwargs)[0]
     total, count = lm_loss_sum(hidden, head, labels, shift_labels, chunk_rows)
     if num_items_in_batch is not None:  # transformers' convention: the sum over the window's count

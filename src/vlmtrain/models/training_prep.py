@@ -5,6 +5,10 @@ holds, and regional compilation of its transformer layers. ``import vlmtrain`` p
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+import types
 from typing import Any
 
 import torch
@@ -26,12 +30,21 @@ def transformer_layers(model: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
+EAGER_ARGUMENT = "cu_seqlens"
+"""Regional compile leaves out (runs eagerly) the submodules of a layer whose forward takes this argument: the
+Qwen-VL vision attention, which splits its sequence at each image's boundary (python ints read from
+``cu_seqlens``) and attends image by image. Traced, it would break the graph at the split and recompile for every
+new number of images and image size; left out, the rest of the block (norms, MLP) compiles once."""
+
+
 def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str | None) -> nn.Module:
     """TrainingArguments.torch_compile. A model marked for regional compilation (REGIONAL_COMPILE_ATTR) has each of
-    its transformer layers compiled in place (``nn.Module.compile``: parameter names and state dict unchanged;
-    torchtitan's way: one small graph per layer type, reused by every copy, instead of one for the whole model,
-    so compiling takes seconds and a graph break stays local) and ``wrapped`` (the model as DDP/FSDP wrap it) is
-    returned as is; any other model is compiled whole: ``torch.compile(wrapped)``."""
+    its transformer layers compiled in place (as ``nn.Module.compile`` does: parameter names and state dict
+    unchanged; torchtitan's way: one small graph per layer type, reused by every copy, instead of one for the
+    whole model, so compiling takes seconds and a graph break stays local) and ``wrapped`` (the model as DDP/FSDP
+    wrap it) is returned as is; any other model is compiled whole: ``torch.compile(wrapped)``. Each layer type
+    compiles once whatever the lengths and image counts: its own code object, dynamic shapes without duck sizing,
+    inputs handed over alike, and the attention that reads python ints from the data left out (docs/speed.md)."""
     if not any(getattr(m, REGIONAL_COMPILE_ATTR, False) for m in model.modules()):
         return torch.compile(wrapped, backend=backend, mode=mode)
     layers = transformer_layers(model)
@@ -40,8 +53,46 @@ def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str 
                           f"transformer layer (transformers' GradientCheckpointingLayer) to compile.")
     for layer in layers:
         if getattr(layer, "_compiled_call_impl", None) is None:  # (a second train() keeps the compiled layers)
-            layer.compile(backend=backend, mode=mode)
+            layer.forward = types.MethodType(_forward_of_its_own(type(layer)), layer)
+            for module in list(layer.modules())[1:]:  # (the layer itself takes the boundaries to hand them on)
+                if EAGER_ARGUMENT in inspect.signature(module.forward).parameters:
+                    module.forward = torch.compiler.disable(module.forward)
+            layer._compiled_call_impl = _without_duck_sizing(
+                torch.compile(layer._call_impl, backend=backend, mode=mode, dynamic=True))
     return wrapped
+
+
+def _without_duck_sizing(compiled: Any) -> Any:
+    """``compiled`` called with duck sizing off: by default dynamo gives sizes that happen to be equal when it
+    compiles (e.g. a batch's 1,024 vision patches and a hidden size of 1,024) one symbol, and that guess then
+    specializes the patch count to the hidden size and recompiles at the next batch. Positional tensors that are
+    not views are handed over as views of themselves: dynamo guards a view input (the first vision block's, a
+    reshape of the patch embedding) by its base too, and would otherwise compile a second graph for the rest."""
+    from torch.fx.experimental import _config as fx_config
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and not a._is_view() else a for a in args)
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+@functools.cache
+def _forward_of_its_own(cls: type) -> Any:
+    """``cls.forward`` with a code object of the class's own. transformers wraps every layer class's forward in the
+    same function (GradientCheckpointingLayer's forward_with_checkpointing), and dynamo keeps its compiled graphs,
+    its recompile limit and its record of which sizes changed (automatic dynamic shapes) per code object: shared,
+    a vision block's 2-D inputs and a decoder layer's 3-D ones would evict and recompile each other's graphs. The
+    copy is set on each instance (``type(layer).forward`` stays the wrapper, which checks that it is the outermost
+    one)."""
+    forward = cls.forward
+    code = forward.__code__.replace(co_name=f"{cls.__name__}_forward",
+                                    co_qualname=f"{cls.__name__}.{forward.__code__.co_name}")
+    own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
+    own.__kwdefaults__ = forward.__kwdefaults__
+    return functools.wraps(forward)(own)
 
 
 def _checkpointable(model: nn.Module) -> list[nn.Module]:
@@ -59,12 +110,87 @@ def _checkpointable(model: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
+CHECKPOINTING_MODES = ("full", "selective")
+"""The values of activation_checkpointing_kwargs' ``mode``: ``full`` recomputes each checkpointed layer's whole
+forward in backward (transformers' behaviour); ``selective`` saves the outputs of its matrix products and attention
+and recomputes only the rest (norms, rotary embeddings, activations, casts, reshapes: torchtitan's op-level
+selective checkpointing)."""
+
+
+@functools.cache
+def _saved_ops() -> frozenset[Any]:
+    """The operators whose outputs ``selective`` keeps: matrix products and every attention kernel of the installed
+    torch (sdpa's math/flash/efficient/cuDNN kernels, the flash/efficient/cuDNN forwards behind varlen_attn, varlen
+    attention and flex attention where torch has them)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_attention_math",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+             "_efficient_attention_forward", "_cudnn_attention_forward")
+    ops = {getattr(aten, n) for n in names if hasattr(aten, n)}
+    try:
+        importlib.import_module("torch.nn.attention.varlen")  # (registers torch.ops.torch_attn's operators)
+
+        ops |= {getattr(torch.ops.torch_attn, n) for n in ("_varlen_attn", "_varlen_attn_out")
+                if hasattr(torch.ops.torch_attn, n)}
+    except ImportError:  # (torch < 2.10)
+        pass
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention
+
+        ops.add(flex_attention)
+    except ImportError:
+        pass
+    return frozenset(ops)
+
+
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
+    """torch.utils.checkpoint's policy for ``selective``: keep matrix products and attention, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if getattr(op, "overloadpacket", op) in _saved_ops():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_context() -> Any:
+    """A ``context_fn`` for torch.utils.checkpoint (non-reentrant) that applies the ``selective`` policy."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def checkpointing_mode(kwargs: Any) -> str:
+    """activation_checkpointing_kwargs' ``mode`` (``full`` when unset), checked against :data:`CHECKPOINTING_MODES`
+    and against the other keys it needs (selective: non-reentrant checkpointing, no context_fn of one's own)."""
+    if not isinstance(kwargs, dict):
+        return "full"
+    mode = kwargs.get("mode", "full")
+    if mode not in CHECKPOINTING_MODES:
+        raise ConfigError(f"activation_checkpointing_kwargs.mode (gradient_checkpointing_kwargs.mode)={mode!r} is "
+                          f"not one of {list(CHECKPOINTING_MODES)}: 'full' recomputes whole layers, 'selective' "
+                          f"keeps matrix products and attention and recomputes the rest.")
+    if mode == "selective" and kwargs.get("use_reentrant"):
+        raise ConfigError("activation_checkpointing_kwargs: mode 'selective' needs non-reentrant checkpointing; "
+                          "drop use_reentrant: true (or set it to false).")
+    if mode == "selective" and "context_fn" in kwargs:
+        raise ConfigError("activation_checkpointing_kwargs: mode 'selective' sets torch.utils.checkpoint's "
+                          "context_fn itself; pass either mode 'selective' or a context_fn, not both.")
+    return mode
+
+
 def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any] | None) -> None:
     """transformers' activation_checkpointing_enable() (or its older name gradient_checkpointing_enable) on the
     model, or on the transformers models inside it, with TrainingArguments.activation_checkpointing_kwargs split
-    as transformers' Trainer splits them (every_n_layers, offload; the rest go to torch.utils.checkpoint)."""
+    as transformers' Trainer splits them (every_n_layers, offload; the rest go to torch.utils.checkpoint) plus
+    vlmtrain's ``mode`` (:data:`CHECKPOINTING_MODES`; ``selective`` becomes torch.utils.checkpoint's context_fn)."""
+    mode = checkpointing_mode(kwargs)
     kwargs = dict(kwargs or {})
+    kwargs.pop("mode", None)
     options = {"every_n_layers": kwargs.pop("every_n_layers", 1), "offload": kwargs.pop("offload", False)}
+    if mode == "selective":
+        kwargs = {"use_reentrant": False, **kwargs, "context_fn": selective_checkpoint_context}
     targets = _checkpointable(model)
     if not targets:
         raise ConfigError(f"activation_checkpointing (gradient_checkpointing) needs a model with "

@@ -50,6 +50,7 @@ def use_varlen_text_attention(model: torch.nn.Module) -> None:
     model.config.get_text_config(decoder=True)._attn_implementation = NAME
 
 
+@torch.compiler.disable  # (documents are python ints read from the positions: traced, a graph per count of them)
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      position_ids: torch.Tensor | None = None, is_causal: bool | None = None,
