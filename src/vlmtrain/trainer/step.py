@@ -41,14 +41,14 @@ class StepMixin:
 
     def _count_window(self, count_items: Any, window: list[Any]) -> dict[str, torch.Tensor]:
         """Each loss's item count over an accumulation window's micro-batches and all ranks (one CPU all-reduce),
-        as the `num_items_in_batch` every micro-batch of the window passes to the model."""
-        totals: dict[str, float] = {}
+        as the `num_items_in_batch` every micro-batch of the window passes to the model. The losses counted are
+        agreed over ranks (a rank whose count_items leaves one out counts 0 for it)."""
+        totals: dict[str, list[float]] = {}
         for batch in window:
             for key, n in count_items(batch).items():
-                totals[key] = totals.get(key, 0.0) + float(n)
-        keys = sorted(totals)
-        summed = dist.reduce_cpu([totals[k] for k in keys])
-        return {k: torch.tensor(n, dtype=torch.float32, device=self.device) for k, n in zip(keys, summed)}
+                totals[key] = [totals.get(key, [0.0])[0] + float(n)]
+        summed = self._count_names.reduce(totals, 1)
+        return {k: torch.tensor(n[0], dtype=torch.float32, device=self.device) for k, n in sorted(summed.items())}
 
     def training_step(self, model: nn.Module, inputs: Mapping[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
