@@ -4,8 +4,8 @@ collator skips (as a corrupt image is). Run in process as the 1-process referenc
 rank r gets the samples of its own list: global sample i * W + r is rank r's i-th (sequential sampling), so a
 1-process run with W times the per-device batch sees the same samples in each step.
 
-Writes OUT/result.pt on rank 0 (log_history, metrics.jsonl rows, final weights, evaluation metrics) and, when
-training stops with an error, OUT/error_<rank>.txt on each rank that raised."""
+Writes OUT/<scenario>/result.pt on rank 0 (log_history, metrics.jsonl rows, final weights, evaluation metrics) and, when
+training stops with an error, OUT/<scenario>/error_<rank>.txt on each rank that raised."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def run(out: str, name: str) -> dict:
     args = TrainingArguments(
         output_dir=out, max_steps=case["steps"], per_device_train_batch_size=case["batch"] * scale,
         per_device_eval_batch_size=case["batch"] * scale, gradient_accumulation_steps=case["accum"],
-        train_sampling_strategy="sequential", optim="sgd", learning_rate=0.1, max_grad_norm=0.0,
+        train_sampling_strategy="sequential", optim="sgd", learning_rate=0.02, max_grad_norm=0.0,
         logging_steps=case["logging_steps"], save_strategy="no", disable_tqdm=True, report_to="none", seed=0,
         ddp_timeout=60, use_cpu=True, **case["args"])
     trainer = Trainer(model, args, data_collator=Collate(case["model"] == "heads"),
@@ -147,4 +147,6 @@ def run(out: str, name: str) -> dict:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2])
+    for name in sys.argv[2].split(","):  # several scenarios, one after the other in one process group
+        os.makedirs(os.path.join(sys.argv[1], name), exist_ok=True)
+        run(os.path.join(sys.argv[1], name), name)

@@ -19,12 +19,13 @@ from tests.rank_mixtures_worker import run
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(tmp_path: Path, name: str) -> Path:
+def _torchrun(tmp_path: Path, *names: str) -> Path:
+    """The scenarios run one after the other by 2 ranks (one launch); their results in OUT/<name>."""
     out = tmp_path / "two"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "rank_mixtures_worker.py"), str(out), name]
+           str(ROOT / "tests" / "rank_mixtures_worker.py"), str(out), ",".join(names)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
@@ -49,13 +50,15 @@ def _eval_counts(metrics: dict) -> dict:
 
 
 def _same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Float error only: ranks sum the gradients in another order (a count or weighting bug is ~1e-2 off)."""
     for name, w in want.items():
-        assert torch.allclose(got[name], w, rtol=1e-5, atol=1e-6), (name, float((got[name] - w).abs().max()))
+        err = float((got[name] - w).abs().max())
+        assert err <= 1e-5 * float(w.abs().max()) + 1e-7, (name, err)
 
 
-def _compare(tmp_path: Path, name: str) -> tuple[dict, dict]:
-    one = run(str(tmp_path / "one"), name)
-    two = torch.load(_torchrun(tmp_path, name) / "result.pt", weights_only=False)
+def _compare(tmp_path: Path, name: str, two_ranks: Path | None = None) -> tuple[dict, dict]:
+    one = run(str(tmp_path / name), name)
+    two = torch.load((two_ranks or _torchrun(tmp_path, name)) / name / "result.pt", weights_only=False)
     assert two["world_size"] == 2 and one["world_size"] == 1
     _same_numbers(_logged(two["logs"]), _logged(one["logs"]))  # log_history (the final row too)
     _same_numbers(_logged(two["rows"]), _logged(one["rows"]))  # metrics.jsonl: what trackers get
@@ -87,9 +90,9 @@ def test_bad_samples_on_rank_1_are_counted_and_checked_over_ranks(tmp_path, one_
 def test_too_many_bad_samples_stop_every_rank_with_one_message(tmp_path, one_thread):
     """max_bad_sample_fraction=0.2 against 2 of 8: every rank stops at the same point with the message the
     1-process run gives."""
-    run(str(tmp_path / "one"), "too_many_bad")
-    want = (tmp_path / "one" / "error_0.txt").read_text()
-    out = _torchrun(tmp_path, "too_many_bad")
+    run(str(tmp_path), "too_many_bad")
+    want = (tmp_path / "error_0.txt").read_text()
+    out = _torchrun(tmp_path, "too_many_bad") / "too_many_bad"
     assert "2 of the last 8 training samples were bad" in want
     assert [(out / f"error_{r}.txt").read_text() for r in range(2)] == [want, want]
 
@@ -101,8 +104,10 @@ def test_a_whole_accumulation_window_without_targets_on_one_rank(tmp_path, one_t
     assert two["logs"][-1]["train_loss"] == pytest.approx(one["logs"][-1]["train_loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_mixtures_per_rank(tmp_path, one_thread, seed):
-    """Each rank draws its own mixture of answered, score-only, no-target and bad samples (training and
-    evaluation)."""
-    _compare(tmp_path, f"random_{seed}")
+def test_random_mixtures_per_rank(tmp_path, one_thread):
+    """Seeds 0, 1, 2: each rank draws its own mixture of answered, score-only, no-target and bad samples
+    (training and evaluation)."""
+    names = [f"random_{seed}" for seed in range(3)]
+    two_ranks = _torchrun(tmp_path, *names)
+    for name in names:
+        _compare(tmp_path, name, two_ranks)

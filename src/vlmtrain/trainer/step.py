@@ -15,7 +15,9 @@ however it is split, for every loss the model returns.
   The logged ``loss`` is then the mean, over the logging window's steps, of each step's one-big-batch loss.
 - Any other model: each micro-batch's backward uses ``loss * num_items`` (or ``loss * 1`` when the model does
   not report num_items), and the summed gradients are divided by the window's total weight (over all ranks)
-  just before the optimizer step. The logged ``loss`` is the mean over the logging window's items.
+  just before the optimizer step. Each step's loss is its mean over the step's items (all micro-batches and
+  ranks; a micro-batch without targets adds nothing, even though its own mean loss is NaN), and the logged
+  ``loss`` the mean of the logging window's step losses, as transformers' Trainer logs it.
 
 Every ``loss_<name>`` with a ``num_items_<name>`` is logged as its mean over its own items in the log window.
 """
@@ -138,6 +140,7 @@ class StepMixin:
             total = dist.all_reduce_sum(torch.as_tensor(w, device=self.device).float())
             if grads:
                 torch._foreach_mul_(grads, (self.world_size / total).to(grads[0].device))
+            self._step_losses.as_step_share("loss", total, self.world_size)  # the logged loss: a mean of steps
         if self.args.max_grad_norm > 0:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
         else:
