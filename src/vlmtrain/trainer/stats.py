@@ -87,14 +87,16 @@ class LossAverager:
             self.sums[key] = self.sums[key] + v if key in self.sums else v
             self.weights[key] = self.weights[key] + weight if key in self.weights else weight
 
-    def as_step_share(self, key: str, total: torch.Tensor, world_size: int) -> None:
-        """Turn ``key``'s weighted sum over an optimizer step's micro-batches into this rank's share of the step's
-        mean (``total``: the step's weight over all ranks), weighted 1 on each rank: the window's mean is then
-        the mean of its steps' means, as transformers' Trainer logs `loss`. A step without any weight (no target
-        anywhere) adds nothing."""
+    def step_share(self, key: str, total: torch.Tensor, world_size: int) -> LossAverager:
+        """A new averager holding only ``key``, as this rank's share of an optimizer step's mean (``total``: the
+        step's weight summed over all ranks; this averager: the step's micro-batches), weighted 1 on each rank:
+        averaged over steps, the mean of the steps' means, as transformers' Trainer makes ``train_loss``. A step
+        without any weight (no target on any rank) adds nothing."""
+        out = LossAverager()
         if key in self.sums:
-            self.sums[key] = torch.where(total > 0, self.sums[key] * world_size / total.clamp(min=1e-30), 0.0)
-            self.weights[key] = torch.where(total > 0, 1.0, 0.0)
+            out.sums[key] = torch.where(total > 0, self.sums[key] * world_size / total.clamp(min=1e-30), 0.0)
+            out.weights[key] = torch.where(total > 0, 1.0, 0.0)
+        return out
 
     def compute(self, across_ranks: bool = True) -> dict[str, float]:
         """Weighted means; under torch.distributed (unless across_ranks=False), over every rank's sums and

@@ -15,9 +15,9 @@ however it is split, for every loss the model returns.
   The logged ``loss`` is then the mean, over the logging window's steps, of each step's one-big-batch loss.
 - Any other model: each micro-batch's backward uses ``loss * num_items`` (or ``loss * 1`` when the model does
   not report num_items), and the summed gradients are divided by the window's total weight (over all ranks)
-  just before the optimizer step. Each step's loss is its mean over the step's items (all micro-batches and
-  ranks; a micro-batch without targets adds nothing, even though its own mean loss is NaN), and the logged
-  ``loss`` the mean of the logging window's step losses, as transformers' Trainer logs it.
+  just before the optimizer step. The logged ``loss`` is the mean over the logging window's items (a
+  micro-batch without targets adds nothing, even though its own mean loss is NaN); ``train_loss`` the mean of
+  the run's step losses, each its step's mean over its items (as transformers' Trainer makes it).
 
 Every ``loss_<name>`` with a ``num_items_<name>`` is logged as its mean over its own items in the log window.
 """
@@ -133,14 +133,13 @@ class StepMixin:
             for g in grads:
                 g.copy_(dist.all_reduce_sum(g) / self.world_size)
             self._unsynced = False
-        w = self._window_weight
+        w, step_total = self._window_weight, None
         if self._window_counts is not None:  # the model normalized each loss by its window total: no division
             self._window_counts = None
         elif self.world_size > 1 or isinstance(w, torch.Tensor) or w != 1.0:  # else the mean is already right
-            total = dist.all_reduce_sum(torch.as_tensor(w, device=self.device).float())
+            step_total = total = dist.all_reduce_sum(torch.as_tensor(w, device=self.device).float())
             if grads:
                 torch._foreach_mul_(grads, (self.world_size / total).to(grads[0].device))
-            self._step_losses.as_step_share("loss", total, self.world_size)  # the logged loss: a mean of steps
         if self.args.max_grad_norm > 0:
             self._grad_norm = torch.nn.utils.clip_grad_norm_(params, self.args.max_grad_norm)
         else:
@@ -153,7 +152,10 @@ class StepMixin:
             self.optimizer.step()
             self.control = self._event("on_optimizer_step")
             self._train_losses.merge(self._step_losses)
-            self._run_loss.merge(self._step_losses, keys=("loss",))
+            # train_loss: the mean of the steps' losses (each already one where the model counted its items)
+            steps = self._step_losses if step_total is None else self._step_losses.step_share(
+                "loss", step_total, self.world_size)
+            self._run_loss.merge(steps, keys=("loss",))
             self._nonfinite.ok()
         else:
             self._nonfinite.skipped(self.state.global_step + 1, float(self._grad_norm))
