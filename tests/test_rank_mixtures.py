@@ -111,3 +111,16 @@ def test_random_mixtures_per_rank(tmp_path, one_thread):
     two_ranks = _torchrun(tmp_path, *names)
     for name in names:
         _compare(tmp_path, name, two_ranks)
+
+
+@pytest.mark.parametrize("zero", [0.0, torch.tensor(0.0)], ids=["float", "tensor"])
+def test_a_loss_weighted_zero_adds_nothing_even_if_nan(zero):
+    """The mean loss of a micro-batch without targets is NaN and its weight 0: it leaves the average as it is,
+    and a loss with no weight at all in the window is left out (never NaN)."""
+    from vlmtrain.trainer.stats import LossAverager
+
+    averager = LossAverager()
+    averager.add({"loss": torch.tensor(math.nan), "loss_lm": torch.tensor(math.nan)}, zero)
+    assert averager.compute() == {}
+    averager.add({"loss": torch.tensor(2.0)}, torch.tensor(3.0))
+    assert averager.compute() == {"loss": 2.0}
