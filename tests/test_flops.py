@@ -209,3 +209,45 @@ def test_a_model_it_does_not_understand_gets_no_tflops_and_one_warning(tmp_path)
     moe.model.layers[0].mlp.__class__ = type("LlamaSparseMoeBlock", (torch.nn.Module,), {})
     with pytest.warns(UserWarning, match="mixture-of-experts"):
         assert flop_counter(moe) is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "qwen2_5_vl", "own"])
+def test_a_text_only_batch_counts_the_text_model_alone(tmp_path, tokenizer, name):
+    """A batch without images (Qwen: no image_grid_thw; the own VLM: no pixel_values) counts the text model's FLOPs
+    exactly: what its forward + backward cost (it used to raise 'cannot reshape tensor of 0 elements')."""
+    from vlmtrain.models.kinds.hub_vlm import load_model
+
+    text_only = [{"images": [], "texts": [{"user": "What colour is it?" + " really" * i, "assistant": "Red."}]}
+                 for i in range(2)]
+    if name == "own":
+        model = _vlm(tokenizer)
+        collator = VLMCollator(_processor(tokenizer, model))
+    else:
+        _, path, collator = _tiny_hub(tmp_path, name)
+        model = load_model(path, attn_implementation="eager")
+    batch = collator(text_only)
+    count = flop_counter(model)
+    assert count.image_tokens(batch) == []
+    one_by_one = sum(_alone(model, collator([s])) for s in text_only)
+    assert count(batch) == pytest.approx(one_by_one, rel=1e-6)
+
+
+def test_a_batch_it_cannot_count_leaves_its_window_out_with_a_warning():
+    """A counting error is named in one warning; the window it happened in logs no tflops_per_second / mfu, the
+    next windows do again (it used to stop them for the rest of the run)."""
+    from vlmtrain.logging.throughput import WindowRates
+
+    def count(batch):
+        if batch.get("odd") is not None:
+            raise ValueError("an odd batch")
+        return 1e9
+
+    rates, good = WindowRates(count, peak_tflops=1.0), {"input_ids": torch.ones(1, 4, dtype=torch.long)}
+    with pytest.warns(UserWarning, match=r"counting a batch's FLOPs failed \(ValueError: an odd batch"):
+        rates.add_batch({**good, "odd": torch.ones(1)}, 0.0)
+        rates.add_batch({**good, "odd": torch.ones(1)}, 0.0)  # (the same cause: warned once)
+    rates.add_batch(good, 0.0)
+    assert "tflops_per_second" not in rates.compute(2) and "mfu" not in rates.compute(2)
+    rates.reset()
+    rates.add_batch(good, 0.0)
+    assert {"tflops_per_second", "mfu"} <= set(rates.compute(1))

@@ -374,3 +374,50 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# -- a micro-batch without targets under gradient accumulation ---------------------------------------------------------
+class _InOrder(torch.utils.data.IterableDataset):
+    """Samples in a fixed order (no shuffle in either Trainer): micro-batches are the same in both."""
+
+    def __init__(self, samples: list[dict]) -> None:
+        self.samples = samples
+
+    def __iter__(self):
+        return iter(self.samples)
+
+
+def _no_target_script(framework: str, out):
+    """4 steps of 2 micro-batches of 2; the first micro-batch of steps 1 and 3 has no target at all."""
+    data = token_samples(16, min_len=6, max_len=10)
+    for i in (0, 1, 8, 9):
+        data[i]["labels"] = [-100] * len(data[i]["labels"])
+    trainer = _trainer(framework, out, dict(max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                            logging_steps=1, learning_rate=1e-2, optim="sgd"),
+                       model=tiny_llama(), train_dataset=_InOrder(data),
+                       data_collator=transformers.DataCollatorForSeq2Seq(_PadOnly(), padding=True))
+    return trainer, trainer.train()
+
+
+class _PadOnly:
+    """What DataCollatorForSeq2Seq needs of a tokenizer: padding with id 0 on the right."""
+
+    pad_token_id, padding_side, model_input_names = 0, "right", ["input_ids", "attention_mask"]
+
+    def pad(self, features, padding=True, max_length=None, pad_to_multiple_of=None, return_tensors="pt"):
+        longest = max(len(f["input_ids"]) for f in features)
+        return {k: torch.tensor([list(f[k]) + [0] * (longest - len(f[k])) for f in features])
+                for k in features[0]}
+
+
+def test_a_micro_batch_without_targets_logs_the_loss_transformers_logs(tmp_path):
+    """No NaN: the logged loss of each step and train_loss are transformers' (its loss per micro-batch is summed
+    over the window's targets, a micro-batch without any adds 0), and so are the weights after 4 steps."""
+    hf, hf_out = _no_target_script("hf", tmp_path)
+    ours, out = _no_target_script("ours", tmp_path)
+    losses = [[h["loss"] for h in t.state.log_history if "loss" in h] for t in (ours, hf)]
+    assert len(losses[0]) == 4 and not any(np.isnan(losses[0]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert out.training_loss == pytest.approx(hf_out.training_loss, rel=1e-5)
+    for (name, a), b in zip(ours.model.state_dict().items(), hf.model.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), name

@@ -6,7 +6,9 @@ fills with :class:`WindowRates`.
 A batch's ``pack_stats`` (from a collator: samples, real tokens, rows, capacity, images) gives the real token
 counts of packed batches and the window's ``pack_fill`` (real tokens / row capacity), ``padding_fraction`` and
 ``images_per_pack`` (images per row). With ``flops`` (batch -> training FLOPs, from the trainer's
-``flop_counter`` slot: models/flops.py) also ``tflops_per_second`` per device, and ``mfu`` with ``peak_tflops``.
+``flop_counter`` slot: models/flops.py) also ``tflops_per_second`` per device, and ``mfu`` with ``peak_tflops``;
+a window in which counting a batch failed on some rank logs neither (a warning names the cause), later windows
+do again.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ class WindowRates:
     def __init__(self, flops: Callable[[Mapping[str, Any]], float] | None = None,
                  peak_tflops: float | None = None) -> None:
         self.count_flops, self.peak_tflops = flops, peak_tflops
+        self._failures: set[str] = set()
         self.reset()
 
     def reset(self) -> None:
         self.start = time.perf_counter()
         self.tokens = 0
         self.flops = 0.0
+        self.count_failed = False  # a batch of this window could not be counted (on this rank)
         self.data_wait = 0.0
         self.excluded = 0.0
         self.layout: Counter[str] = Counter()
@@ -47,10 +51,15 @@ class WindowRates:
         if self.count_flops is not None and isinstance(batch, Mapping):
             try:
                 self.flops += self.count_flops(batch)
-            except Exception as e:  # noqa: BLE001 - a metric never stops training: it stops being logged
-                warnings.warn(f"tflops_per_second is no longer logged: counting a batch's FLOPs failed ({e!r})",
-                              stacklevel=4)
-                self.count_flops = None
+            except Exception as e:  # noqa: BLE001 - a metric never stops training: this window's is left out
+                self.count_failed = True
+                cause = f"{type(e).__name__}: {e}"
+                if cause not in self._failures:  # (once per cause, on the rank that met it)
+                    self._failures.add(cause)
+                    keys = sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor))
+                    warnings.warn(f"counting a batch's FLOPs failed ({cause}; the batch has {keys}): "
+                                  f"tflops_per_second / mfu are left out of the logging windows where this happens",
+                                  stacklevel=4)
         layout = batch.get("pack_stats") if isinstance(batch, Mapping) else None
         if isinstance(layout, Mapping):
             self.layout.update(layout)
@@ -68,7 +77,8 @@ class WindowRates:
         rate). Every rank calls it (collectives)."""
         elapsed = max(time.perf_counter() - self.start - self.excluded, 1e-9)
         wait = min(1.0, self.data_wait / elapsed)
-        samples, tokens, wait_sum, flops = reduce_cpu([float(samples), float(self.tokens), wait, self.flops])
+        samples, tokens, wait_sum, flops, failed = reduce_cpu([float(samples), float(self.tokens), wait, self.flops,
+                                                               float(self.count_failed)])
         wait_max = reduce_cpu([wait], "max")[0]
         out = {"samples_per_second": round(samples / elapsed, 3),
                "data_wait_fraction": round(wait_sum / world_size(), 4)}
@@ -76,7 +86,7 @@ class WindowRates:
             out["data_wait_fraction_max"] = round(wait_max, 4)
         if tokens:
             out["tokens_per_second"] = round(tokens / elapsed, 3)
-        if self.count_flops is not None:
+        if self.count_flops is not None and not failed:  # (a window some rank could not count: left out)
             tflops = flops / world_size() / elapsed / 1e12
             out["tflops_per_second"] = float(f"{tflops:.4g}")
             if self.peak_tflops:

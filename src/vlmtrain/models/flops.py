@@ -94,7 +94,8 @@ class FlopCounter:
         self.image_tokens = image_tokens
 
     def __call__(self, batch: Mapping[str, Any]) -> float:
-        """FLOPs of one micro-batch (as the collator made it, on any device); 0 for a batch with no input_ids."""
+        """FLOPs of one micro-batch (as the collator made it, on any device); 0 for a batch with no input_ids; the
+        text model's alone for a batch without images."""
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         if not isinstance(ids, torch.Tensor):
             return 0.0
@@ -105,16 +106,17 @@ class FlopCounter:
             rows = (labels[..., 1:] != _IGNORE_INDEX).sum() if isinstance(labels, torch.Tensor) else lengths.sum()
             flops += self.stages["target_head"].per_row * float(rows)
         if self.image_tokens is not None and ("vision" in self.stages or "projector" in self.stages):
-            rows = self.image_tokens(batch)
+            rows = list(self.image_tokens(batch))
+            if not rows:  # a text-only batch: no image, no vision tower or projector work
+                return flops
             per_image = torch.as_tensor(rows, dtype=torch.float64).reshape(len(rows), -1)
             if "vision" in self.stages:
                 windows = self.stages["vision"].attention and WINDOWS in self.stages["vision"].attention
-                if windows and len(rows) and per_image.shape[1] < 3:
+                if windows and per_image.shape[1] < 3:
                     raise ValueError(f"{IMAGE_TOKENS_ATTR} gave no query-key pairs per image for the vision layers "
                                      f"that attend within windows ({WINDOWED_ATTENTION_ATTR}).")
-                flops += _stage_flops(self.stages["vision"], per_image[:, 0] if len(rows) else per_image.new_zeros(0),
-                                      per_image[:, 2] if windows and len(rows) else None)
-            if "projector" in self.stages and len(rows):
+                flops += _stage_flops(self.stages["vision"], per_image[:, 0], per_image[:, 2] if windows else None)
+            if "projector" in self.stages:
                 flops += _stage_flops(self.stages["projector"], per_image[:, 1])
         return flops
 

@@ -79,6 +79,34 @@ def reduce_cpu(values: list[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 
+class NamedSums:
+    """Sums over ranks of named values whose names may differ per rank (a loss one rank's window never saw, a
+    skip reason only one rank met), with every rank running the same collectives whatever its own names: the
+    names summed are those agreed so far (the same list on every rank, each rank sending 0 for a name it lacks),
+    plus a flag that some rank has a name not yet agreed; only then are the ranks' names gathered once and the
+    new ones summed too. The agreed names are kept, so a run settles on its set of names after its first
+    reductions and later ones take one all-reduce. In one process: the values themselves."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def reduce(self, values: dict[str, list[float]], width: int) -> dict[str, list[float]]:
+        """``values``: this rank's name -> ``width`` floats; returns every agreed name (each one some rank had in
+        this or an earlier call) -> its floats summed over ranks, 0 where no rank has it now: the same names on
+        every rank. Every rank must call it, with the same ``width``."""
+        zeros = [0.0] * width
+        known = set(self.names)
+        new = any(name not in known for name in values)
+        flat = reduce_cpu([float(new)] + [x for name in self.names for x in values.get(name, zeros)])
+        summed = flat[1:]
+        if flat[0] > 0:  # some rank has a name the others have not agreed on yet: agree on the union
+            union = set().union(*(set(names) for names in all_gather_objects(sorted(values))))
+            added = sorted(union - known)
+            summed += reduce_cpu([x for name in added for x in values.get(name, zeros)])
+            self.names += added
+        return {name: summed[i * width:(i + 1) * width] for i, name in enumerate(self.names)}
+
+
 def all_gather_objects(obj: object) -> list[object]:
     """Every rank's ``obj`` (picklable), in rank order, through the gloo metrics group."""
     if not is_distributed():

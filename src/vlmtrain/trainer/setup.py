@@ -22,6 +22,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from . import checkpoint as ckpt
 from . import plugins
+from .distributed import NamedSums
 from .optim import build_param_groups, create_optimizer, create_scheduler
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
@@ -247,6 +248,7 @@ class SetupMixin:
         count_flops = plugins.lookup("flop_counter")  # (model -> batch FLOPs; None: no tflops_per_second, mfu)
         self._throughput = Throughput(count_flops(self.model) if count_flops else None, args.peak_tflops)
         self._step_losses = LossAverager()
+        self._count_names = NamedSums()  # (the losses count_items counts, agreed over ranks)
         self._nonfinite = NonfiniteSteps(args.max_consecutive_nonfinite_steps)
         self.model.zero_grad(set_to_none=True)
         return epochs
@@ -263,11 +265,12 @@ class SetupMixin:
         metrics.update(total_flos=self.state.total_flos, train_loss=train_loss)
         if self._nonfinite.total:
             metrics["train_nonfinite_steps"] = self._nonfinite.total
-        skipped = self._throughput.skipped_total
-        if skipped:  # bad samples the collator dropped, by reason, over the whole run (resumes included)
+        skipped = self._throughput.total_over_ranks()
+        if skipped:  # bad samples the collator dropped, by reason, over the whole run (resumes included) and ranks
             metrics.update({f"train_skipped_{reason}": n for reason, n in sorted(skipped.items())})
-            warnings.warn(f"{sum(skipped.values())} training samples were skipped: {dict(sorted(skipped.items()))}",
-                          stacklevel=3)
+            if self.rank == 0:
+                warnings.warn(f"{sum(skipped.values())} training samples were skipped: "
+                              f"{dict(sorted(skipped.items()))}", stacklevel=3)
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             load_model_state(self.model, self.state.best_model_checkpoint)

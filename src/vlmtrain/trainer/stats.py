@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from . import plugins
-from .distributed import reduce_cpu
+from .distributed import NamedSums, all_gather_objects
 
 
 def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -55,23 +55,27 @@ def num_items_of(outputs: Mapping[str, Any], model: Any = None,
 
 
 class LossAverager:
-    """Sum of value*weight and of weight per key; tensors stay on device until `compute()` (one sync)."""
+    """Sum of value*weight and of weight per key; tensors stay on device until `compute()` (one sync). Over ranks,
+    the keys averaged are agreed once for the run (:class:`~vlmtrain.trainer.distributed.NamedSums`): a rank
+    that saw none of a loss in a window (e.g. `loss_lm` of score-only samples) adds 0 to its sum and weight."""
 
     def __init__(self) -> None:
         self.sums: dict[str, Any] = {}
         self.weights: dict[str, Any] = {}
+        self._names = NamedSums()  # (kept by reset(): the run's agreed keys)
 
     def add(self, values: Mapping[str, torch.Tensor], weight: torch.Tensor | float,
             own_weights: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Add each value times its weight: ``own_weights[key]`` (a per-loss item count; a value with a count of
-        0 adds nothing, even if it is NaN) if given for that key, else ``weight``."""
+        """Add each value times its weight: ``own_weights[key]`` (a per-loss item count) if given for that key,
+        else ``weight``. A value with a weight of 0 adds nothing, even if it is NaN (the mean loss of a
+        micro-batch without targets)."""
         for key, value in values.items():
-            w = weight
-            if own_weights is not None and key in own_weights:
-                w = own_weights[key].to(value.device)
+            w = own_weights[key] if own_weights is not None and key in own_weights else weight
+            if isinstance(w, torch.Tensor):
+                w = w.to(value.device)
                 v = torch.where(w > 0, value.detach().float() * w, torch.zeros((), device=value.device))
             else:
-                v = value.detach().float() * w
+                v = value.detach().float() * w if w > 0 else torch.zeros((), device=value.device)
             self.sums[key] = self.sums[key] + v if key in self.sums else v
             self.weights[key] = self.weights[key] + w if key in self.weights else w
 
@@ -83,15 +87,24 @@ class LossAverager:
             self.sums[key] = self.sums[key] + v if key in self.sums else v
             self.weights[key] = self.weights[key] + weight if key in self.weights else weight
 
+    def step_share(self, key: str, total: torch.Tensor, world_size: int) -> LossAverager:
+        """A new averager holding only ``key``, as this rank's share of an optimizer step's mean (``total``: the
+        step's weight summed over all ranks; this averager: the step's micro-batches), weighted 1 on each rank:
+        averaged over steps, the mean of the steps' means, as transformers' Trainer makes ``train_loss``. A step
+        without any weight (no target on any rank) adds nothing."""
+        out = LossAverager()
+        if key in self.sums:
+            out.sums[key] = torch.where(total > 0, self.sums[key] * world_size / total.clamp(min=1e-30), 0.0)
+            out.weights[key] = torch.where(total > 0, 1.0, 0.0)
+        return out
+
     def compute(self, across_ranks: bool = True) -> dict[str, float]:
-        """Weighted means; under torch.distributed (unless across_ranks=False), over every rank's sums (through
-        the gloo metrics group: every rank must call it, with the same keys)."""
-        keys = sorted(self.sums)
-        totals = [float(self.sums[k]) for k in keys] + [float(self.weights[k]) for k in keys]
-        totals = reduce_cpu(totals) if across_ranks else totals
-        n = len(keys)
-        # A loss with no items in the window (e.g. loss_lm of score-only samples) is left out, not logged as NaN.
-        return {k: totals[i] / totals[n + i] for i, k in enumerate(keys) if totals[n + i] > 0}
+        """Weighted means; under torch.distributed (unless across_ranks=False), over every rank's sums and
+        weights (through the gloo metrics group: every rank must call it, whatever keys it has). A key whose
+        weight is 0 over all ranks (no items in the window) is left out, never NaN."""
+        local = {k: [float(self.sums[k]), float(self.weights[k])] for k in self.sums}
+        totals = self._names.reduce(local, 2) if across_ranks else local
+        return {k: s / w for k, (s, w) in sorted(totals.items()) if w > 0}
 
     def reset(self) -> None:
         self.sums.clear()
@@ -153,7 +166,8 @@ class Throughput:
 
     def __init__(self, flops: Callable[[Mapping[str, Any]], float] | None = None,
                  peak_tflops: float | None = None) -> None:
-        self.skipped_total: Counter[str] = Counter()
+        self.skipped_total: Counter[str] = Counter()  # (this rank's)
+        self._names = NamedSums()
         make_rates = plugins.lookup("window_rates")
         self.rates = None if make_rates is None else make_rates(flops, peak_tflops)
         self.reset()
@@ -189,21 +203,41 @@ class Throughput:
             first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
             self.samples += first.shape[0] if first is not None and first.ndim else 0
 
-    def check_bad_fraction(self, limit: float) -> None:
-        """Raise if more than ``limit`` of this window's samples were skipped as bad (filtered ones aside)."""
-        bad = sum(n for reason, n in self.skipped.items()
-                  if not reason.startswith("filtered") and reason != RANK_SYNC_REASON)
-        if limit < 1 and bad and bad > limit * (bad + self.samples):
+    def over_ranks(self) -> tuple[Counter[str], int]:
+        """This window's skipped samples by reason and its samples, summed over ranks (one collective: every rank
+        calls it at the same point, whatever reasons it met)."""
+        mine = {f"skipped:{reason}": [float(n)] for reason, n in self.skipped.items()}
+        summed = self._names.reduce({**mine, "samples": [float(self.samples)]}, 1)
+        skipped = Counter({k[len("skipped:"):]: int(v[0]) for k, v in summed.items() if k != "samples" and v[0] > 0})
+        return skipped, int(summed["samples"][0])
+
+    def check_bad_fraction(self, limit: float, window: tuple[Counter[str], int] | None = None) -> None:
+        """Raise if more than ``limit`` of this window's samples over all ranks (``window``: :meth:`over_ranks`,
+        reduced here if not given) were skipped as bad (filtered ones aside): on every rank at once, with the
+        same message. Every rank calls it at the same point."""
+        if limit >= 1:
+            return
+        skipped, samples = window if window is not None else self.over_ranks()
+        bad = sum(n for reason, n in skipped.items() if not reason.startswith("filtered") and reason != RANK_SYNC_REASON)
+        if bad and bad > limit * (bad + samples):
+            examples = [k for keys in all_gather_objects(self.bad_keys) for k in keys][:5]  # (rank order)
             raise RuntimeError(
-                f"{bad} of the last {bad + self.samples} training samples were bad ({dict(self.skipped)}), more "
-                f"than max_bad_sample_fraction={limit}. Examples: {', '.join(self.bad_keys) or 'n/a'}. Fix the "
+                f"{bad} of the last {bad + samples} training samples were bad ({dict(sorted(skipped.items()))}), "
+                f"more than max_bad_sample_fraction={limit}. Examples: {', '.join(examples) or 'n/a'}. Fix the "
                 f"data (e.g. `vlmtrain data inspect`) or raise max_bad_sample_fraction.")
 
-    def compute(self) -> dict[str, float]:
-        """The window's rates (every rank calls it: they are summed over ranks) and skipped samples by reason."""
+    def compute(self, window: tuple[Counter[str], int] | None = None) -> dict[str, float]:
+        """The window's rates and skipped samples by reason, over all ranks (``window``: :meth:`over_ranks`,
+        reduced here if not given). Every rank calls it (collectives)."""
+        skipped, _ = window if window is not None else self.over_ranks()
         out = {} if self.rates is None else self.rates.compute(self.samples)
-        out.update({f"skipped_{reason}": n for reason, n in sorted(self.skipped.items())})
+        out.update({f"skipped_{reason}": n for reason, n in sorted(skipped.items())})
         return out
+
+    def total_over_ranks(self) -> Counter[str]:
+        """The run's skipped samples by reason (``skipped_total``, resumes included), summed over ranks."""
+        summed = NamedSums().reduce({reason: [float(n)] for reason, n in self.skipped_total.items()}, 1)
+        return Counter({reason: int(v[0]) for reason, v in sorted(summed.items()) if v[0] > 0})
 
 
 class NonfiniteSteps:

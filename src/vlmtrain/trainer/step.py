@@ -15,7 +15,9 @@ however it is split, for every loss the model returns.
   The logged ``loss`` is then the mean, over the logging window's steps, of each step's one-big-batch loss.
 - Any other model: each micro-batch's backward uses ``loss * num_items`` (or ``loss * 1`` when the model does
   not report num_items), and the summed gradients are divided by the window's total weight (over all ranks)
-  just before the optimizer step. The logged ``loss`` is the mean over the logging window's items.
+  just before the optimizer step. The logged ``loss`` is the mean over the logging window's items (a
+  micro-batch without targets adds nothing, even though its own mean loss is NaN); ``train_loss`` the mean of
+  the run's step losses, each its step's mean over its items (as transformers' Trainer makes it).
 
 Every ``loss_<name>`` with a ``num_items_<name>`` is logged as its mean over its own items in the log window.
 """
@@ -41,14 +43,14 @@ class StepMixin:
 
     def _count_window(self, count_items: Any, window: list[Any]) -> dict[str, torch.Tensor]:
         """Each loss's item count over an accumulation window's micro-batches and all ranks (one CPU all-reduce),
-        as the `num_items_in_batch` every micro-batch of the window passes to the model."""
-        totals: dict[str, float] = {}
+        as the `num_items_in_batch` every micro-batch of the window passes to the model. The losses counted are
+        agreed over ranks (a rank whose count_items leaves one out counts 0 for it)."""
+        totals: dict[str, list[float]] = {}
         for batch in window:
             for key, n in count_items(batch).items():
-                totals[key] = totals.get(key, 0.0) + float(n)
-        keys = sorted(totals)
-        summed = dist.reduce_cpu([totals[k] for k in keys])
-        return {k: torch.tensor(n, dtype=torch.float32, device=self.device) for k, n in zip(keys, summed)}
+                totals[key] = [totals.get(key, [0.0])[0] + float(n)]
+        summed = self._count_names.reduce(totals, 1)
+        return {k: torch.tensor(n[0], dtype=torch.float32, device=self.device) for k, n in sorted(summed.items())}
 
     def training_step(self, model: nn.Module, inputs: Mapping[str, Any],
                       num_items_in_batch: Any = None) -> torch.Tensor:
@@ -131,11 +133,11 @@ class StepMixin:
             for g in grads:
                 g.copy_(dist.all_reduce_sum(g) / self.world_size)
             self._unsynced = False
-        w = self._window_weight
+        w, step_total = self._window_weight, None
         if self._window_counts is not None:  # the model normalized each loss by its window total: no division
             self._window_counts = None
         elif self.world_size > 1 or isinstance(w, torch.Tensor) or w != 1.0:  # else the mean is already right
-            total = dist.all_reduce_sum(torch.as_tensor(w, device=self.device).float())
+            step_total = total = dist.all_reduce_sum(torch.as_tensor(w, device=self.device).float())
             if grads:
                 torch._foreach_mul_(grads, (self.world_size / total).to(grads[0].device))
         if self.args.max_grad_norm > 0:
@@ -150,7 +152,10 @@ class StepMixin:
             self.optimizer.step()
             self.control = self._event("on_optimizer_step")
             self._train_losses.merge(self._step_losses)
-            self._run_loss.merge(self._step_losses, keys=("loss",))
+            # train_loss: the mean of the steps' losses (each already one where the model counted its items)
+            steps = self._step_losses if step_total is None else self._step_losses.step_share(
+                "loss", step_total, self.world_size)
+            self._run_loss.merge(steps, keys=("loss",))
             self._nonfinite.ok()
         else:
             self._nonfinite.skipped(self.state.global_step + 1, float(self._grad_norm))

@@ -264,8 +264,9 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
             if self._grad_norm is not None:
                 logs["grad_norm"] = float(self._grad_norm)
             logs.update(self._last_lrs or learning_rates(self.optimizer))
-            self._throughput.check_bad_fraction(self.args.max_bad_sample_fraction)
-            logs.update(self._throughput.compute())
+            window = self._throughput.over_ranks()  # skipped samples over ranks: every rank checks the same
+            self._throughput.check_bad_fraction(self.args.max_bad_sample_fraction, window)
+            logs.update(self._throughput.compute(window))
             self._throughput.reset()
             self._last_logged_step = self.state.global_step
             self.store_flos()
