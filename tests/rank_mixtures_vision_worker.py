@@ -1,10 +1,12 @@
 """Run by tests/test_rank_mixtures_vision.py, alone or under torchrun: `python rank_mixtures_vision_worker.py OUT
 CONFIG...`. Per config (a run's YAML): `vlmtrain train`'s build (sharded when train.fsdp), train, evaluate;
 the parameters before and after training gathered whole (FSDP shards included) and written by rank 0 to
-OUT/<config's stem>.pt with the eval_loss. One process group serves every config."""
+OUT/<config's stem>.pt with the log history, the metrics.jsonl rows and the evaluation's metrics. A config whose
+stem holds "eval-first" is evaluated before training too. One process group serves every config."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -28,12 +30,17 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run(config: str, out: str) -> None:
     trainer = build(load_run_config(config))
     initial = _weights(trainer.model)
-    result = trainer.train()  # (train first: under FSDP, an evaluate() before train() leaves the root unsharded)
-    eval_loss = trainer.evaluate()["eval_loss"]
+    if "eval-first" in Path(config).stem:
+        trainer.evaluate()
+    result = trainer.train()
+    metrics = trainer.evaluate()
     weights = _weights(trainer.model)
     if trainer.rank == 0:
+        with open(os.path.join(trainer.args.output_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
         torch.save({"initial": initial, "weights": weights, "global_step": result.global_step,
-                    "eval_loss": eval_loss}, os.path.join(out, f"{Path(config).stem}.pt"))
+                    "eval_loss": metrics["eval_loss"], "eval": metrics, "logs": trainer.state.log_history,
+                    "rows": rows}, os.path.join(out, f"{Path(config).stem}.pt"))
 
 
 def main(out: str, configs: list[str]) -> None:

@@ -91,7 +91,7 @@ def random_mixture(seed: int, world: int, samples: int, batch: int) -> list[list
 
 
 def scenario(name: str) -> dict:
-    """Each rank's samples (train and eval), the model and the arguments of a named case (2 ranks)."""
+    """Each rank's samples (train and eval), the model and the arguments of a named case (2 ranks; random3_*: 3)."""
     base = {"model": "heads", "batch": 2, "accum": 1, "steps": 4, "logging_steps": 2, "eval": None, "args": {}}
     if name == "score_only_window":  # rank 1 has no LM target in the first logging window (steps 1-2)
         return {**base, "train": [["answer", "score", "answer", "answer", "score", "answer", "answer", "answer"],
@@ -104,10 +104,10 @@ def scenario(name: str) -> dict:
     if name == "no_target_window":  # a plain LM; rank 1's whole first accumulation window has no target
         return {**base, "model": "lm", "accum": 2, "steps": 3, "logging_steps": 1,
                 "train": [["answer"] * 12, ["none"] * 4 + ["answer"] * 8]}
-    if name.startswith("random_"):
-        seed = int(name.split("_")[1])
-        return {**base, "accum": 2, "train": random_mixture(seed, 2, 16, 2),
-                "eval": random_mixture(seed + 100, 2, 6, 2), "args": {"max_bad_sample_fraction": 1.0}}
+    if name.startswith(("random_", "random3_")):  # random3_<seed>: 3 ranks
+        seed, world = int(name.split("_")[1]), 3 if name.startswith("random3_") else 2
+        return {**base, "accum": 2, "train": random_mixture(seed, world, 16, 2),
+                "eval": random_mixture(seed + 100, world, 6, 2), "args": {"max_bad_sample_fraction": 1.0}}
     raise ValueError(f"unknown scenario {name!r}")
 
 

@@ -19,12 +19,12 @@ from tests.rank_mixtures_worker import run
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(tmp_path: Path, *names: str) -> Path:
-    """The scenarios run one after the other by 2 ranks (one launch); their results in OUT/<name>."""
+def _torchrun(tmp_path: Path, *names: str, nproc: int = 2) -> Path:
+    """The scenarios run one after the other by ``nproc`` ranks (one launch); their results in OUT/<name>."""
     out = tmp_path / "two"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / "rank_mixtures_worker.py"), str(out), ",".join(names)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -56,10 +56,10 @@ def _same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -
         assert err <= 1e-5 * float(w.abs().max()) + 1e-7, (name, err)
 
 
-def _compare(tmp_path: Path, name: str, two_ranks: Path | None = None) -> tuple[dict, dict]:
+def _compare(tmp_path: Path, name: str, two_ranks: Path | None = None, world: int = 2) -> tuple[dict, dict]:
     one = run(str(tmp_path / name), name)
     two = torch.load((two_ranks or _torchrun(tmp_path, name)) / name / "result.pt", weights_only=False)
-    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["world_size"] == world and one["world_size"] == 1
     _same_numbers(_logged(two["logs"]), _logged(one["logs"]))  # log_history (the final row too)
     _same_numbers(_logged(two["rows"]), _logged(one["rows"]))  # metrics.jsonl: what trackers get
     _same_weights(two["weights"], one["weights"])
@@ -111,6 +111,16 @@ def test_random_mixtures_per_rank(tmp_path, one_thread):
     two_ranks = _torchrun(tmp_path, *names)
     for name in names:
         _compare(tmp_path, name, two_ranks)
+
+
+def test_random_mixtures_on_three_ranks(tmp_path, one_thread):
+    """Seeds 0 and 1 on 3 ranks: each rank draws its own mixture of answered, score-only, no-target and bad
+    samples (training and evaluation); everything logged and the final weights equal one process's."""
+    names = [f"random3_{seed}" for seed in range(2)]
+    three_ranks = _torchrun(tmp_path, *names, nproc=3)
+    for name in names:
+        _, three = _compare(tmp_path, name, three_ranks, world=3)
+        assert any("loss_lm" in r for r in three["logs"]) and "eval_loss_cls" in three["eval"]
 
 
 @pytest.mark.parametrize("zero", [0.0, torch.tensor(0.0)], ids=["float", "tensor"])

@@ -39,7 +39,15 @@ CASES = {
     "gemma3-fsdp-lora": ("gemma3", True, LORA),
     "vlm-ddp": ("vlm", False, None),
     "vlm-fsdp": ("vlm", True, None),
+    # score heads; rank 0: answered image samples, rank 1: score-only text-only ones and a corrupt image
+    "qwen3_vl-ddp-lora-heads": ("qwen3_vl", False, LORA),
+    "qwen3_vl-fsdp-full-heads": ("qwen3_vl", True, None),
+    "qwen3_vl-fsdp-lora-heads": ("qwen3_vl", True, LORA),
+    # evaluate() before train() (the worker's "eval-first"): the optimizer gets the sharded parameters
+    "qwen3_vl-fsdp-full-eval-first": ("qwen3_vl", True, None),
 }
+HEADS = {"score": {"type": "regression", "loss": "mse"}, "kind": {"type": "classification", "num_outputs": 3,
+                                                                  "weight": 0.5}}
 OWN_VLM = {
     "kind": "vlm",
     "vision": {"model_type": "siglip_vision_model", "image_size": 32, "patch_size": 8, "hidden_size": 32,
@@ -52,6 +60,8 @@ OWN_VLM = {
 GROUPS = {"qwen3_vl-ddp": ["qwen3_vl-ddp-full", "qwen3_vl-ddp-lora"],
           "qwen3_vl-fsdp": ["qwen3_vl-fsdp-full", "qwen3_vl-fsdp-lora"],
           "own-vlm": ["vlm-ddp", "vlm-fsdp"],
+          "qwen3_vl-heads": ["qwen3_vl-ddp-lora-heads", "qwen3_vl-fsdp-full-heads", "qwen3_vl-fsdp-lora-heads"],
+          "fsdp-eval-first": ["qwen3_vl-fsdp-full-eval-first"],
           "other-families": ["idefics3-ddp-full", "llava_onevision-ddp-full", "gemma3-fsdp-lora"]}
 TOWER = {"qwen3_vl": ("model.visual.blocks.", "model.visual.merger."),
          "idefics3": ("model.vision_model.encoder.", "model.connector."),
@@ -75,16 +85,39 @@ def _samples(tmp: Path, n: int, offset: int) -> list[dict]:
     return out
 
 
+def _heads_samples(tmp: Path, n: int, offset: int) -> list[dict]:
+    """n samples for 2 ranks at per-device batch 2: rank 0's (even index) answered, with head labels and an image;
+    rank 1's (odd) score-only and text-only, but for one whose image is corrupt (skipped)."""
+    rng = np.random.default_rng(offset)
+    out = []
+    for i in range(n):
+        labels = {"score": float(rng.uniform(-1, 1)), "kind": int(rng.integers(0, 3))}
+        sample = {"images": [], "texts": [{"user": f"Rate sample {offset + i}."}], "labels": labels}
+        if i % 2 == 0:
+            name = f"img{offset + i}.png"
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "RGB").save(tmp / name)
+            sample.update(images=[name], texts=[{"user": f"Rate sample {offset + i}.", "assistant": f"It is {i}."}])
+        elif i == 3:
+            (tmp / f"bad{offset + i}.png").write_bytes((tmp / f"img{offset}.png").read_bytes()[:40])
+            sample["images"] = [f"bad{offset + i}.png"]
+        out.append(sample)
+    return out
+
+
 def _config(tmp: Path, case: str, checkpoints: dict[str, str], nproc: int) -> Path:
     model, fsdp, lora = CASES[case]
-    batch = 2 // nproc
+    heads = case.endswith("-heads")
+    batch = (4 if heads else 2) // nproc
+    data = "heads-" if heads else ""
     if model == "vlm":
         model_cfg = dict(OWN_VLM)
     else:
-        model_cfg = {"kind": "hub_vlm", "pretrained": checkpoints[model], "torch_dtype": "float32", "lora": lora}
+        model_cfg = {"kind": "hub_vlm", "pretrained": checkpoints[model], "torch_dtype": "float32", "lora": lora,
+                     "heads": HEADS if heads else None}
     cfg = {
         "model": model_cfg,
-        "data": {"source": "jsonl", "train_file": str(tmp / "train.jsonl"), "eval_file": str(tmp / "eval.jsonl"),
+        "data": {"source": "jsonl", "train_file": str(tmp / f"{data}train.jsonl"),
+                 "eval_file": str(tmp / f"{data}eval.jsonl"),
                  "max_length": 128, "max_images": 1},
         "train": {"output_dir": str(tmp / f"{case}-{nproc}"), "max_steps": 2, "optim": "sgd", "learning_rate": 0.5,
                   "weight_decay": 0.0, "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
@@ -111,7 +144,9 @@ def _problem(tmp: Path, case: str, output: str) -> str | None:
     worst = max((float((two["weights"][k] - one["weights"][k]).abs().max()), k) for k in one["weights"])
     if worst[0] >= 1e-6:
         return f"weights differ from one process's: {worst}"
-    if abs(two["eval_loss"] - one["eval_loss"]) >= 1e-5:
+    # (with heads, eval_loss weighs each batch's total by its num_items: it depends on the batches; each eval_loss_*
+    # is compared below)
+    if not case.endswith("-heads") and abs(two["eval_loss"] - one["eval_loss"]) >= 1e-5:
         return f"eval_loss {two['eval_loss']} (2 ranks) vs {one['eval_loss']} (1 process)"
     # the vision tower and projector learned from rank 0's images (under LoRA: the projector)
     model, _, lora = CASES[case]
@@ -119,6 +154,32 @@ def _problem(tmp: Path, case: str, output: str) -> str | None:
         names = [k for k in two["weights"] if prefix in k]
         if not names or all(torch.equal(two["weights"][k], two["initial"][k]) for k in names):
             return f"no parameter under {prefix!r} changed"
+    if case.endswith("-eval-first"):  # every parameter trains (the root unit's too: embeddings, lm_head, merger)
+        still = [k for k in one["weights"] if torch.equal(two["weights"][k], two["initial"][k])]
+        if still:
+            return f"{len(still)} parameters never changed: {still[:6]}"
+    if case.endswith("-heads"):
+        return _logged_problem(two, one)
+    return None
+
+
+def _logged_problem(two: dict, one: dict) -> str | None:
+    """What the 2-rank run logged (loss, each loss_*, skip counts: log history, metrics.jsonl, evaluation)
+    against the 1-process run (None: the same)."""
+    from tests.test_rank_mixtures import _eval_counts, _logged, _same_numbers
+
+    rows = [r for r in two["logs"] if "loss" in r]
+    if len(rows) != 2 or not all("loss_lm" in r and "loss_score" in r and "loss_kind" in r for r in rows):
+        return f"not every training row has loss_lm, loss_score and loss_kind: {rows}"
+    final = next(r for r in two["logs"] if "train_loss" in r)
+    if final.get("train_skipped_corrupt_image") != 1 or two["eval"].get("eval_skipped_corrupt_image") != 1:
+        return f"the corrupt images are not counted: {final}, {two['eval']}"
+    try:
+        _same_numbers(_logged(two["logs"]), _logged(one["logs"]))
+        _same_numbers(_logged(two["rows"]), _logged(one["rows"]))
+        _same_numbers([_eval_counts(two["eval"])], [_eval_counts(one["eval"])])
+    except AssertionError as e:
+        return f"logged numbers differ from one process's: {e}"
     return None
 
 
@@ -131,7 +192,9 @@ def test_image_rank_and_text_only_rank_match_one_process(tmp_path, one_thread, g
     from vlmtrain.models.families import get_family
 
     cases = GROUPS[group]
-    for name, samples in (("train", _samples(tmp_path, 4, 0)), ("eval", _samples(tmp_path, 2, 100))):
+    for name, samples in (("train", _samples(tmp_path, 4, 0)), ("eval", _samples(tmp_path, 2, 100)),
+                          ("heads-train", _heads_samples(tmp_path, 8, 200)),
+                          ("heads-eval", _heads_samples(tmp_path, 4, 300))):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     families = sorted({CASES[c][0] for c in cases} - {"vlm"})
     checkpoints = {f: get_family(f).build_tiny(str(tmp_path / f"tiny-{f}"), seed=0) for f in families}

@@ -73,7 +73,7 @@ def test_the_fsdp_plan_in_the_sharding_slot_has_every_method_the_trainer_calls(m
 
     assert plugins.lookup("sharding") is fsdp.FSDP_PLAN
     methods = [name for name in vars(sharding.ShardingPlan) if not name.startswith("_")]
-    assert len(methods) == 7 and all(callable(getattr(fsdp.FSDP_PLAN, name, None)) for name in methods)
+    assert len(methods) == 8 and all(callable(getattr(fsdp.FSDP_PLAN, name, None)) for name in methods)
     model = torch.nn.Linear(2, 2)
     assert sharding.sharding_of(model) is None  # an unsharded model takes the plain path
     # train.fsdp with several ranks and no plan registered: a ConfigError that says what to import

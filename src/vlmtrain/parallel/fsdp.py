@@ -60,6 +60,17 @@ def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Every unit of ``model`` back to its shards. FSDP2 keeps the root unit (embeddings, lm_head, norms, the
+    projector) gathered after a forward without backward (evaluation): an optimizer built then would hold the
+    gathered copies, which no step updates and no gradient reaches."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
     """Model and optimizer state into directory/dcp, every rank writing its own shards (a collective)."""
     import torch.distributed.checkpoint as dcp
@@ -253,6 +264,7 @@ class FSDPPlan:
 
     is_sharded = staticmethod(is_sharded)
     shard_model = staticmethod(shard_model)
+    reshard = staticmethod(reshard)
     save_checkpoint = staticmethod(save_checkpoint)
     load_sharded = staticmethod(load_sharded)
     load_model_state = staticmethod(load_model_state)

@@ -214,6 +214,8 @@ class EvaluationMixin:
         if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
             tally.gather_shards(interleave=sharding == "strided")
         runtime = time.time() - start
+        if (plan := sharding_of(model)) is not None:  # (FSDP keeps its root unit gathered after a forward alone)
+            plan.reshard(model)
         self._eval_lockstep = False
         return self._eval_output(tally, runtime, sharding, dataloader, metric_key_prefix)
 

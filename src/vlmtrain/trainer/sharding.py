@@ -25,6 +25,9 @@ class ShardingPlan(Protocol):
     def shard_model(self, model: nn.Module, bf16: bool = False) -> nn.Module:
         """Shard ``model`` in place over the default process group (``bf16``: bfloat16 compute)."""
 
+    def reshard(self, model: nn.Module) -> None:
+        """Every unit of the sharded ``model`` back to its shards (after evaluation: before an optimizer is built)."""
+
     def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, output_dir: str, step: int,
                         files: dict[str, Any], processing_class: Any, rank: int) -> str:
         """output_dir/checkpoint-<step> of the sharded ``model`` with ``files`` (this rank's, as
