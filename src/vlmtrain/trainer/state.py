@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -101,12 +101,12 @@ class EvalPrediction:
 
 class _Extras:
     """vlmtrain's additions to a result tuple, as attributes beside transformers' fields (which alone are
-    unpacked, counted, indexed and listed by `_fields` / `_asdict`): kept by copies, pickles and `_replace`."""
+    unpacked, counted, indexed and listed by `_fields` / `_asdict`), kept by copies, pickles and `_replace`:
+    `texts`, decoded generations (predict_with_generate with a tokenizer), and `heads`, score-head outputs
+    (`logits_<name>`) by head name, one row per sample."""
 
     texts: list[str] | None = None
-    """Decoded generations when predict_with_generate is on and a tokenizer is known."""
     heads: dict[str, np.ndarray] | None = None
-    """Score-head outputs (`logits_<name>`) by head name, one row per sample, when the model has heads."""
 
     def _with_extras(self, texts: list[str] | None, heads: dict[str, np.ndarray] | None) -> Any:
         self.texts, self.heads = texts, heads
