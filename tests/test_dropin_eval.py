@@ -224,6 +224,22 @@ def test_prediction_step_returns_transformers_triple(tmp_path):
         assert len(trainer.prediction_step(trainer.model, batch, True)) == 3
 
 
+def test_prediction_step_override_over_super_in_evaluate(tmp_path):
+    data = token_samples(7, min_len=6, max_len=6)
+    results = {}
+    for framework in FRAMEWORKS:
+        class Doubling(FRAMEWORKS[framework][0]):
+            def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+                loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+                return loss * 2, logits, labels
+
+        trainer = Doubling(model=tiny_llama(), args=_args(framework, tmp_path), eval_dataset=data,
+                           compute_metrics=_next_token_accuracy, preprocess_logits_for_metrics=_argmax_ids)
+        results[framework] = trainer.evaluate()
+    _same_keys(results["ours"], results["hf"])
+    assert _untimed(results["ours"]) == pytest.approx(_untimed(results["hf"]), rel=1e-6)
+
+
 # -- (c) predict on token classification: predictions, labels, metrics = ... ----------------------------------------
 def _tagging_rows(n: int, seed: int, length: int = 7) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
@@ -242,12 +258,12 @@ def _tag_accuracy(eval_preds) -> dict:
 def _tagging_script(framework: str, out):
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      pad_token_id=0, num_labels=3)
+                                      pad_token_id=0, num_labels=3, classifier_dropout=0.0)  # (no random draws)
     torch.manual_seed(0)
-    # (predict on the model as built: the two Trainers' training losses of token classification differ, a
-    # separate matter from what predict returns)
-    trainer = FRAMEWORKS[framework][0](model=transformers.LlamaForTokenClassification(config),
-                                       args=_args(framework, out), compute_metrics=_tag_accuracy)
+    trainer = FRAMEWORKS[framework][0](
+        model=transformers.LlamaForTokenClassification(config), args=_args(framework, out, max_steps=3),
+        train_dataset=_tagging_rows(16, seed=5), compute_metrics=_tag_accuracy)
+    trainer.train()
     result = trainer.predict(_tagging_rows(5, seed=6))
     predictions, labels, metrics = result
     return result, predictions, labels, metrics
