@@ -212,6 +212,14 @@ def test_question_answering_subclass_over_evaluation_loop(tmp_path):
     for mine, theirs in zip(ours.state.log_history, hf.state.log_history):
         assert set(mine) == set(theirs)
         assert _untimed(mine) == pytest.approx(_untimed(theirs), rel=1e-5)
+    # predict() on labelled features: the loss, and label_ids as the tuple (start_positions, end_positions)
+    labelled = _qa_train(5, seed=7)
+    ours.compute_metrics = hf.compute_metrics = None  # (the span metric is the subclass's evaluate's)
+    pred, hf_pred = ours.predict(labelled), hf.predict(labelled)
+    assert set(pred.metrics) == set(hf_pred.metrics) and "test_loss" in pred.metrics
+    assert _untimed(pred.metrics) == pytest.approx(_untimed(hf_pred.metrics), rel=1e-5)
+    for mine, theirs in zip(pred.predictions + pred.label_ids, hf_pred.predictions + hf_pred.label_ids, strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_prediction_step_returns_transformers_triple(tmp_path):
