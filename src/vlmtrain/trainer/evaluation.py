@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist
 from . import plugins
-from .predictions import Collected, plain_numbers, select_outputs
+from .predictions import Collected, combine_eval_metrics, plain_numbers, select_outputs
 from .sharding import sharding_of
 from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, StepOutput
 from .stats import LossAverager, extra_losses, is_empty_batch, item_counts, num_items_of, skipped_counts
@@ -67,26 +67,7 @@ def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, sa
     return total, sum(p["samples"] for p in everyone), sum((Counter(p["skipped"]) for p in everyone), Counter())
 
 
-_NOT_AVERAGED = ("runtime", "samples_per_second", "steps_per_second", "samples", "model_preparation_time")
 _LARGE_VOCAB = 4096  # a last dim this long on 3-d predictions: LM logits over a vocabulary
-
-
-def combine_eval_metrics(metrics: Mapping[str, float], prefixes: list[str], prefix: str) -> dict[str, float]:
-    """Sample-weighted means over several evaluated sets (`<set prefix>_<metric>`, each with `_samples`) of the
-    metrics every set reports, as `<prefix>_<metric>`; skipped counts and sample counts are summed."""
-    counts = [metrics.get(f"{p}_samples") for p in prefixes]
-    if not prefixes or any(not c for c in counts):
-        return {}
-    per_set = [{k[len(p) + 1:] for k in metrics if k.startswith(f"{p}_")} for p in prefixes]
-    total, out = sum(counts), {}
-    for name in sorted(set.intersection(*per_set) - set(_NOT_AVERAGED)):
-        values = [metrics[f"{p}_{name}"] for p in prefixes]
-        if all(isinstance(v, (int, float)) for v in values) and not name.startswith("skipped_"):
-            out[f"{prefix}_{name}"] = sum(v * c for v, c in zip(values, counts)) / total
-    for name in sorted(n for n in set.union(*per_set) if n.startswith("skipped_")):
-        out[f"{prefix}_{name}"] = sum(metrics.get(f"{p}_{name}", 0) for p in prefixes)
-    out[f"{prefix}_samples"] = total
-    return out
 
 
 class EvaluationMixin:
