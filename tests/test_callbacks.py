@@ -190,7 +190,8 @@ def test_should_log_evaluate_save_from_callback(tmp_path):
 def _fake_eval(trainer, losses: dict[int, float]) -> None:
     """evaluation_loop returns eval_loss = losses[global_step], without running the model."""
 
-    def evaluation_loop(dataloader, prediction_loss_only=False, ignore_keys=None, metric_key_prefix="eval"):
+    def evaluation_loop(dataloader, description="", prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):  # (transformers' signature; a result without num_samples)
         return PredictionOutput(None, None, {f"{metric_key_prefix}_loss": losses[trainer.state.global_step]})
 
     trainer.evaluation_loop = evaluation_loop

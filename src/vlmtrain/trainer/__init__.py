@@ -11,12 +11,12 @@ from .args import TrainingArgumentsCore
 from .callbacks import CallbackHandler, DefaultFlowCallback, ExportableState, TrainerCallback
 from .checkpoint import CheckpointError
 from .setup import set_seed
-from .state import EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
+from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
 from .trainer import TrainerCore
 
 __all__ = [
     "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
-    "EvalPrediction", "ExportableState", "PredictionOutput", "Trainer", "TrainerCallback", "TrainerCore",
+    "EvalLoopOutput", "EvalPrediction", "ExportableState", "PredictionOutput", "Trainer", "TrainerCallback", "TrainerCore",
     "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "TrainingArgumentsCore", "set_seed",
 ]
 

@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist
 from . import plugins
-from .predictions import Collected, plain_numbers, select_outputs
+from .predictions import Collected, combine_eval_metrics, plain_numbers, select_outputs
 from .sharding import sharding_of
-from .state import EvalPrediction, PredictionOutput
+from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, StepOutput
 from .stats import LossAverager, extra_losses, is_empty_batch, item_counts, num_items_of, skipped_counts
 
 
@@ -67,26 +67,7 @@ def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, sa
     return total, sum(p["samples"] for p in everyone), sum((Counter(p["skipped"]) for p in everyone), Counter())
 
 
-_NOT_AVERAGED = ("runtime", "samples_per_second", "steps_per_second", "samples", "model_preparation_time")
 _LARGE_VOCAB = 4096  # a last dim this long on 3-d predictions: LM logits over a vocabulary
-
-
-def combine_eval_metrics(metrics: Mapping[str, float], prefixes: list[str], prefix: str) -> dict[str, float]:
-    """Sample-weighted means over several evaluated sets (`<set prefix>_<metric>`, each with `_samples`) of the
-    metrics every set reports, as `<prefix>_<metric>`; skipped counts and sample counts are summed."""
-    counts = [metrics.get(f"{p}_samples") for p in prefixes]
-    if not prefixes or any(not c for c in counts):
-        return {}
-    per_set = [{k[len(p) + 1:] for k in metrics if k.startswith(f"{p}_")} for p in prefixes]
-    total, out = sum(counts), {}
-    for name in sorted(set.intersection(*per_set) - set(_NOT_AVERAGED)):
-        values = [metrics[f"{p}_{name}"] for p in prefixes]
-        if all(isinstance(v, (int, float)) for v in values) and not name.startswith("skipped_"):
-            out[f"{prefix}_{name}"] = sum(v * c for v, c in zip(values, counts)) / total
-    for name in sorted(n for n in set.union(*per_set) if n.startswith("skipped_")):
-        out[f"{prefix}_{name}"] = sum(metrics.get(f"{p}_{name}", 0) for p in prefixes)
-    out[f"{prefix}_samples"] = total
-    return out
 
 
 class EvaluationMixin:
@@ -110,8 +91,11 @@ class EvaluationMixin:
             return metrics
         dataloader = self.get_eval_dataloader(dataset)
         head_metrics = callable(getattr(self.model, "head_metrics", None))  # score heads: metrics with no code
-        output = self.evaluation_loop(dataloader, prediction_loss_only=self.compute_metrics is None and not head_metrics,
+        start = time.time()
+        output = self.evaluation_loop(dataloader, description="Evaluation",
+                                      prediction_loss_only=self.compute_metrics is None and not head_metrics,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        output.metrics.update(self._evaluate_metrics(output, metric_key_prefix, start))
         # per-sample results for the run report (rank 0; vlmtrain.logging.eval_samples fills the slot)
         plugins.lookup("eval_samples", lambda *_: None)(self, dataset, output, metric_key_prefix)
         self.log(output.metrics)
@@ -124,12 +108,20 @@ class EvaluationMixin:
         and metrics for a dataset. For a model with score heads (`logits_<name>` outputs), `heads` holds their
         outputs per head name, one row per sample; predictions are those too, or the generated ids with
         predict_with_generate."""
-        dataloader = self.get_test_dataloader(test_dataset)
-        output = self.evaluation_loop(dataloader, prediction_loss_only=False, ignore_keys=ignore_keys,
-                                      metric_key_prefix=metric_key_prefix)
+        dataloader, start = self.get_test_dataloader(test_dataset), time.time()
+        output = self.evaluation_loop(dataloader, description="Prediction", prediction_loss_only=False,
+                                      ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        output.metrics.update(self._evaluate_metrics(output, metric_key_prefix, start))
         output.metrics.pop(f"{metric_key_prefix}_samples", None)  # (transformers' keys: the count is len(predictions))
         self.control = self._event("on_predict", metrics=output.metrics)
-        return output
+        return PredictionOutput(output.predictions, output.label_ids, output.metrics, getattr(output, "texts", None),
+                                getattr(output, "heads", None))
+
+    def _evaluate_metrics(self, output: Any, metric_key_prefix: str, start: float) -> dict[str, float]:
+        """What evaluate() and predict() add to evaluation_loop's metrics: `<prefix>_samples`, the samples evaluated
+        (vlmtrain.Trainer adds transformers' runtime and rates from ``start``: vlmtrain/compat/evaluation.py)."""
+        samples = getattr(output, "num_samples", None)  # (an override's result may not have it)
+        return {} if samples is None else {f"{metric_key_prefix}_samples": samples}
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
         """Batches of a test set for predict(): the eval loader (per_device_eval_batch_size, never packed)."""
@@ -196,28 +188,31 @@ class EvaluationMixin:
             stand_in = stand_in if stand_in is not None else sent
         return ("real", batch) if real else ("stand_in", stand_in)
 
-    def evaluation_loop(self, dataloader: DataLoader, description: str = "", prediction_loss_only: bool | None = False,
-                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> PredictionOutput:
-        """Loss, predictions and metrics over a loader (``description`` is accepted as in transformers)."""
+    def evaluation_loop(self, dataloader: DataLoader, description: str = "", prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Loss, predictions, metrics and the number of samples evaluated over a loader, as transformers'
+        (``description`` names the run; ``prediction_loss_only=None``: ``args.prediction_loss_only``)."""
+        if prediction_loss_only is None:
+            prediction_loss_only = getattr(self.args, "prediction_loss_only", False)
         self.callback_handler.refs["eval_dataloader"] = dataloader
         sharding = self._eval_sharding(getattr(dataloader, "dataset", None))
-        model, start = self.model, time.time()
+        model = self.model
         model.eval()
         # FSDP with each rank on its share: ranks run forward in step (see _lockstep)
         self._eval_lockstep = sharding is not None and sharding_of(model) is not None
         tally = _EvalTally()
         for batch in self._eval_batches(dataloader, tally.skipped, prediction_loss_only, ignore_keys):
-            loss, pred, label, *rest = self.prediction_step(model, batch, bool(prediction_loss_only), ignore_keys)
-            extras = rest[0] if rest else {}  # (an override returning transformers' 3-tuple has no extras)
+            step = self.prediction_step(model, batch, bool(prediction_loss_only), ignore_keys)
+            loss, pred, label, *rest = step  # (an override's own 3-tuple has no extras; an older 4-tuple has)
+            extras = dict(rest[0] if rest else getattr(step, "extras", {}))
             tally.add(batch, loss, self._reduce_for_metrics(pred, label), label, extras)
             self.control = self._event("on_prediction_step")
         if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
             tally.gather_shards(interleave=sharding == "strided")
-        runtime = time.time() - start
         if (plan := sharding_of(model)) is not None:  # (FSDP keeps its root unit gathered after a forward alone)
             plan.reshard(model)
         self._eval_lockstep = False
-        return self._eval_output(tally, runtime, sharding, dataloader, metric_key_prefix)
+        return self._eval_output(tally, sharding, dataloader, metric_key_prefix)
 
     def _eval_batches(self, dataloader: DataLoader, skipped: Counter, prediction_loss_only: bool | None,
                       ignore_keys: list[str] | None) -> Iterator[Any]:
@@ -249,8 +244,8 @@ class EvaluationMixin:
                 continue
             yield batch
 
-    def _eval_output(self, tally: _EvalTally, runtime: float, sharding: str | None, dataloader: DataLoader,
-                     metric_key_prefix: str) -> PredictionOutput:
+    def _eval_output(self, tally: _EvalTally, sharding: str | None, dataloader: DataLoader,
+                     metric_key_prefix: str) -> EvalLoopOutput:
         """Predictions, labels and metrics (`<prefix>_<name>`: losses, score heads', compute_metrics', sample and
         skipped counts) of an evaluation; generations decoded to texts."""
         preds, labels = tally.preds, tally.labels
@@ -263,13 +258,13 @@ class EvaluationMixin:
             metrics.update(self.model.head_metrics(head_outputs, labels.named("labels_")))
         if self.compute_metrics is not None and predictions is not None:
             metrics.update(self._user_metrics(predictions, label_ids, dataloader, sharding))
-        metrics.update(self._eval_counts(tally, runtime))
+        metrics.update(self._eval_counts(tally))
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
                    for k, v in metrics.items()}
         texts = None  # (the generation slot: models/generation.py)
         if self.args.predict_with_generate and predictions is not None:
             texts = plugins.require("generation").texts(self.processing_class, predictions)
-        return PredictionOutput(predictions, label_ids, metrics, texts, head_outputs)
+        return EvalLoopOutput(predictions, label_ids, metrics, tally.samples, texts, head_outputs)
 
     def _user_metrics(self, predictions: Any, label_ids: Any, dataloader: DataLoader,
                       sharding: str | None) -> dict[str, Any]:
@@ -282,10 +277,10 @@ class EvaluationMixin:
                                  or {})
         return plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids)))
 
-    def _eval_counts(self, tally: _EvalTally, runtime: float) -> dict[str, Any]:
-        """An evaluation's sample count and its skipped samples by reason (vlmtrain.Trainer adds transformers'
-        speed metrics over ``runtime``: vlmtrain/compat/evaluation.py)."""
-        return {"samples": tally.samples, **{f"skipped_{reason}": n for reason, n in sorted(tally.skipped.items())}}
+    def _eval_counts(self, tally: _EvalTally) -> dict[str, Any]:
+        """An evaluation's skipped samples by reason (vlmtrain.Trainer adds transformers' model_preparation_time:
+        vlmtrain/compat/evaluation.py); the samples evaluated are its num_samples."""
+        return {f"skipped_{reason}": n for reason, n in sorted(tally.skipped.items())}
 
     def _reduce_for_metrics(self, pred: Any, label: Any) -> Any:
         """What evaluation keeps of one batch's predictions: ``preprocess_logits_for_metrics(pred, labels)``
@@ -305,9 +300,9 @@ class EvaluationMixin:
         return pred
 
     def prediction_step(self, model: nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None) -> tuple:
-        """Returns (loss, predictions, labels, extras) where extras holds `loss_*`, `num_items` and each
-        `num_items_<name>` (the item count of `loss_<name>`). Predictions are logits, generated ids when
+                        ignore_keys: list[str] | None = None) -> StepOutput:
+        """Returns transformers' (loss, predictions, labels), with `.extras` holding `loss_*`, `num_items` and each
+        `num_items_<name>` (the item count of `loss_<name>`): a StepOutput. Predictions are logits, generated ids when
         predict_with_generate is on, or several named outputs (see trainer/predictions.py: head outputs; in
         vlmtrain.Trainer also transformers' convention when `args.label_names` is set)."""
         prompt = {k[len("prompt_"):]: v.to(self.device) for k, v in inputs.items()
@@ -324,7 +319,7 @@ class EvaluationMixin:
         if isinstance(outputs, (tuple, list)):  # (loss, logits, ...) as transformers returns them
             return self._tuple_predictions(loss, outputs, inputs, prediction_loss_only)
         if prediction_loss_only:
-            return loss, None, None, extras
+            return StepOutput(loss, None, None, extras)
         if generating:
             if not prompt:
                 raise ValueError("predict_with_generate needs `prompt_input_ids` (and prompt_attention_mask) in "
@@ -332,11 +327,11 @@ class EvaluationMixin:
             generated = self.generate(prompt)
             heads, head_labels = select_outputs(outputs, inputs, ignore_keys)
             if not isinstance(heads, Mapping):  # no score heads: the generated ids alone
-                return loss, generated, labels, extras
+                return StepOutput(loss, generated, labels, extras)
             # score heads too: kept beside the generations (evaluation_loop splits them again)
-            return loss, {"generated": generated, **heads}, {"labels": labels, **(head_labels or {})}, extras
+            return StepOutput(loss, {"generated": generated, **heads}, {"labels": labels, **(head_labels or {})}, extras)
         predictions, labels = self._predictions_and_labels(outputs, inputs, ignore_keys)
-        return loss, predictions, labels, extras
+        return StepOutput(loss, predictions, labels, extras)
 
     def _predictions_and_labels(self, outputs: Any, inputs: dict[str, Any],
                                 ignore_keys: list[str] | None) -> tuple[Any, Any]:
@@ -367,10 +362,10 @@ class EvaluationMixin:
         return loss, extras, outputs
 
     def _tuple_predictions(self, loss: Any, outputs: tuple | list, inputs: dict[str, Any],
-                           prediction_loss_only: bool) -> tuple:
+                           prediction_loss_only: bool) -> StepOutput:
         """prediction_step's result for a model returning a tuple: its loss alone (vlmtrain.Trainer reads
         transformers' `(loss, logits, ...)` convention: vlmtrain/compat/evaluation.py)."""
-        return loss, None, None, {}
+        return StepOutput(loss, None, None)
 
     def _has_labels(self, inputs: Mapping[str, Any]) -> bool:
         """Whether the batch holds its `labels` (vlmtrain.Trainer: every one of `args.label_names`): then

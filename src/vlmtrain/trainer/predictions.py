@@ -5,7 +5,8 @@ vlmtrain/compat/evaluation.py):
 - the model returns head outputs `logits_<name>`: predictions are those, labels the batch's `labels_<name>`
   (never the full LM logits, B x L x vocab, for the whole eval set).
 - else: the `logits` output (or the first other tensor output) and the batch's `labels`.
-A tuple/dict of one entry becomes that one array, as transformers does.
+A tuple/dict of one entry becomes that one array, as transformers does. Also: the sample-weighted means of
+several eval sets' metrics (combine_eval_metrics).
 """
 
 from __future__ import annotations
@@ -141,3 +142,24 @@ class Collected:
         if self.kind != "dict":
             return {}
         return {k[len(prefix):]: v for k, v in self.arrays().items() if isinstance(k, str) and k.startswith(prefix)}
+
+
+_NOT_AVERAGED = ("runtime", "samples_per_second", "steps_per_second", "samples", "model_preparation_time")
+
+
+def combine_eval_metrics(metrics: Mapping[str, float], prefixes: list[str], prefix: str) -> dict[str, float]:
+    """Sample-weighted means over several evaluated sets (`<set prefix>_<metric>`, each with `_samples`) of the
+    metrics every set reports, as `<prefix>_<metric>`; skipped counts and sample counts are summed."""
+    counts = [metrics.get(f"{p}_samples") for p in prefixes]
+    if not prefixes or any(not c for c in counts):
+        return {}
+    per_set = [{k[len(p) + 1:] for k in metrics if k.startswith(f"{p}_")} for p in prefixes]
+    total, out = sum(counts), {}
+    for name in sorted(set.intersection(*per_set) - set(_NOT_AVERAGED)):
+        values = [metrics[f"{p}_{name}"] for p in prefixes]
+        if all(isinstance(v, (int, float)) for v in values) and not name.startswith("skipped_"):
+            out[f"{prefix}_{name}"] = sum(v * c for v, c in zip(values, counts)) / total
+    for name in sorted(n for n in set.union(*per_set) if n.startswith("skipped_")):
+        out[f"{prefix}_{name}"] = sum(metrics.get(f"{p}_{name}", 0) for p in prefixes)
+    out[f"{prefix}_samples"] = total
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -80,20 +81,77 @@ class TrainOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-class EvalPrediction(NamedTuple):
-    """What compute_metrics gets: one array each, or tuples when the model returned several outputs (score
-    heads, or `args.label_names`: label_ids in that order)."""
+class EvalPrediction:
+    """What compute_metrics gets, as transformers' EvalPrediction: `predictions` and `label_ids` (one array
+    each, or tuples when the model returned several outputs: score heads, or `args.label_names`), and `inputs` /
+    `losses` when set. It unpacks and indexes as the tuple of those that are set (`preds, labels = eval_pred`)."""
 
-    predictions: np.ndarray | tuple[np.ndarray, ...] | None
-    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
-    inputs: np.ndarray | None = None
+    def __init__(self, predictions: Any, label_ids: Any, inputs: Any = None, losses: Any = None) -> None:
+        self.predictions, self.label_ids, self.inputs, self.losses = predictions, label_ids, inputs, losses
+        self.elements = (predictions, label_ids) + tuple(x for x in (inputs, losses) if x is not None)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.elements)
+
+    def __getitem__(self, idx: int) -> Any:
+        if idx < 0 or idx >= len(self.elements):  # (as transformers': no negative indexes)
+            raise IndexError("tuple index out of range")
+        return self.elements[idx]
 
 
-class PredictionOutput(NamedTuple):
-    predictions: np.ndarray | tuple[np.ndarray, ...] | None
-    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
-    metrics: dict[str, float]
+class _Extras:
+    """vlmtrain's additions to a result tuple, as attributes beside transformers' fields (which alone are
+    unpacked, counted, indexed and listed by `_fields` / `_asdict`), kept by copies, pickles and `_replace`:
+    `texts`, decoded generations (predict_with_generate with a tokenizer), and `heads`, score-head outputs
+    (`logits_<name>`) by head name, one row per sample."""
+
     texts: list[str] | None = None
-    """Decoded generations when predict_with_generate is on and a tokenizer is known."""
     heads: dict[str, np.ndarray] | None = None
-    """Score-head outputs (`logits_<name>`) by head name, one row per sample, when the model has heads."""
+
+    def _with_extras(self, texts: list[str] | None, heads: dict[str, np.ndarray] | None) -> Any:
+        self.texts, self.heads = texts, heads
+        return self
+
+    def _replace(self, **fields: Any) -> Any:
+        return super()._replace(**fields)._with_extras(self.texts, self.heads)
+
+
+class _PredictionFields(NamedTuple):
+    predictions: np.ndarray | tuple[np.ndarray, ...] | None
+    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
+    metrics: dict[str, float] | None
+
+
+class PredictionOutput(_Extras, _PredictionFields):
+    """predict()'s result, as transformers': `predictions, label_ids, metrics = trainer.predict(ds)`; vlmtrain's
+    `texts` (generations) and `heads` (score-head outputs) are attributes."""
+
+    def __new__(cls, predictions: Any, label_ids: Any, metrics: dict[str, float] | None,
+                texts: list[str] | None = None, heads: dict[str, np.ndarray] | None = None) -> PredictionOutput:
+        return super().__new__(cls, predictions, label_ids, metrics)._with_extras(texts, heads)
+
+
+class _EvalLoopFields(NamedTuple):
+    predictions: np.ndarray | tuple[np.ndarray, ...] | None
+    label_ids: np.ndarray | tuple[np.ndarray, ...] | None
+    metrics: dict[str, float] | None
+    num_samples: int | None
+
+
+class EvalLoopOutput(_Extras, _EvalLoopFields):
+    """evaluation_loop()'s result, as transformers': predictions, label_ids, metrics and num_samples (the samples
+    evaluated); vlmtrain's `texts` and `heads` are attributes, as in PredictionOutput."""
+
+    def __new__(cls, predictions: Any, label_ids: Any, metrics: dict[str, float] | None, num_samples: int | None,
+                texts: list[str] | None = None, heads: dict[str, np.ndarray] | None = None) -> EvalLoopOutput:
+        return super().__new__(cls, predictions, label_ids, metrics, num_samples)._with_extras(texts, heads)
+
+
+class StepOutput(tuple):
+    """prediction_step's result, transformers' `(loss, predictions, labels)`; `extras` holds vlmtrain's `loss_*`
+    and item counts of the batch (`num_items`, `num_items_<name>`), by which evaluation weights the losses."""
+
+    def __new__(cls, loss: Any, predictions: Any, labels: Any, extras: dict[str, Any] | None = None) -> StepOutput:
+        self = super().__new__(cls, (loss, predictions, labels))
+        self.extras = extras or {}
+        return self
