@@ -228,3 +228,21 @@ def test_an_encoder_decoder_loss_counts_every_label():
     batch["labels"][0, -1] = -100
     outputs = model(**batch)
     assert float(num_items_of(outputs, model, dict(batch))) == int((batch["labels"] != -100).sum()) == 11
+
+
+def test_migration_guide_lists_every_seq2seq_field_and_method():
+    """docs/migrating.md's Seq2Seq rows (scripts/gen_migrating.py, current: tests/test_hf_arguments.py) cover every
+    field and method transformers' Seq2Seq classes add, and vlmtrain's classes have each with its default."""
+    import dataclasses
+
+    from vlmtrain.compat.seq2seq import SEQ2SEQ_FIELDS, SEQ2SEQ_METHODS
+
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    theirs = {f.name: f.default for f in dataclasses.fields(transformers.Seq2SeqTrainingArguments)
+              if f.name not in base}
+    ours = {f.name: f.default for f in dataclasses.fields(vlmtrain.Seq2SeqTrainingArguments)}
+    assert set(SEQ2SEQ_FIELDS) == set(theirs) and all(ours[name] == theirs[name] for name in theirs)
+    methods = {n for n, v in vars(transformers.Seq2SeqTrainer).items() if not n.startswith("_") and callable(
+        getattr(v, "__func__", v))}
+    assert set(SEQ2SEQ_METHODS) == methods and all(n in vars(vlmtrain.Seq2SeqTrainer) for n in methods)
+    assert "missing" not in open(__file__.replace("tests/test_seq2seq_dropin.py", "docs/migrating.md")).read()

@@ -25,8 +25,26 @@ from ..trainer.sharding import sharding_of
 from .arguments import TrainingArguments
 from .trainer import Trainer
 
-_GENERATION_FIELDS = ("sortish_sampler", "predict_with_generate", "generation_max_length", "generation_num_beams",
-                      "generation_config")
+# transformers' Seq2SeqTrainingArguments fields beyond TrainingArguments: name -> (same | different | no effect,
+# how); the migration guide's rows (scripts/gen_migrating.py, checked against the installed transformers).
+SEQ2SEQ_FIELDS: dict[str, tuple[str, str]] = {
+    "sortish_sampler": ("no effect", "Any value is accepted: transformers 5.x has no sortish sampler either."),
+    "predict_with_generate": ("same", "evaluate / predict call `model.generate` on the batch's model inputs"),
+    "generation_max_length": ("different", "as transformers; a value below 1 is an error when the arguments are "
+                                           "built (transformers: in the first evaluation)."),
+    "generation_num_beams": ("different", "as transformers; a value below 1 is an error when the arguments are "
+                                          "built (transformers: a ZeroDivisionError in the first evaluation)."),
+    "generation_config": ("same", ""),
+}
+# transformers' Seq2SeqTrainer's own public methods: name -> (same | different, how).
+SEQ2SEQ_METHODS: dict[str, tuple[str, str]] = {
+    "evaluate": ("different", "as Trainer.evaluate (`eval_samples` added) with the generation kwargs; a dict of "
+                              "eval sets keeps the call's kwargs for every set (transformers: the arguments')"),
+    "predict": ("same", "with the generation kwargs"),
+    "prediction_step": ("different", "returns `(loss, generated ids, labels, extras)` as Trainer.prediction_step; "
+                                     "the loss comes from `compute_loss` (transformers: the model's own loss)"),
+    "load_generation_config": ("same", ""),
+}
 
 
 @dataclass
