@@ -246,3 +246,26 @@ def test_migration_guide_lists_every_seq2seq_field_and_method():
         getattr(v, "__func__", v))}
     assert set(SEQ2SEQ_METHODS) == methods and all(n in vars(vlmtrain.Seq2SeqTrainer) for n in methods)
     assert "missing" not in open(__file__.replace("tests/test_seq2seq_dropin.py", "docs/migrating.md")).read()
+
+
+def test_t5_predict_with_generate_as_transformers(tmp_path):
+    """Another encoder-decoder (T5, untrained): predict()'s generated ids, labels and loss as transformers'."""
+    tok = _tokenizer()
+    data = _preprocess(tok, _documents(6, 5))
+    outputs = {}
+    for framework, (trainer_cls, args_cls) in FRAMEWORKS.items():
+        torch.manual_seed(0)
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=len(tok), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0,
+            pad_token_id=0, eos_token_id=2, decoder_start_token_id=0))
+        extra = {"use_cpu": True} if framework == "hf" else {}
+        args = args_cls(output_dir=str(tmp_path / framework), report_to="none", per_device_eval_batch_size=3,
+                        predict_with_generate=True, generation_num_beams=2, **extra)
+        trainer = trainer_cls(model=model, args=args, processing_class=tok,
+                              data_collator=transformers.DataCollatorForSeq2Seq(tok, model=model))
+        outputs[framework] = trainer.predict(data, max_new_tokens=5, suppress_tokens=[0])  # (any generate kwarg)
+    ours, hf = outputs["ours"], outputs["hf"]
+    assert ours.predictions.shape == (6, 20) and (ours.predictions[:, 1:6] != 0).any()  # 5 new tokens, padded
+    np.testing.assert_array_equal(ours.predictions, hf.predictions)
+    np.testing.assert_array_equal(ours.label_ids, hf.label_ids)
+    assert ours.metrics["test_loss"] == pytest.approx(hf.metrics["test_loss"], rel=1e-5)
