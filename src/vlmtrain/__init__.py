@@ -5,6 +5,7 @@
 from . import tasks  # noqa: F401 - the synthetic tasks register their data sources with data/
 from .compat.arguments import TrainingArguments
 from .compat.callbacks import EarlyStoppingCallback
+from .compat.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from .compat.trainer import Trainer
 from .evaluation import async_eval as _async_eval  # noqa: F401
 from .inference import InferenceModel, load_for_inference
@@ -72,5 +73,5 @@ __version__ = "0.1.0"
 __all__ = [
     "EarlyStoppingCallback", "EvalPrediction", "InferenceModel", "PredictionOutput", "Trainer", "TrainerCallback",
     "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "__version__", "attach_heads",
-    "load_for_inference",
+    "load_for_inference", "Seq2SeqTrainer", "Seq2SeqTrainingArguments",
 ]

@@ -49,10 +49,13 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 def causal_lm_targets(model: Any, inputs: dict[str, Any]) -> torch.Tensor | None:
     """How many targets a transformers model's loss averaged over when its output does not say: for a loss that
     is the causal-LM one (causal LMs, and VLMs such as Qwen3-VL whose loss_type is ForConditionalGeneration:
-    both average over the shifted labels), those labels counted; else None. The trainer's ``loss_targets``
-    slot."""
+    both average over the shifted labels), those labels counted; an encoder-decoder's (Bart, T5: the same
+    loss_type, but the decoder's labels are its targets, unshifted) all its labels; else None. The trainer's
+    ``loss_targets`` slot."""
     labels = inputs.get("labels")
     if _causal_lm_loss(model) and isinstance(labels, torch.Tensor):
+        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            return (labels != IGNORE_INDEX).sum().float()
         return (labels[..., 1:] != IGNORE_INDEX).sum().float()
     return None
 
