@@ -37,6 +37,15 @@ class TransformersCallbackHandler(CallbackHandler):
         return self.call(event, args, state, control, **kwargs)
 
 
+def _ref(name: str) -> property:
+    """transformers' handler attribute ``name`` (model, optimizer, train_dataloader, ...): the refs every event gets."""
+    return property(lambda self: self.refs.get(name), lambda self, value: self.refs.__setitem__(name, value))
+
+
+for _name in ("model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader", "eval_dataloader"):
+    setattr(TransformersCallbackHandler, _name, _ref(_name))
+
+
 def _handler_event(event: str, *payload: str) -> Any:
     """``CallbackHandler.on_<event>(args, state, control[, payload])`` as transformers' handler has them: the
     payload (metrics / logs) is passed by position there."""
