@@ -92,39 +92,43 @@ def test_checkpoint_callbacks_the_trainer_lacks_warn_as_transformers(tmp_path):
         assert not _mentions(seen, "Checkpoint included callbacks"), (framework, seen)
 
 
+def _subclass_script(framework: str, out) -> tuple:
+    """A subclass overriding transformers' internal names; trains with an evaluation at start and every 2 steps,
+    then resumes from checkpoint-2."""
+    calls: list = []
+
+    class Sub(FRAMEWORKS[framework][0]):
+        def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler=False):
+            calls.append(("evaluate", self.state.global_step, ignore_keys_for_eval, skip_scheduler))
+            return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
+
+        def _get_output_dir(self, trial):
+            calls.append(("output_dir", trial))
+            return str(out / framework / "elsewhere")
+
+        def _load_callback_state(self):
+            # (vlmtrain's metrics.jsonl writer keeps its row count there too)
+            calls.append(("callback_state", sorted(set(self.state.stateful_callbacks) - {"JsonlLoggerCallback"})))
+            return super()._load_callback_state()
+
+    data = _samples(16)
+    kw = dict(max_steps=4, per_device_train_batch_size=3, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+              save_steps=2, eval_on_start=True, restore_callback_states_from_checkpoint=True)
+    trainer = Sub(model=TupleClassifier(), train_dataset=data, eval_dataset=data[:4],
+                  args=_args(framework, out, **kw), callbacks=[CountingCallback()])
+    trainer.train(ignore_keys_for_eval=["x"])
+    checkpoints = sorted(p.name for p in (out / framework / "elsewhere").iterdir())
+    resumed = Sub(model=TupleClassifier(), train_dataset=data, eval_dataset=data[:4], args=trainer.args,
+                  callbacks=[CountingCallback()])
+    resumed.train(resume_from_checkpoint=str(out / framework / "elsewhere" / "checkpoint-2"))
+    return (trainer._train_batch_size, checkpoints, [c for c in calls if c[0] != "output_dir"],
+            ("output_dir", None) in calls)
+
+
 def test_internal_names_subclasses_read_and_override(tmp_path):
-    seen = {}
-    for framework in FRAMEWORKS:
-        calls: list = []
-
-        class Sub(FRAMEWORKS[framework][0]):
-            def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler=False):
-                calls.append(("evaluate", self.state.global_step, ignore_keys_for_eval, skip_scheduler))
-                return super()._evaluate(trial, ignore_keys_for_eval, skip_scheduler)
-
-            def _get_output_dir(self, trial):
-                calls.append(("output_dir", trial))
-                return str(tmp_path / framework / "elsewhere")
-
-            def _load_callback_state(self):
-                # (vlmtrain's metrics.jsonl writer keeps its row count there too)
-                calls.append(("callback_state", sorted(set(self.state.stateful_callbacks) - {"JsonlLoggerCallback"})))
-                return super()._load_callback_state()
-
-        data = _samples(16)
-        kw = dict(max_steps=4, per_device_train_batch_size=3, eval_strategy="steps", eval_steps=2,
-                  save_strategy="steps", save_steps=2, eval_on_start=True, restore_callback_states_from_checkpoint=True)
-        trainer = Sub(model=TupleClassifier(), train_dataset=data, eval_dataset=data[:4],
-                      args=_args(framework, tmp_path, **kw), callbacks=[CountingCallback()])
-        trainer.train(ignore_keys_for_eval=["x"])
-        checkpoints = sorted(p.name for p in (tmp_path / framework / "elsewhere").iterdir())
-        resumed = Sub(model=TupleClassifier(), train_dataset=data, eval_dataset=data[:4], args=trainer.args,
-                      callbacks=[CountingCallback()])
-        resumed.train(resume_from_checkpoint=str(tmp_path / framework / "elsewhere" / "checkpoint-2"))
-        seen[framework] = (trainer._train_batch_size, checkpoints,
-                           [c for c in calls if c[0] != "output_dir"], ("output_dir", None) in calls)
+    seen = {framework: _subclass_script(framework, tmp_path) for framework in FRAMEWORKS}
     assert seen["ours"] == seen["hf"]
-    assert seen["ours"][0] == 3 and seen["ours"][1] == ["checkpoint-2", "checkpoint-4"]
+    assert seen["ours"][0] == 3 and seen["ours"][1] == ["checkpoint-2", "checkpoint-4"] and seen["ours"][3]
     assert ("evaluate", 0, ["x"], True) in seen["ours"][2] and ("evaluate", 4, ["x"], False) in seen["ours"][2]
 
 
