@@ -138,3 +138,13 @@ def test_accelerator_is_an_error_naming_what_to_use(tmp_path):
     assert not hasattr(ours, "accelerator")  # (TRL-style `if hasattr(self, "accelerator")` takes the other path)
     with pytest.raises(AttributeError, match="does not use accelerate.*trainer.args.device.*unwrap_model"):
         ours.accelerator.unwrap_model(ours.model)
+
+
+@pytest.mark.parametrize("kwargs", [{"torch_compile_mode": "reduce-overhead"}, {"torch_compile_backend": "eager"},
+                                    {"torch_compile": True}, {}])
+def test_torch_compile_switched_on_and_its_backend_as_transformers(kwargs):
+    ours = FRAMEWORKS["ours"][1](**kwargs, use_cpu=True)
+    hf = FRAMEWORKS["hf"][1](**kwargs, use_cpu=True)
+    names = ("torch_compile", "torch_compile_backend", "torch_compile_mode")
+    assert {n: getattr(ours, n) for n in names} == {n: getattr(hf, n) for n in names}
+    assert ours.to_dict()["torch_compile_backend"] == hf.to_dict()["torch_compile_backend"]

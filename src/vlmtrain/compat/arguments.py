@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -143,6 +144,36 @@ IGNORED: dict[str, str] = {
 }
 
 
+def _reports(args: Any, name: str) -> bool:
+    reporters = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
+    return name in reporters or "all" in reporters
+
+
+_VLMTRAIN_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+# REFUSED names that transformers reads only while a feature is on: name -> (the feature, whether it is on).
+# While it is off any value is accepted, as transformers ignores it then (its value form still checked, as there).
+WHEN_USED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **{name: ("push_to_hub=True", lambda a: bool(a.push_to_hub)) for name in (
+        "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision")},
+    "trackio_static_space_id": ("report_to trackio", lambda a: _reports(a, "trackio")),
+    "fsdp_config": ("fsdp", lambda a: a.fsdp is not None and _fsdp_flag(a.fsdp)),
+    "eval_delay": ("an eval_strategy", lambda a: str(getattr(a.eval_strategy, "value", a.eval_strategy)) != "no"),
+    "length_column_name": ("train_sampling_strategy='group_by_length'",
+                           lambda a: a.train_sampling_strategy == "group_by_length"),
+    "optim_args": ("optim='sgd' (transformers' AdamW ignores optim_args)", lambda a: a.optim == "sgd"),
+    "optim_target_modules": ("GaLore / APOLLO optimizers (optim)", lambda a: a.optim not in _VLMTRAIN_OPTIMIZERS),
+    "debug": ("underflow_overflow (tpu_metrics_debug has no effect without a TPU)",
+              lambda a: any(o != "tpu_metrics_debug" for o in _debug_options(a.debug))),
+}
+# transformers' value checks at construction (its enums) for names accepted while their feature is off.
+VALUE_CHOICES = {"hub_strategy": ("end", "every_save", "checkpoint", "all_checkpoints"),
+                 "debug": ("underflow_overflow", "tpu_metrics_debug")}
+
+
+def _debug_options(value: str | list[str] | None) -> list[str]:
+    return value.split() if isinstance(value, str) else [getattr(o, "value", o) for o in value or []]
+
+
 # report_to: these, or a tracker of vlmtrain.logging.trackers.TRACKERS (tensorboard, wandb, mlflow, trackio).
 REPORTERS = ("none", "jsonl", "all")
 # transformers' report_to names that vlmtrain has no writer for.
@@ -160,6 +191,9 @@ def describe(name: str) -> str:
     """One line on what a transformers-only name does in vlmtrain (for --help and the README reference)."""
     if name in IGNORED:
         return f"Any value; no effect: {IGNORED[name]}."
+    if name in WHEN_USED:
+        return (f"Any value while {WHEN_USED[name][0]} is off (transformers ignores it then); with it on, "
+                f"default only, any other value an error: {REFUSED[name]}.")
     return f"Default only; any other value is an error: {REFUSED[name]}."
 
 
@@ -186,6 +220,13 @@ def check_transformers_only(args: Any) -> None:
     """Raise ConfigError naming the first transformers-only argument set to a value vlmtrain cannot honour."""
     for f in fields(TransformersOnlyArguments):
         value = getattr(args, f.name)
+        if f.name == "debug":
+            for option in _debug_options(value):
+                check_choice("debug", option, VALUE_CHOICES["debug"])
+        elif f.name in VALUE_CHOICES:
+            check_choice(f.name, str(getattr(value, "value", value)), VALUE_CHOICES[f.name])
+        if f.name in WHEN_USED and not WHEN_USED[f.name][1](args):
+            continue
         if f.name not in IGNORED and not _at_default(value, f.default):
             raise ConfigError(f"{f.name}={value!r} is not supported by vlmtrain; {REFUSED[f.name]}.")
 
@@ -213,6 +254,8 @@ def resolve_transformers_names(args: Any) -> None:
         args.debug = args.debug.split()
     if args.torch_compile_backend is not None or args.torch_compile_mode is not None:
         args.torch_compile = True
+    if args.torch_compile and args.torch_compile_backend is None:  # (transformers' default off HPU / Neuron)
+        args.torch_compile_backend = "inductor"
     reporters = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
     implemented = (*REPORTERS[:2], *TRACKERS, REPORTERS[2])
     for r in reporters:
