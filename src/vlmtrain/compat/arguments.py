@@ -153,16 +153,16 @@ _VLMTRAIN_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 # REFUSED names that transformers reads only while a feature is on: name -> (the feature, whether it is on).
 # While it is off any value is accepted, as transformers ignores it then (its value form still checked, as there).
 WHEN_USED: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    **{name: ("push_to_hub=True", lambda a: bool(a.push_to_hub)) for name in (
+    **{name: ("push_to_hub", lambda a: bool(a.push_to_hub)) for name in (
         "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision")},
-    "trackio_static_space_id": ("report_to trackio", lambda a: _reports(a, "trackio")),
+    "trackio_static_space_id": ("trackio (report_to)", lambda a: _reports(a, "trackio")),
     "fsdp_config": ("fsdp", lambda a: a.fsdp is not None and _fsdp_flag(a.fsdp)),
-    "eval_delay": ("an eval_strategy", lambda a: str(getattr(a.eval_strategy, "value", a.eval_strategy)) != "no"),
-    "length_column_name": ("train_sampling_strategy='group_by_length'",
+    "eval_delay": ("evaluation (eval_strategy)", lambda a: str(getattr(a.eval_strategy, "value", a.eval_strategy)) != "no"),
+    "length_column_name": ("group_by_length (train_sampling_strategy)",
                            lambda a: a.train_sampling_strategy == "group_by_length"),
-    "optim_args": ("optim='sgd' (transformers' AdamW ignores optim_args)", lambda a: a.optim == "sgd"),
-    "optim_target_modules": ("GaLore / APOLLO optimizers (optim)", lambda a: a.optim not in _VLMTRAIN_OPTIMIZERS),
-    "debug": ("underflow_overflow (tpu_metrics_debug has no effect without a TPU)",
+    "optim_args": ("optim='sgd' (AdamW ignores optim_args)", lambda a: a.optim == "sgd"),
+    "optim_target_modules": ("a GaLore / APOLLO optim", lambda a: a.optim not in _VLMTRAIN_OPTIMIZERS),
+    "debug": ("underflow_overflow (tpu_metrics_debug needs a TPU)",
               lambda a: any(o != "tpu_metrics_debug" for o in _debug_options(a.debug))),
 }
 # transformers' value checks at construction (its enums) for names accepted while their feature is off.
