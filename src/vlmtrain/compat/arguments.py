@@ -56,9 +56,6 @@ REFUSED: dict[str, str] = {
     "fp16_full_eval": _HALF_EVAL,
     "use_cache": "training forwards pass use_cache=False; override Trainer.compute_loss if a model needs its cache",
     "neftune_noise_alpha": "add the embedding noise in the model (e.g. a forward hook on its input embeddings)",
-    "auto_find_batch_size": "vlmtrain does not restart training after an out-of-memory error (transformers does "
-                            "it with accelerate's find_executable_batch_size): set per_device_train_batch_size and "
-                            "gradient_accumulation_steps yourself",
     "log_level": _LOG_LEVEL,
     "log_level_replica": _LOG_LEVEL,
     "logging_nan_inf_filter": "steps with a NaN/Inf loss or gradients are skipped (no update) and logged as "
@@ -127,6 +124,9 @@ DIFFERENT: dict[str, str] = {
     "data_seed": "seeds vlmtrain's shuffle, so the order differs from transformers' for the same seed",
     "resume_from_checkpoint": "Trainer.train() uses it when called without resume_from_checkpoint (transformers' "
                               "Trainer ignores the field; it is for scripts)",
+    "auto_find_batch_size": "after an out-of-memory error training goes on from the same step at half the batch and "
+                            "twice the accumulation (transformers restarts its training loop); one process only "
+                            "(under torchrun an error)",
     "include_for_metrics": "only [] is accepted: compute_metrics receives predictions and label_ids",
 }
 
