@@ -79,3 +79,27 @@ def test_several_processes_are_refused_before_training(tmp_path):
     trainer.world_size = 2
     with pytest.raises(ConfigError, match="auto_find_batch_size=True works in one process only"):
         trainer.train()
+
+
+class _OutOfMemoryAfterStep(vlmtrain.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. (injected after the optimizer step)")
+
+
+def test_only_a_training_micro_batch_is_retried(tmp_path):
+    """Out of memory after the optimizer step (the step counts already) stands; in evaluation it is transformers'
+    error pointing at per_device_eval_batch_size."""
+    args = vlmtrain.TrainingArguments(output_dir=str(tmp_path), report_to="none", auto_find_batch_size=True,
+                                      per_device_train_batch_size=4, max_steps=2, save_strategy="no")
+    trainer = vlmtrain.Trainer(model=RunsOutOfMemory(), args=args, train_dataset=_samples(8),
+                               callbacks=[_OutOfMemoryAfterStep()])
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="after the optimizer step"):
+        trainer.train()
+    assert trainer.args.per_device_train_batch_size == 4
+    args = vlmtrain.TrainingArguments(output_dir=str(tmp_path), report_to="none", auto_find_batch_size=True,
+                                      per_device_train_batch_size=2, per_device_eval_batch_size=4, max_steps=2,
+                                      eval_strategy="steps", eval_steps=1, save_strategy="no")
+    trainer = vlmtrain.Trainer(model=RunsOutOfMemory(fail_at=1, limit=2), args=args, train_dataset=_samples(8),
+                               eval_dataset=_samples(4))
+    with pytest.raises(RuntimeError, match="Evaluation hit an out-of-memory error.*per_device_eval_batch_size"):
+        trainer.train()

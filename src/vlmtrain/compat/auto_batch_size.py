@@ -32,6 +32,11 @@ def is_out_of_memory(error: BaseException) -> bool:
                                                                              for m in _OOM_MESSAGES)
 
 
+class _StepOutOfMemory(RuntimeError):
+    """A training micro-batch's forward or backward ran out of memory (its cause: the error): nothing of its step
+    has reached the weights yet, so the step can be taken again at a smaller batch."""
+
+
 class AutoBatchSize:
     """``TrainingArguments.auto_find_batch_size``: on an out-of-memory error in a training micro-batch, halve the
     batch, double accumulation, rebuild the train loader at the step's first sample and train on."""
@@ -58,20 +63,35 @@ class AutoBatchSize:
                                 "current_flos": getattr(self, "current_flos", 0.0)}
         return super()._event(name, **kwargs)  # type: ignore[misc]
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        except Exception as error:
+            if self.args.auto_find_batch_size and is_out_of_memory(error):
+                raise _StepOutOfMemory(str(error)) from error
+            raise
+
+    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super()._evaluate(*args, **kwargs)  # type: ignore[misc]
+        except Exception as error:  # (as transformers: evaluation's memory is not the training batch's)
+            if self.args.auto_find_batch_size and is_out_of_memory(error):
+                raise RuntimeError("Evaluation hit an out-of-memory error. `auto_find_batch_size` only adjusts the "
+                                   "training batch size, reduce `per_device_eval_batch_size` instead.") from error
+            raise
+
     def _run_epoch(self, model: Any, loader: Any) -> None:
         while True:
             try:
                 return super()._run_epoch(model, self.train_dataloader)  # type: ignore[misc]
-            except Exception as error:
-                if not (self.args.auto_find_batch_size and is_out_of_memory(error)):
-                    raise
-                self._shrink_batch(model, error)
+            except _StepOutOfMemory as step_error:
+                self._shrink_batch(model, step_error.__cause__)
 
     def _shrink_batch(self, model: Any, error: BaseException) -> None:
         """Back to the start of the step that ran out of memory, at half the batch and twice the accumulation."""
         args, batch = self.args, self.args.per_device_train_batch_size
         if batch <= 1 or not callable(getattr(self.train_dataloader, "load_state_dict", None)):
-            raise error
+            raise error from None
         accum = args.gradient_accumulation_steps
         window_start = self._micro_step // accum * accum
         model.zero_grad(set_to_none=True)
