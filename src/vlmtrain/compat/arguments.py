@@ -139,7 +139,9 @@ IGNORED: dict[str, str] = {
     "log_on_each_node": "metrics are reduced over all ranks and logged once, by rank 0",
     "eval_use_gather_object": "evaluation results are always gathered over ranks as objects",
     "eval_accumulation_steps": "predictions move to the CPU after every batch",
-    "enable_jit_checkpoint": "SIGTERM/SIGUSR1 always finish the step, save a checkpoint and stop",
+    "enable_jit_checkpoint": "vlmtrain's preemption checkpoint is always on: on SIGTERM/SIGUSR1 the step in "
+                             "progress finishes, checkpoint-<step> is saved and train() returns (trainer.preempted); "
+                             "transformers' JIT checkpoint (SIGTERM only) waits 3 s, saves and stops",
     "restore_callback_states_from_checkpoint": "resume always restores the callbacks that have load_state_dict",
 }
 
