@@ -19,7 +19,7 @@ from pathlib import Path
 
 import transformers
 
-from vlmtrain.compat.arguments import DIFFERENT, IGNORED, REFUSED
+from vlmtrain.compat.arguments import DIFFERENT, IGNORED, REFUSED, WHEN_USED
 from vlmtrain.compat.seq2seq import SEQ2SEQ_FIELDS, SEQ2SEQ_METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +36,9 @@ def transformers_fields() -> list[dataclasses.Field]:
 
 def status(name: str) -> tuple[str, str]:
     """(same | different | refused | no effect, how) for one transformers field."""
+    if name in WHEN_USED:
+        return "refused", (f"Any value while {WHEN_USED[name][0]} is off (transformers ignores it then); with it on, "
+                           f"default only, otherwise an error: {REFUSED[name]}.")
     if name in REFUSED:
         return "refused", f"Default only; otherwise an error: {REFUSED[name]}."
     if name in IGNORED:

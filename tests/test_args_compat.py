@@ -14,7 +14,7 @@ from tiny import TwoLossModel, tiny_llama, token_samples
 
 import vlmtrain.trainer.distributed as vdist
 from vlmtrain import Trainer, TrainingArguments
-from vlmtrain.compat.arguments import IGNORED, REFUSED, ImplementedArguments
+from vlmtrain.compat.arguments import IGNORED, REFUSED, WHEN_USED, ImplementedArguments
 from vlmtrain.compat.arguments_fields import TransformersOnlyArguments
 from vlmtrain.config import load_run_config, parse_run_config
 from vlmtrain.errors import ConfigError
@@ -94,8 +94,10 @@ def test_seed_000_arguments_construct():
 
 
 # -- names vlmtrain does not implement ---------------------------------------------------------------------------
-@pytest.mark.parametrize("f", [f for f in TRANSFORMERS_ONLY if f.name in REFUSED], ids=lambda f: f.name)
+@pytest.mark.parametrize("f", [f for f in TRANSFORMERS_ONLY if f.name in REFUSED and f.name not in WHEN_USED],
+                         ids=lambda f: f.name)
 def test_a_refused_name_at_a_non_default_value_names_the_key_and_what_to_do(f):
+    """(WHEN_USED names, refused only while their feature is on: test_args_when_used.py)"""
     value = _non_default(f)
     with pytest.raises(ConfigError) as e:
         TrainingArguments(**{f.name: value})

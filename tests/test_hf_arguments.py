@@ -220,11 +220,9 @@ def test_migration_table_lists_every_transformers_argument_and_is_current():
     implemented = {f.name for f in dataclasses.fields(ImplementedArguments)}
     assert set(DIFFERENT) <= implemented and not (set(REFUSED) | set(IGNORED)) & implemented
     # a refused argument's row says what to do instead, as its error does
-    with pytest.raises(ConfigError, match="auto_find_batch_size=True is not supported by vlmtrain; vlmtrain does "
-                                          "not restart training after an out-of-memory error"):
-        TrainingArguments(auto_find_batch_size=True)
-    assert gen.status("auto_find_batch_size") == ("refused", f"Default only; otherwise an error: "
-                                                             f"{REFUSED['auto_find_batch_size']}.")
+    with pytest.raises(ConfigError, match="fp16=True is not supported by vlmtrain; use bf16=True"):
+        TrainingArguments(fp16=True)
+    assert gen.status("fp16") == ("refused", f"Default only; otherwise an error: {REFUSED['fp16']}.")
 
 
 class BatchAccuracy:

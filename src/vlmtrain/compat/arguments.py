@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -55,9 +56,6 @@ REFUSED: dict[str, str] = {
     "fp16_full_eval": _HALF_EVAL,
     "use_cache": "training forwards pass use_cache=False; override Trainer.compute_loss if a model needs its cache",
     "neftune_noise_alpha": "add the embedding noise in the model (e.g. a forward hook on its input embeddings)",
-    "auto_find_batch_size": "vlmtrain does not restart training after an out-of-memory error (transformers does "
-                            "it with accelerate's find_executable_batch_size): set per_device_train_batch_size and "
-                            "gradient_accumulation_steps yourself",
     "log_level": _LOG_LEVEL,
     "log_level_replica": _LOG_LEVEL,
     "logging_nan_inf_filter": "steps with a NaN/Inf loss or gradients are skipped (no update) and logged as "
@@ -126,6 +124,9 @@ DIFFERENT: dict[str, str] = {
     "data_seed": "seeds vlmtrain's shuffle, so the order differs from transformers' for the same seed",
     "resume_from_checkpoint": "Trainer.train() uses it when called without resume_from_checkpoint (transformers' "
                               "Trainer ignores the field; it is for scripts)",
+    "auto_find_batch_size": "after an out-of-memory error training goes on from the same step at half the batch and "
+                            "twice the accumulation (transformers restarts its training loop); one process only "
+                            "(under torchrun an error)",
     "include_for_metrics": "only [] is accepted: compute_metrics receives predictions and label_ids",
 }
 
@@ -138,9 +139,41 @@ IGNORED: dict[str, str] = {
     "log_on_each_node": "metrics are reduced over all ranks and logged once, by rank 0",
     "eval_use_gather_object": "evaluation results are always gathered over ranks as objects",
     "eval_accumulation_steps": "predictions move to the CPU after every batch",
-    "enable_jit_checkpoint": "SIGTERM/SIGUSR1 always finish the step, save a checkpoint and stop",
+    "enable_jit_checkpoint": "vlmtrain's preemption checkpoint is always on: on SIGTERM/SIGUSR1 the step in "
+                             "progress finishes, checkpoint-<step> is saved and train() returns (trainer.preempted); "
+                             "transformers' JIT checkpoint (SIGTERM only) waits 3 s, saves and stops",
     "restore_callback_states_from_checkpoint": "resume always restores the callbacks that have load_state_dict",
 }
+
+
+def _reports(args: Any, name: str) -> bool:
+    reporters = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
+    return name in reporters or "all" in reporters
+
+
+_VLMTRAIN_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
+# REFUSED names that transformers reads only while a feature is on: name -> (the feature, whether it is on).
+# While it is off any value is accepted, as transformers ignores it then (its value form still checked, as there).
+WHEN_USED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    **{name: ("push_to_hub", lambda a: bool(a.push_to_hub)) for name in (
+        "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision")},
+    "trackio_static_space_id": ("trackio (report_to)", lambda a: _reports(a, "trackio")),
+    "fsdp_config": ("fsdp", lambda a: a.fsdp is not None and _fsdp_flag(a.fsdp)),
+    "eval_delay": ("evaluation (eval_strategy)", lambda a: str(getattr(a.eval_strategy, "value", a.eval_strategy)) != "no"),
+    "length_column_name": ("group_by_length (train_sampling_strategy)",
+                           lambda a: a.train_sampling_strategy == "group_by_length"),
+    "optim_args": ("optim='sgd' (AdamW ignores optim_args)", lambda a: a.optim == "sgd"),
+    "optim_target_modules": ("a GaLore / APOLLO optim", lambda a: a.optim not in _VLMTRAIN_OPTIMIZERS),
+    "debug": ("underflow_overflow (tpu_metrics_debug needs a TPU)",
+              lambda a: any(o != "tpu_metrics_debug" for o in _debug_options(a.debug))),
+}
+# transformers' value checks at construction (its enums) for names accepted while their feature is off.
+VALUE_CHOICES = {"hub_strategy": ("end", "every_save", "checkpoint", "all_checkpoints"),
+                 "debug": ("underflow_overflow", "tpu_metrics_debug")}
+
+
+def _debug_options(value: str | list[str] | None) -> list[str]:
+    return value.split() if isinstance(value, str) else [getattr(o, "value", o) for o in value or []]
 
 
 # report_to: these, or a tracker of vlmtrain.logging.trackers.TRACKERS (tensorboard, wandb, mlflow, trackio).
@@ -160,6 +193,9 @@ def describe(name: str) -> str:
     """One line on what a transformers-only name does in vlmtrain (for --help and the README reference)."""
     if name in IGNORED:
         return f"Any value; no effect: {IGNORED[name]}."
+    if name in WHEN_USED:
+        return (f"Any value while {WHEN_USED[name][0]} is off (transformers ignores it then); with it on, "
+                f"default only, any other value an error: {REFUSED[name]}.")
     return f"Default only; any other value is an error: {REFUSED[name]}."
 
 
@@ -186,6 +222,13 @@ def check_transformers_only(args: Any) -> None:
     """Raise ConfigError naming the first transformers-only argument set to a value vlmtrain cannot honour."""
     for f in fields(TransformersOnlyArguments):
         value = getattr(args, f.name)
+        if f.name == "debug":
+            for option in _debug_options(value):
+                check_choice("debug", option, VALUE_CHOICES["debug"])
+        elif f.name in VALUE_CHOICES:
+            check_choice(f.name, str(getattr(value, "value", value)), VALUE_CHOICES[f.name])
+        if f.name in WHEN_USED and not WHEN_USED[f.name][1](args):
+            continue
         if f.name not in IGNORED and not _at_default(value, f.default):
             raise ConfigError(f"{f.name}={value!r} is not supported by vlmtrain; {REFUSED[f.name]}.")
 
@@ -213,6 +256,8 @@ def resolve_transformers_names(args: Any) -> None:
         args.debug = args.debug.split()
     if args.torch_compile_backend is not None or args.torch_compile_mode is not None:
         args.torch_compile = True
+    if args.torch_compile and args.torch_compile_backend is None:  # (transformers' default off HPU / Neuron)
+        args.torch_compile_backend = "inductor"
     reporters = [args.report_to] if isinstance(args.report_to, str) else list(args.report_to or [])
     implemented = (*REPORTERS[:2], *TRACKERS, REPORTERS[2])
     for r in reporters:

@@ -26,6 +26,10 @@ class CompatArguments:
     """transformers' older name of activation_checkpointing (used when that is unset; then mirrors it)."""
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """transformers' older name of activation_checkpointing_kwargs (used when that is unset; then mirrors it)."""
+    auto_find_batch_size: bool = False
+    """On a CUDA out-of-memory error in a training micro-batch: halve per_device_train_batch_size, double
+    gradient_accumulation_steps (the optimizer step takes the same samples) and go on from the start of that step
+    (transformers restarts its training loop). One process only."""
     remove_unused_columns: bool = True
     """Accepted for transformers' scripts, either value: vlmtrain never drops columns. The data collator decides
     what a batch holds, and every key of the batch reaches the model's forward."""
@@ -43,7 +47,6 @@ class TransformersOnlyArguments:
     fp16_full_eval: bool = False
     use_cache: bool = False
     neftune_noise_alpha: float | None = None
-    auto_find_batch_size: bool = False
     log_on_each_node: bool = True
     logging_nan_inf_filter: bool = True
     log_level: str = "passive"

@@ -6,11 +6,17 @@ public methods (trainer_methods.py). ``import vlmtrain`` puts it in the trainer'
 from __future__ import annotations
 
 from ..trainer.trainer import TrainerCore
+from .auto_batch_size import AutoBatchSize
+from .callback_handler import TransformersCallbackHandler
 from .counts import TransformersCounts
 from .evaluation import TransformersEvaluation
+from .trainer_internals import TransformersTrainerInternals
 from .trainer_methods import TransformersTrainerMethods
 
 
-class Trainer(TransformersTrainerMethods, TransformersCounts, TransformersEvaluation, TrainerCore):
+class Trainer(AutoBatchSize, TransformersTrainerInternals, TransformersTrainerMethods, TransformersCounts, TransformersEvaluation,
+              TrainerCore):
     """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, or a tuple `(loss, ...)`,
     on any map-style or iterable dataset of dict samples. Override the named steps to change behaviour."""
+
+    callback_handler_class = TransformersCallbackHandler

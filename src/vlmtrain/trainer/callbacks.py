@@ -31,7 +31,8 @@ for _event in EVENTS:
 
 
 class CallbackHandler:
-    """Holds the callbacks and calls one event on all of them, in order."""
+    """Holds the callbacks and calls one event on all of them, in order (vlmtrain.Trainer's adds transformers'
+    on_<event> / call_event methods and warnings: vlmtrain/compat/callback_handler.py)."""
 
     def __init__(self, callbacks: list, **refs: Any) -> None:
         self.callbacks: list[TrainerCallback] = []
@@ -58,11 +59,6 @@ class CallbackHandler:
     def callback_list(self) -> str:
         return "\n".join(type(cb).__name__ for cb in self.callbacks)
 
-    def call_event(self, event: str, args: TrainingArgumentsCore, state: TrainerState, control: TrainerControl,
-                   **kwargs: Any) -> TrainerControl:
-        """transformers' name for :meth:`call` (Trainer subclasses, e.g. TRL's, call it)."""
-        return self.call(event, args, state, control, **kwargs)
-
     def call(self, event: str, args: TrainingArgumentsCore, state: TrainerState, control: TrainerControl,
              **kwargs: Any) -> TrainerControl:
         # transformers resets these flags as the matching event starts.
@@ -83,23 +79,6 @@ class CallbackHandler:
             if result is not None:
                 control = result
         return control
-
-
-def _handler_event(event: str, *payload: str) -> Any:
-    """``CallbackHandler.on_<event>(args, state, control[, payload])`` as transformers' handler has them: the
-    payload (metrics / logs) is passed by position there."""
-
-    def method(self, args, state, control, *values, **kwargs):  # noqa: ANN001, ANN202 - transformers' signature
-        kwargs.update(zip(payload, values))
-        return self.call(event, args, state, control, **kwargs)
-
-    method.__name__ = event
-    return method
-
-
-for _event in EVENTS:
-    _payload = {"on_evaluate": ("metrics",), "on_predict": ("metrics",), "on_log": ("logs",)}.get(_event, ())
-    setattr(CallbackHandler, _event, _handler_event(_event, *_payload))
 
 
 class ExportableState:

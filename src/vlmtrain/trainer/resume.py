@@ -43,7 +43,7 @@ class CheckpointMixin:
     _async_saver: Any = None  # train.async_checkpoint: the background writer (the checkpoint_writer slot's)
 
     def _save_checkpoint(self) -> str:
-        out, step = self.args.output_dir, self.state.global_step
+        out, step = self._get_output_dir(None), self.state.global_step
         if self.state.best_global_step == step:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
         self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
@@ -65,10 +65,17 @@ class CheckpointMixin:
             self._rotate_checkpoints()
         return path
 
+    def _get_output_dir(self, trial: Any) -> str:
+        return self.args.output_dir  # (transformers' name, where checkpoints go; a trial is refused by train())
+
+    def _load_callback_state(self) -> None:
+        """(transformers' name) The checkpoint's stateful_callbacks, now self.state's, into the running callbacks."""
+        restore_callback_states(self.callback_handler.callbacks, self.control, self.state.stateful_callbacks)
+
     def _rotate_checkpoints(self) -> None:
         waiting = self._async_eval.in_use() if self._async_eval is not None else []  # (async_eval) kept until logged
-        ckpt.rotate_checkpoints(self.args.output_dir, self.args.save_total_limit, self.state.best_model_checkpoint,
-                                keep=waiting)
+        ckpt.rotate_checkpoints(self._get_output_dir(None), self.args.save_total_limit,
+                                self.state.best_model_checkpoint, keep=waiting)
 
     def _poll_async_evaluations(self, at_end: bool = False) -> None:
         """(async_eval, every rank) At a step end, or ``at_end`` of training: rank 0 logs the evaluations that
@@ -151,7 +158,7 @@ class CheckpointMixin:
         # (rank 0 wrote the file: without this every rank would take itself for process zero and log)
         saved.is_world_process_zero = saved.is_local_process_zero = self.rank == 0
         self.state = saved
-        restore_callback_states(self.callback_handler.callbacks, self.control, saved.stateful_callbacks)
+        self._load_callback_state()
         if not sharded:  # (else the optimizer came with the shards)
             self._load_optimizer_file(path, sharding)
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))

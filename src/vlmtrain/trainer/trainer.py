@@ -44,6 +44,8 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
     ModelOutput) with `loss`, or a tuple `(loss, ...)`, on any map-style or iterable dataset of dict samples.
     ``vlmtrain.Trainer`` adds transformers' extra public methods (log_metrics, save_metrics, ...)."""
 
+    callback_handler_class: type[CallbackHandler] = CallbackHandler
+
     def __init__(self, model: nn.Module | None = None, args: TrainingArgumentsCore | None = None,
                  data_collator: Any = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class: Any = None,
@@ -75,7 +77,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         self.state.is_world_process_zero = self.state.is_local_process_zero = self.rank == 0
         # the progress bar, metrics.jsonl and the trackers: vlmtrain.logging fills the slot
         loggers = plugins.lookup("logging_callbacks", lambda args: [])(self.args)
-        self.callback_handler = CallbackHandler(
+        self.callback_handler = self.callback_handler_class(
             [DefaultFlowCallback(), *loggers, *(callbacks or [])],
             model=self.model, processing_class=processing_class, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler)
@@ -110,6 +112,9 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
 
     def remove_callback(self, callback: type | TrainerCallback) -> None:
         self.callback_handler.remove_callback(callback)
+
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
+        return self.evaluate(ignore_keys=ignore_keys_for_eval)  # (transformers' name: the loop's evaluations)
 
     def _event(self, name: str, **kwargs: Any) -> TrainerControl:
         return self.callback_handler.call(name, self.args, self.state, self.control, **kwargs)
@@ -153,7 +158,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
             self.control.should_training_stop = True
         if args.eval_on_start:  # a sanity check of the eval setup, logged at the current step (0 unless resumed)
             paused = time.perf_counter()
-            self.evaluate()
+            self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
             self._throughput.exclude(time.perf_counter() - paused)
         # SIGTERM/SIGUSR1: finish the step, save, return. An error waits for a checkpoint being written.
         with PreemptionGuard() as self._preemption, self._checkpoint_writer_joined():
@@ -273,7 +278,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
             self.log(logs, self._train_start)
         paused = time.perf_counter()
         if self.control.should_evaluate:
-            metrics = self.evaluate(ignore_keys=self._eval_ignore_keys)
+            metrics = self._evaluate(None, self._eval_ignore_keys)
             is_best = self._update_best(metrics)
             if self.args.save_strategy == "best":
                 self.control.should_save = is_best
