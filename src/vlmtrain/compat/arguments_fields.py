@@ -27,8 +27,11 @@ class CompatArguments:
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     """transformers' older name of activation_checkpointing_kwargs (used when that is unset; then mirrors it)."""
     remove_unused_columns: bool = True
-    """Accepted for transformers' scripts, either value: vlmtrain never drops columns. The data collator decides
-    what a batch holds, and every key of the batch reaches the model's forward."""
+    """As transformers' for a `datasets.Dataset`: drop its columns the model's forward does not take (and that
+    are not `label`, `label_ids` or `label_names`) before the data collator sees them, in training, evaluation and
+    prediction. Other datasets (lists, torch datasets, streams) reach the collator whole, and so do the samples of
+    vlmtrain's own collators (VLM, Hub VLM, text, packing, tasks), which read whole samples: a config run
+    (`vlmtrain train`) uses those, so this key changes nothing there."""
 
 
 @dataclass

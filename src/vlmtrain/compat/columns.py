@@ -1,7 +1,7 @@
 """transformers' ``remove_unused_columns``: the columns of a ``datasets.Dataset`` that the model's forward does not
-take are dropped before the collator sees them (in training, evaluation and prediction); for any other dataset the
-collator is wrapped in transformers' ``RemoveColumnsCollator``, which drops those keys of each dict sample. With
-``remove_unused_columns=False`` every column reaches the collator. A mixin of :class:`vlmtrain.Trainer`
+take are dropped before the collator sees them (in training, evaluation and prediction); with ``remove_unused_columns=False`` every
+column reaches the collator. Other datasets reach the collator whole (transformers wraps the collator in
+``RemoveColumnsCollator`` there; ``_get_collator_with_removed_columns`` does that for a subclass that asks). A mixin of :class:`vlmtrain.Trainer`
 (vlmtrain/compat/trainer.py) that fills the trainer core's ``_loader_data`` hook (vlmtrain/trainer/setup.py).
 
 vlmtrain's own collators (the VLM, Hub VLM, text, packing and task collators: ``keeps_columns = True``) take whole
@@ -17,6 +17,8 @@ from typing import Any
 from transformers.trainer_utils import RemoveColumnsCollator
 from transformers.utils import find_labels
 
+from ..models.heads import WithHeads
+
 logger = logging.getLogger(__name__)
 
 KEEPS_COLUMNS = "keeps_columns"  # a collator's attribute: True when it reads whole samples (never trimmed)
@@ -30,6 +32,19 @@ def _is_hf_dataset(dataset: Any) -> bool:
     return isinstance(dataset, datasets.Dataset)
 
 
+def _forward_owner(model: Any) -> Any:
+    """The model whose forward names the columns: under a peft wrapper its base model (as transformers), under
+    vlmtrain's score heads (WithHeads, whose forward hands its keywords on, head labels in ``labels``) the model
+    they sit on."""
+    while True:
+        if isinstance(model, WithHeads):
+            model = model.base
+        elif hasattr(model, "get_base_model"):  # a peft model
+            model = model.get_base_model()
+        else:
+            return model
+
+
 class TransformersColumns:
     """transformers' Trainer methods that drop the dataset columns the model's forward does not take, with its
     names (``_set_signature_columns_if_needed``, ``_remove_unused_columns``,
@@ -38,15 +53,12 @@ class TransformersColumns:
     _signature_columns: list[str] | None = None
 
     def _set_signature_columns_if_needed(self) -> None:
-        """The names a dataset column may have to be kept: the forward's parameters (of the base model under a
-        peft wrapper), ``label``, ``label_ids`` and the label names (``args.label_names``, else those of the
+        """The names a dataset column may have to be kept: the forward's parameters (of the model under a peft
+        or score-heads wrapper), ``label``, ``label_ids`` and the label names (``args.label_names``, else those of the
         model's forward)."""
         if self._signature_columns is not None:
             return
-        model = self.model
-        if hasattr(model, "get_base_model"):  # a peft model: its base model's forward
-            model = model.get_base_model()
-        self._signature_columns = list(inspect.signature(model.forward).parameters)
+        self._signature_columns = list(inspect.signature(_forward_owner(self.model).forward).parameters)
         label_names = self.args.label_names if self.args.label_names is not None else find_labels(type(self.model))
         self._signature_columns += list({"label", "label_ids", *label_names})
 
@@ -82,10 +94,11 @@ class TransformersColumns:
                                      logger=logger, description=description, model_name=type(self.model).__name__)
 
     def _loader_data(self, dataset: Any, collator: Any, description: str) -> tuple[Any, Any]:
-        """The dataset and collator a data loader reads, as transformers' ``_get_dataloader`` trims them; a
-        collator of vlmtrain's that reads whole samples (``keeps_columns``) gets them untouched."""
-        if getattr(collator, KEEPS_COLUMNS, False):
+        """The dataset and collator a data loader reads: a ``datasets.Dataset`` without the unused columns, as
+        transformers' ``_get_dataloader`` trims it; a collator of vlmtrain's that reads whole samples
+        (``keeps_columns``) gets them untouched. Other datasets (lists, torch datasets, streams of dict samples)
+        reach the collator whole, unlike transformers' (which wraps the collator in RemoveColumnsCollator): user
+        collators over vlmtrain's samples read fields that are no forward argument (images, texts, ids)."""
+        if getattr(collator, KEEPS_COLUMNS, False) or not _is_hf_dataset(dataset):
             return dataset, collator
-        if _is_hf_dataset(dataset):
-            return self._remove_unused_columns(dataset, description=description), collator
-        return dataset, self._get_collator_with_removed_columns(collator, description=description)
+        return self._remove_unused_columns(dataset, description=description), collator
