@@ -276,3 +276,26 @@ def test_save_model_writes_training_args_as_transformers(tmp_path):
         trainer.save_model(str(tmp_path / framework / "elsewhere"))
         assert os.path.isfile(tmp_path / framework / "elsewhere" / "training_args.bin")
     assert saved["hf"] <= saved["ours"]
+
+
+def test_vlmtrain_collators_reading_whole_samples_keep_every_column(tmp_path):
+    """vlmtrain's own collators (keeps_columns: VLM, Hub VLM, text, packing rows, tasks) build the model's inputs
+    from fields that are no forward argument (images, texts): a datasets.Dataset reaches them whole."""
+    from vlmtrain.data.text import TextCollator
+    from vlmtrain.data.vlm_collate import VLMCollator
+
+    assert TextCollator.keeps_columns and VLMCollator.keeps_columns
+    data = datasets.Dataset.from_dict({"images": [[]], "texts": [[{"user": "hi", "assistant": "w1"}]]})
+
+    class Whole:
+        keeps_columns = True
+
+        def __call__(self, samples):
+            raise AssertionError("not called")
+
+    trainer = vlmtrain.Trainer(model=BertForTokenClassification(_bert_config(num_labels=3)),
+                               args=_args("ours", tmp_path), data_collator=Whole())
+    dataset, collator = trainer._loader_data(data, trainer.data_collator, "Training")
+    assert dataset is data and collator is trainer.data_collator
+    plain, _ = trainer._loader_data(data.add_column("input_ids", [[5]]), lambda s: s, "Training")
+    assert plain.column_names == ["input_ids"]
