@@ -109,8 +109,11 @@ DIFFERENT: dict[str, str] = {
     "disable_tqdm": "None means False (transformers: True when its logger is quieter than WARNING)",
     "ddp_find_unused_parameters": "None means False, DDP's default (transformers: True unless activation "
                                   "checkpointing is on)",
-    "remove_unused_columns": "accepted, no effect: vlmtrain never drops dataset columns; the data collator decides "
-                             "what a batch holds",
+    "remove_unused_columns": "as transformers' for a datasets.Dataset (the columns the model's forward does not "
+                             "take are dropped before the collator), except under vlmtrain's own collators (VLM, "
+                             "Hub VLM, text, packing rows, tasks), which read whole samples; other datasets (lists, "
+                             "torch datasets, streams) reach the collator whole (transformers: each dict sample "
+                             "loses those keys)",
     "use_liger_kernel": "Liger's RMSNorm, rotary, SwiGLU/GeGLU and LayerNorm kernels on the Hub VLM families Liger "
                         "covers (qwen3_vl, qwen2_5_vl, gemma3, smolvlm; Qwen3-VL's SwiGLU too), never its loss "
                         "kernels (vlmtrain's chunked LM loss stays); without liger-kernel, a CUDA device or a "

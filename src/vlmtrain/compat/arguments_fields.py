@@ -31,8 +31,11 @@ class CompatArguments:
     gradient_accumulation_steps (the optimizer step takes the same samples) and go on from the start of that step
     (transformers restarts its training loop). One process only."""
     remove_unused_columns: bool = True
-    """Accepted for transformers' scripts, either value: vlmtrain never drops columns. The data collator decides
-    what a batch holds, and every key of the batch reaches the model's forward."""
+    """As transformers' for a `datasets.Dataset`: drop its columns the model's forward does not take (and that
+    are not `label`, `label_ids` or `label_names`) before the data collator sees them, in training, evaluation and
+    prediction. Other datasets (lists, torch datasets, streams) reach the collator whole, and so do the samples of
+    vlmtrain's own collators (VLM, Hub VLM, text, packing, tasks), which read whole samples: a config run
+    (`vlmtrain train`) uses those, so this key changes nothing there."""
 
 
 @dataclass

@@ -78,8 +78,9 @@ class TransformersCounts:
 
     def _count_batch(self, batch: Any) -> None:
         """Per micro-batch, as transformers' loop: its FLOP estimate and (include_num_input_tokens_seen) its
-        input tokens, summed over ranks."""
-        if not isinstance(batch, dict):
+        input tokens, summed over ranks. Any mapping counts: a plain dict or transformers' BatchEncoding (a
+        UserDict, what DataCollatorWithPadding and DataCollatorForLanguageModeling return)."""
+        if not isinstance(batch, Mapping):
             return
         self.current_flos = getattr(self, "current_flos", 0.0) + float(self.floating_point_ops(batch))
         mode = _input_tokens_mode(self.args)

@@ -10,7 +10,7 @@ import datetime
 import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -134,7 +134,8 @@ class TransformersTrainerMethods:
         from ..models.lm_loss import _causal_lm_loss
 
         batches = list(itertools.islice(epoch_iterator, num_batches))
-        labels = [b["labels"] for b in batches if isinstance(b, dict) and isinstance(b.get("labels"), torch.Tensor)]
+        labels = [b["labels"] for b in batches
+                  if isinstance(b, Mapping) and isinstance(b.get("labels"), torch.Tensor)]
         if not labels:
             return batches, None
         shift = _causal_lm_loss(self.model)

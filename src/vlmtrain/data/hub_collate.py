@@ -59,6 +59,10 @@ class HubVLMCollator:
     batch holds only the bookkeeping keys.
     """
 
+    # Takes whole samples (it reads images and texts): vlmtrain.Trainer never trims their columns, whatever
+    # remove_unused_columns says (vlmtrain/compat/columns.py).
+    keeps_columns = True
+
     def __init__(self, hub_processor: HubVLMProcessor,
                  label_collate: Callable[[list[dict[str, Any] | None]], dict[str, torch.Tensor]] | None = None,
                  eval_prompts: bool = False, pack_length: int | None = None, model_config: Any = None,

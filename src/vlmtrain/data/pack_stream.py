@@ -172,6 +172,10 @@ class RowCollator:
     """Collates :class:`PackedDataset` rows for training (``collate``, default :func:`collate_rows`); evaluation
     and prediction use ``eval_collator`` (samples padded one per row), what :meth:`without_packing` returns."""
 
+    # Takes whole samples (rows of PackedDataset): vlmtrain.Trainer never trims their columns, whatever
+    # remove_unused_columns says (vlmtrain/compat/columns.py).
+    keeps_columns = True
+
     def __init__(self, eval_collator: Any, collate: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
                  ) -> None:
         self.eval_collator = eval_collator

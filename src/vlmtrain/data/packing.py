@@ -164,6 +164,12 @@ class PackingCollator:
     one row per sample. A sample longer than ``pack_length`` is an error naming it.
     """
 
+    @property
+    def keeps_columns(self) -> bool:
+        """Whether vlmtrain.Trainer leaves the samples' columns alone (remove_unused_columns does not apply): as
+        the padding collator says (packing itself reads only input_ids and labels)."""
+        return bool(getattr(self.padding_collator, "keeps_columns", False))
+
     def __init__(self, pack_length: int, pad_token_id: int, padding_collator: Any = None,
                  min_fill_gain: float = MIN_FILL_GAIN) -> None:
         if pack_length < 2:

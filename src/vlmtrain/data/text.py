@@ -56,6 +56,10 @@ class TextCollator:
     """Processes raw text samples (bad ones skipped and counted, as VLMCollator does) and pads them;
     with ``pack_length``, training batches are packed by ``PackingCollator`` instead."""
 
+    # Takes whole samples (it reads texts): vlmtrain.Trainer never trims their columns, whatever
+    # remove_unused_columns says (vlmtrain/compat/columns.py).
+    keeps_columns = True
+
     def __init__(self, processor: TextChatProcessor, pack_length: int | None = None) -> None:
         self.processor, self.pack_length = processor, pack_length
         self.pad_token_id = int(processor.tokenizer.pad_token_id)

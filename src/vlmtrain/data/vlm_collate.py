@@ -41,6 +41,10 @@ class VLMCollator:
     (and stops when bad samples pass ``max_bad_sample_fraction``).
     """
 
+    # Takes whole samples (it reads images and texts): vlmtrain.Trainer never trims their columns, whatever
+    # remove_unused_columns says (vlmtrain/compat/columns.py).
+    keeps_columns = True
+
     def __init__(self, processor: VLMProcessor, pack_length: int | None = None,
                  max_images_per_pack: int | None = None, min_fill_gain: float = MIN_FILL_GAIN) -> None:
         pad = processor.tokenizer.pad_token_id

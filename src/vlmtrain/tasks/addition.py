@@ -113,6 +113,10 @@ class AdditionCollator:
     appended directly after every prompt in the batch.
     """
 
+    # Takes whole samples (the prompt_* fields are not forward arguments): vlmtrain.Trainer never trims their columns, whatever
+    # remove_unused_columns says (vlmtrain/compat/columns.py).
+    keeps_columns = True
+
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("AdditionCollator needs a tokenizer with a pad token")

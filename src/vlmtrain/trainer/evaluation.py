@@ -124,8 +124,8 @@ class EvaluationMixin:
         return {} if samples is None else {f"{metric_key_prefix}_samples": samples}
 
     def get_test_dataloader(self, test_dataset: Any) -> Any:
-        """Batches of a test set for predict(): the eval loader (per_device_eval_batch_size, never packed)."""
-        return self.get_eval_dataloader(test_dataset)
+        """Batches of a test set for predict(): as the eval loader (per_device_eval_batch_size, never packed)."""
+        return self._eval_loader(test_dataset, "test")
 
     def get_eval_dataloader(self, eval_dataset: Dataset | str | None = None) -> DataLoader:
         """Batches of the eval set, never packed. With several ranks (DDP or FSDP) each rank reads its share
@@ -135,12 +135,17 @@ class EvaluationMixin:
             dataset = self.eval_dataset[eval_dataset]
         if dataset is None:
             raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
+        return self._eval_loader(dataset, "Evaluation")
+
+    def _eval_loader(self, dataset: Any, description: str) -> DataLoader:
+        """The loader of get_eval_dataloader / get_test_dataloader over ``dataset``."""
+        unpacked = getattr(self.data_collator, "without_packing", None)  # predictions line up with samples
+        dataset, collator = self._loader_data(dataset, unpacked() if unpacked else self.data_collator, description)
         sampler = None
         if self._eval_sharding(dataset) == "strided":
             sampler = range(self.rank, len(dataset), self.world_size)
-        unpacked = getattr(self.data_collator, "without_packing", None)  # predictions line up with samples
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
-                          collate_fn=unpacked() if unpacked else self.data_collator,
+                          collate_fn=collator,
                           num_workers=self.dataloader_workers(),
                           pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
 

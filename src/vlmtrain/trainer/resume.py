@@ -12,6 +12,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from . import checkpoint as ckpt
 from . import distributed as dist
 from . import plugins
@@ -200,13 +202,16 @@ class CheckpointMixin:
                 group.setdefault("name", name)
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Write model.safetensors (+ config.json) and the tokenizer/processor files to output_dir (rank 0).
-        Under FSDP every rank must call it: the shards are gathered first."""
+        """Write model.safetensors (+ config.json), the tokenizer/processor files and the arguments
+        (training_args.bin, as transformers) to output_dir (rank 0). Under FSDP every rank must call it: the
+        shards are gathered first."""
         sharding, output_dir = sharding_of(self.model), output_dir or self.args.output_dir
         if sharding is not None:
             sharding.save_full_model(self.model, output_dir, self.processing_class, self.rank)
         elif self.rank == 0:
             ckpt.save_model_files(self.model, output_dir, self.processing_class)
+        if self.rank == 0:
+            torch.save(self.args, os.path.join(output_dir, ckpt.ARGS_NAME))
 
 
 def _no_step_position(path: str, loop_file: str, *_: Any) -> tuple[int, int]:

@@ -154,7 +154,8 @@ class SetupMixin:
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset: pass Trainer(train_dataset=...).")
         args, seed = self.args, self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        dataset, sampler = self.train_dataset, None
+        dataset, collator = self._loader_data(self.train_dataset, self.data_collator, "Training")
+        sampler = None
         at_step = plugins.lookup("step_sampling", _no_step_sampling)(
             dataset, self.world_size, self.rank, seed, args.per_device_train_batch_size,
             args.gradient_accumulation_steps)
@@ -175,9 +176,15 @@ class SetupMixin:
             warnings.filterwarnings("ignore", message=".set_vital. is deprecated", category=UserWarning)
             return StatefulDataLoader(
                 dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                collate_fn=self.data_collator, num_workers=num_workers,
+                collate_fn=collator, num_workers=num_workers,
                 drop_last=args.dataloader_drop_last, pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
                 generator=torch.Generator().manual_seed(seed), **workers)
+
+    def _loader_data(self, dataset: Any, collator: Any, description: str) -> tuple[Any, Any]:
+        """The dataset and collator a data loader reads (``description``: 'Training', 'Evaluation' or 'test'):
+        both as given here; vlmtrain.Trainer drops the columns the model's forward does not take, as transformers'
+        remove_unused_columns (vlmtrain/compat/columns.py)."""
+        return dataset, collator
 
     def dataloader_workers(self) -> int:
         """Worker processes of this Trainer's data loaders: ``args.dataloader_num_workers`` resolved for the
