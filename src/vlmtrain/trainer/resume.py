@@ -62,7 +62,7 @@ class CheckpointMixin:
             path = sharding.save_checkpoint(self.model, self.optimizer, out, step, files, self.processing_class,
                                             self.rank)
         else:
-            path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d), rank=self.rank)
+            path = ckpt.write_checkpoint(out, step, files, lambda d: self.save_model(d, _internal_call=True), rank=self.rank)
         if self.rank == 0:
             self._rotate_checkpoints()
         return path
@@ -201,16 +201,16 @@ class CheckpointMixin:
             if name is not None:
                 group.setdefault("name", name)
 
-    def save_model(self, output_dir: str | None = None) -> None:
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write model.safetensors (+ config.json), the tokenizer/processor files and the arguments
         (training_args.bin, as transformers) to output_dir (rank 0). Under FSDP every rank must call it: the
-        shards are gathered first."""
+        shards are gathered first. A checkpoint (``_internal_call``) writes the arguments with its other files."""
         sharding, output_dir = sharding_of(self.model), output_dir or self.args.output_dir
         if sharding is not None:
             sharding.save_full_model(self.model, output_dir, self.processing_class, self.rank)
         elif self.rank == 0:
             ckpt.save_model_files(self.model, output_dir, self.processing_class)
-        if self.rank == 0:
+        if self.rank == 0 and not _internal_call:
             torch.save(self.args, os.path.join(output_dir, ckpt.ARGS_NAME))
 
 
