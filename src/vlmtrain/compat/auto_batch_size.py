@@ -11,13 +11,13 @@ process only: under torchrun a rank that runs out of memory alone would leave th
 from __future__ import annotations
 
 import gc
-import itertools
 import warnings
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from .checkpoints import skip_batches
 
 # transformers' (accelerate's) should_reduce_batch_size: the errors a smaller batch may avoid.
 _OOM_MESSAGES = ("CUDA out of memory.", "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",
@@ -121,9 +121,4 @@ class AutoBatchSize:
             self._steps_in_epoch = len(loader)
         self._micro_step = micro_step
         self._set_data_epoch(loader)
-        batches = iter(loader)
-        for _ in itertools.islice(batches, micro_step):
-            pass
-        position = loader.state_dict()
-        del batches
-        loader.load_state_dict(position)
+        skip_batches(loader, micro_step)

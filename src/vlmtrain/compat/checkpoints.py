@@ -37,10 +37,16 @@ def position_from_step(path: str, loop_file: str, loader: Any, global_step: int,
         loader.sampler.set_epoch(epoch_index)
     elif hasattr(loader.dataset, "set_epoch"):
         loader.dataset.set_epoch(epoch_index)
+    skip_batches(loader, micro_step)
+    return epoch_index, micro_step
+
+
+def skip_batches(loader: Any, count: int) -> None:
+    """Position a StatefulDataLoader after its first ``count`` batches of the epoch (drawn and dropped: the only
+    way for a loader without a saved position), so that its next iteration starts there."""
     batches = iter(loader)
-    for _ in itertools.islice(batches, micro_step):
+    for _ in itertools.islice(batches, count):
         pass
     position = loader.state_dict()
     del batches
     loader.load_state_dict(position)
-    return epoch_index, micro_step
