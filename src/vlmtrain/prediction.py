@@ -113,13 +113,17 @@ def predict_data(checkpoint: str, data: str | list[str], output: str = "predicti
     (see InferenceModel.score for the head fields) or ``{"id": ..., "skipped": reason, "detail": ...}``; ids
     as NumberedSamples gives them. Samples are processed in ``num_workers`` data-loader workers and scored in
     batches of ``batch_size`` on the GPU when there is one; under torchrun each rank scores its share and
-    rank 0 writes the file. No config needed (limits come from the run's config.yaml when there is one).
+    rank 0 writes the file. No config needed (limits come from the run's config.yaml when there is one). Data
+    without any sample is a ConfigError naming it (nothing is written).
     Returns ``output``."""
     from vlmtrain.inference import NumberedSamples, load_for_inference, open_data, score_rows
     from vlmtrain.trainer import distributed
 
     distributed.init_from_env()
     source = open_data(data)
+    if not any(True for shard in range(len(source.shards)) for _ in source.read(shard, {})):
+        raise ConfigError(f"--data {data!r} holds no samples (an empty file, or shards without members): "
+                          f"nothing to predict; point --data at a JSONL file or shards in the training format.")
     inference = load_for_inference(checkpoint, device=device or distributed.default_device(), dtype=dtype)
     rows = score_rows(inference, NumberedSamples(source, distributed.rank(), distributed.world_size()),
                       batch_size=batch_size, num_workers=num_workers)

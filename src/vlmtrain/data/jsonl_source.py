@@ -11,15 +11,28 @@ from vlmtrain.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
+def read_records(path: str, key: str) -> list[dict[str, Any]]:
+    """Every record of the JSONL file ``path`` (the setting ``key`` names it), as the stream source reads it: named
+    ``file:line`` (``__key__``, the name bad-sample messages give), image paths absolute, images left as paths
+    (the processor opens them, skipping and counting a missing or corrupt one). A line that is not a JSON object
+    stays in as a bad record, skipped and counted (``malformed_json``) where the batch is made. A file without any
+    record is a ConfigError naming ``key`` and the path."""
+    from vlmtrain.data.sources import JsonlSource
+
+    source = JsonlSource(path)
+    records = [sample for shard in range(len(source.shards)) for _, sample in source.read(shard, {})]
+    if not records:
+        raise ConfigError(f"{key}={path!r} holds no samples (the file has no record, only blank lines or none): "
+                          f"point {key} at a JSONL file with one the_cauldron record per line.")
+    return records
+
+
 def eval_set(cfg: Any) -> Any:
     """data.eval_file read as a list of samples (images stay paths), or None."""
-    from vlmtrain.data.cauldron import read_cauldron_jsonl
-
-    return read_cauldron_jsonl(cfg.data.eval_file, load_images=False) if cfg.data.eval_file else None
+    return read_records(cfg.data.eval_file, "data.eval_file") if cfg.data.eval_file else None
 
 
 def build(cfg: Any) -> dict[str, Any]:
-    from vlmtrain.data.cauldron import read_cauldron_jsonl
     from vlmtrain.data.sources import apply_filters
     from vlmtrain.data.streams import config_filters
 
@@ -28,9 +41,13 @@ def build(cfg: Any) -> dict[str, Any]:
         filters = config_filters(d.min_ratings, d.filter)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    # Images stay paths: the processor opens them, skipping (and counting) missing or corrupt ones.
-    train = read_cauldron_jsonl(d.train_file, load_images=False)
-    kept = [s for s, reason in (apply_filters(filters, s) for s in train) if reason is None]
+    train = read_records(d.train_file, "data.train_file")
+    # Unreadable records stay (and are counted where the batch is made); filters judge readable ones only.
+    kept = [s for s, reason in (apply_filters(filters, s) if not s.get("__bad__") else (s, None) for s in train)
+            if reason is None]
+    if not kept:
+        raise ConfigError(f"data.filter / data.min_ratings dropped all {len(train)} samples of "
+                          f"data.train_file={d.train_file!r}: loosen them or check the file.")
     if len(kept) < len(train):
         logger.warning("data filters dropped %d of %d training samples", len(train) - len(kept), len(train))
     return {"train_dataset": kept, "eval_dataset": eval_set(cfg)}

@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from vlmtrain.data.packing import pack_items, pack_lengths, pack_stats, vision_patches
-from vlmtrain.data.processing import SkipSample
-from vlmtrain.data.sources import KEY, drop_counts, is_counts_only
+from vlmtrain.data.processing import SkipSample, sample_name
+from vlmtrain.data.sources import drop_counts, is_counts_only
 
 
 class PackedDataset(IterableDataset):
@@ -90,7 +90,7 @@ class PackedDataset(IterableDataset):
                 item = self.process(sample)
             except SkipSample as err:
                 skipped[err.reason] += 1
-                keys.append(f"{sample.get(KEY, '?')} ({err.reason})")
+                keys.append(f"{sample_name(sample)} ({err.reason})")
                 continue
             if "pixel_values" in item and not self.keep_items:  # views (tiles) occupy image-token runs
                 item = {**item, "num_images": item["pixel_values"].shape[0]}
@@ -104,7 +104,7 @@ class PackedDataset(IterableDataset):
         for what, size, cap, key in (("tokens", n, self.pack_length, "pack_length"),
                                      ("vision patches", patches, self.max_patches_per_pack, "max_patches_per_pack")):
             if cap is not None and size > cap:
-                raise ValueError(f"sample {sample.get(KEY, '?')} has {size} {what}, more than data.{key}={cap}: "
+                raise ValueError(f"sample {sample_name(sample)} has {size} {what}, more than data.{key}={cap}: "
                                  f"one sample must fit one packed row.")
 
     def _rows(self, items: list[dict], skipped: Counter[str], keys: list[str]) -> list[dict[str, Any]]:

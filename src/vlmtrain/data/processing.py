@@ -65,8 +65,9 @@ def process_or_skip(process: Callable[[Any], dict[str, Any]], sample: Any, total
     """What every collator does with one raw sample: count what a stream dropped before it, pass an already
     processed item (a dict with ``input_ids``) through, else ``process`` it; a :class:`SkipSample` is counted
     by reason in ``totals`` (the collator's running total; warned once per reason) and ``skipped`` (this
-    batch's), its key added to ``keys``, and None returned."""
-    from vlmtrain.data.sources import KEY, drop_counts, is_counts_only
+    batch's), its name (:func:`sample_name`) added to ``keys``, and None returned. A record its source could not
+    parse (``__bad__``, e.g. a malformed JSON line) is counted by that reason."""
+    from vlmtrain.data.sources import drop_counts, is_counts_only
 
     for reason, n in drop_counts(sample).items():  # what a stream dropped before this sample
         totals[reason] += n
@@ -76,15 +77,34 @@ def process_or_skip(process: Callable[[Any], dict[str, Any]], sample: Any, total
     if isinstance(sample, Mapping) and "input_ids" in sample:
         return dict(sample)
     try:
+        if isinstance(sample, Mapping) and sample.get("__bad__"):  # a source could not parse it (malformed JSON)
+            raise SkipSample(str(sample["__bad__"]), "unreadable record")
         return process(sample)
     except SkipSample as err:
-        key = sample.get(KEY, sample.get("id", "?")) if isinstance(sample, Mapping) else "?"
+        key = sample_name(sample)
         if not totals[err.reason]:  # warn once per reason, then only count
             logger.warning("skipping bad sample %s (%s); further ones are only counted", key, err)
         totals[err.reason] += 1
         skipped[err.reason] += 1
         keys.append(f"{key} ({err.reason})")
         return None
+
+
+def sample_name(sample: Any) -> str:
+    """How messages name a sample: its source's key (``file:line`` for JSONL, ``shard:key`` for WebDataset,
+    ``<name>:<index>`` for an HF dataset), else its ``id``, else the start of its first user text."""
+    from vlmtrain.data.sources import KEY
+
+    if not isinstance(sample, Mapping):
+        return f"a {type(sample).__name__} sample"
+    if sample.get(KEY) is not None:
+        return str(sample[KEY])
+    if sample.get("id") is not None:
+        return str(sample["id"])
+    texts = sample.get("texts")
+    first = texts[0] if isinstance(texts, list) and texts else texts
+    user = first.get("user") if isinstance(first, Mapping) else None
+    return f"(no id, user text {user[:30]!r})" if isinstance(user, str) else "(no id)"
 
 
 def build_chat_tokenizer(texts_for_training: list[str] | None = None, vocab_size: int = 512) -> PreTrainedTokenizerFast:

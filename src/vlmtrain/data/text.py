@@ -31,6 +31,8 @@ class TextChatProcessor:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        if sample.get("__bad__"):  # a source could not parse it (e.g. a malformed JSON line)
+            raise SkipSample(str(sample["__bad__"]), "unreadable record")
         if sample.get("images"):
             raise SkipSample("images_for_text_model", f"{len(sample['images'])} image(s)")
         texts = sample.get("texts")
