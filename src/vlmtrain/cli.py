@@ -318,6 +318,8 @@ def _data(argv: list[str]) -> int:
     inspect = jsonargparse.ArgumentParser(description="Counts, image/length histograms and bad-sample reasons.")
     inspect.add_argument("src", type=str, help=src_help)
     inspect.add_argument("--limit", type=int | None, default=None, help="Look at the first N samples only.")
+    inspect.add_argument("--config", type=str | None, default=None,
+                         help="A run's config: check samples as its training does (its model kind, heads, limits).")
     sub.add_subcommand("to-wds", to_wds)
     sub.add_subcommand("inspect", inspect)
     try:
@@ -334,7 +336,10 @@ def _data(argv: list[str]) -> int:
             paths = tools.write_webdataset(tools.progress(stream, "to-wds"), args.out, shard_size=args.shard_size)
             print(f"wrote {len(paths)} shard(s) to {args.out}")
         else:
-            print(tools.format_report(tools.inspect_source(ns.inspect.src, limit=ns.inspect.limit)))
+            from vlmtrain.run import record_check
+
+            check = record_check(ns.inspect.config) if ns.inspect.config else None
+            print(tools.format_report(tools.inspect_source(ns.inspect.src, limit=ns.inspect.limit, check=check)))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return 0

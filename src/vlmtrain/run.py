@@ -120,6 +120,16 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     return kind_of_checkpoint(ckpt).generate(ckpt, prompt, images, max_new_tokens)
 
 
+def record_check(config: str) -> Any:
+    """The checks the run of ``config`` (a YAML file) makes on each raw sample before tokenizing, as a function
+    of one sample that raises SkipSample (its model kind's ``record_check``; None for a kind without one)."""
+    from vlmtrain.models.kinds import get_kind
+
+    cfg = load_run_config(config)
+    kind = get_kind(cfg.model.kind)
+    return kind.record_check(cfg) if kind.record_check is not None else None
+
+
 def find_demo_config(name: str = DEMO_CONFIG) -> Path:
     """configs/<name> of the repository (or of the current directory)."""
     candidates = [Path(__file__).resolve().parents[2] / "configs" / name, Path.cwd() / "configs" / name]

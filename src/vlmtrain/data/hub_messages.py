@@ -15,9 +15,11 @@ that control token, not as text).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Collection
 from typing import Any
 
-from vlmtrain.data.processing import SkipSample
+from vlmtrain.data.processing import SkipSample, load_image
+from vlmtrain.data.sources import VIDEO_EXTENSIONS
 
 IMAGE_PLACEHOLDER = "<image>"
 """The literal string that places an image in a user text (as LLaVA / LLaMA-Factory datasets write it)."""
@@ -94,6 +96,71 @@ def check_texts(turns: list[tuple[str, str | None]], num_images: int, special: r
     if placed and placed != num_images:
         raise SkipSample("placeholder_mismatch", f"{placed} {IMAGE_PLACEHOLDER} placeholders in the user texts "
                          f"for {num_images} images (write one per image, or none to put every image first)")
+
+
+def sample_turns(texts: Any) -> list[tuple[str, str | None]]:
+    """A sample's ``texts`` as (user, assistant) turns; the last turn's assistant may be missing, None or "" (then
+    None: a score-only turn). Raises SkipSample (``empty_conversation``, ``malformed_text``)."""
+    if texts is None or (isinstance(texts, (list, tuple)) and not texts):
+        raise SkipSample("empty_conversation", "no texts")
+    if isinstance(texts, dict):
+        texts = [texts]
+    if not isinstance(texts, (list, tuple)):
+        raise SkipSample("malformed_text", f"texts is a {type(texts).__name__}, expected a list")
+    turns: list[tuple[str, str | None]] = []
+    for i, turn in enumerate(texts):
+        if not isinstance(turn, dict):
+            raise SkipSample("malformed_text", f"turn {i} is a {type(turn).__name__}, expected a dict")
+        user, assistant = turn.get("user"), turn.get("assistant")
+        if not isinstance(user, str) or not user.strip():
+            raise SkipSample("malformed_text", f"turn {i}: 'user' must be a non-empty string")
+        if assistant is not None and not isinstance(assistant, str):
+            raise SkipSample("malformed_text", f"turn {i}: 'assistant' must be a string")
+        if not (assistant or "").strip():
+            if i != len(texts) - 1:
+                raise SkipSample("malformed_text", f"turn {i}: empty assistant text before the last turn")
+            assistant = None
+        turns.append((user, assistant))
+    return turns
+
+
+def check_record(sample: Any, max_images: int | None = None, label_check: Callable[[dict[str, Any]], Any] | None = None,
+                 head_names: Collection[str] | None = None, special: re.Pattern[str] | None = None,
+                 ) -> tuple[list[tuple[str, str | None]], list[Any]]:
+    """Every check a Hub VLM's training makes on one raw sample before its processor runs: (its turns, its images
+    opened as RGB) or SkipSample. ``max_images``: more is ``too_many_images``; ``label_check``: the heads' check of
+    ``labels`` (``bad_head_label``); ``head_names``: the model's heads, a sample with neither assistant text nor a
+    label for one of them is ``no_target`` (None: not checked); ``special``: the tokenizer's special tokens, refused
+    in texts (:func:`check_texts`, with the placeholder checks). HubVLMProcessor runs it on every sample;
+    ``vlmtrain data inspect`` runs it without a processor."""
+    if not isinstance(sample, dict):
+        raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
+    if sample.get("__bad__"):
+        raise SkipSample(str(sample["__bad__"]), "unreadable record")
+    if sample.get("videos") or sample.get("video"):
+        raise SkipSample("video_unsupported", "the sample has videos; only images are supported")
+    turns = sample_turns(sample.get("texts"))
+    head_labels = sample.get("labels")
+    if head_labels is not None:
+        if not isinstance(head_labels, dict):
+            raise SkipSample("bad_head_label", f"'labels' is a {type(head_labels).__name__}, expected a "
+                             f"dict {{head: value}}")
+        if label_check is not None:
+            label_check(head_labels)
+    if head_names is not None and all(a is None for _, a in turns) and not any(
+            (head_labels or {}).get(name) is not None for name in head_names):
+        raise SkipSample("no_target", "no assistant text and no label for any of the model's heads "
+                         f"({', '.join(sorted(head_names)) or 'it has none'})")
+    images = sample.get("images")
+    images = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+    if max_images is not None and len(images) > max_images:
+        raise SkipSample("too_many_images", f"{len(images)} > max_images={max_images}")
+    for img in images:  # a video file given as an image: not supported yet (never a corrupt_image count)
+        if isinstance(img, str) and img.lower().endswith(tuple(f".{e}" for e in VIDEO_EXTENSIONS)):
+            raise SkipSample("video_unsupported", img)
+    images = [load_image(img) for img in images]
+    check_texts(turns, len(images), special)
+    return turns, images
 
 
 # Messages transformers' processors raise (5.x), most specific first; anything else is `processor_error`.

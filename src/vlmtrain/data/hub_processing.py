@@ -23,12 +23,11 @@ from PIL import Image
 
 from vlmtrain.data.hub_messages import (
     build_messages,
-    check_texts,
+    check_record,
     processor_error_reason,
     special_tokens_pattern,
 )
-from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, load_image
-from vlmtrain.data.sources import VIDEO_EXTENSIONS
+from vlmtrain.data.processing import IGNORE_INDEX, SkipSample
 from vlmtrain.errors import ConfigError
 
 _MARKER = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
@@ -78,7 +77,8 @@ class HubVLMProcessor:
     samples has a NaN loss); None (inference) accepts it. Bad samples raise
     :class:`~vlmtrain.data.processing.SkipSample` (reasons in :mod:`vlmtrain.data.hub_messages` and
     :func:`~vlmtrain.data.hub_messages.processor_error_reason` besides the shared ones; ``video_unsupported``
-    for a sample with ``videos`` or a video file among its images); an over-long one (> ``max_length``
+    for a sample with ``videos`` or a video file among its images; the checks made before the processor runs
+    are :func:`~vlmtrain.data.hub_messages.check_record`); an over-long one (> ``max_length``
     tokens, image tokens included, after the images are resized) is dropped, never truncated.
     """
 
@@ -93,41 +93,6 @@ class HubVLMProcessor:
         self.label_check, self.prompts = label_check, prompts
         self.head_names = None if head_names is None else frozenset(head_names)
         self.special_tokens = special_tokens_pattern(self.tokenizer)
-
-    # -- input checks -----------------------------------------------------------------------------
-    def _turns(self, texts: Any) -> list[tuple[str, str | None]]:
-        if texts is None or (isinstance(texts, (list, tuple)) and not texts):
-            raise SkipSample("empty_conversation", "no texts")
-        if isinstance(texts, dict):
-            texts = [texts]
-        if not isinstance(texts, (list, tuple)):
-            raise SkipSample("malformed_text", f"texts is a {type(texts).__name__}, expected a list")
-        turns: list[tuple[str, str | None]] = []
-        for i, turn in enumerate(texts):
-            if not isinstance(turn, dict):
-                raise SkipSample("malformed_text", f"turn {i} is a {type(turn).__name__}, expected a dict")
-            user, assistant = turn.get("user"), turn.get("assistant")
-            if not isinstance(user, str) or not user.strip():
-                raise SkipSample("malformed_text", f"turn {i}: 'user' must be a non-empty string")
-            if assistant is not None and not isinstance(assistant, str):
-                raise SkipSample("malformed_text", f"turn {i}: 'assistant' must be a string")
-            if not (assistant or "").strip():
-                if i != len(texts) - 1:
-                    raise SkipSample("malformed_text", f"turn {i}: empty assistant text before the last turn")
-                assistant = None
-            turns.append((user, assistant))
-        return turns
-
-    def _images(self, images: Any) -> list[Image.Image]:
-        if images is None:
-            return []
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        if len(images) > self.max_images:
-            raise SkipSample("too_many_images", f"{len(images)} > max_images={self.max_images}")
-        for img in images:  # a video file given as an image: not supported yet (never a corrupt_image count)
-            if isinstance(img, str) and img.lower().endswith(tuple(f".{e}" for e in VIDEO_EXTENSIONS)):
-                raise SkipSample("video_unsupported", img)
-        return [load_image(img) for img in images]
 
     # -- processor calls --------------------------------------------------------------------------
     def _call(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, torch.Tensor]:
@@ -160,26 +125,8 @@ class HubVLMProcessor:
 
     def process(self, sample: dict[str, Any]) -> dict[str, Any]:
         """One sample -> per-sample tensors (see the class docstring); raises SkipSample for a bad one."""
-        if not isinstance(sample, dict):
-            raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
-        if sample.get("__bad__"):
-            raise SkipSample(str(sample["__bad__"]), "unreadable record")
-        if sample.get("videos") or sample.get("video"):
-            raise SkipSample("video_unsupported", "the sample has videos; only images are supported")
-        turns = self._turns(sample.get("texts"))
+        turns, images = check_record(sample, self.max_images, self.label_check, self.head_names, self.special_tokens)
         head_labels = sample.get("labels")
-        if head_labels is not None:
-            if not isinstance(head_labels, dict):
-                raise SkipSample("bad_head_label", f"'labels' is a {type(head_labels).__name__}, expected a "
-                                 f"dict {{head: value}}")
-            if self.label_check is not None:
-                self.label_check(head_labels)
-        if self.head_names is not None and all(a is None for _, a in turns) and not any(
-                (head_labels or {}).get(name) is not None for name in self.head_names):
-            raise SkipSample("no_target", "no assistant text and no label for any of the model's heads "
-                             f"({', '.join(sorted(self.head_names)) or 'it has none'})")
-        images = self._images(sample.get("images"))
-        check_texts(turns, len(images), self.special_tokens)
 
         out = self._call(build_messages(turns, images), return_assistant_tokens_mask=True)
         mask = torch.as_tensor(out.pop("assistant_masks"))

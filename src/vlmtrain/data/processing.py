@@ -293,6 +293,20 @@ class VLMProcessor:
         return torch.stack([self.to_tensor(v) for v in views])
 
     # -- text -----------------------------------------------------------------------------------
+    @classmethod
+    def check_record(cls, sample: Any, max_images: int | None = None) -> tuple[list[tuple[str, str]], list[Image.Image]]:
+        """The checks :meth:`process` makes before tokenizing (no tokenizer needed): (the sample's turns, its
+        images opened as RGB), or SkipSample. What `vlmtrain data inspect --config` runs for a ``vlm`` run."""
+        if not isinstance(sample, dict):
+            raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
+        if sample.get("__bad__"):  # a source could not parse it (e.g. a malformed JSON line)
+            raise SkipSample(str(sample["__bad__"]), "unreadable record")
+        turns = cls._check_texts(sample.get("texts"))
+        images = cls._as_image_list(sample.get("images"))
+        if max_images is not None and len(images) > max_images:
+            raise SkipSample("too_many_images", f"{len(images)} > max_images={max_images}")
+        return turns, [load_image(image) for image in images]
+
     @staticmethod
     def _check_texts(texts: Any) -> list[tuple[str, str]]:
         if texts is None or (isinstance(texts, (list, tuple)) and not texts):
@@ -328,14 +342,7 @@ class VLMProcessor:
         ``prompt_input_ids`` is ``input_ids`` up to and including the last ``<|im_start|>assistant\\n``:
         generation answers the last assistant turn. Raises :class:`SkipSample` for a bad sample.
         """
-        if not isinstance(sample, dict):
-            raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
-        if sample.get("__bad__"):  # a source could not parse it (e.g. a malformed JSON line)
-            raise SkipSample(str(sample["__bad__"]), "unreadable record")
-        turns = self._check_texts(sample.get("texts"))
-        images = self._as_image_list(sample.get("images"))
-        if len(images) > self.max_images:
-            raise SkipSample("too_many_images", f"{len(images)} > max_images={self.max_images}")
+        turns, images = self.check_record(sample, self.max_images)
         # Images first: the placeholder count depends on tiling, which needs the image sizes.
         pixel_values = self.process_images(images)
         n_placeholders = pixel_values.shape[0] * self.image_token_length

@@ -7,7 +7,7 @@ import json
 import os
 import tarfile
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from PIL import Image
@@ -102,38 +102,44 @@ def _jsonable(value: Any) -> bool:
         return False
 
 
-def inspect_source(spec: str, processor: Any = None, limit: int | None = None) -> dict[str, Any]:
-    """Counts, image-count and text-length histograms and bad-sample reasons of a source (first ``limit``).
+def inspect_source(spec: str, processor: Any = None, limit: int | None = None,
+                   check: Callable[[dict[str, Any]], Any] | None = None, examples: int = 20) -> dict[str, Any]:
+    """Counts, image-count and text-length histograms and bad samples of a source (first ``limit``): by reason,
+    and the first ``examples`` as ``name (reason: detail)``, named as training names them (``file:line``,
+    ``shard:key``, ``<name>:<index>``).
 
-    Without a processor, lengths are characters of the conversation and only unreadable records and
-    missing/undecodable images count as bad; with one, lengths are tokens and every SkipSample reason counts.
+    Each sample goes through ``check`` (default: the checks a Hub VLM's training makes before its processor,
+    :func:`~vlmtrain.data.hub_messages.check_record`: texts, `<image>` placeholders against the images, images
+    readable, ``labels`` a dict; a run's own check, with its heads and limits, comes from ``vlmtrain data
+    inspect --config``), then through ``processor.process`` when given (lengths are then tokens, else characters
+    of the conversation).
     """
-    from vlmtrain.data.processing import SkipSample, load_image
+    from vlmtrain.data.hub_messages import check_record
+    from vlmtrain.data.processing import SkipSample, sample_name
 
+    check = check or check_record
     source = open_source(spec)
     records = (sample for shard in range(len(source.shards)) for _, sample in source.read(shard, {}))
-    images, lengths, bad = Counter(), [], Counter()
+    images, lengths, bad, problems = Counter(), [], Counter(), []
     samples = 0
     for sample in progress(records, "inspect"):
         if limit is not None and samples >= limit:
             break
         samples += 1
-        if sample.get("__bad__"):
-            bad[sample["__bad__"]] += 1
-            continue
         try:
+            check(sample)
             if processor is not None:
                 lengths.append(len(processor.process(sample)["input_ids"]))
             else:
-                for image in sample.get("images") or []:
-                    load_image(image)
-                lengths.append(sum(len(t.get("user", "")) + len(t.get("assistant", ""))
+                lengths.append(sum(len(t.get("user") or "") + len(t.get("assistant") or "")
                                    for t in sample.get("texts") or [] if isinstance(t, dict)))
             images[len(sample.get("images") or [])] += 1
         except SkipSample as err:
             bad[err.reason] += 1
+            if len(problems) < examples:
+                problems.append(f"{sample_name(sample)} ({err})")
     return {"source": spec, "shards": len(source.shards), "samples": samples, "bad": dict(bad),
-            "images_per_sample": dict(sorted(images.items())), "lengths": _histogram(lengths)}
+            "problems": problems, "images_per_sample": dict(sorted(images.items())), "lengths": _histogram(lengths)}
 
 
 def _histogram(values: list[int], bins: int = 8) -> dict[str, int]:
@@ -148,6 +154,9 @@ def _histogram(values: list[int], bins: int = 8) -> dict[str, int]:
 def format_report(report: dict[str, Any]) -> str:
     lines = [f"{report['source']}: {report['samples']} samples in {report['shards']} shard(s)",
              f"  bad samples: {report['bad'] or 'none'}",
+             *(f"    {problem}" for problem in report.get("problems", [])),
+             *([f"    ... and {more} more"] if (more := sum(report["bad"].values()) - len(report.get("problems", [])))
+               > 0 else []),
              "  images per sample: " + ", ".join(f"{k}: {v}" for k, v in report["images_per_sample"].items())]
     total = max(1, sum(report["lengths"].values()))
     lines.append("  text length (characters):")

@@ -224,5 +224,18 @@ def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
     return {}
 
 
+def record_check(cfg: Any) -> Any:
+    """The checks training makes on a raw sample before the processor runs (check_record with the run's
+    data.max_images and model.heads; the tokenizer's special tokens need the processor and are left out)."""
+    from vlmtrain.data.hub_messages import check_record
+    from vlmtrain.models.head_config import parse_heads
+    from vlmtrain.models.heads import check_head_labels
+
+    heads = parse_heads(cfg.model.heads)
+    return functools.partial(check_record, max_images=cfg.data.max_images, head_names=tuple(heads),
+                             label_check=functools.partial(check_head_labels, heads) if heads else None)
+
+
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
-                 generate=generate, load_generator=load_generator, load_for_inference=load_for_inference)
+                 generate=generate, load_generator=load_generator, load_for_inference=load_for_inference,
+                 record_check=record_check)

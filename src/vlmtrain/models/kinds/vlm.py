@@ -122,5 +122,14 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     return load_generator(checkpoint)(prompt, images, max_new_tokens)
 
 
+def record_check(cfg: Any) -> Callable[[dict[str, Any]], Any]:
+    """The checks the VLMProcessor makes on a raw sample before tokenizing, with the run's data.max_images."""
+    import functools
+
+    from vlmtrain.data.processing import VLMProcessor
+
+    return functools.partial(VLMProcessor.check_record, max_images=cfg.data.max_images)
+
+
 KIND = ModelKind("vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
-                 generate=generate, load_generator=load_generator)
+                 generate=generate, load_generator=load_generator, record_check=record_check)
