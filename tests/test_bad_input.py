@@ -167,3 +167,19 @@ def test_data_inspect_with_a_config_checks_its_heads_labels(tiny_qwen, tmp_path,
     assert cli.main(["data", "inspect", str(path), "--config", str(tmp_path / "cfg.yaml")]) == 0
     out = capsys.readouterr().out
     assert "d.jsonl:7 (bad_head_label" in out and "labels.color=7" in out
+
+
+def test_data_inspect_with_an_own_vlm_config_checks_as_its_processor_does(tmp_path, capsys):
+    """The own VLM trains an answer in every turn: a score-only sample (fine for a Hub VLM with heads) is
+    malformed for it, and inspect --config says so where the default (Hub) checks do not."""
+    path = _shapes_jsonl(tmp_path, n=3)
+    rows = path.read_text().splitlines()
+    score_only = json.loads(rows[1])
+    score_only["texts"] = [{"user": "How many shapes?"}]
+    rows[1] = json.dumps(score_only)
+    path.write_text("\n".join(rows) + "\n")
+    assert cli.main(["data", "inspect", str(path)]) == 0
+    assert "bad samples: none" in capsys.readouterr().out
+    config = _yaml(tmp_path, {"source": "jsonl", "train_file": str(path)})
+    assert cli.main(["data", "inspect", str(path), "--config", config]) == 0
+    assert "train.jsonl:2 (malformed_text" in capsys.readouterr().out

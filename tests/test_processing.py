@@ -205,7 +205,8 @@ def test_collator_shapes_padding_and_skips(proc):
     batch = collate([good[0], bad[0], good[1], bad[1], good[2]])
     assert batch.pop("skipped") == {"missing_image": 1, "empty_conversation": 1}  # this batch's drops
     stats = batch.pop("pack_stats")
-    assert batch.pop("skipped_keys") == ["? (missing_image)", "? (empty_conversation)"]  # no key in these samples
+    # no key or id in these samples: named by the start of their first user text
+    assert batch.pop("skipped_keys") == ["(no id, user text 'q') (missing_image)", "(no id) (empty_conversation)"]
     assert all(isinstance(v, torch.Tensor) for v in batch.values())
     assert set(batch) == {"input_ids", "attention_mask", "labels", "pixel_values", "prompt_input_ids",
                           "prompt_attention_mask", "prompt_pixel_values"}
@@ -242,7 +243,7 @@ def test_collator_no_images_and_all_bad(proc):
     # every sample bad: a batch with nothing for the model, only the counts (the Trainer skips it)
     empty = collate([{"texts": []}, {"images": [b"junk"], "texts": [{"user": "q", "assistant": "a"}]}])
     assert empty == {"skipped": {"empty_conversation": 1, "corrupt_image": 1},
-                     "skipped_keys": ["? (empty_conversation)", "? (corrupt_image)"],
+                     "skipped_keys": ["(no id) (empty_conversation)", "(no id, user text 'q') (corrupt_image)"],
                      "pack_stats": {"samples": 0, "tokens": 0, "rows": 0, "capacity": 0, "images": 0}}
     assert collate.skipped == {"empty_conversation": 1, "corrupt_image": 1}
 
