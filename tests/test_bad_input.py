@@ -183,3 +183,12 @@ def test_data_inspect_with_an_own_vlm_config_checks_as_its_processor_does(tmp_pa
     config = _yaml(tmp_path, {"source": "jsonl", "train_file": str(path)})
     assert cli.main(["data", "inspect", str(path), "--config", config]) == 0
     assert "train.jsonl:2 (malformed_text" in capsys.readouterr().out
+
+
+def test_an_empty_jsonl_file_in_a_stream_is_a_source_without_data(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    config = _yaml(tmp_path, {"source": "stream", "sources": [{"kind": "jsonl", "path": str(empty)}]})
+    assert cli.main(["train", "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"data.sources[0] (jsonl {empty}): ValueError: it has no data" in err

@@ -86,7 +86,7 @@ def build_stream(specs: Sequence[dict[str, Any]], seed: int = 0, filters: Sequen
     for i, spec in enumerate(specs):
         try:
             source = make_source(spec, seed)
-            if not source.shards:
+            if not source.shards or (isinstance(source, JsonlSource) and not _any_record(source)):
                 raise ValueError("it has no data")
         except Exception as err:  # noqa: BLE001 - any failure to open one source is reported, not fatal
             failures.append(f"data.sources[{i}] ({spec.get('kind')} {spec.get('path') or spec.get('name') or ''}): "
@@ -98,3 +98,12 @@ def build_stream(specs: Sequence[dict[str, Any]], seed: int = 0, filters: Sequen
     if not sources:
         raise ValueError("no data source could be loaded:\n  " + "\n  ".join(failures))
     return StreamingDataset(sources, weights=weights, seed=seed, filters=filters)
+
+
+def _any_record(source: JsonlSource) -> bool:
+    """Whether any file of a JSONL source has a record (a non-blank line): an empty file is no data."""
+    for path in source.shards:
+        with open(path, "rb") as f:
+            if any(line.strip() for line in f):
+                return True
+    return False
