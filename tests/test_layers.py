@@ -41,9 +41,11 @@ LAYERS: dict[str, int] = {
     "vlmtrain.prediction": 6,
     "vlmtrain.run": 7,
     "vlmtrain.launch": 7,
+    "vlmtrain.torchrun_errors": 7,
     # the public faces: the package's names (vlmtrain/__init__), the command line on top of them
     "vlmtrain": 8,
     "vlmtrain.cli": 9,
+    "vlmtrain.cli_help": 9,
     "vlmtrain.__main__": 10,
 }
 # trainer/ is the generic engine: what it needs from the rest arrives through the interfaces it defines.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import os
@@ -9,72 +10,41 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vlmtrain.config import ConfigError, build_parser, help_formatter, parse_with
-
-COMMANDS = {
-    "train": "Train a model: vlmtrain train --config FILE.yaml [--nproc N] [--train.learning_rate 3e-4 ...]",
-    "eval": "Evaluate on the eval set: vlmtrain eval --config FILE.yaml [--checkpoint DIR] [--result-file F.json]; "
-            "vlmtrain eval --checkpoint RUN_DIR --all evaluates every checkpoint metrics.jsonl has no evaluation for",
-    "predict": "Score new data with a checkpoint's heads: vlmtrain predict --checkpoint DIR --data FILE.jsonl|SHARDS.tar "
-               "[--output predictions.jsonl] [--batch-size N] [--num-workers N] [--nproc N]; or the eval set's "
-               "answers/scores: vlmtrain predict --config FILE.yaml --checkpoint DIR",
-    "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
-                "--prompt TEXT",
-    "demo": "Train a tiny VLM on shapes-VQA on CPU (6-10 minutes on 2 cores, by machine): vlmtrain demo [--config C] [--output-dir DIR]",
-    "export": "Write a checkpoint's model without its training state: an FSDP full fine-tune's shards as one "
-              "model.safetensors (+ heads, config, processor), a LoRA or full checkpoint's model files as they are, "
-              "or with --merge the adapter merged into the base: vlmtrain export --checkpoint DIR [--output-dir OUT] "
-              "[--merge]",
-    "data": "Data tools: vlmtrain data to-wds SRC OUT [--shard-size N] | vlmtrain data inspect SRC [--limit N]",
-    "report": "Write RUN_DIR/report.html (curves, eval metrics, held-out samples) and curves.png: "
-              "vlmtrain report RUN_DIR [--max-cards N]",
-    "sync": "Replay RUN_DIR/metrics.jsonl into a tracker: vlmtrain sync RUN_DIR --to wandb|mlflow|trackio|tensorboard "
-            "[--project P] [--run-name N]",
-}
-# Each command's page in the documentation (docs/ of the repository; `mkdocs serve` renders it as a site).
-DOCS = {
-    "train": "docs/trainer.md#from-the-command-line (every key: docs/configuration.md)",
-    "eval": "docs/evaluation.md#evaluation",
-    "predict": "docs/hub-vlms.md#inference",
-    "generate": "docs/own-vlm.md#generation-and-evaluation",
-    "demo": "docs/own-vlm.md#the-demo",
-    "export": "docs/hub-vlms.md#export",
-    "data": "docs/data.md",
-    "report": "docs/evaluation.md#the-run-report",
-    "sync": "docs/evaluation.md#trackers",
-}
-_CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
-                    "or 'latest' for the newest checkpoint in train.output_dir.")
-
-
-def _usage() -> str:
-    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data,report,sync} [options]  (vlmtrain COMMAND --help lists the keys)", ""]
-    for name, text in COMMANDS.items():
-        lines += [f"  {name:<8} {text}", f"  {'':<8} docs: {DOCS[name]}"]
-    lines += ["", "Documentation: docs/index.md in the repository, one page per topic "
-              "(pip install -e '.[docs]' && mkdocs serve: the same pages as a site)."]
-    return "\n".join(lines)
-
-
-def _description(command: str) -> str:
-    """A command's --help text: what it does, and its page in the documentation."""
-    return f"{COMMANDS[command]}\nDocumentation: {DOCS[command]}"
+from vlmtrain.cli_help import (  # noqa: F401 - COMMANDS, DOCS
+    CHECKPOINT_HELP,
+    COMMANDS,
+    DOCS,
+    HELP_ALL,
+    NPROC_HELP,
+    description,
+    option_value,
+    pop_nproc,
+    predict_help,
+    shorten,
+    usage,
+    wants_help,
+)
+from vlmtrain.config import build_parser, help_formatter, parse_with
+from vlmtrain.errors import USER_ERRORS, ConfigError
 
 
 def _parse(command: str, argv: list[str], checkpoint: str | None = None,
-           extra: Callable[[Any], None] | None = None) -> tuple[Any, Any]:
-    """checkpoint: None (no --checkpoint option), 'optional' or 'required'; extra adds options to the parser."""
-    parser = build_parser(prog=f"vlmtrain {command}", description=_description(command))
+           extra: Callable[[Any], None] | None = None, nproc: bool = False) -> tuple[Any, Any]:
+    """checkpoint: None (no --checkpoint option), 'optional' or 'required'; extra adds options to the parser;
+    nproc: --help lists --nproc (taken out of argv before)."""
+    parser = build_parser(prog=f"vlmtrain {command}", description=description(command))
     if checkpoint:
-        parser.add_argument("--checkpoint", type=str | None, default=None, help=_CHECKPOINT_HELP)
+        parser.add_argument("--checkpoint", type=str | None, default=None, help=CHECKPOINT_HELP)
     if extra is not None:
         extra(parser)
+    if wants_help(argv):  # the common keys; --help-all: every key
+        argv = shorten(parser, command, argv, [("--nproc N", NPROC_HELP)] if nproc else [])
     argv = ["--print_config" if a == "--print-config" else a for a in argv]  # both spellings
     cfg, ns = parse_with(parser, argv)
     if not ns.get("config"):
         raise ConfigError(f"vlmtrain {command} needs --config FILE.yaml (see configs/ for examples).")
     if checkpoint == "required" and not ns.get("checkpoint"):
-        raise ConfigError(f"vlmtrain {command} needs --checkpoint DIR. {_CHECKPOINT_HELP}")
+        raise ConfigError(f"vlmtrain {command} needs --checkpoint DIR. {CHECKPOINT_HELP}")
     return cfg, ns
 
 
@@ -88,39 +58,27 @@ def _print_metrics(metrics: dict[str, Any]) -> None:
         print(json.dumps(metrics, indent=2, default=str))
 
 
-def _pop_nproc(argv: list[str]) -> tuple[int, list[str]]:
-    """``--nproc N`` (or ``--nproc=N``) taken out of argv."""
-    rest, nproc, i = [], 1, 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("--nproc", "--nproc_per_node") and i + 1 < len(argv):
-            nproc, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith(("--nproc=", "--nproc_per_node=")):
-            nproc = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-        i += 1
-    if not str(nproc).isdigit() or int(nproc) < 1:
-        raise ConfigError(f"--nproc must be a positive number of processes, got {nproc!r}.")
-    return int(nproc), rest
+def _launch(nproc: int, args: list[str], *options: str) -> int:
+    """``vlmtrain ARGS`` in ``nproc`` processes under torchrun. SIGTERM/SIGUSR1 to this process reach every rank
+    (they save and exit 0); sent to torchrun directly, they still reach the ranks, with
+    train.preemption_grace_s to save before torchrun kills them."""
+    from vlmtrain import launch
+
+    if "WORLD_SIZE" in os.environ:
+        raise ConfigError("--nproc cannot be used inside torchrun: torchrun already sets the process count.")
+    note = launch.cpu_note(nproc)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    return launch.run_forwarding_signals(launch.torchrun_command(nproc, args, *options))
 
 
 def _train(argv: list[str]) -> int:
-    nproc, argv = _pop_nproc(argv)
-    if nproc > 1:  # one node, N processes: the same command under torchrun
-        from vlmtrain.launch import run_forwarding_signals
-
+    nproc, argv = pop_nproc(argv)
+    if nproc > 1 and not wants_help(argv):  # one node, N processes: the same command under torchrun
         cfg, _ = _parse("train", argv)  # a bad config fails here, once, not in N processes
-        if "WORLD_SIZE" in os.environ:
-            raise ConfigError("--nproc cannot be used inside torchrun: torchrun already sets the process count.")
-        # SIGTERM/SIGUSR1 to this process reach every rank (they save and exit 0); sent to torchrun directly,
-        # they still reach the ranks, with train.preemption_grace_s to save before torchrun kills them.
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               f"--shutdown-timeout={cfg.train.preemption_grace_s}",
-               "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "vlmtrain", "train", *argv]
-        return run_forwarding_signals(cmd)
-    cfg, _ = _parse("train", argv)
+        return _launch(nproc, ["train", *argv], f"--shutdown-timeout={cfg.train.preemption_grace_s}",
+                       "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    cfg, _ = _parse("train", argv, nproc=True)
     from vlmtrain import run
 
     _print_metrics(run.train(cfg))
@@ -137,7 +95,7 @@ def _eval_options(parser: Any) -> None:
 
 def _eval(argv: list[str]) -> int:
     if "--all" in argv and "--config" not in argv:  # the run's own config
-        checkpoint = _option_value(argv, "--checkpoint")
+        checkpoint = option_value(argv, "--checkpoint")
         if checkpoint is None:
             raise ConfigError("vlmtrain eval --all needs --checkpoint RUN_DIR (a run directory).")
         argv = [*argv, "--config", os.path.join(checkpoint, "config.yaml")]
@@ -158,30 +116,21 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
-def _option_value(argv: list[str], name: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def _predict(argv: list[str]) -> int:
-    nproc, argv = _pop_nproc(argv)
+    nproc, argv = pop_nproc(argv)
+    if wants_help(argv):  # both forms; --help-all adds every key of the config form
+        print(predict_help(_predict_data_parser()))
+        if HELP_ALL in argv:
+            print("\nvlmtrain predict --config FILE.yaml --checkpoint DIR, every option:\n")
+            _parse("predict", [HELP_ALL], checkpoint="required", extra=_without_data_section)
+        return 0
     data = any(a == "--data" or a.startswith("--data=") for a in argv)
     if data:
         ns = _parse_predict_data(argv)  # a bad option fails here, once, not in N processes
     else:
         _parse("predict", argv, checkpoint="required")
     if nproc > 1:
-        if "WORLD_SIZE" in os.environ:
-            raise ConfigError("--nproc cannot be used inside torchrun: torchrun already sets the process count.")
-        import subprocess
-
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "vlmtrain", "predict", *argv]
-        return subprocess.call(cmd)
+        return _launch(nproc, ["predict", *argv])
     from vlmtrain import prediction
 
     if data:
@@ -197,13 +146,18 @@ def _predict(argv: list[str]) -> int:
     return 0
 
 
-def _parse_predict_data(argv: list[str]) -> Any:
-    """Options of ``vlmtrain predict --checkpoint DIR --data ...`` (no config: the checkpoint says it all)."""
+def _without_data_section(parser: Any) -> None:
+    """predict's --data is the data to score: the config form's --data (the data section as a file) is hidden."""
+    next(a for a in parser._actions if a.dest == "data").help = argparse.SUPPRESS
+
+
+def _predict_data_parser() -> Any:
+    """The options of ``vlmtrain predict --checkpoint DIR --data ...`` (no config: the checkpoint says it all)."""
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain predict", description=_description("predict"), formatter_class=help_formatter(),
-                                         exit_on_error=False, allow_abbrev=False)
-    parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP.replace(
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain predict", description=description("predict"),
+                                         formatter_class=help_formatter(), exit_on_error=False, allow_abbrev=False)
+    parser.add_argument("--checkpoint", type=str, required=True, help=CHECKPOINT_HELP.replace(
         ", or 'latest' for the newest checkpoint in train.output_dir", ", or an exported folder"))
     parser.add_argument("--data", type=str, required=True,
                         help="Samples in the training format: a .jsonl file (image paths relative to it) or "
@@ -213,14 +167,21 @@ def _parse_predict_data(argv: list[str]) -> Any:
     parser.add_argument("--batch-size", "--batch_size", type=int, default=8, help="Samples per forward pass.")
     parser.add_argument("--num-workers", "--num_workers", type=int, default=0,
                         help="Data-loader worker processes reading and processing samples.")
+    parser.add_argument("--nproc", type=int, default=1, help=NPROC_HELP + " Each scores its share of the data.")
     parser.add_argument("--device", type=str | None, default=None, help="Default: cuda if available, else cpu.")
     parser.add_argument("--dtype", type=str | None, default=None,
                         help="Weights dtype; default bfloat16 on CUDA, float32 on CPU.")
+    return parser
+
+
+def _parse_predict_data(argv: list[str]) -> Any:
+    import jsonargparse
+
     if "--config" in argv or any(a.startswith("--config=") for a in argv):
         raise ConfigError("vlmtrain predict --data scores with the checkpoint alone (limits come from the run's "
                           "config.yaml): drop --config, or drop --data to predict the config's eval set.")
     try:
-        ns = parser.parse_args(argv)
+        ns = _predict_data_parser().parse_args(argv)
     except jsonargparse.ArgumentError as e:
         raise ConfigError(f"{e}. See vlmtrain predict --help.") from None
     if ns.batch_size < 1 or ns.num_workers < 0:
@@ -231,7 +192,7 @@ def _parse_predict_data(argv: list[str]) -> Any:
 def _demo(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain demo", description=_description("demo"), formatter_class=help_formatter(), exit_on_error=False,
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain demo", description=description("demo"), formatter_class=help_formatter(), exit_on_error=False,
                                          allow_abbrev=False)
     parser.add_argument("--output-dir", "--output_dir", type=str | None, default=None,
                         help="Where to write checkpoints, metrics.jsonl and config.yaml (default: the config's).")
@@ -240,22 +201,25 @@ def _demo(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int | None, default=None,
                         help="Sets both train.seed (initialization) and data.seed (the questions); default: the "
                              "config's.")
+    parser.add_argument("--resume", action="store_true",
+                        help="Continue a stopped demo (e.g. by SIGTERM) from the newest checkpoint in its output "
+                             "directory, with the same --config, --output-dir and --seed.")
     try:
         ns = parser.parse_args(argv)
     except jsonargparse.ArgumentError as e:
         raise ConfigError(f"{e}. See vlmtrain demo --help.") from None
     from vlmtrain import run
 
-    run.demo(output_dir=ns.output_dir, config=ns.config, seed=ns.seed)
+    run.demo(output_dir=ns.output_dir, config=ns.config, seed=ns.seed, resume=ns.resume)
     return 0
 
 
 def _generate(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain generate", description=_description("generate"), formatter_class=help_formatter(),
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain generate", description=description("generate"), formatter_class=help_formatter(),
                                          exit_on_error=False, allow_abbrev=False)
-    parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP)
+    parser.add_argument("--checkpoint", type=str, required=True, help=CHECKPOINT_HELP)
     parser.add_argument("--prompt", type=str, required=True, help="The question or text to continue.")
     parser.add_argument("--image", type=str, default=[], action="append",
                         help="An image file; repeat for several images (VLM checkpoints).")
@@ -274,9 +238,9 @@ def _generate(argv: list[str]) -> int:
 def _export(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain export", description=_description("export"), formatter_class=help_formatter(),
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain export", description=description("export"), formatter_class=help_formatter(),
                                          exit_on_error=False, allow_abbrev=False)
-    parser.add_argument("--checkpoint", type=str, required=True, help=_CHECKPOINT_HELP)
+    parser.add_argument("--checkpoint", type=str, required=True, help=CHECKPOINT_HELP)
     parser.add_argument("--output-dir", "--output_dir", type=str | None, default=None,
                         help="Where to write the model, config and processor (default: the checkpoint itself for "
                              "FSDP shards, else <checkpoint>-export).")
@@ -308,7 +272,7 @@ def _export(argv: list[str]) -> int:
 def _data(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain data", description=_description("data"), formatter_class=help_formatter(), exit_on_error=False)
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain data", description=description("data"), formatter_class=help_formatter(), exit_on_error=False)
     sub = parser.add_subcommands(required=True, dest="tool")
     src_help = "shapes[:N], a .jsonl file/glob, .tar shards (path, glob or {000..009}) or a load_from_disk dir"
     to_wds = jsonargparse.ArgumentParser(description="Write a source as WebDataset tar shards (KEY.json + KEY.N.png).")
@@ -348,7 +312,7 @@ def _data(argv: list[str]) -> int:
 def _report(argv: list[str]) -> int:
     import jsonargparse
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain report", description=_description("report"), formatter_class=help_formatter(),
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain report", description=description("report"), formatter_class=help_formatter(),
                                          exit_on_error=False, allow_abbrev=False)
     parser.add_argument("run_dir", type=str, help="A run's train.output_dir (holding metrics.jsonl).")
     parser.add_argument("--max-cards", "--max_cards", type=int, default=48,
@@ -368,7 +332,7 @@ def _sync(argv: list[str]) -> int:
 
     from vlmtrain.logging.trackers import TRACKERS
 
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain sync", description=_description("sync"), formatter_class=help_formatter(), exit_on_error=False,
+    parser = jsonargparse.ArgumentParser(prog="vlmtrain sync", description=description("sync"), formatter_class=help_formatter(), exit_on_error=False,
                                          allow_abbrev=False)
     parser.add_argument("run_dir", type=str, help="A run's train.output_dir (holding metrics.jsonl).")
     parser.add_argument("--to", type=str, required=True, help=f"The tracker: {', '.join(TRACKERS)}.")
@@ -401,10 +365,11 @@ def _shutdown_distributed() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the vlmtrain command line; returns the exit code (2 for configuration errors)."""
+    """Run the vlmtrain command line; returns the exit code (2 for configuration errors, 1 for other errors the
+    user can act on: vlmtrain.errors.USER_ERRORS)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage(), file=sys.stdout if argv else sys.stderr)
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     try:
@@ -415,9 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _HANDLERS[command](rest)
         _shutdown_distributed()
         return code
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:  # one line, no traceback: the user fixes a setting or the data (any other: traceback)
+        from vlmtrain.launch import report_error
+
+        if not report_error(str(e)):  # a rank under `--nproc N`: the launcher prints it, once
+            print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     except SystemExit as e:  # --help and --print_config exit from inside the parser
         return e.code if isinstance(e.code, int) else 0
     except KeyboardInterrupt:

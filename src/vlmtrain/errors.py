@@ -9,3 +9,12 @@ class ConfigError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing or incomplete; the message names the directory and what is missing."""
+
+
+class DataError(RuntimeError):
+    """The data cannot be trained on as it is (e.g. more bad samples than train.max_bad_sample_fraction); the
+    message names the samples (file:line or id) and what to change."""
+
+
+# What the command line prints as one line (`error: ...`, no traceback): the user fixes a setting or the data.
+USER_ERRORS = (ConfigError, CheckpointError, DataError)

@@ -1,5 +1,6 @@
-"""`vlmtrain train --nproc N`: the ranks run under torchrun, and a preemption signal sent to this process reaches
-each of them (see vlmtrain.trainer.preemption: they finish the step, save a checkpoint and exit 0)."""
+"""`vlmtrain train|predict --nproc N`: the ranks run under torchrun (through vlmtrain.torchrun_errors, so that an
+error the user can act on prints as one line), and a preemption signal sent to this process reaches each of them
+(see vlmtrain.trainer.preemption: they finish the step, save a checkpoint and exit 0)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,45 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from types import FrameType
 
+from . import torchrun_errors
 from .trainer.preemption import SIGNALS
+
+# Runs torchrun_errors.py as a file (runpy.run_path leaves sys.path alone, so its directory, the package's,
+# cannot shadow the standard library): the launcher needs torch, not the package.
+_RUN_FILE = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+
+
+def torchrun_command(nproc: int, args: list[str], *options: str) -> list[str]:
+    """The command line that runs ``vlmtrain ARGS`` in ``nproc`` processes on this node (torchrun --standalone,
+    with torchrun's ``options``)."""
+    return [sys.executable, "-c", _RUN_FILE, torchrun_errors.__file__, "--standalone", f"--nproc_per_node={nproc}",
+            *options, "-m", "vlmtrain", *args]
+
+
+def cpu_note(nproc: int) -> str | None:
+    """What to tell the user before starting ``nproc`` processes on a machine without a GPU (None with GPUs)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (f"note: no GPU found: --nproc {nproc} starts {nproc} processes on the CPU (torch.distributed's gloo "
+            f"backend), sharing its {os.cpu_count()} cores.")
+
+
+def report_error(message: str) -> bool:
+    """In a rank that the launcher started: hand ``message`` (an error the user can act on) to the launcher,
+    which prints each distinct one once; False elsewhere (the caller prints it)."""
+    directory = os.environ.get(torchrun_errors.ERRORS_ENV)
+    if not directory or "WORLD_SIZE" not in os.environ or not os.path.isdir(directory):
+        return False
+    path = os.path.join(directory, f"rank-{int(os.environ.get('RANK', '0'))}.txt")
+    with open(path + ".tmp", "w") as f:
+        f.write(message)
+    os.replace(path + ".tmp", path)
+    return True
 
 
 def _ranks_of(launcher: int) -> list[int]:

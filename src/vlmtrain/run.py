@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,10 @@ def train(cfg: RunConfig) -> dict[str, Any]:
     return _train(cfg)[1]
 
 
-def _train(cfg: RunConfig, console: Any = None) -> tuple[Any, dict[str, Any]]:
-    """console: a callback that replaces the progress bar and log lines (the demo's EvalLinesCallback)."""
+def _train(cfg: RunConfig, console: Any = None, resume: str = "--train.resume_from_checkpoint true"
+           ) -> tuple[Any, dict[str, Any]]:
+    """console: a callback that replaces the progress bar and log lines (the demo's EvalLinesCallback);
+    resume: what a preempted run tells the user to resubmit with."""
     trainer = build(cfg)
     if console is not None:
         from vlmtrain.logging.console import PrinterCallback, ProgressCallback
@@ -50,8 +53,8 @@ def _train(cfg: RunConfig, console: Any = None) -> tuple[Any, dict[str, Any]]:
     metrics = {"global_step": out.global_step, "training_loss": out.training_loss, **(out.metrics or {})}
     if trainer.preempted:  # no time for a final evaluation: the checkpoint is what matters
         metrics["preempted"] = True
-        logger.warning("preempted at step %d; checkpoint saved in %s. Resubmit with "
-                       "--train.resume_from_checkpoint true to continue.", out.global_step, cfg.train.output_dir)
+        logger.warning("preempted at step %d; checkpoint saved in %s. Resubmit with %s to continue.",
+                       out.global_step, cfg.train.output_dir, resume)
         return trainer, metrics
     if getattr(trainer, "eval_dataset", None) is not None:
         # Reuse an evaluation the run already made of its last step (inline or async) rather than running it twice.
@@ -148,13 +151,14 @@ def _summary(cfg: RunConfig, metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def demo(output_dir: str | None = None, config: str | None = None, seed: int | None = None,
-         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+         overrides: dict[str, Any] | None = None, resume: bool = False) -> dict[str, Any]:
     """Train the demo config (configs/shapes-tiny.yaml unless ``config`` names another) on CPU, showing the
     progress bar and a line per evaluation (:func:`demo_console`), and print the results (per question type
     and against blank images for shapes-VQA, with examples), the time spent and where everything went (on a
     CUDA machine with data-loader workers: :func:`demo_workers`). ``seed`` sets both train.seed
     (initialization) and data.seed (the questions); ``overrides`` ({'train.eval_strategy': 'no'}, ...) win
-    over the config, the seed and the workers."""
+    over the config, the seed and the workers. ``resume``: continue from the newest checkpoint in the output
+    directory (a demo stopped by SIGTERM says so)."""
     from vlmtrain.data.registry import get_source
 
     path = Path(config) if config else find_demo_config()
@@ -163,14 +167,21 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
     settings: dict[str, Any] = {"train.output_dir": output_dir} if output_dir else {}
     if seed is not None:
         settings.update({"train.seed": seed, "data.seed": seed})
+    if resume:
+        settings["train.resume_from_checkpoint"] = "true"
     cfg = load_run_config(path, {**settings, **(overrides or {})} or None)
     if "train.dataloader_num_workers" not in (overrides or {}):
         cfg.train.dataloader_num_workers = demo_workers(cfg.train.dataloader_num_workers)
     workers = cfg.train.dataloader_num_workers
     start = time.perf_counter()
     source = get_source(cfg.data.source)
-    trainer, metrics = _train(cfg, console=demo_console(cfg))
+    again = " ".join(["vlmtrain demo", *(f"{k} {shlex.quote(str(v))}" for k, v in
+                                          (("--config", config), ("--output-dir", output_dir), ("--seed", seed))
+                                          if v is not None), "--resume"])
+    trainer, metrics = _train(cfg, console=demo_console(cfg), resume=f"`{again}`")
     out = cfg.train.output_dir
+    if metrics.get("preempted"):  # the checkpoint is saved; the report waits for the finished run
+        return metrics
     if source.demo_report is not None:
         report = source.demo_report(trainer, metrics)
     else:

@@ -152,11 +152,14 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
     if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
         from peft import PeftModel
 
+        from vlmtrain.models.lora import peft_wrapping
+
         try:
-            if hasattr(model, "heads"):
-                model.base = PeftModel.from_pretrained(model.base, checkpoint)
-            else:
-                model = PeftModel.from_pretrained(model, checkpoint)
+            with peft_wrapping():
+                if hasattr(model, "heads"):
+                    model.base = PeftModel.from_pretrained(model.base, checkpoint)
+                else:
+                    model = PeftModel.from_pretrained(model, checkpoint)
         except (RuntimeError, ValueError, KeyError) as err:
             raise CheckpointError(f"{os.path.join(checkpoint, 'adapter_model.safetensors')} does not fit the base "
                                   f"model {base_of_checkpoint(checkpoint)!r}: {str(err)[:300]}") from err

@@ -15,8 +15,10 @@ model kind attached: models/protocol.py's MODULE_GROUPS_ATTR).
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import nn
@@ -133,6 +135,17 @@ def lora_config(model: nn.Module, spec: Mapping[str, Any], text_module: str,
                            modules_to_save=_modules_to_save(model, spec.get("modules_to_save"), groups))
 
 
+@contextlib.contextmanager
+def peft_wrapping() -> Iterator[None]:
+    """Around peft's PeftModel(...) (get_peft_model, PeftModel.from_pretrained): peft 0.21's __init__ reads
+    transformers' deprecated ``model.is_gradient_checkpointing`` (transformers 5 warns: "`is_gradient_checkpointing`
+    is deprecated ... Use `is_activation_checkpointing`"), a FutureWarning per process and load that vlmtrain
+    cannot avoid: that one warning is ignored here, only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def apply_lora(model: nn.Module, spec: Mapping[str, Any], text_module: str,
                module_groups: Mapping[str, tuple[str, ...]] | None = None) -> nn.Module:
     """Wrap `model` with LoRA adapters (peft) per `spec` ({r, alpha, dropout, target_modules[, modules_to_save]}).
@@ -143,7 +156,8 @@ def apply_lora(model: nn.Module, spec: Mapping[str, Any], text_module: str,
     peft = _require_peft()
     base = base_of(model)
     config = lora_config(base, spec, text_module, module_groups)
-    wrapped = peft.get_peft_model(base, config)
+    with peft_wrapping():
+        wrapped = peft.get_peft_model(base, config)
     if has_heads(model):
         model.base = wrapped
         return model
@@ -192,7 +206,8 @@ def export_merged(checkpoint: str, output_dir: str, base: str | None = None) -> 
     if cls is None:
         raise FileNotFoundError(f"the base model {base!r} names no transformers class in config.json "
                                 f"(architectures: {arch!r}).")
-    model = peft.PeftModel.from_pretrained(cls.from_pretrained(base, config=config), checkpoint)
+    with peft_wrapping():
+        model = peft.PeftModel.from_pretrained(cls.from_pretrained(base, config=config), checkpoint)
     extra = os.path.join(checkpoint, "trainable.safetensors")
     if os.path.isfile(extra):  # trained base tensors outside the adapter
         model.load_state_dict(safetensors.torch.load_file(extra), strict=False)

@@ -156,7 +156,9 @@ def shutdown(wait: bool = True) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        # type(), not isinstance(): DeviceMesh's metaclass reads obj.__class__, and objects such as
+        # torch.distributed.reduce_op warn (FutureWarning) on any attribute read.
+        if issubclass(type(obj), DeviceMesh):
             getattr(obj, "_pg_registry", {}).clear()
     gc.collect()
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ..errors import DataError
 from . import plugins
 from .distributed import NamedSums, all_gather_objects
 
@@ -221,7 +222,7 @@ class Throughput:
         bad = sum(n for reason, n in skipped.items() if not reason.startswith("filtered") and reason != RANK_SYNC_REASON)
         if bad and bad > limit * (bad + samples):
             examples = [k for keys in all_gather_objects(self.bad_keys) for k in keys][:5]  # (rank order)
-            raise RuntimeError(
+            raise DataError(
                 f"{bad} of the last {bad + samples} training samples were bad ({dict(sorted(skipped.items()))}), "
                 f"more than max_bad_sample_fraction={limit}. Examples: {', '.join(examples) or 'n/a'}. Fix the "
                 f"data (e.g. `vlmtrain data inspect`) or raise max_bad_sample_fraction.")

@@ -1,0 +1,200 @@
+"""What a user sees from the command line: short --help pages (--help-all for every key), one line per error they
+can act on (also from the ranks of `--nproc N`), a word when --nproc runs on the CPU, no deprecation warnings of
+ours in a multi-process run, and a stopped demo that names the command which continues it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vlmtrain import cli, run
+from vlmtrain.config import SECTIONS
+from vlmtrain.config_checks import field_names
+from vlmtrain.errors import CheckpointError, ConfigError, DataError
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+LM = {
+    "model": {"kind": "causal_lm", "config": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                              "num_hidden_layers": 1, "num_attention_heads": 4,
+                                              "num_key_value_heads": 2, "max_position_embeddings": 32}},
+    "data": {"source": "addition", "num_train": 64, "num_eval": 8, "packing": False},
+    "train": {"max_steps": 4, "learning_rate": 3e-3, "logging_steps": 1, "eval_strategy": "steps", "eval_steps": 2,
+              "save_strategy": "steps", "save_steps": 2, "disable_tqdm": True, "seed": 3,
+              "per_device_train_batch_size": 4, "per_device_eval_batch_size": 8, "ddp_timeout": 60,
+              "predict_with_generate": True, "generation_max_new_tokens": 4},
+}
+
+
+def _help(capsys, *argv: str) -> str:
+    assert cli.main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def _write(tmp_path: Path, cfg: dict, name: str = "cfg.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _vlmtrain(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vlmtrain", *argv], env=ENV, cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_config_command_help_shows_the_common_keys_and_points_to_help_all(capsys, command):
+    out = _help(capsys, command, "--help")
+    assert len(out.splitlines()) < 300, len(out.splitlines())  # it was 1,176 (train) and 1,189 (eval)
+    assert "--train.learning_rate" in out and "Peak learning rate" in out and "--model.pretrained" in out
+    assert "--train.hub_model_id" not in out and "--data.qtype_weights" not in out
+    assert f"vlmtrain {command} --help-all" in out and "docs/configuration.md" in out
+    assert ("--nproc N" in out) == (command == "train")
+
+
+def test_help_all_lists_every_key_with_its_documentation(capsys):
+    for command in ("train", "eval"):
+        out = _help(capsys, command, "--help-all")
+        for section in ("model", "data", "train"):
+            missing = [k for k in field_names(SECTIONS, section) if not re.search(rf"^  --{section}\.{k}\b", out, re.M)]
+            assert not missing, (command, section, missing)
+        assert "Common keys only" not in out and "--train.hub_model_id" in out
+
+
+def test_predict_help_lists_its_options_and_both_forms(capsys):
+    out = _help(capsys, "predict", "--help")
+    assert len(out.splitlines()) < 80
+    options = {line.split()[0]: line for line in out.splitlines() if line.startswith("  --")}
+    assert {"--checkpoint", "--data", "--output", "--batch-size", "--num-workers", "--nproc"} <= set(options)
+    assert "Samples in the training format" in options["--data"]
+    assert "Path to a configuration file" not in out
+    assert "--config FILE.yaml --checkpoint DIR" in out and "--help-all" in out
+    full = _help(capsys, "predict", "--help-all")
+    assert "--output" in full and "--train.hub_model_id" in full and "--train.learning_rate" in full
+    assert not any(line.startswith("  --data ") and "configuration file" in line for line in full.splitlines())
+
+
+def test_demo_help_gives_the_readmes_measured_time_and_resume(capsys):
+    out = " ".join(_help(capsys, "demo", "--help").split())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "333-342 s" in out and "333-342 s" in readme and "6-10 minutes" not in out
+    assert "--resume" in out
+
+
+@pytest.mark.parametrize("error, code", [(ConfigError("train.x: bad"), 2), (CheckpointError("no checkpoint-5"), 1),
+                                         (DataError("9 of the last 10 training samples were bad"), 1)])
+def test_an_error_the_user_can_act_on_is_one_line(tmp_path, monkeypatch, capsys, error, code):
+    def fail(cfg):
+        raise error
+
+    monkeypatch.setattr(run, "train", fail)
+    assert cli.main(["train", "--config", str(_write(tmp_path, LM))]) == code
+    assert capsys.readouterr().err == f"error: {error}\n"
+
+
+def test_an_unexpected_error_keeps_its_traceback(tmp_path, monkeypatch):
+    def fail(cfg):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(run, "train", fail)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["train", "--config", str(_write(tmp_path, LM))])
+
+
+def test_too_many_bad_samples_is_one_line_from_the_command(tmp_path):
+    from tests.test_vlm_run import TINY
+
+    good = {"texts": [{"user": "What color?", "assistant": "red"}], "images": []}
+    lines = [json.dumps(good)] * 4 + [json.dumps({"texts": [], "images": []})] * 12
+    (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = {**TINY, "data": {**TINY["data"], "source": "stream", "sources": [{"kind": "jsonl", "path": "bad.jsonl"}]},
+           "train": {**TINY["train"], "max_steps": 4, "eval_strategy": "no", "save_strategy": "no"}}
+    done = _vlmtrain("train", "--config", str(_write(tmp_path, cfg)), cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 8 of the last 8 training samples were bad") and "max_bad_sample_fraction" in last
+
+
+@pytest.mark.slow
+def test_an_error_in_the_ranks_of_nproc_is_one_line_and_the_cpu_is_named_once(tmp_path):
+    """A ConfigError raised in both ranks (model.config is only checked when the model is built): one line, the
+    ranks' exit code, no torchrun traceback or failure table; and the note that the 2 processes run on the CPU."""
+    bad = {**LM, "model": {**LM["model"], "config": {**LM["model"]["config"], "model_type": "lama"}}}
+    done = _vlmtrain("train", "--config", str(_write(tmp_path, bad)), "--nproc", "2", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines == ["note: no GPU found: --nproc 2 starts 2 processes on the CPU (torch.distributed's gloo "
+                     f"backend), sharing its {os.cpu_count()} cores.",
+                     "error: model.config.model_type='lama' is not a known transformers model type. Did you mean "
+                     "'llama' or 'mllama' or 'llama4'?"], done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_two_process_run_prints_no_future_warnings(tmp_path):
+    done = _vlmtrain("train", "--config", str(_write(tmp_path, LM)), "--nproc", "2", "--train.output_dir",
+                     str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("note: no GPU found: --nproc 2") == 1
+    assert "Warning" not in done.stderr and "deprecated" not in done.stderr, done.stderr[-3000:]
+
+
+def test_shutdown_reads_no_deprecated_torch_attribute():
+    """shutdown() walks every live object for DeviceMeshes: isinstance() read torch.distributed.reduce_op's
+    __class__, a FutureWarning per rank at each shutdown."""
+    from vlmtrain.trainer import distributed
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        distributed.shutdown(wait=False)
+    assert not [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+def test_lora_on_a_transformers_model_prints_no_deprecation():
+    from tests.tiny import tiny_llama
+    from vlmtrain.models.lora import apply_lora
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(tiny_llama(), {"r": 2, "target_modules": ["q_proj"]}, "model")
+    assert not [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+
+
+def _sigterm_at(console, step: int):
+    """The demo's console callback, sending SIGTERM at ``step`` as a scheduler would."""
+    own = console.on_step_end
+
+    def on_step_end(args, state, control, **kwargs):
+        if state.global_step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return own(args, state, control, **kwargs)
+
+    console.on_step_end = on_step_end
+    return console
+
+
+def test_a_stopped_demo_names_the_demo_command_that_continues_it(tmp_path, monkeypatch, caplog, capsys):
+    config, out = _write(tmp_path, LM, "demo.yaml"), tmp_path / "demo run"
+    console = run.demo_console
+    monkeypatch.setattr(run, "demo_console", lambda cfg: _sigterm_at(console(cfg), 2))
+    with caplog.at_level(logging.WARNING, logger="vlmtrain.run"):
+        metrics = run.demo(config=str(config), output_dir=str(out))
+    assert metrics["preempted"] and metrics["global_step"] == 2
+    (said,) = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+    command = said.split("`")[1]
+    assert command == f"vlmtrain demo --config {config} --output-dir '{out}' --resume"
+    monkeypatch.setattr(run, "demo_console", console)
+    assert cli.main(shlex.split(command)[1:]) == 0  # the command it names works, and continues the run
+    assert "4 steps" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
