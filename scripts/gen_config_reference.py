@@ -37,7 +37,8 @@ HEADER = """\
 A run is one YAML file with three sections, `model`, `data` and `train`; any key can be overridden on the
 command line as `--<section>.<key> VALUE` (e.g. `--train.learning_rate 3e-4`). An unknown key or a value of the
 wrong type is an error that names the key and the nearest valid ones, before anything is built. The resolved
-config is written to `<output_dir>/config.yaml`. `vlmtrain train --help` prints the same documentation.
+config is written to `<output_dir>/config.yaml`. `vlmtrain train --help` prints the common keys' documentation,
+`vlmtrain train --help-all` every key's, the same as this page.
 
 ```yaml
 model: {kind: hub_vlm, pretrained: Qwen/Qwen3-VL-2B-Instruct, heads: {score: {type: regression}}}
