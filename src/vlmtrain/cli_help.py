@@ -94,7 +94,7 @@ def shorten(parser: Any, command: str, argv: list[str], extra: list[tuple[str, s
         for action in parser._actions:
             dest = action.dest
             if "." in dest and dest not in COMMON_KEYS or dest in ("model", "data", "train"):
-                hidden += action.help is not argparse.SUPPRESS
+                hidden += "." in dest and action.help is not argparse.SUPPRESS  # (keys, not section files)
                 action.help = argparse.SUPPRESS
     lines = [line for option, text in extra  # argparse's layout: the option, then its help indented
              for line in textwrap.wrap(text, 78, initial_indent=f"  {option:<22}", subsequent_indent=" " * 24)]
