@@ -63,8 +63,9 @@ def kind_of_checkpoint(checkpoint: str) -> ModelKind:
     path = os.path.join(checkpoint, "config.json")
     adapter = os.path.join(checkpoint, "adapter_config.json")
     if not os.path.isfile(path) and os.path.isfile(adapter):  # LoRA: the adapter names its base model
-        with open(adapter) as f:
-            base = json.load(f).get("base_model_name_or_path") or ""
+        from vlmtrain.models.local_paths import adapter_base
+
+        base = adapter_base(checkpoint) or ""
         path = os.path.join(base, "config.json")
         if not os.path.isfile(path):  # a Hub id: only transformers can tell its model_type
             from transformers import AutoConfig
