@@ -130,6 +130,27 @@ def test_missing_base_model_is_one_line_naming_the_setting(relative_run, tmp_pat
         vlmtrain.load_for_inference(str(ckpt))
 
 
+def test_bare_relative_base_that_is_no_hub_model_names_the_setting(relative_run, tmp_path, monkeypatch, capsys):
+    """A bare relative name (`tiny-qwen3vl`, what an older checkpoint recorded for `pretrained: tiny-qwen3vl`)
+    could be a Hub id: when the Hub has nothing either, the same one line, naming the setting."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    ckpt = _with_base(relative_run, tmp_path, "tiny-qwen3vl")
+    monkeypatch.chdir(tmp_path)
+    data = str(relative_run / "data" / "train.jsonl")
+    for argv in (["predict", "--checkpoint", str(ckpt), "--data", data, "--output", "p.jsonl"],
+                 ["export", "--checkpoint", str(ckpt), "--merge", "--output-dir", "merged"]):
+        capsys.readouterr()
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith(f"error: {ckpt / 'adapter_config.json'}: base_model_name_or_path 'tiny-qwen3vl' is "
+                              f"no directory here or beside the checkpoint, and transformers could not load it"), err
+        assert err.endswith("Set base_model_name_or_path in "
+                            f"{ckpt / 'adapter_config.json'} to the base model's directory or Hub id."), err
+
+
 def test_relative_base_is_also_found_beside_the_checkpoint(relative_run, tmp_path, monkeypatch):
     """A relative base_model_name_or_path that is no directory from the working directory is read relative to
     the checkpoint (a run directory moved together with its base model)."""

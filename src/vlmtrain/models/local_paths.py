@@ -73,3 +73,13 @@ def adapter_base(checkpoint: str) -> str | None:
                           f"adapter needs the base model it was trained on. Put that model there, or set "
                           f"base_model_name_or_path in {path} to its directory or Hub id.")
     return base
+
+
+def base_not_loadable(checkpoint: str, base: str, err: Exception) -> ConfigError:
+    """The error for an adapter's base that is no directory and that transformers could not load as a Hub id
+    (e.g. a bare relative name an older checkpoint recorded)."""
+    path = os.path.join(checkpoint, ADAPTER_CONFIG)
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return ConfigError(f"{path}: base_model_name_or_path {base!r} is no directory here or beside the checkpoint, "
+                       f"and transformers could not load it as a Hub id ({first}). Set base_model_name_or_path in "
+                       f"{path} to the base model's directory or Hub id.")

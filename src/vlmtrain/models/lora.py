@@ -184,7 +184,12 @@ def export_merged(checkpoint: str, output_dir: str, base: str | None = None) -> 
         from .local_paths import adapter_base
 
         base = adapter_base(checkpoint)
-    config = transformers.AutoConfig.from_pretrained(base)
+    try:
+        config = transformers.AutoConfig.from_pretrained(base)
+    except OSError as err:
+        from .local_paths import base_not_loadable
+
+        raise base_not_loadable(checkpoint, base, err) from None
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:

@@ -70,7 +70,12 @@ def kind_of_checkpoint(checkpoint: str) -> ModelKind:
         if not os.path.isfile(path):  # a Hub id: only transformers can tell its model_type
             from transformers import AutoConfig
 
-            return _kind_of_config(AutoConfig.from_pretrained(base).to_dict())
+            from vlmtrain.models.local_paths import base_not_loadable
+
+            try:
+                return _kind_of_config(AutoConfig.from_pretrained(base).to_dict())
+            except OSError as err:
+                raise base_not_loadable(checkpoint, base, err) from None
     if not os.path.isfile(path):
         raise ConfigError(f"{checkpoint} has no config.json: not a model checkpoint.")
     with open(path) as f:
