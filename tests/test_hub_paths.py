@@ -189,3 +189,16 @@ def test_hub_id_that_cannot_be_loaded_names_the_key(relative_run, monkeypatch, c
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: model.pretrained: 'nobody/tiny-vlm' is no local directory and transformers "
                           "could not load it as a Hub id"), err
+
+
+@pytest.mark.parametrize("value, is_path", [
+    ("Qwen/Qwen3-VL-8B-Instruct", False), ("gpt2", False), ("nobody/tiny-vlm", False),
+    ("runs/tiny-qwen3-vl", True),  # runs/ exists here: a typo of a local directory, not a Hub id
+    ("./tiny", True), ("../models/tiny", True), ("/abs/model", True), ("~/model", True), ("a/b/c", True),
+    ("bad..name", True), ("cfg.yaml", True),  # a name the Hub refuses; a file
+])
+def test_what_looks_like_a_path(relative_run, monkeypatch, value, is_path):
+    from vlmtrain.models.local_paths import looks_like_path
+
+    monkeypatch.chdir(relative_run)
+    assert looks_like_path(value) is is_path

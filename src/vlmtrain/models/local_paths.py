@@ -39,9 +39,13 @@ def check_local_model(value: str, key: str) -> None:
         return
     where = os.path.abspath(os.path.expanduser(value))
     what = "is a file, not a model directory" if os.path.isfile(value) else "does not exist"
+    first = value.split("/", 1)[0]
+    hub_like = value.count("/") == 1 and not value.startswith((".", "~")) and os.path.isdir(first)
+    note = (f" ({first}/ is a local directory, so {value!r} is read as a path, not a Hub id; for the Hub model, "
+            f"run from a directory without {first}/.)") if hub_like else ""
     raise ConfigError(f"{key}: {value!r} {what} ({where}). Expected a directory written by save_pretrained (an "
                       f"offline tiny one: python scripts/build_tiny_hub.py qwen3_vl DIR) or a Hub id such as "
-                      f"'Qwen/Qwen3-VL-8B-Instruct'.")
+                      f"'Qwen/Qwen3-VL-8B-Instruct'.{note}")
 
 
 def absolute_if_local(value: str) -> str:
