@@ -26,9 +26,11 @@ pytestmark = [requires("peft", "lora"), pytest.mark.slow, pytest.mark.usefixture
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP = ("--train.fsdp", "true")
-# The files a LoRA + heads checkpoint holds (DDP or FSDP); nothing else, in particular no base weights.
+# The files a LoRA + heads checkpoint holds (DDP or FSDP); nothing else, in particular no base weights. (The
+# video processor settings are the base's, for transformers' AutoProcessor: models/families/processors.py.)
 LORA_FILES = {"adapter_model.safetensors", "adapter_config.json", "README.md", "heads.safetensors", "heads.json",
               "processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "video_preprocessor_config.json",
               "optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth",
               "loop_state_0.pt", "loop_state_1.pt", "training_args.bin"}
 

@@ -216,6 +216,50 @@ def test_family_specific_inputs(tiny):
         torch.testing.assert_close(with_types[1], without[1])  # the text-only sample is unaffected
 
 
+def _auto_processor(path: str) -> str:
+    """The class AutoProcessor builds for ``path``, or the type of the error it raises."""
+    from transformers import AutoProcessor
+
+    try:
+        return type(AutoProcessor.from_pretrained(path)).__name__
+    except (ImportError, OSError, ValueError) as err:
+        return type(err).__name__
+
+
+def test_saved_processor_loads_with_auto_processor_as_its_base(tiny, tmp_path):
+    """A processor vlmtrain saves (checkpoints, exports) loads with transformers' AutoProcessor exactly as the
+    checkpoint it came from does: the real class where transformers needs no torchvision for it (Gemma 3,
+    Idefics3), processing a sample as vlmtrain's processor does; the base's video processor settings where the
+    real class has a video processor (transformers' AutoVideoProcessor reads the same ones)."""
+    import inspect
+
+    import transformers
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    _, path, processor, _ = tiny
+    saved = str(tmp_path / "saved")
+    processor.save_pretrained(saved)
+    assert _auto_processor(saved) == _auto_processor(path)
+    real = getattr(transformers, getattr(processor, "saved_class_name", type(processor).__name__))
+    if "video_processor" in inspect.signature(real.__init__).parameters:
+        def settings(folder):
+            try:
+                return BaseVideoProcessor.get_video_processor_dict(folder)[0]
+            except OSError:
+                return None
+        assert settings(saved) == settings(path)
+        return
+    auto = transformers.AutoProcessor.from_pretrained(saved)
+    assert type(auto) is real
+    images = [_image(0, (40, 30))]
+    text = processor.apply_chat_template(build_messages([("What is it?", "A test.")], images), tokenize=False)
+    ours = processor(text=[text], images=[images], return_tensors="pt")
+    theirs = auto(text=[text], images=[images], return_tensors="pt")
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
 def test_tiny_tokenizer_is_the_same_file_in_every_process(tmp_path):
     """The byte vocabulary's order does not follow a process's string hashing: two processes with different
     PYTHONHASHSEEDs write the same tokenizer.json (else the same weights read other bytes in each run)."""

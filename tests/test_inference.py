@@ -205,15 +205,27 @@ def test_export_merge_reloads_with_transformers_and_attach_heads(trained, tmp_pa
         assert row["level"] == pytest.approx(want["level"], abs=1e-5)
         np.testing.assert_allclose(row["color_probs"], want["color_probs"], atol=1e-5)
 
-    try:
-        import torchvision  # noqa: F401
-    except ImportError:
-        return  # the real Qwen3VLProcessor's video processor needs torchvision
-    if not os.path.isfile(os.path.join(out, "video_preprocessor_config.json")):
-        return  # (the tiny base has no video processor settings; Hub checkpoints do, and they are copied along)
-    from transformers import AutoProcessor
+    for saved in (out, ckpt):  # the export and the checkpoint folder
+        _assert_auto_processor_loads_as_its_base(saved, str(folder / "tiny"))
 
-    assert type(AutoProcessor.from_pretrained(out)).__name__ == "Qwen3VLProcessor"
+
+def _assert_auto_processor_loads_as_its_base(saved: str, base: str) -> None:
+    """transformers' AutoProcessor finds the base checkpoint's video processor settings in a saved folder, and
+    builds the real Qwen3VLProcessor from it: with torchvision installed it does; without, it stops where it
+    stops for the base itself, at transformers' own requirement (its video processors need torchvision)."""
+    import importlib.util
+
+    from transformers import AutoProcessor
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    settings = BaseVideoProcessor.get_video_processor_dict(saved)[0]  # what AutoVideoProcessor reads
+    assert settings == BaseVideoProcessor.get_video_processor_dict(base)[0]
+    if importlib.util.find_spec("torchvision") is not None:
+        assert type(AutoProcessor.from_pretrained(saved)).__name__ == "Qwen3VLProcessor"
+        return
+    for folder in (saved, base):
+        with pytest.raises(ImportError, match="requires the Torchvision library"):
+            AutoProcessor.from_pretrained(folder)
 
 
 def test_checkpoint_of_other_heads_or_model_is_an_error_naming_the_file(trained, tmp_path):

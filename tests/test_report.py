@@ -127,6 +127,27 @@ def test_report_is_self_contained_with_one_card_per_sample(tiny_run):
         assert curves.size[0] >= plot.WIDTH
 
 
+def test_eval_of_a_checkpoint_joins_the_report_without_a_timing_chart(tiny_run, tmp_path, capsys):
+    """`vlmtrain eval --checkpoint` logs its row (at the checkpoint's step) to the run's metrics.jsonl, with
+    transformers' `eval_model_preparation_time` (an evaluation without training, as transformers reports it):
+    the report lists it in the table with the other timings and draws no chart of it."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run, run_dir)
+    assert cli.main(["eval", "--config", str(run_dir / "config.yaml"), "--checkpoint", str(run_dir / "checkpoint-2"),
+                     "--train.output_dir", str(run_dir)]) == 0
+    rows = [r for r in _rows(run_dir / "metrics.jsonl") if any(k.startswith("eval_") for k in r)]
+    logged = [k for r in rows[-8:] for k in r if k.endswith("model_preparation_time")]  # 7 eval sets + all sets
+    assert len(logged) == 7 and all(r["step"] == 2 for r in rows[-8:]), rows[-8:]
+    assert cli.main(["report", str(run_dir)]) == 0
+    page = (run_dir / "report.html").read_text()
+    charts = re.findall(r'<img alt="([^"]+)"', page)
+    assert "eval loss" in charts and not [c for c in charts if "model_preparation_time" in c], charts
+    table = re.search(r'<table class="metrics">.*?</table>', page, re.S).group(0)
+    assert "<td>eval_runtime</td>" not in table or "<td>eval_model_preparation_time</td>" in table
+
+
 def test_async_rows_are_marked_and_ordered(tmp_path):
     rows = [{"step": s, "loss": 3.0 / s, "learning_rate": 1e-3, "grad_norm": 1.0, "samples_per_second": 9.0,
              "data_wait_fraction": 0.01} for s in (10, 20, 30, 40)]

@@ -21,7 +21,10 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     cfg.train.seed) and a Trainer; with checkpoint, the model weights are loaded from that directory."""
     from vlmtrain.data.registry import get_source
     from vlmtrain.models.kinds import get_kind
+    from vlmtrain.models.local_paths import check_local_model
 
+    if cfg.model.pretrained:  # a missing local directory names the key, not transformers' "Repo id must be"
+        check_local_model(cfg.model.pretrained, "model.pretrained")
     kind = get_kind(cfg.model.kind)
     if kind.validate is not None:
         kind.validate(cfg)  # e.g. an unknown model_type fails before any data is built

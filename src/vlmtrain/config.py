@@ -45,7 +45,9 @@ class ModelConfig:
     LLaVA-OneVision or Gemma 3, loaded from model.pretrained)."""
     pretrained: str | None = None
     """(causal_lm, hub_vlm) Hub name or local directory (what save_pretrained wrote) to load weights from;
-    None (causal_lm only) builds a randomly initialized model from config."""
+    None (causal_lm only) builds a randomly initialized model from config. A path that names no directory is
+    an error before anything loads; offline, `python scripts/build_tiny_hub.py qwen3_vl DIR` writes a tiny
+    Hub VLM there."""
     torch_dtype: Literal["float32", "bfloat16"] = "float32"
     """(causal_lm, hub_vlm) dtype of the model's parameters (bfloat16 halves memory, also while FSDP builds and
     loads; a fully trained model's optimizer then updates bfloat16 weights, heads and LoRA adapters stay

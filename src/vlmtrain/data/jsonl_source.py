@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vlmtrain.data.registry import DataSource
@@ -27,9 +28,19 @@ def read_records(path: str, key: str) -> list[dict[str, Any]]:
     return records
 
 
+def existing_file(path: str, key: str) -> str:
+    """``path`` if it is a file; else a ConfigError naming the config key and the path."""
+    if not os.path.isfile(path):
+        what = "is a directory, not a JSONL file" if os.path.isdir(path) else "does not exist"
+        raise ConfigError(f"{key}: {path!r} {what} ({os.path.abspath(path)}).")
+    return path
+
+
 def eval_set(cfg: Any) -> Any:
     """data.eval_file read as a list of samples (images stay paths), or None."""
-    return read_records(cfg.data.eval_file, "data.eval_file") if cfg.data.eval_file else None
+    if not cfg.data.eval_file:
+        return None
+    return read_records(existing_file(cfg.data.eval_file, "data.eval_file"), "data.eval_file")
 
 
 def build(cfg: Any) -> dict[str, Any]:
@@ -37,6 +48,9 @@ def build(cfg: Any) -> dict[str, Any]:
     from vlmtrain.data.streams import config_filters
 
     d = cfg.data
+    existing_file(d.train_file, "data.train_file")
+    if d.eval_file:  # (before the training file is read: a typo in either fails at once)
+        existing_file(d.eval_file, "data.eval_file")
     try:
         filters = config_filters(d.min_ratings, d.filter)
     except ValueError as err:

@@ -42,7 +42,9 @@ TRAIN_CHARTS = [
 _EVAL_BOOKKEEPING = ("eval_async", "eval_checkpoint", "eval_arrived_step", "eval_arrived_at", "eval_async_error",
                      "eval_async_status")
 _EVAL_NOTES = ("eval_async_error", "eval_async_status")  # why an async evaluation logged no metrics
-_NOT_CHARTED = ("runtime", "samples_per_second", "samples", "steps_per_second")
+# Timings and counts of an evaluation: in the table, never a chart (model_preparation_time: transformers' key of
+# an evaluation without training, e.g. `vlmtrain eval --checkpoint`)
+_NOT_CHARTED = ("runtime", "samples_per_second", "samples", "steps_per_second", "model_preparation_time")
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None

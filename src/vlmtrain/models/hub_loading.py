@@ -32,10 +32,12 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
 
     from vlmtrain.models.families import family_of
     from vlmtrain.models.lm_loss import enable_lm_loss
+    from vlmtrain.models.local_paths import absolute_if_local
     from vlmtrain.models.meta import from_pretrained
     from vlmtrain.models.patch_embed import linear_patch_embeddings
     from vlmtrain.models.protocol import MODULE_GROUPS_ATTR, REGIONAL_COMPILE_ATTR
 
+    pretrained = absolute_if_local(pretrained)  # the name a LoRA adapter records as its base: any cwd finds it
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
     if device is not None:
         kwargs["device_map"] = torch.device(device)
@@ -116,17 +118,11 @@ def owns_checkpoint(config: dict[str, Any]) -> bool:
 
 def base_of_checkpoint(checkpoint: str) -> str:
     """Where a checkpoint's full weights are: itself, or for a LoRA checkpoint (adapter only) the base model
-    its adapter_config.json names."""
-    import json
+    its adapter_config.json names (a relative directory is tried from the working directory, then from the
+    checkpoint; one found nowhere is a ConfigError naming the file and the setting)."""
+    from vlmtrain.models.local_paths import adapter_base
 
-    path = os.path.join(checkpoint, "adapter_config.json")
-    if not os.path.isfile(path):
-        return checkpoint
-    with open(path) as f:
-        base = json.load(f).get("base_model_name_or_path")
-    if not base:
-        raise ConfigError(f"{path} names no base_model_name_or_path: cannot tell which model the adapter is for.")
-    return base
+    return adapter_base(checkpoint) or checkpoint
 
 
 def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id: int | None = None,

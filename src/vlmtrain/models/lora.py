@@ -183,7 +183,6 @@ def export_merged(checkpoint: str, output_dir: str, base: str | None = None) -> 
     """Write a LoRA checkpoint (adapter_model.safetensors + adapter_config.json) as full merged weights into
     output_dir: model safetensors + config (loadable by from_pretrained), the processor and heads files copied.
     `base`: the base model (default: the adapter config's base_model_name_or_path). Returns output_dir."""
-    import json
     import os
     import shutil
 
@@ -195,12 +194,16 @@ def export_merged(checkpoint: str, output_dir: str, base: str | None = None) -> 
     if not os.path.isfile(adapter_config):
         raise FileNotFoundError(f"{checkpoint!r} holds no LoRA adapter (no adapter_config.json): its weights are "
                                 "already full, nothing to merge.")
-    if base is None:
-        with open(adapter_config) as f:
-            base = json.load(f).get("base_model_name_or_path")
-        if not base:
-            raise FileNotFoundError(f"{adapter_config} names no base_model_name_or_path; pass the base model.")
-    config = transformers.AutoConfig.from_pretrained(base)
+    if base is None:  # (a relative directory: from the working directory, else from the checkpoint)
+        from .local_paths import adapter_base
+
+        base = adapter_base(checkpoint)
+    try:
+        config = transformers.AutoConfig.from_pretrained(base)
+    except OSError as err:
+        from .local_paths import base_not_loadable
+
+        raise base_not_loadable(checkpoint, base, err) from None
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:

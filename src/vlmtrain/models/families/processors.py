@@ -30,33 +30,40 @@ class SavedAsRealClass:
         return out
 
     source: str | None = None
-    """Where the processor was loaded from (a directory or Hub id; set by :func:`load_processor`): its
-    video_preprocessor_config.json, if it has one, is copied along on save, so the real class finds its video
-    processor's settings."""
+    """Where the processor was loaded from (a directory; set by :func:`load_processor`): the video processor
+    settings transformers reads there are written along on save (:func:`video_settings`), so the real class
+    finds its video processor's settings."""
 
     def save_pretrained(self, save_directory: str, *args: Any, **kwargs: Any) -> Any:
         files = super().save_pretrained(save_directory, *args, **kwargs)  # type: ignore[misc]
         set_processor_class(os.path.join(save_directory, "tokenizer_config.json"), self.saved_class_name)
-        video = _video_config(self.source) if self.source else None
-        target = os.path.join(save_directory, VIDEO_CONFIG)
-        if video is not None and os.path.abspath(video) != os.path.abspath(target):
-            import shutil
-
-            shutil.copyfile(video, target)
+        same = self.source is not None and os.path.abspath(self.source) == os.path.abspath(save_directory)
+        settings = video_settings(self.source, self.saved_class_name) if self.source and not same else None
+        if settings is not None:
+            with open(os.path.join(save_directory, VIDEO_CONFIG), "w", encoding="utf-8") as f:
+                json.dump(settings, f, indent=2, sort_keys=True)
+                f.write("\n")
         return files
 
 
-def _video_config(source: str) -> str | None:
-    """The video processor config file of a checkpoint directory or Hub id, if it has one."""
-    if os.path.isdir(source):
-        path = os.path.join(source, VIDEO_CONFIG)
-        return path if os.path.isfile(path) else None
-    try:
-        from huggingface_hub import hf_hub_download
+def video_settings(source: str, processor_class: str) -> dict[str, Any] | None:
+    """The video processor settings transformers' AutoVideoProcessor reads from the checkpoint directory
+    ``source`` (its own lookup, ``BaseVideoProcessor.get_video_processor_dict``: processor_config.json's
+    ``video_processor``, else video_preprocessor_config.json, else the image processor's preprocessor_config.json),
+    when the transformers class ``processor_class`` takes a video processor; None otherwise (no such class
+    argument, or no settings anywhere)."""
+    import transformers
 
-        return hf_hub_download(source, VIDEO_CONFIG)
-    except Exception:  # noqa: BLE001 - optional on the Hub (and no network offline)
+    real = getattr(transformers, processor_class, None)
+    if real is None or "video_processor" not in inspect.signature(real.__init__).parameters:
         return None
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    try:
+        settings, _ = BaseVideoProcessor.get_video_processor_dict(source, local_files_only=True)
+    except OSError:  # (no settings in any of the three places)
+        return None
+    return settings
 
 
 def saved_as_real_class(cls: type) -> type:
@@ -192,5 +199,5 @@ def load_processor(processor_class: type | Callable[[str], type], path: str, key
     processor = cls(image_processor=image_processor, tokenizer=tokenizer,
                     chat_template=saved_chat_template(path, tokenizer), **kwargs)
     if isinstance(processor, SavedAsRealClass):
-        processor.source = path  # its video processor settings go along when saved
+        processor.source = path  # its video processor settings go along when saved (SavedAsRealClass)
     return processor

@@ -67,13 +67,19 @@ def kind_of_checkpoint(checkpoint: str) -> ModelKind:
     path = os.path.join(checkpoint, "config.json")
     adapter = os.path.join(checkpoint, "adapter_config.json")
     if not os.path.isfile(path) and os.path.isfile(adapter):  # LoRA: the adapter names its base model
-        with open(adapter) as f:
-            base = json.load(f).get("base_model_name_or_path") or ""
+        from vlmtrain.models.local_paths import adapter_base
+
+        base = adapter_base(checkpoint) or ""
         path = os.path.join(base, "config.json")
         if not os.path.isfile(path):  # a Hub id: only transformers can tell its model_type
             from transformers import AutoConfig
 
-            return _kind_of_config(AutoConfig.from_pretrained(base).to_dict())
+            from vlmtrain.models.local_paths import base_not_loadable
+
+            try:
+                return _kind_of_config(AutoConfig.from_pretrained(base).to_dict())
+            except OSError as err:
+                raise base_not_loadable(checkpoint, base, err) from None
     if not os.path.isfile(path):
         raise ConfigError(f"{checkpoint} has no config.json: not a model checkpoint.")
     with open(path) as f:

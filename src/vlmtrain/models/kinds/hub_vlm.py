@@ -69,7 +69,11 @@ def validate(cfg: Any) -> None:
     from vlmtrain.models.families import family_of
 
     # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
-    family = family_of(cfg.model.pretrained)
+    try:
+        family = family_of(cfg.model.pretrained)
+    except OSError as err:  # (a local directory that does not exist fails earlier, in compose.build)
+        raise ConfigError(f"model.pretrained: {cfg.model.pretrained!r} is no local directory and transformers "
+                          f"could not load it as a Hub id: {str(err).splitlines()[0]}") from None
     check_image_size(family, cfg.data)
     if cfg.data.packing and family.packing_unsupported:
         raise ConfigError(f"data.packing=true: the {family.name} family cannot pack: {family.packing_unsupported} "
