@@ -9,10 +9,10 @@ import subprocess
 import sys
 import tarfile
 
-import av
 import numpy as np
 import pytest
 import torch
+from optional_extras import requires
 from PIL import Image
 
 from vlmtrain.config import ConfigError
@@ -24,6 +24,12 @@ from vlmtrain.data.tools import format_report, inspect_source, write_webdataset
 from vlmtrain.data.video import VideoInfo, VideoSettings, load_video, write_video
 from vlmtrain.models.families import get_family
 
+try:
+    import av
+except ImportError:  # (the video extra; every test here is skipped without it)
+    av = None
+
+pytestmark = requires("av", "video")
 KINDS = ("qwen3_vl", "qwen2_5_vl")
 SMALL = dict(min_pixels=16 * 16, max_pixels=32 * 32, max_tokens=64)
 

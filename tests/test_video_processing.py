@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from optional_extras import requires
 from video_reference import reference_processor, reference_video_processor, torchvision_available
 
 from vlmtrain.data.hub_processing import HubVLMProcessor
@@ -22,7 +23,7 @@ from vlmtrain.data.processing import SkipSample
 from vlmtrain.data.video import VideoInfo, VideoSettings, load_video, write_video
 from vlmtrain.models.families import get_family
 
-pytest.importorskip("av")
+pytestmark = requires("av", "video")
 KINDS = ("qwen3_vl", "qwen2_5_vl")
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "video_processing.pt")
 
