@@ -318,3 +318,16 @@ def test_video_settings_for_a_family_without_video_are_an_error(tmp_path):
     check_video_settings(get_family("qwen3_vl"), DataConfig(video_fps=1.0))
     with pytest.raises(ConfigError, match="data.max_video_tokens"):
         DataConfig(max_video_tokens=0)
+
+
+def test_frames_never_above_the_checkpoints_own_max_frames(tiny, tmp_path):
+    """A checkpoint whose video_preprocessor_config.json says max_frames 6 caps data.video_max_frames (768)."""
+    fam, proc = tiny("qwen3_vl")
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"max_frames": 6, "fps": 2}))
+    proc.source, before = str(tmp_path), getattr(proc, "source", None)
+    try:
+        video = fam.video(proc, VideoSettings())
+    finally:
+        proc.source = before
+    assert video.settings.max_frames == 6
+    assert len(video.plan(VideoInfo(3000, 10.0, 64, 64)).indices) == 6
