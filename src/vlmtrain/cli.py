@@ -311,7 +311,7 @@ def _data(argv: list[str]) -> int:
     parser = jsonargparse.ArgumentParser(prog="vlmtrain data", description=_description("data"), formatter_class=help_formatter(), exit_on_error=False)
     sub = parser.add_subcommands(required=True, dest="tool")
     src_help = "shapes[:N], a .jsonl file/glob, .tar shards (path, glob or {000..009}) or a load_from_disk dir"
-    to_wds = jsonargparse.ArgumentParser(description="Write a source as WebDataset tar shards (KEY.json + KEY.N.png).")
+    to_wds = jsonargparse.ArgumentParser(description="Write a source as WebDataset tar shards (KEY.json + KEY.N.png + KEY.video.N.mp4).")
     to_wds.add_argument("src", type=str, help=src_help)
     to_wds.add_argument("out", type=str, help="Output directory for shard-NNNNNN.tar files.")
     to_wds.add_argument("--shard-size", "--shard_size", type=int, default=1000, help="Samples per shard.")
