@@ -98,13 +98,18 @@ def test_decodes_the_chosen_frames_from_files_bytes_and_frame_lists(clips, tmp_p
     assert load_video(names, str(tmp_path), VideoSettings(min_frames=2, max_frames=3)).indices == [0, 2, 5]
 
 
-def test_seeking_finds_the_same_frames_as_decoding_everything(tmp_path):
-    """Frames chosen far apart are reached by seeking (keyframes every 12 frames): same pixels as decoding all."""
-    path = write_video(str(tmp_path / "gop.mp4"), _frames(400, 32, 48), fps=25, gop=12)
-    clip = load_video(path, None, VideoSettings(fps=0.5, min_frames=4))
-    ref = _sequential(path, clip.indices)
-    assert len(clip.indices) == 8 and all(np.array_equal(clip.frames[j].numpy(), ref[i])
-                                          for j, i in enumerate(clip.indices))
+@pytest.mark.parametrize("codec,ext", [("mpeg4", "mp4"), ("libx264", "mp4"), ("libvpx-vp9", "webm")])
+def test_seeking_finds_the_same_frames_as_decoding_everything(tmp_path, codec, ext):
+    """Frames chosen far apart are reached by seeking (keyframes every 12 frames; H.264 with B-frames; WebM,
+    whose frame count comes from its duration): the same pixels as decoding every frame."""
+    if codec not in av.codecs_available:
+        pytest.skip(f"this FFmpeg build has no {codec} encoder")
+    path = write_video(str(tmp_path / f"gop.{ext}"), _frames(400, 32, 48), fps=25, codec=codec, gop=12)
+    for fps in (0.5, 4.0):
+        clip = load_video(path, None, VideoSettings(fps=fps, min_frames=4))
+        ref = _sequential(path, clip.indices)
+        assert clip.total_frames == 400 and len(clip.indices) == 16 * fps
+        assert all(np.array_equal(clip.frames[j].numpy(), ref[i]) for j, i in enumerate(clip.indices))
 
 
 @pytest.mark.parametrize("kind", KINDS)
