@@ -1,4 +1,5 @@
-"""Processing for Hub VLMs through the model's own processor: chat template, token expansion, pixels, labels.
+"""Processing for Hub VLMs through the model's own processor: chat template, token expansion, pixels, labels
+(and, for Qwen3-VL / Qwen2.5-VL, videos: :mod:`vlmtrain.data.video`, the family's ``video`` hook).
 
 vlmtrain renders a the_cauldron sample as content-block messages (:mod:`vlmtrain.data.hub_messages`: each
 image where its ``<image>`` placeholder stands in a user text, or without placeholders all images first in
@@ -28,6 +29,7 @@ from vlmtrain.data.hub_messages import (
     special_tokens_pattern,
 )
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample
+from vlmtrain.data.video import VideoClip, VideoSettings, load_video
 from vlmtrain.errors import ConfigError
 
 _MARKER = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
@@ -49,6 +51,22 @@ def check_image_size(family: Any, data: Any) -> None:
         raise ConfigError(f"data.{given[0]} does not apply to the {family.name} family: its images are resized "
                           f"to the checkpoint's fixed size / tiling, which already bounds their token count "
                           f"(see vlmtrain.models.families.{family.name}). Remove data.{given[0]}.")
+
+
+def check_video_settings(family: Any, data: Any) -> None:
+    """ConfigError if ``data`` changes a video key (``video_*``, ``max_video_tokens``) from its default for a
+    family without video support (its name in the message)."""
+    from dataclasses import fields
+
+    from vlmtrain.data.video import VIDEO_KEYS
+
+    if getattr(family, "video", None) is not None:
+        return
+    defaults = {f.name: f.default for f in fields(data)} if hasattr(data, "__dataclass_fields__") else {}
+    changed = [k for k in VIDEO_KEYS if hasattr(data, k) and getattr(data, k) != defaults.get(k)]
+    if changed:
+        raise ConfigError(f"data.{changed[0]} is a video setting, and the {family.name} family has no video support "
+                          f"in vlmtrain (video: Qwen3-VL, Qwen2.5-VL). Remove data.{changed[0]}.")
 
 
 def apply_image_size(processor: Any, family: Any, data: Any) -> None:
@@ -77,34 +95,71 @@ class HubVLMProcessor:
     samples has a NaN loss); None (inference) accepts it. Bad samples raise
     :class:`~vlmtrain.data.processing.SkipSample` (reasons in :mod:`vlmtrain.data.hub_messages` and
     :func:`~vlmtrain.data.hub_messages.processor_error_reason` besides the shared ones; ``video_unsupported``
-    for a sample with ``videos`` or a video file among its images; the checks made before the processor runs
-    are :func:`~vlmtrain.data.hub_messages.check_record`); an over-long one (> ``max_length``
-    tokens, image tokens included, after the images are resized) is dropped, never truncated.
+    for a sample with videos when the family has no video support, or a video file among its images; the checks
+    made before the processor runs are :func:`~vlmtrain.data.hub_messages.check_record`); an over-long one
+    (> ``max_length`` tokens, image and video tokens included, after the resize) is dropped, never truncated.
+
+    Videos (``videos``: Qwen3-VL, Qwen2.5-VL, through ``family.video``): decoded to the frames the family's plan
+    keeps under ``video`` (:class:`~vlmtrain.data.video.VideoSettings`; default: the defaults, the clip's tokens
+    bounded by ``max_length``), placed by ``<video>`` placeholders (else first), and expanded by the checkpoint's
+    processor class with the family's torch-only video processor attached (``pixel_values_videos``,
+    ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``, Qwen3-VL's timestamps in the text).
     """
 
     def __init__(self, processor: Any, family: Any, max_length: int = 2048, max_images: int = 8,
                  label_check: Callable[[dict[str, Any]], Any] | None = None, prompts: bool = True,
-                 head_names: Collection[str] | None = None) -> None:
+                 head_names: Collection[str] | None = None, video: VideoSettings | None = None) -> None:
         if max_length < 1 or max_images < 0:
             raise ValueError(f"max_length must be >= 1 and max_images >= 0, got {max_length}, {max_images}")
         self.processor, self.family = processor, family
+        # Video: the family's support for these settings (default: data.max_length bounds a clip's tokens),
+        # and a copy of the processor that expands video tokens (made on the first video sample).
+        hook = getattr(family, "video", None)
+        self.video = None if hook is None else hook(processor, video or VideoSettings(max_tokens=max_length))
+        self._video_processor: Any = None
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.max_length, self.max_images = max_length, max_images
         self.label_check, self.prompts = label_check, prompts
         self.head_names = None if head_names is None else frozenset(head_names)
         self.special_tokens = special_tokens_pattern(self.tokenizer)
 
+    def videos(self, sample: Mapping[str, Any]) -> list[VideoClip]:
+        """The sample's ``videos`` (a file path or bytes, or a list of videos, each a path, bytes or a list of
+        frame images), decoded to the frames the family's plan keeps; SkipSample ``video_unsupported`` for a
+        family without video support, and the reasons of :func:`~vlmtrain.data.video.load_video`."""
+        videos = sample.get("videos")
+        if videos is None:
+            videos = sample.get("video")
+        if videos is None or (isinstance(videos, (list, tuple)) and not videos):
+            return []
+        if not isinstance(videos, (list, tuple)):
+            videos = [videos]
+        if self.video is None:
+            raise SkipSample("video_unsupported", f"the {self.family.name} family has no video support in vlmtrain "
+                             f"(video: Qwen3-VL, Qwen2.5-VL)")
+        return [load_video(v, None, self.video.settings, self.video.choose) for v in videos]
+
+    def _with_video(self) -> Any:
+        if self._video_processor is None:
+            self._video_processor = self.video.attach(self.processor)
+        return self._video_processor
+
     # -- processor calls --------------------------------------------------------------------------
-    def _call(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, torch.Tensor]:
+    def _call(self, messages: list[dict[str, Any]], clips: list[VideoClip] = (), **kwargs: Any  # type: ignore[assignment]
+              ) -> dict[str, torch.Tensor]:
         # Lists, not tensors, from the processor: its assistant-mask alignment walks the token offsets in
         # Python, slow over tensor rows (collation 1.75x faster, benchmarks/README.md); same tensors.
+        processor = self.processor
+        if clips:  # the frames go in the messages, their indices and fps (timestamps) as video_metadata
+            processor = self._with_video()
+            kwargs["processor_kwargs"] = {"video_metadata": [c.metadata() for c in clips]}
         try:
-            out = self.processor.apply_chat_template(
+            out = processor.apply_chat_template(
                 messages, chat_template=self.family.training_template, tokenize=True, return_dict=True,
                 return_tensors=None, **kwargs)
         except (ValueError, IndexError) as err:  # e.g. an extreme aspect ratio: named by what failed
             raise SkipSample(processor_error_reason(err), str(err)[:200]) from err
-        return {k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for k, v in out.items()}
+        return {k: v if isinstance(v, torch.Tensor) else _tensor(v) for k, v in out.items()}
 
     def _unbatch(self, out: Mapping[str, torch.Tensor], length: int) -> dict[str, Any]:
         layout = self.family.batch_layout
@@ -125,10 +180,14 @@ class HubVLMProcessor:
 
     def process(self, sample: dict[str, Any]) -> dict[str, Any]:
         """One sample -> per-sample tensors (see the class docstring); raises SkipSample for a bad one."""
-        turns, images = check_record(sample, self.max_images, self.label_check, self.head_names, self.special_tokens)
+        no_video = None if self.video is not None else self.family.name
+        turns, images = check_record(sample, self.max_images, self.label_check, self.head_names,
+                                     self.special_tokens, no_video=no_video)
         head_labels = sample.get("labels")
+        clips = self.videos(sample)
+        frames = [c.frames for c in clips]
 
-        out = self._call(build_messages(turns, images), return_assistant_tokens_mask=True)
+        out = self._call(build_messages(turns, images, frames), clips, return_assistant_tokens_mask=True)
         mask = torch.as_tensor(out.pop("assistant_masks"))
         length = int(out["input_ids"].shape[-1])
         if length > self.max_length:
@@ -137,7 +196,7 @@ class HubVLMProcessor:
         item["labels"] = torch.where(mask.reshape(-1).bool(), item["input_ids"], IGNORE_INDEX)
         if self.prompts:
             prompt_turns = turns if turns[-1][1] is None else [*turns[:-1], (turns[-1][0], None)]
-            prompt = self._call(build_messages(prompt_turns, images), add_generation_prompt=True)
+            prompt = self._call(build_messages(prompt_turns, images, frames), clips, add_generation_prompt=True)
             p_len = int(prompt["input_ids"].shape[-1])
             item.update({f"prompt_{k}": v for k, v in self._unbatch(prompt, p_len).items()})
         item["num_images"] = len(images)
@@ -146,6 +205,13 @@ class HubVLMProcessor:
         return item
 
     __call__ = process
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    """A processor output list as return_tensors="pt" makes it (floats in the default dtype, float32:
+    Qwen2.5-VL's second_per_grid_ts)."""
+    array = np.asarray(value)
+    return torch.as_tensor(array.astype(np.float32) if array.dtype == np.float64 else array)
 
 
 # -- the load-time template check ---------------------------------------------------------------

@@ -33,9 +33,10 @@ TINY_VOCAB = 256 + len(SPECIAL_TOKENS) + 8  # a little slack, as real checkpoint
 DEFAULT_MAX_IMAGE_TOKENS = 1024
 """Image tokens per image unless data.max_pixels / max_image_tokens say otherwise."""
 
-# Batch layout shared by both: pixels of every image concatenated in placeholder order, one grid row per image,
-# the multimodal token types padded like input_ids.
-QWEN_BATCH_LAYOUT = {"pixel_values": "concat", "image_grid_thw": "concat", "mm_token_type_ids": "pad"}
+# Batch layout shared by both: pixels of every image (video) concatenated in placeholder order, one grid row per
+# image (video; Qwen2.5-VL also one second_per_grid_ts each), the multimodal token types padded like input_ids.
+QWEN_BATCH_LAYOUT = {"pixel_values": "concat", "image_grid_thw": "concat", "mm_token_type_ids": "pad",
+                     "pixel_values_videos": "concat", "video_grid_thw": "concat", "second_per_grid_ts": "concat"}
 
 
 def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
@@ -98,6 +99,32 @@ def set_image_size(processor: Any, max_pixels: int | None = None, min_pixels: in
         raise ConfigError(f"data.min_pixels={min_pixels} is above the max_pixels of {max_pixels} "
                           f"(data.max_pixels / max_image_tokens, or the default cap).")
     ip.size = SizeDict(shortest_edge=int(min_pixels), longest_edge=int(max_pixels))
+
+
+def video_support(kind: str, processor: Any, settings: Any) -> Any:
+    """The ``video`` hook of both families: :class:`~vlmtrain.models.families.qwen_video.QwenVideo` for this
+    processor's vision geometry and ``settings`` (``kind``: 'qwen3_vl' or 'qwen2_5_vl'), its frame count never
+    above the checkpoint's own ``max_frames`` (its video_preprocessor_config.json, where a local checkpoint has
+    one; Qwen's 768 otherwise)."""
+    import dataclasses
+    import json
+    import logging
+    import os
+
+    from .processors import VIDEO_CONFIG
+    from .qwen_video import QwenVideo
+
+    source = getattr(processor, "source", None)
+    path = os.path.join(source, VIDEO_CONFIG) if isinstance(source, str) and os.path.isdir(source) else None
+    if path is not None and os.path.isfile(path):
+        with open(path) as f:
+            own = json.load(f).get("max_frames")
+        if isinstance(own, int) and own < settings.max_frames:
+            logging.getLogger(__name__).warning(
+                "data.video_max_frames=%d is above the checkpoint's own max_frames=%d (%s): using %d.",
+                settings.max_frames, own, path, own)
+            settings = dataclasses.replace(settings, max_frames=own, min_frames=min(settings.min_frames, own))
+    return QwenVideo(kind, processor.image_processor, settings)
 
 
 def special_token_ids() -> dict[str, int]:

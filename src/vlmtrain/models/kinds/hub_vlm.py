@@ -65,7 +65,7 @@ def check_packing(cfg: Any) -> None:
 
 
 def validate(cfg: Any) -> None:
-    from vlmtrain.data.hub_processing import check_image_size
+    from vlmtrain.data.hub_processing import check_image_size, check_video_settings
     from vlmtrain.models.families import family_of
 
     # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
@@ -75,6 +75,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"model.pretrained: {cfg.model.pretrained!r} is no local directory and transformers "
                           f"could not load it as a Hub id: {str(err).splitlines()[0]}") from None
     check_image_size(family, cfg.data)
+    check_video_settings(family, cfg.data)
     if cfg.data.packing and family.packing_unsupported:
         raise ConfigError(f"data.packing=true: the {family.name} family cannot pack: {family.packing_unsupported} "
                           f"Set data.packing: false (or null).")
@@ -203,6 +204,7 @@ def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], mo
     """The training HubVLMProcessor and collator (packing with data.packing; head labels with heads)."""
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.data.video import VideoSettings
     from vlmtrain.models.heads import check_head_labels, head_label_tensors
 
     m, d = cfg.model, cfg.data
@@ -211,7 +213,7 @@ def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], mo
     hub_processor = HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,
         label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
-        head_names=tuple(heads))
+        head_names=tuple(heads), video=VideoSettings.from_data(d))
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     packing = {}
     if d.packing:  # (check_packing refused heads; flash-attention finds documents from one row's positions)
@@ -230,14 +232,18 @@ def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
 
 def record_check(cfg: Any) -> Any:
     """The checks training makes on a raw sample before the processor runs (check_record with the run's
-    data.max_images and model.heads; the tokenizer's special tokens need the processor and are left out)."""
+    data.max_images, model.heads and its family's video support; the tokenizer's special tokens need the processor
+    and are left out)."""
     from vlmtrain.data.hub_messages import check_record
+    from vlmtrain.models.families import family_of
     from vlmtrain.models.head_config import parse_heads
     from vlmtrain.models.heads import check_head_labels
 
     heads = parse_heads(cfg.model.heads)
+    family = family_of(cfg.model.pretrained)
     return functools.partial(check_record, max_images=cfg.data.max_images, head_names=tuple(heads),
-                             label_check=functools.partial(check_head_labels, heads) if heads else None)
+                             label_check=functools.partial(check_head_labels, heads) if heads else None,
+                             no_video=None if family.video is not None else family.name)
 
 
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
