@@ -5,6 +5,9 @@ not load next to a CPU torch), from the repository root:
 
     PYTHONPATH=src python scripts/make_video_fixture.py
 
+The committed fixture was made on the CPU machine (torch 2.13.0+cpu, transformers 5.24.0, torchvision 0.28.0 in
+a separate virtual environment) with ``scripts/with_torchvision.py`` (see its docstring), 2026-11-27.
+
 It builds the tiny Qwen3-VL and Qwen2.5-VL checkpoints (patch 8, merge 2, temporal 2; their image processors'
 mean / std), makes deterministic frames (tests/test_video_processing.py's ``clip_frames``), and for each
 family and setting gives transformers' ``Qwen3VLVideoProcessor`` / ``Qwen2VLVideoProcessor`` (torchvision
