@@ -18,10 +18,10 @@ import torch
 from test_heads import HEADS, Collate, samples
 from tiny import tiny_llama
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.models.lora import apply_lora
 from vlmtrain.parallel import fsdp
-from vlmtrain.trainer import Trainer, TrainingArguments
 from vlmtrain.trainer.model_files import save_model_files
 from vlmtrain.trainer.setup import load_model_state
 

@@ -170,9 +170,9 @@ def test_gradient_checkpointing_is_transformers_alias_of_activation_checkpointin
 
 
 def test_the_trainers_own_arguments_get_transformers_defaults_refusals_and_derived_values():
-    # vlmtrain.compat fills them in; what a script sees on vlmtrain.trainer's class is transformers' behaviour
+    # vlmtrain.compat fills them in; what a script sees on vlmtrain.TrainingArguments is transformers' behaviour
+    from vlmtrain import TrainingArguments as CoreArguments
     from vlmtrain.compat import arguments_methods
-    from vlmtrain.trainer import TrainingArguments as CoreArguments
 
     ours, hf = CoreArguments(use_cpu=True), transformers.TrainingArguments(use_cpu=True)
     assert (ours.gradient_checkpointing, ours.do_eval) == (hf.gradient_checkpointing, hf.do_eval) == (False, False)

@@ -12,8 +12,9 @@ import torch
 from tiny import tiny_llama, token_samples
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.tokenizers import build_char_tokenizer
-from vlmtrain.trainer import CheckpointError, Trainer, TrainerCallback, TrainerState, TrainingArguments
+from vlmtrain.trainer import CheckpointError, TrainerCallback, TrainerState
 from vlmtrain.trainer import checkpoint as ckpt
 
 # transformers' files of a single-process checkpoint (test_hf_checkpoints.py compares them), plus loop_state_0.pt.

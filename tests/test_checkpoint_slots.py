@@ -10,10 +10,11 @@ import threading
 import pytest
 from tiny import tiny_llama, token_samples
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.checkpointing.async_writer import AsyncCheckpointer
 from vlmtrain.compat.checkpoints import position_from_step
 from vlmtrain.errors import CheckpointError
-from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments, plugins
+from vlmtrain.trainer import TrainerCallback, plugins
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -21,12 +21,13 @@ from test_lora import (
 )
 from transformers import AutoModelForImageTextToText
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.cli import main
 from vlmtrain.models.families.qwen3_vl import FAMILY
 from vlmtrain.models.head_files import load_heads
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.models.lora import apply_lora
-from vlmtrain.trainer import CheckpointError, Trainer, TrainerCallback, TrainingArguments
+from vlmtrain.trainer import CheckpointError, TrainerCallback
 from vlmtrain.trainer import checkpoint as ckpt
 
 pytestmark = [requires("peft", "lora"), pytest.mark.usefixtures("one_thread")]

@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny import VOCAB, tiny_llama, token_samples
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.step_data import StepSampler
 from vlmtrain.errors import ConfigError
-from vlmtrain.trainer import Trainer, TrainingArguments
 
 
 class StepTagged(torch.utils.data.Dataset):

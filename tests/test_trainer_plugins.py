@@ -17,7 +17,7 @@ from vlmtrain.trainer import plugins
 # Run in a fresh interpreter that imports vlmtrain.trainer alone (never `vlmtrain` by name).
 SCRIPT = r"""
 import json, sys
-from vlmtrain.trainer import Trainer, TrainingArguments
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.errors import ConfigError
 import torch
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM, SiglipConfig, SiglipModel
 
+from vlmtrain import TrainingArguments
 from vlmtrain.data.tokenizers import build_char_tokenizer
 from vlmtrain.models.build import build_vlm
 from vlmtrain.models.projector import ModalityProjector, pixel_shuffle
 from vlmtrain.models.vlm import VisionLanguageModel, VLMConfig
-from vlmtrain.trainer import ConfigError, TrainingArguments
+from vlmtrain.trainer import ConfigError
 from vlmtrain.trainer.checkpoint import load_model_weights
 from vlmtrain.trainer.optim import build_param_groups
 
