@@ -266,9 +266,9 @@ def test_ddp_arguments_reach_distributed_data_parallel(tmp_path, monkeypatch):
     seen = {}
     real_wrap = vdist.wrap_model
 
-    def recording_wrap(model, device, fsdp=False, bf16=False, ddp_kwargs=None):
+    def recording_wrap(model, device, fsdp=False, bf16=False, ddp_kwargs=None, sharding=None):
         seen.update(ddp_kwargs)
-        return real_wrap(model, device, fsdp, bf16, ddp_kwargs)
+        return real_wrap(model, device, fsdp, bf16, ddp_kwargs, sharding)
 
     monkeypatch.setattr(vdist, "wrap_model", recording_wrap)
     Trainer(tiny_llama(0), args, train_dataset=token_samples(8)).train()

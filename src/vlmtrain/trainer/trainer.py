@@ -149,7 +149,8 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         if self.optimizer is None:  # module_learning_rates 0: frozen before DDP registers what needs gradients
             freeze_zero_lr(self.model, args)
         # Before the optimizer: FSDP replaces the parameters.
-        model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, args.ddp_kwargs(), self.parts.sharding)
+        model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs(),
+                                sharding=self.parts.sharding)
         if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: models/training_prep.py)
             model = self.parts.compile_model(self.model, model, args.torch_compile_backend or "inductor",
                                              args.torch_compile_mode)
