@@ -56,7 +56,8 @@ def no_step_position(path: str, loop_file: str, *_: Any) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerParts:
-    """The parts of a Trainer that the layers above the core provide, one field each (see the module)."""
+    """What a Trainer takes from the layers above the trainer core, one typed field per part; the defaults are
+    the core's own behaviour, ``vlmtrain.Trainer.parts`` sets them all (the table in docs/trainer.md)."""
 
     arguments_class: type[TrainingArgumentsCore] = TrainingArgumentsCore
     """The arguments a Trainer built without ``args`` makes, ``arguments_class()``."""
