@@ -213,7 +213,7 @@ class EvaluationMixin:
             self.control = self._event("on_prediction_step")
         if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
             tally.gather_shards(interleave=sharding == "strided")
-        if (plan := sharding_of(model, self.parts.sharding)) is not None:  # (FSDP keeps its root gathered after a forward)
+        if (plan := sharding_of(model, self.parts.sharding)) is not None:  # (FSDP keeps its root gathered)
             plan.reshard(model)
         self._eval_lockstep = False
         return self._eval_output(tally, sharding, dataloader, metric_key_prefix)

@@ -141,7 +141,7 @@ class CheckpointMixin:
     def _load_checkpoint(self, path: str) -> None:
         sharding = sharding_of(self.model, self.parts.sharding)
         sharded, sharded_model = has_sharded_weights(path), sharding is not None
-        trainable_only = self.parts.model_files.saves_trainable_only(self.model)  # (LoRA: adapter files, under FSDP or not)
+        trainable_only = self.parts.model_files.saves_trainable_only(self.model)  # (LoRA: adapter files, FSDP or not)
         if sharded != sharded_model and not (trainable_only and not sharded):
             raise ckpt.CheckpointError(
                 f"{path!r} was written {'with' if sharded else 'without'} train.fsdp; resume it with train.fsdp="

@@ -1,6 +1,7 @@
 """What happens before the first step and after the last: the model (or model_init's) and what is done to it
-(tf32, activation checkpointing and torch_compile: the last two through the Trainer's parts, parts.py), the train data loader, optimizer and scheduler, the loop's counters, and the end-of-training summary. A
-mixin of TrainerCore, kept apart so each file reads on its own."""
+(tf32, activation checkpointing and torch_compile: the last two are parts, parts.py), the train data loader,
+optimizer and scheduler, the loop's counters, and the end-of-training summary. A mixin of TrainerCore, kept
+apart so each file reads on its own."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Sharded models (train.fsdp): what the trainer asks of the layer that shards a model's parameters, gradients
-and optimizer state over the ranks, without importing it. That layer (FSDP2 with DCP checkpoints) gives a :class:`ShardingPlan` as
-the Trainer's ``sharding`` part (parts.py; vlmtrain.Trainer's is vlmtrain/parallel/fsdp.py's). The trainer calls it only for a model the plan sharded (:func:`sharding_of`) or when train.fsdp asks to shard one
+and optimizer state over the ranks, without importing it. That layer (FSDP2 with DCP checkpoints) gives a
+:class:`ShardingPlan` as the Trainer's ``sharding`` part (parts.py; vlmtrain.Trainer's: vlmtrain/parallel/fsdp.py).
+The trainer calls it only for a model the plan sharded (:func:`sharding_of`) or when train.fsdp asks to shard one
 (:func:`sharding_plan`); a single process and DDP never reach it."""
 
 from __future__ import annotations
