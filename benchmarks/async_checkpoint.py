@@ -33,7 +33,7 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vlmtrain.trainer import Trainer, TrainingArguments
+from vlmtrain import Trainer, TrainingArguments
 
 
 class TimedTrainer(Trainer):

@@ -22,7 +22,7 @@ import warnings
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vlmtrain.trainer import Trainer, TrainingArguments
+from vlmtrain import Trainer, TrainingArguments
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -18,11 +18,10 @@ import torch
 from test_heads import HEADS, Collate, samples
 from tiny import tiny_llama
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.models.lora import apply_lora
 from vlmtrain.parallel import fsdp
-from vlmtrain.trainer import Trainer, TrainingArguments
-from vlmtrain.trainer.model_files import save_model_files
 from vlmtrain.trainer.setup import load_model_state
 
 
@@ -51,7 +50,7 @@ def save_files(trainer: Trainer, name: str, directory: str) -> None:
     if trainer.rank == 0:
         copy = lora_heads_model()
         copy.load_state_dict(state)
-        save_model_files(copy, directory)
+        Trainer.parts.model_files.save_model_files(copy, directory)
 
 
 def run(name: str, model: torch.nn.Module, out_dir: str) -> dict:
@@ -71,9 +70,9 @@ def run(name: str, model: torch.nn.Module, out_dir: str) -> dict:
     save_files(trainer, name, files)
     torch.distributed.barrier()
     result["files"] = sorted(os.listdir(files))
-    load_model_state(trainer.model, os.path.join(out_dir, name, "checkpoint-4"))  # DCP shards
+    load_model_state(trainer.model, os.path.join(out_dir, name, "checkpoint-4"), trainer.parts)  # DCP shards
     result["last_loaded"] = trainer.evaluate()["eval_loss"]
-    load_model_state(trainer.model, files)  # full tensors, cut into this rank's shards
+    load_model_state(trainer.model, files, trainer.parts)  # full tensors, cut into this rank's shards
     result["files_loaded"] = trainer.evaluate()["eval_loss"]
     return result
 

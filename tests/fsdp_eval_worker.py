@@ -17,9 +17,9 @@ import torch
 from test_heads import HEADS, Collate, samples
 from tiny import tiny_llama
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.parallel import fsdp
-from vlmtrain.trainer import Trainer, TrainingArguments
 
 
 class PromptCollate(Collate):

@@ -170,9 +170,9 @@ def test_gradient_checkpointing_is_transformers_alias_of_activation_checkpointin
 
 
 def test_the_trainers_own_arguments_get_transformers_defaults_refusals_and_derived_values():
-    # vlmtrain.compat fills them in; what a script sees on vlmtrain.trainer's class is transformers' behaviour
+    # vlmtrain.compat fills them in; what a script sees on vlmtrain.TrainingArguments is transformers' behaviour
+    from vlmtrain import TrainingArguments as CoreArguments
     from vlmtrain.compat import arguments_methods
-    from vlmtrain.trainer import TrainingArguments as CoreArguments
 
     ours, hf = CoreArguments(use_cpu=True), transformers.TrainingArguments(use_cpu=True)
     assert (ours.gradient_checkpointing, ours.do_eval) == (hf.gradient_checkpointing, hf.do_eval) == (False, False)
@@ -266,9 +266,9 @@ def test_ddp_arguments_reach_distributed_data_parallel(tmp_path, monkeypatch):
     seen = {}
     real_wrap = vdist.wrap_model
 
-    def recording_wrap(model, device, fsdp=False, bf16=False, ddp_kwargs=None):
+    def recording_wrap(model, device, fsdp=False, bf16=False, ddp_kwargs=None, sharding=None):
         seen.update(ddp_kwargs)
-        return real_wrap(model, device, fsdp, bf16, ddp_kwargs)
+        return real_wrap(model, device, fsdp, bf16, ddp_kwargs, sharding)
 
     monkeypatch.setattr(vdist, "wrap_model", recording_wrap)
     Trainer(tiny_llama(0), args, train_dataset=token_samples(8)).train()

@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 from tiny import tiny_llama, token_samples
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.checkpointing.async_writer import cpu_model_copy
-from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments
+from vlmtrain.trainer import TrainerCallback
 from vlmtrain.trainer import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]

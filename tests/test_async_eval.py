@@ -291,8 +291,8 @@ def test_eval_all_evaluates_the_checkpoints_that_have_no_evaluation(tmp_path, ca
 
 
 def test_async_eval_settings_are_checked_up_front(tmp_path):
+    from vlmtrain import TrainingArguments
     from vlmtrain.errors import ConfigError
-    from vlmtrain.trainer import TrainingArguments
 
     with pytest.raises(ConfigError, match="save_strategy"):
         TrainingArguments(output_dir=str(tmp_path), async_eval=True, save_strategy="no")
@@ -328,9 +328,9 @@ def test_async_eval_device_sets_the_evaluation_processes_devices(tmp_path, monke
     """train.async_eval_device reaches the launched process as its CUDA_VISIBLE_DEVICES: cpu hides every GPU;
     with this process seeing GPUs 3 5 6 7 (as if CUDA_VISIBLE_DEVICES=3,5,6,7), cuda:1 is GPU 5 and auto the
     last one, 7; a GPU index it does not have, or a bad value, is a ConfigError naming the key."""
+    from vlmtrain import TrainingArguments
     from vlmtrain.errors import ConfigError
     from vlmtrain.evaluation import async_eval
-    from vlmtrain.trainer import TrainingArguments
 
     def devices(name: str, setting: str) -> str:
         _, cfg = _config(tmp_path / name, max_steps=2, async_eval_command=env_reporter(),

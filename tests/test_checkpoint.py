@@ -12,8 +12,9 @@ import torch
 from tiny import tiny_llama, token_samples
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.tokenizers import build_char_tokenizer
-from vlmtrain.trainer import CheckpointError, Trainer, TrainerCallback, TrainerState, TrainingArguments
+from vlmtrain.trainer import CheckpointError, TrainerCallback, TrainerState
 from vlmtrain.trainer import checkpoint as ckpt
 
 # transformers' files of a single-process checkpoint (test_hf_checkpoints.py compares them), plus loop_state_0.pt.
@@ -123,7 +124,8 @@ def crash_in_torch_save(monkeypatch, step: int) -> None:
 
 
 def crash_in_model_writer(monkeypatch, step: int) -> None:
-    real_write = ckpt.save_model_files
+    files = Trainer.parts.model_files  # (the format vlmtrain.Trainer writes the model in)
+    real_write = files.save_model_files
 
     def write(model, directory, processing_class=None):
         if os.path.basename(directory) == f"{ckpt.TMP_PREFIX}{step}":
@@ -132,7 +134,7 @@ def crash_in_model_writer(monkeypatch, step: int) -> None:
             raise OSError(28, "No space left on device")
         return real_write(model, directory, processing_class)
 
-    monkeypatch.setattr(ckpt, "save_model_files", write)
+    monkeypatch.setattr(files, "save_model_files", write)
 
 
 @pytest.mark.parametrize("crash", [crash_in_torch_save, crash_in_model_writer])
@@ -155,7 +157,7 @@ def test_crash_during_save_leaves_no_checkpoint(tmp_path, monkeypatch, crash):
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
     assert not [n for n in os.listdir(out) if n.startswith(".")]
     for name in checkpoints(out):
-        ckpt.check_complete(str(out / name))
+        ckpt.check_complete(str(out / name), files=Trainer.parts.model_files)
 
 
 def test_train_without_resume_cleans_leftover_temp_dir(tmp_path, monkeypatch):

@@ -1,19 +1,22 @@
-"""The trainer's checkpoint slots and their plain defaults: ``import vlmtrain`` fills ``checkpoint_writer`` with
-train.async_checkpoint's background writer and ``step_position`` with the resume of transformers' checkpoints;
-with a slot empty the trainer writes synchronously, and refuses a checkpoint without its loop state, naming it."""
+"""The trainer's checkpoint parts and their plain defaults: vlmtrain.Trainer's ``checkpoint_writer`` is
+train.async_checkpoint's background writer and its ``step_position`` the resume of transformers' checkpoints;
+without them (the core's defaults) the trainer writes synchronously, and refuses a checkpoint without its loop
+state, naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
 import pytest
 from tiny import tiny_llama, token_samples
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.checkpointing.async_writer import AsyncCheckpointer
 from vlmtrain.compat.checkpoints import position_from_step
 from vlmtrain.errors import CheckpointError
-from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments, plugins
+from vlmtrain.trainer import TrainerCallback, TrainerParts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,23 +39,26 @@ class CheckpointsAtSave(TrainerCallback):
         self.seen.append((done, writing))
 
 
-def test_import_vlmtrain_fills_the_checkpoint_slots():
-    assert plugins.lookup("checkpoint_writer") is AsyncCheckpointer
-    assert plugins.lookup("step_position") is position_from_step
+def _without(part: str) -> TrainerParts:
+    """vlmtrain.Trainer's parts with ``part`` at the core's default."""
+    return dataclasses.replace(Trainer.parts, **{part: getattr(TrainerParts(), part)})
 
 
-def test_without_a_checkpoint_writer_async_checkpoint_saves_synchronously(tmp_path, monkeypatch):
-    monkeypatch.delitem(plugins._filled, "checkpoint_writer")
+def test_vlmtrain_trainer_has_the_checkpoint_parts():
+    assert Trainer.parts.checkpoint_writer is AsyncCheckpointer
+    assert Trainer.parts.step_position is position_from_step
+
+
+def test_without_a_checkpoint_writer_async_checkpoint_saves_synchronously(tmp_path):
     watch = CheckpointsAtSave()
     Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(16),
-            callbacks=[watch]).train()
+            callbacks=[watch], parts=_without("checkpoint_writer")).train()
     assert watch.seen == [(True, False), (True, False)]  # each checkpoint complete at its save, no writer thread
 
 
-def test_without_step_position_a_checkpoint_without_loop_state_is_refused(tmp_path, monkeypatch):
+def test_without_step_position_a_checkpoint_without_loop_state_is_refused(tmp_path):
     Trainer(tiny_llama(0), _args(tmp_path, max_steps=2), train_dataset=token_samples(16)).train()
     os.remove(tmp_path / "checkpoint-2" / "loop_state_0.pt")  # as transformers' Trainer writes it
-    monkeypatch.delitem(plugins._filled, "step_position")
-    resumed = Trainer(tiny_llama(0), _args(tmp_path), train_dataset=token_samples(16))
+    resumed = Trainer(tiny_llama(0), _args(tmp_path), train_dataset=token_samples(16), parts=_without("step_position"))
     with pytest.raises(CheckpointError, match="has no loop_state_0.pt: resuming a checkpoint of transformers'"):
         resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.tiny import tiny_llama
-from vlmtrain.trainer import Trainer, TrainingArguments
+from vlmtrain import Trainer, TrainingArguments
 
 VOCAB, BATCH, LENGTH, PROMPT = 150_000, 2, 40, 8
 LOGITS_MB = BATCH * LENGTH * VOCAB * 4 / 2**20  # one batch of full logits

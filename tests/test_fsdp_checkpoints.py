@@ -163,7 +163,6 @@ def test_lora_fsdp_checkpoint_resumes_in_one_process(lora_run, tmp_path):
 
     from vlmtrain import run as run_mod
     from vlmtrain.config import load_run_config
-    from vlmtrain.trainer.checkpoint import load_model_weights
 
     run, _ = lora_run
     ckpt = run / "checkpoint-2"
@@ -173,7 +172,7 @@ def test_lora_fsdp_checkpoint_resumes_in_one_process(lora_run, tmp_path):
     trainer.train(resume_from_checkpoint=str(ckpt))  # at its last step: loads, trains nothing
     assert trainer.state.global_step == 2
     reference = run_mod.build(cfg).model
-    load_model_weights(reference, str(ckpt))
+    trainer.parts.model_files.load_model_weights(reference, str(ckpt))
     saved = {n: p for n, p in reference.named_parameters() if p.requires_grad}
     params = dict(trainer.model.named_parameters())
     assert all(torch.equal(params[k], t) for k, t in saved.items())

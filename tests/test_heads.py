@@ -14,6 +14,7 @@ from tiny import VOCAB, tiny_llama
 from torch import nn
 from transformers.utils import ModelOutput
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.processing import SkipSample
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.head_files import load_heads, read_head_configs, save_heads
@@ -26,7 +27,6 @@ from vlmtrain.models.heads import (
     parse_heads,
     pool_last_token,
 )
-from vlmtrain.trainer import Trainer, TrainingArguments
 
 HEADS = {"cls": {"type": "classification", "num_outputs": 3, "weight": 0.5},
          "reg": {"type": "regression", "loss": "mse", "weight": 2.0}}

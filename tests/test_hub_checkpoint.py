@@ -21,12 +21,13 @@ from test_lora import (
 )
 from transformers import AutoModelForImageTextToText
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.cli import main
 from vlmtrain.models.families.qwen3_vl import FAMILY
 from vlmtrain.models.head_files import load_heads
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.models.lora import apply_lora
-from vlmtrain.trainer import CheckpointError, Trainer, TrainerCallback, TrainingArguments
+from vlmtrain.trainer import CheckpointError, TrainerCallback
 from vlmtrain.trainer import checkpoint as ckpt
 
 pytestmark = [requires("peft", "lora"), pytest.mark.usefixtures("one_thread")]
@@ -117,7 +118,7 @@ def test_lora_checkpoint_holds_adapter_and_heads_not_full_weights(tiny_dir, samp
     assert saved and all("lora_" in k for k in saved)
     n_trainable_base = sum(p.numel() for n, p in trainer.model.base.named_parameters() if p.requires_grad)
     assert sum(t.numel() for t in saved.values()) == n_trainable_base
-    ckpt.check_complete(str(path))
+    ckpt.check_complete(str(path), files=Trainer.parts.model_files)
     # transformers alone (with peft installed) loads base + adapter from the checkpoint
     batch = collate(samples[:2])
     ref = frozen_logits(trainer.model.base, batch)["logits"]
@@ -149,11 +150,11 @@ def test_sharded_checkpoint_is_complete_and_resumes_exactly(tiny_dir, samples, t
     first.train()
     path = str(tmp_path / "b" / "checkpoint-2")
     os.remove(os.path.join(path, "model.safetensors"))  # re-write the weights as shards with an index
-    ckpt.save_model_files(first.model, path, max_shard_size="40KB")
+    Trainer.parts.model_files.save_model_files(first.model, path, max_shard_size="40KB")
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         shards = sorted(set(json.load(f)["weight_map"].values()))
     assert len(shards) > 2 and not os.path.exists(os.path.join(path, "model.safetensors"))
-    ckpt.check_complete(path)
+    ckpt.check_complete(path, files=Trainer.parts.model_files)
 
     resumed = trainer_for(build(tiny_dir, "heads", seed=9), tmp_path / "b", samples)
     resumed.train(resume_from_checkpoint=True)
@@ -163,7 +164,7 @@ def test_sharded_checkpoint_is_complete_and_resumes_exactly(tiny_dir, samples, t
 
     os.remove(os.path.join(path, shards[1]))
     with pytest.raises(CheckpointError, match=shards[1]):
-        ckpt.check_complete(path)
+        ckpt.check_complete(path, files=Trainer.parts.model_files)
 
 
 @pytest.mark.parametrize("removed", ["adapter_model.safetensors", "heads.safetensors"])
@@ -171,13 +172,13 @@ def test_adapter_checkpoint_missing_a_file_is_incomplete(tiny_dir, samples, tmp_
     trainer_for(build(tiny_dir, "lora+heads"), tmp_path, samples, max_steps=2).train()
     os.remove(tmp_path / "checkpoint-2" / removed)
     with pytest.raises(CheckpointError, match=removed):
-        ckpt.check_complete(str(tmp_path / "checkpoint-2"))
+        ckpt.check_complete(str(tmp_path / "checkpoint-2"), files=Trainer.parts.model_files)
 
 
 def test_full_checkpoint_into_a_lora_model_names_the_mismatch(tiny_dir, samples, tmp_path):  # noqa: F811
     trainer_for(build(tiny_dir, "plain"), tmp_path, samples, max_steps=2).train()
     with pytest.raises(CheckpointError, match="full weights but the model carries LoRA"):
-        ckpt.load_model_weights(build(tiny_dir, "lora"), str(tmp_path / "checkpoint-2"))
+        Trainer.parts.model_files.load_model_weights(build(tiny_dir, "lora"), str(tmp_path / "checkpoint-2"))
 
 
 def test_legacy_key_names_load_through_from_pretrained(tmp_path):
@@ -192,7 +193,7 @@ def test_legacy_key_names_load_through_from_pretrained(tmp_path):
     torch.manual_seed(5)
     fresh = type(model)(model.config)
     assert not torch.equal(fresh.lm_head.weight, model.lm_head.weight)
-    ckpt.load_model_weights(fresh, path)
+    Trainer.parts.model_files.load_model_weights(fresh, path)
     want = model.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
 
@@ -228,7 +229,7 @@ def test_export_merge_writes_full_weights_with_the_adapters_logits(tiny_dir, sam
     trainer.train()
     path = tmp_path / "run" / "checkpoint-2"
     perturb_adapters(model)  # larger adapters than 2 steps make, so merging is not trivially exact
-    ckpt.save_model_files(model, str(path), FAMILY.load_processor(tiny_dir))
+    Trainer.parts.model_files.save_model_files(model, str(path), FAMILY.load_processor(tiny_dir))
     batch = collate(samples[:2])
     ref = frozen_logits(model, batch)
 

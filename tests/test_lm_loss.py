@@ -291,8 +291,8 @@ def test_models_it_does_not_know_keep_their_forward():
 def test_trainer_uses_target_rows_in_training_and_loss_only_evaluation(tmp_path):
     """Training and evaluation without compute_metrics run the LM head on the target rows only, with the same
     eval loss as evaluation that keeps the logits for compute_metrics (which runs it on every position)."""
+    from vlmtrain import Trainer, TrainingArguments
     from vlmtrain.data.collate import DefaultCollator
-    from vlmtrain.trainer import Trainer, TrainingArguments
 
     model = tiny_llama(0)
     assert enable_lm_loss(model)

@@ -109,41 +109,42 @@ def test_torch_compile_trains(tmp_path, compile):
     torch._dynamo.reset()
 
 
-def test_torch_compile_without_the_compile_model_slot_compiles_the_whole_model(tmp_path, monkeypatch):
-    """The trainer's own torch_compile, where the compile_model slot (models/training_prep.py) is empty:
-    torch.compile of the whole model, even of one marked for compilation layer by layer."""
-    from vlmtrain.models.protocol import REGIONAL_COMPILE_ATTR
-    from vlmtrain.trainer import plugins
+def test_torch_compile_without_the_compile_model_part_compiles_the_whole_model(tmp_path):
+    """The trainer core's own torch_compile, where the compile_model part (models/training_prep.py) is the core's
+    default: torch.compile of the whole model, even of one marked for compilation layer by layer."""
+    import dataclasses
 
-    monkeypatch.delitem(plugins._filled, "compile_model")
+    from vlmtrain.models.protocol import REGIONAL_COMPILE_ATTR
+    from vlmtrain.trainer import TrainerParts
+
     torch._dynamo.reset()
     model = tiny_llama()
-    setattr(model, REGIONAL_COMPILE_ATTR, True)  # (the slot would compile its decoder layers in place instead)
+    setattr(model, REGIONAL_COMPILE_ATTR, True)  # (the part would compile its decoder layers in place instead)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4,
                              save_strategy="no", disable_tqdm=True, torch_compile_backend="eager")
-    trainer = _ModelRecordingTrainer(model, args, train_dataset=token_samples(4))
+    core_compile = dataclasses.replace(_ModelRecordingTrainer.parts, compile_model=TrainerParts().compile_model)
+    trainer = _ModelRecordingTrainer(model, args, train_dataset=token_samples(4), parts=core_compile)
     trainer.step_models = []
     trainer.train()
     assert trainer.step_models == [torch._dynamo.eval_frame.OptimizedModule]
     torch._dynamo.reset()
 
 
-def test_a_windows_rates_come_from_the_logging_layer(monkeypatch):
+def test_a_windows_rates_come_from_the_logging_layer():
     """The trainer's Throughput counts samples and skipped samples; the rates (here the pack fill of collated
-    rows) come from logging/throughput.py through the window_rates slot, and without it are not logged."""
+    rows) come from logging/throughput.py through the window_rates part, and without it are not logged."""
+    from vlmtrain import Trainer
     from vlmtrain.logging.throughput import WindowRates
-    from vlmtrain.trainer import plugins
     from vlmtrain.trainer.stats import Throughput
 
-    assert plugins.lookup("window_rates") is WindowRates
+    assert Trainer.parts.window_rates is WindowRates
     batch = {"skipped": {"bad_image": 1},
              "pack_stats": {"samples": 3, "tokens": 30, "rows": 2, "capacity": 40, "images": 4}}
-    throughput = Throughput()
+    throughput = Throughput(make_rates=Trainer.parts.window_rates)
     throughput.add_batch(batch, 0.0)
     figures = throughput.compute()
     assert (figures["pack_fill"], figures["padding_fraction"], figures["images_per_pack"]) == (0.75, 0.25, 2.0)
     assert figures["tokens_per_second"] > 0 and figures["skipped_bad_image"] == 1 and throughput.samples == 3
-    monkeypatch.delitem(plugins._filled, "window_rates")
     bare = Throughput()
     bare.add_batch(batch, 0.0)
     assert bare.compute() == {"skipped_bad_image": 1} and bare.samples == 3

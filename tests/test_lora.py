@@ -8,11 +8,11 @@ from optional_extras import requires
 from torch import nn
 from transformers import AutoModelForImageTextToText
 
+from vlmtrain import TrainingArguments
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.families.qwen3_vl import FAMILY
 from vlmtrain.models.heads import WithHeads
 from vlmtrain.models.lora import apply_lora, is_lora, merge_lora
-from vlmtrain.trainer import TrainingArguments
 from vlmtrain.trainer.optim import build_param_groups
 
 pytestmark = [requires("peft", "lora"), pytest.mark.usefixtures("one_thread")]
@@ -178,7 +178,7 @@ def test_lora_on_a_bfloat16_base_trains_float32_adapters(tiny_dir):
 
 
 def test_trainer_trains_lora_on_a_bfloat16_base_with_gradient_checkpointing(tiny_dir, tmp_path):
-    from vlmtrain.trainer import Trainer
+    from vlmtrain import Trainer
 
     model = apply_lora(WithHeads(load_tiny(tiny_dir, dtype=torch.bfloat16), HEADS), {"r": 4}, FAMILY.text_module)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

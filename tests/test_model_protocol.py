@@ -1,5 +1,5 @@
 """The interfaces between the trainer and the model layer, which never import each other: the attribute names
-both sides spell, the slots `import vlmtrain` fills, the checkpoint-parts protocol of score heads, the data
+both sides spell, the parts vlmtrain.Trainer takes from the model layer, the checkpoint-parts protocol of score heads, the data
 layer's padding collator against the Trainer's default, and one direction of imports among the trainer's
 checkpoint modules."""
 
@@ -16,7 +16,7 @@ import torch
 from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
-import vlmtrain  # noqa: F401  (fills the trainer's slots)
+import vlmtrain
 from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import CheckpointError
 from vlmtrain.models import (
@@ -32,16 +32,18 @@ from vlmtrain.models import (
 )
 from vlmtrain.models import model_files as hub_model_files
 from vlmtrain.models.heads import WithHeads
-from vlmtrain.trainer import model_files, optim, plugins
+from vlmtrain.trainer import model_files as core_files
+from vlmtrain.trainer import optim
 from vlmtrain.trainer.stats import num_items_of
 
 SRC = Path(vlmtrain.__file__).parent
+model_files = vlmtrain.Trainer.parts.model_files  # the format vlmtrain.Trainer writes checkpoints in
 
 
 def test_the_attribute_names_models_set_are_the_ones_the_trainer_reads():
     assert protocol.MODULE_GROUPS_ATTR == optim.MODULE_GROUPS_ATTR
     assert protocol.REGIONAL_COMPILE_ATTR == training_prep.REGIONAL_COMPILE_ATTR
-    assert sharded_files.DCP_DIR == model_files.DCP_DIR
+    assert sharded_files.DCP_DIR == core_files.DCP_DIR
     assert head_files.HEAD_PARTS.part_files == (head_files.HEADS_CONFIG, head_files.HEADS_WEIGHTS)
     model = tiny_llama()
     setattr(model.model, protocol.MODULE_GROUPS_ATTR, {"text": "model.layers", "head": ("lm_head",)})
@@ -49,19 +51,17 @@ def test_the_attribute_names_models_set_are_the_ones_the_trainer_reads():
                                                                          "head": ("lm_head",)}
 
 
-def test_import_vlmtrain_fills_every_slot_the_models_provide():
-    assert plugins.lookup("flop_counter") is flops.flop_counter
-    assert plugins.lookup("read_sharded_weights") is sharded_files.read_model_weights
-    assert plugins.lookup("fsdp_blocks") is sharding.transformer_blocks
-    assert plugins.lookup("activation_checkpointing") is training_prep.enable_activation_checkpointing
-    assert plugins.lookup("compile_model") is training_prep.compile_model
-    assert plugins.lookup("generation") is generation.GREEDY
-    blocks = sharding.transformer_blocks(tiny_llama())
+def test_vlmtrain_trainer_has_every_part_the_models_provide():
+    parts = vlmtrain.Trainer.parts
+    assert parts.flop_counter is flops.flop_counter
+    assert parts.activation_checkpointing is training_prep.enable_activation_checkpointing
+    assert parts.compile_model is training_prep.compile_model
+    assert parts.generation is generation.GREEDY
+    assert parts.model_files is hub_model_files.MODEL_FILES
+    assert model_files.read_sharded is sharded_files.read_model_weights
+    assert model_files.part_kinds == (lora_files.ADAPTER_PARTS, head_files.HEAD_PARTS)
+    blocks = sharding.transformer_blocks(tiny_llama())  # (what parallel/fsdp.py shards one by one)
     assert blocks and all(type(b).__name__ == "LlamaDecoderLayer" for b in blocks)
-    assert tuple(plugins.lookup("checkpoint_parts")) == (lora_files.ADAPTER_PARTS, head_files.HEAD_PARTS)
-    assert set(plugins.SLOTS) >= {"flop_counter", "read_sharded_weights", "checkpoint_parts", "fsdp_blocks"}
-    with pytest.raises(KeyError, match="no trainer slot 'nope'"):
-        plugins.register("nope", None)
 
 
 def test_the_generation_slot_tells_which_generate_keeps_fsdp_ranks_in_step():
@@ -156,21 +156,19 @@ def test_a_lora_adapter_stands_in_for_the_base_weights(tmp_path):
 
 
 def test_the_trainer_writes_model_files_in_the_model_layers_format(tmp_path):
-    """``import vlmtrain`` fills the model_files slot with the Hugging Face layouts (config.json beside the
-    weights); with the slot empty a plain module's state dict is model.safetensors, loaded back by key."""
-    assert plugins.lookup("model_files") is hub_model_files.HubModelFiles
+    """vlmtrain.Trainer's model_files part writes the Hugging Face layouts (config.json beside the weights);
+    the core's own (PlainModelFiles) writes a plain module's state dict as model.safetensors, loaded back by key."""
     model_files.save_model_files(tiny_llama(), str(tmp_path / "hub"))
     assert (tmp_path / "hub" / "config.json").is_file()
 
 
-def test_the_format_saves_in_the_parts_the_checkpoint_parts_slot_lists(monkeypatch):
+def test_the_format_saves_in_the_kinds_of_parts_it_is_made_with():
     assert model_files.has_score_heads(_with_heads())
-    monkeypatch.setitem(plugins._filled, "checkpoint_parts", (lora_files.ADAPTER_PARTS,))
-    assert not model_files.has_score_heads(_with_heads())
+    assert not hub_model_files.HubModelFiles((lora_files.ADAPTER_PARTS,)).has_score_heads(_with_heads())
 
 
-def test_without_a_format_a_plain_module_round_trips_as_model_safetensors(tmp_path, monkeypatch):
-    monkeypatch.delitem(plugins._filled, "model_files")
+def test_the_cores_own_format_round_trips_a_plain_module_as_model_safetensors(tmp_path):
+    model_files = core_files.PlainModelFiles
 
     def plain(seed: int) -> torch.nn.Module:
         torch.manual_seed(seed)
@@ -190,19 +188,19 @@ def test_without_a_format_a_plain_module_round_trips_as_model_safetensors(tmp_pa
         model_files.load_model_weights(torch.nn.Linear(4, 4), directory)
 
 
-def test_a_causal_lm_loss_averages_over_the_shifted_labels_the_model_layer_counts(monkeypatch):
-    assert plugins.lookup("loss_targets") is lm_loss.causal_lm_targets
+def test_a_causal_lm_loss_averages_over_the_shifted_labels_the_model_layer_counts():
+    count = vlmtrain.Trainer.parts.loss_targets
+    assert count is lm_loss.causal_lm_targets
     labels = torch.tensor([[-100, 5, 6, -100], [7, 8, 9, 10]])  # shifted: 2 + 3 targets
-    assert num_items_of({"loss": torch.tensor(1.0)}, tiny_llama(), {"labels": labels}).item() == 5
-    assert num_items_of({"loss": torch.tensor(1.0)}, torch.nn.Linear(2, 2), {"labels": labels}) is None
-    monkeypatch.delitem(plugins._filled, "loss_targets")
-    assert num_items_of({"loss": torch.tensor(1.0)}, tiny_llama(), {"labels": labels}) is None
+    assert num_items_of({"loss": torch.tensor(1.0)}, tiny_llama(), {"labels": labels}, count).item() == 5
+    assert num_items_of({"loss": torch.tensor(1.0)}, torch.nn.Linear(2, 2), {"labels": labels}, count) is None
+    assert num_items_of({"loss": torch.tensor(1.0)}, tiny_llama(), {"labels": labels}) is None  # (the core's)
 
 
 def test_a_trainer_without_a_collator_pads_with_the_data_default_collator(tmp_path):
-    """One default collator (data/collate.py), reached by the trainer through its slot, with the pad id of the
-    processing class."""
-    assert plugins.lookup("default_collator") is DefaultCollator
+    """One default collator (data/collate.py), reached by the trainer through its default_collator part, with
+    the pad id of the processing class."""
+    assert vlmtrain.Trainer.parts.default_collator is DefaultCollator
     args = vlmtrain.TrainingArguments(output_dir=str(tmp_path), report_to="none")
     trainer = vlmtrain.Trainer(tiny_llama(), args, processing_class=SimpleNamespace(pad_token_id=5))
     assert type(trainer.data_collator) is DefaultCollator and trainer.data_collator.pad_token_id == 5
@@ -223,7 +221,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_checkpoint_modules_import_each_other_in_one_direction_and_nothing_above():
-    order = ["plugins", "model_files", "sharding", "distributed", "checkpoint"]
+    order = ["model_files", "sharding", "distributed", "checkpoint"]
     for i, name in enumerate(order):
         path = SRC / "trainer" / f"{name}.py"
         inside = _imports(path) & set(order)

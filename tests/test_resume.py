@@ -13,7 +13,8 @@ import torch
 from tiny import tiny_llama, token_samples
 from torch import nn
 
-from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments
+from vlmtrain import Trainer, TrainingArguments
+from vlmtrain.trainer import TrainerCallback
 
 # 28 samples / batch 4 = 7 micro-batches per epoch; accumulation 2 -> 4 optimizer steps per epoch (2+2+2+1).
 # Step 10 is the 2nd step of the 3rd epoch (mid-epoch); 20 steps = 5 epochs. Loss is logged every 3 steps, so

@@ -11,8 +11,9 @@ import pytest
 from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.logging.writers import TensorBoardCallback
-from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments
+from vlmtrain.trainer import TrainerCallback
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -3,13 +3,15 @@ data-loader workers and resumes train on exactly the samples of an uninterrupted
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tiny import VOCAB, tiny_llama, token_samples
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.step_data import StepSampler
 from vlmtrain.errors import ConfigError
-from vlmtrain.trainer import Trainer, TrainingArguments
 
 
 class StepTagged(torch.utils.data.Dataset):
@@ -99,19 +101,18 @@ def test_step_following_that_workers_cannot_reproduce_fails_at_start(tmp_path, d
         _train(tmp_path, data, 0, max_steps=1)
 
 
-def test_import_vlmtrain_fills_the_step_sampling_slot():
+def test_vlmtrain_trainer_has_the_step_sampling_part():
     from vlmtrain.data.step_data import step_sampling
-    from vlmtrain.trainer import plugins
 
-    assert plugins.lookup("step_sampling") is step_sampling
+    assert Trainer.parts.step_sampling is step_sampling
 
 
-def test_without_the_step_sampling_slot_a_step_following_dataset_is_refused(tmp_path, monkeypatch):
-    """The trainer alone cannot give samples their step: it names the empty slot; plain datasets train."""
-    from vlmtrain.trainer import plugins
+def test_without_the_step_sampling_part_a_step_following_dataset_is_refused(tmp_path, monkeypatch):
+    """The trainer alone cannot give samples their step: it names the missing part; plain datasets train."""
+    from vlmtrain.trainer import TrainerParts
 
-    monkeypatch.delitem(plugins._filled, "step_sampling")
-    with pytest.raises(RuntimeError, match="'step_sampling' slot is empty: import vlmtrain"):
+    monkeypatch.setattr(Recording, "parts", dataclasses.replace(Trainer.parts, step_sampling=TrainerParts().step_sampling))
+    with pytest.raises(ConfigError, match="StepTagged .follows_step = True. needs the trainer part 'step_sampling'"):
         _train(tmp_path / "steps", StepTagged(8), 0, max_steps=1)
     assert len(_train(tmp_path / "plain", token_samples(8, min_len=8, max_len=8), 0, max_steps=1)) == 1
 

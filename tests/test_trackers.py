@@ -16,11 +16,12 @@ import pytest
 from optional_extras import requires
 from tiny import tiny_llama, token_samples
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.cli import main
 from vlmtrain.logging.tracker import TrackerCallback
 from vlmtrain.logging.trackers import TRACKERS
 from vlmtrain.logging.writers import default_writers
-from vlmtrain.trainer import Trainer, TrainerCallback, TrainingArguments
+from vlmtrain.trainer import TrainerCallback
 
 pytestmark = pytest.mark.usefixtures("one_thread", "offline_trackers")
 

@@ -134,14 +134,17 @@ def test_create_model_card_writes_a_readme(tmp_path):
 
 
 def test_the_public_trainer_is_the_core_with_transformers_methods(tmp_path, capsys):
-    """vlmtrain.Trainer is what vlmtrain.trainer names Trainer (the trainer_class slot), a TrainerCore with
-    transformers' extra methods, which a user subclass reaches through super()."""
+    """vlmtrain.Trainer is a TrainerCore with transformers' extra methods, which a user subclass reaches through
+    super(). The core's package names no Trainer (it never imports the compat layer): asking it for one says
+    where it is."""
     import vlmtrain.trainer
     from vlmtrain.trainer import TrainerCore
 
     star: dict = {}
     exec("from vlmtrain.trainer import *", star)
-    assert vlmtrain.Trainer is vlmtrain.trainer.Trainer is star["Trainer"]
+    assert "Trainer" not in star and star["TrainerCore"] is TrainerCore
+    with pytest.raises(AttributeError, match=r"vlmtrain.trainer has no Trainer: it is vlmtrain.Trainer"):
+        vlmtrain.trainer.Trainer  # noqa: B018
     assert issubclass(vlmtrain.Trainer, TrainerCore) and not hasattr(TrainerCore, "log_metrics")
 
     class Mine(vlmtrain.Trainer):
@@ -157,16 +160,20 @@ def test_the_public_trainer_is_the_core_with_transformers_methods(tmp_path, caps
 
 def test_the_public_arguments_and_callbacks_are_the_compat_layers_and_a_trainer_without_args_gets_them(
         tmp_path, monkeypatch):
-    """vlmtrain.trainer names the compat layer's TrainingArguments (the core's TrainingArgumentsCore with
-    transformers' other names) and EarlyStoppingCallback, through their slots; a Trainer built without args gets
-    vlmtrain.TrainingArguments(), with transformers' names and derived values, as transformers' Trainer does."""
+    """vlmtrain.TrainingArguments (the core's TrainingArgumentsCore with transformers' other names) and
+    EarlyStoppingCallback are the compat layer's, which the core's package does not name; a Trainer built without
+    args gets vlmtrain.TrainingArguments() (its arguments_class part), with transformers' names and derived
+    values, as transformers' Trainer does."""
     import vlmtrain.trainer
     from vlmtrain.trainer import TrainingArgumentsCore
 
     star: dict = {}
     exec("from vlmtrain.trainer import *", star)
-    assert vlmtrain.TrainingArguments is vlmtrain.trainer.TrainingArguments is star["TrainingArguments"]
-    assert vlmtrain.EarlyStoppingCallback is vlmtrain.trainer.EarlyStoppingCallback is star["EarlyStoppingCallback"]
+    assert not {"TrainingArguments", "EarlyStoppingCallback"} & set(star)
+    for name in ("TrainingArguments", "EarlyStoppingCallback"):
+        with pytest.raises(AttributeError, match=f"it is vlmtrain.{name}"):
+            getattr(vlmtrain.trainer, name)
+    assert vlmtrain.Trainer.parts.arguments_class is vlmtrain.TrainingArguments
     assert issubclass(vlmtrain.TrainingArguments, TrainingArgumentsCore) and not hasattr(TrainingArgumentsCore, "do_eval")
     monkeypatch.chdir(tmp_path)
     trainer = vlmtrain.Trainer(model=tiny_llama())

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM, SiglipConfig, SiglipModel
 
+from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.tokenizers import build_char_tokenizer
 from vlmtrain.models.build import build_vlm
 from vlmtrain.models.projector import ModalityProjector, pixel_shuffle
 from vlmtrain.models.vlm import VisionLanguageModel, VLMConfig
-from vlmtrain.trainer import ConfigError, TrainingArguments
-from vlmtrain.trainer.checkpoint import load_model_weights
+from vlmtrain.trainer import ConfigError
 from vlmtrain.trainer.optim import build_param_groups
 
 VOCAB, IMG, PAD, EOS = 40, 5, 0, 2
@@ -280,7 +280,7 @@ def test_save_pretrained_round_trip_with_tied_decoder(tmp_path):
             assert loaded.decoder.lm_head.weight is loaded.decoder.get_input_embeddings().weight
             assert torch.equal(loaded.eval()(ids, mask, pixels)["logits"], ref)
         fresh = tiny_vlm(seed=7, tie_word_embeddings=True)
-        load_model_weights(fresh, str(tmp_path))
+        Trainer.parts.model_files.load_model_weights(fresh, str(tmp_path))
         assert torch.equal(fresh(ids, mask, pixels)["logits"], ref)
 
 

@@ -10,13 +10,13 @@ from vlmtrain.errors import ConfigError
 
 def resolve_checkpoint(path: str, output_dir: str) -> str:
     """A checkpoint dir; 'latest' or a run dir (holding checkpoint-N/) means its newest complete checkpoint."""
+    from vlmtrain.models.model_files import MODEL_FILES
     from vlmtrain.trainer.checkpoint import latest_checkpoint
-    from vlmtrain.trainer.model_files import has_model_files
 
     run_dir = output_dir if path == "latest" else path
     if not os.path.isdir(run_dir):
         raise ConfigError(f"checkpoint {path!r} does not exist (or is not a directory).")
-    if has_model_files(run_dir):  # full (one file or sharded), LoRA adapter, or FSDP shards
+    if MODEL_FILES.has_model_files(run_dir):  # full (one file or sharded), LoRA adapter, or FSDP shards
         return run_dir
     latest = latest_checkpoint(run_dir)
     if latest is None:

@@ -19,6 +19,7 @@ from vlmtrain.errors import ConfigError
 def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     """Build the data (cfg.data.source), the model and its processing (cfg.model.kind, initialized under
     cfg.train.seed) and a Trainer; with checkpoint, the model weights are loaded from that directory."""
+    from vlmtrain.compat.trainer import Trainer
     from vlmtrain.data.registry import get_source
     from vlmtrain.models.kinds import get_kind
     from vlmtrain.models.local_paths import check_local_model
@@ -41,11 +42,7 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     if cfg.data.pack_window and getattr(parts["data_collator"], "pack_length", None):
         _window_packing(cfg, parts)
     if checkpoint is not None:
-        from vlmtrain.trainer.checkpoint import load_model_weights
-
-        load_model_weights(parts["model"], checkpoint)
-
-    from vlmtrain.trainer import Trainer
+        Trainer.parts.model_files.load_model_weights(parts["model"], checkpoint)
 
     # The kinds' and sources' metrics score generated answers (exact match). Without generation evaluation
     # keeps only the losses (and head outputs): never the B x L x vocab logits of the whole eval set.

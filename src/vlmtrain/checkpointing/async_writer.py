@@ -8,8 +8,8 @@ the ranks agree whether every rank's writer is done, and then, as a synchronous 
 all, and kill -9 at any moment leaves at most a temporary directory that the next start removes. At most one save
 is in flight: the next save and the end of training wait for it.
 
-The trainer never imports this module: ``import vlmtrain`` puts :class:`AsyncCheckpointer` in its
-``checkpoint_writer`` slot, and the trainer writes synchronously when the slot is empty or the model is sharded.
+The trainer never imports this module: :class:`AsyncCheckpointer` is vlmtrain.Trainer's ``checkpoint_writer``
+part (trainer/parts.py); a Trainer without one, or with a sharded model, writes synchronously.
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ class AsyncCheckpointer:
     """Writes one checkpoint at a time in a background thread; see the module docstring. Every rank makes the
     same calls in the same order (save, poll, wait), as they hold collectives."""
 
-    def __init__(self, output_dir: str, rank: int, after_publish: Callable[[], None]) -> None:
+    def __init__(self, output_dir: str, rank: int, after_publish: Callable[[], None], model_files: Any) -> None:
+        """``model_files``: the Trainer's format of the model's files (its ``model_files`` part)."""
         self.output_dir, self.rank, self.after_publish = output_dir, rank, after_publish
+        self.model_files = model_files
         self._thread: threading.Thread | None = None
         self._step: int | None = None
         self._error: Exception | None = None
@@ -76,7 +78,7 @@ class AsyncCheckpointer:
             nonlocal snapshot, write_model
             snapshot = cpu_snapshot(files())
             if self.rank == 0:
-                write_model = functools.partial(ckpt.save_model_files, cpu_model_copy(model),
+                write_model = functools.partial(self.model_files.save_model_files, cpu_model_copy(model),
                                                 processing_class=processing_class)
 
         tmp = ckpt.start_checkpoint(self.output_dir, step, self.rank, error=ckpt.capture(take))

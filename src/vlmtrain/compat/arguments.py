@@ -15,7 +15,7 @@ is either
 rows, written by scripts/gen_migrating.py). :func:`apply` is what TrainingArguments does with transformers'
 conventions at construction (JSON dict strings, refused values, aliases and value forms, report_to's names,
 do_eval), before the core's checks; transformers' derived values come from vlmtrain.compat.arguments_methods.
-``import vlmtrain`` puts the class in the trainer's ``arguments_class`` slot.
+vlmtrain.Trainer's ``arguments_class`` part is this class.
 """
 
 from __future__ import annotations

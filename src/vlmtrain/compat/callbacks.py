@@ -1,5 +1,4 @@
-"""transformers' stock EarlyStoppingCallback, which the loop never uses: ``vlmtrain.EarlyStoppingCallback`` (and
-``vlmtrain.trainer.EarlyStoppingCallback``, the trainer's ``early_stopping_callback`` slot)."""
+"""transformers' stock EarlyStoppingCallback, which the loop never uses: ``vlmtrain.EarlyStoppingCallback``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Resuming from a checkpoint that transformers' Trainer wrote: it has no ``loop_state_<rank>.pt`` (vlmtrain's
 data position and logging window), so the position follows from its global_step, by transformers' rule. The
-trainer never imports this module: ``import vlmtrain`` puts :func:`position_from_step` in its
-``step_position`` slot."""
+trainer never imports this module: :func:`position_from_step` is vlmtrain.Trainer's
+``step_position`` part (trainer/parts.py)."""
 
 from __future__ import annotations
 

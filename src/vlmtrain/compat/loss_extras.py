@@ -1,7 +1,7 @@
 """transformers' TrainingArguments options around the loss and evaluation's metrics: label smoothing
 (label_smoothing_factor) and compute_metrics batch by batch (batch_eval_metrics), each as in transformers'
-Trainer. They reach the trainer through its ``label_smoothing`` and ``batch_eval_metrics`` slots, filled when
-``vlmtrain`` is imported."""
+Trainer. They reach the trainer as vlmtrain.Trainer's ``label_smoothing`` and ``batch_eval_metrics`` parts
+(trainer/parts.py)."""
 
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ class Seq2SeqTrainer(Trainer):
         for name in ("num_beams", "max_length"):
             if name in gen_kwargs and gen_kwargs[name] is None:
                 gen_kwargs.pop(name)
-        gen_kwargs.setdefault("synced_gpus", sharding_of(self.model) is not None)  # (FSDP: ranks forward in step)
+        # (FSDP: ranks forward in step)
+        gen_kwargs.setdefault("synced_gpus", sharding_of(self.model, self.parts.sharding) is not None)
         generation_inputs = inputs
         labels, decoder_ids = inputs.get("labels"), inputs.get("decoder_input_ids")
         if isinstance(labels, torch.Tensor) and isinstance(decoder_ids, torch.Tensor) and labels.shape == decoder_ids.shape:

@@ -1,18 +1,60 @@
 """vlmtrain's public Trainer: the trainer core (vlmtrain/trainer/trainer.py: the loop, evaluation, checkpoints)
 with transformers' counts (counts.py), its dropping of unused dataset columns (columns.py), what its evaluation
-and predict report (evaluation.py) and its extra public methods (trainer_methods.py). ``import vlmtrain`` puts it in the trainer's ``trainer_class`` slot, so
-``vlmtrain.trainer.Trainer`` is this class too."""
+and predict report (evaluation.py) and its extra public methods (trainer_methods.py), and :data:`PARTS`: every part
+the core takes from the layers above it (trainer/parts.py), set here and nowhere else. A Trainer swaps one for
+itself: ``Trainer(..., parts=dataclasses.replace(Trainer.parts, flop_counter=mine))``, or in a subclass
+``parts = dataclasses.replace(vlmtrain.Trainer.parts, flop_counter=mine)``."""
 
 from __future__ import annotations
 
+from ..checkpointing.async_writer import AsyncCheckpointer
+from ..data.collate import DefaultCollator
+from ..data.step_data import step_sampling
+from ..evaluation.async_eval import checkpoint_evaluator
+from ..logging.eval_samples import save_eval_samples
+from ..logging.throughput import WindowRates
+from ..logging.writers import logging_callbacks
+from ..models.flops import flop_counter
+from ..models.generation import GREEDY
+from ..models.liger import apply_liger_kernel
+from ..models.lm_loss import causal_lm_targets
+from ..models.model_files import MODEL_FILES
+from ..models.training_prep import compile_model, enable_activation_checkpointing
+from ..parallel.fsdp import FSDP_PLAN
+from ..trainer.parts import TrainerParts
 from ..trainer.trainer import TrainerCore
+from .arguments import TrainingArguments
 from .auto_batch_size import AutoBatchSize
 from .callback_handler import TransformersCallbackHandler
+from .checkpoints import position_from_step
 from .columns import TransformersColumns
 from .counts import TransformersCounts
 from .evaluation import TransformersEvaluation
+from .loss_extras import BatchEvalMetrics, LabelSmoothing
 from .trainer_internals import TransformersTrainerInternals
 from .trainer_methods import TransformersTrainerMethods
+
+PARTS = TrainerParts(
+    arguments_class=TrainingArguments,  # transformers' names and conventions (compat/arguments.py)
+    default_collator=DefaultCollator,  # pads text, stacks images (data/collate.py)
+    logging_callbacks=logging_callbacks,  # progress bar, metrics.jsonl, report_to's trackers (logging/writers.py)
+    checkpoint_evaluator=checkpoint_evaluator,  # train.async_eval (evaluation/async_eval.py)
+    eval_samples=save_eval_samples,  # per-sample evaluation results for the report (logging/eval_samples.py)
+    label_smoothing=LabelSmoothing,  # label_smoothing_factor (compat/loss_extras.py)
+    batch_eval_metrics=BatchEvalMetrics,  # batch_eval_metrics=True (compat/loss_extras.py)
+    step_sampling=step_sampling,  # datasets that follow the training step (data/step_data.py)
+    loss_targets=causal_lm_targets,  # a transformers causal LM's target count (models/lm_loss.py)
+    flop_counter=flop_counter,  # tflops_per_second and mfu (models/flops.py)
+    window_rates=WindowRates,  # samples, tokens, FLOPs per second, data wait, pack fill (logging/throughput.py)
+    liger_kernel=apply_liger_kernel,  # use_liger_kernel (models/liger.py)
+    activation_checkpointing=enable_activation_checkpointing,  # (models/training_prep.py)
+    compile_model=compile_model,  # torch_compile, layer by layer where a model asks for it (models/training_prep.py)
+    generation=GREEDY,  # predict_with_generate (models/generation.py)
+    model_files=MODEL_FILES,  # Hugging Face layouts, LoRA adapters, score heads, DCP shards (models/model_files.py)
+    sharding=FSDP_PLAN,  # train.fsdp (parallel/fsdp.py)
+    checkpoint_writer=AsyncCheckpointer,  # train.async_checkpoint (checkpointing/async_writer.py)
+    step_position=position_from_step,  # resume of transformers' checkpoints (compat/checkpoints.py)
+)
 
 
 class Trainer(AutoBatchSize, TransformersTrainerInternals, TransformersTrainerMethods, TransformersCounts,
@@ -22,3 +64,4 @@ class Trainer(AutoBatchSize, TransformersTrainerInternals, TransformersTrainerMe
     on any map-style or iterable dataset of dict samples. Override the named steps to change behaviour."""
 
     callback_handler_class = TransformersCallbackHandler
+    parts = PARTS

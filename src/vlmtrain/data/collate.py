@@ -1,4 +1,4 @@
-"""The default collator (the Trainer's when no data_collator is given, through its ``default_collator`` slot): stack
+"""The default collator (the Trainer's when no data_collator is given, through its ``default_collator`` part): stack
 equal-shaped values, right-pad 1-D sequences of different lengths, with transformers' ``default_data_collator``
 conventions; and the padding helper the other collators of data/ use."""
 

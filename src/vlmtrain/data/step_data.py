@@ -4,8 +4,8 @@ Such a dataset declares ``follows_step = True`` and defines ``get_item_at_step(i
 sampler then yields ``(index, step)`` pairs, where step is the number of optimizer steps done before the step
 that sample feeds: a function of the sample's position in the data order, so data-loader workers, prefetching
 and resumes see exactly what an uninterrupted 0-worker run sees. No message goes from the loop to the dataset.
-The Trainer gets the dataset and sampler through its ``step_sampling`` slot (:func:`step_sampling`, filled by
-``import vlmtrain``) and sets the sampler's ``first_step`` as each epoch begins.
+The Trainer gets the dataset and sampler through its ``step_sampling`` part (:func:`step_sampling` in
+vlmtrain.Trainer) and sets the sampler's ``first_step`` as each epoch begins.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class StepSampler(StatefulDistributedSampler):
 
 def step_sampling(dataset: Any, num_replicas: int, rank: int, seed: int, batch_size: int,
                   gradient_accumulation_steps: int) -> tuple[ItemsAtStep, StepSampler] | None:
-    """The Trainer's ``step_sampling`` slot: for a train dataset that follows the step, the dataset indexed
+    """The Trainer's ``step_sampling`` part: for a train dataset that follows the step, the dataset indexed
     by ``(index, step)`` pairs and its sampler; None for any other. :func:`check_step_dataset` comes first."""
     check_step_dataset(dataset)
     if not follows_step(dataset):

@@ -31,7 +31,6 @@ from typing import Any
 from ..errors import ConfigError
 from ..logging.eval_samples import THUMBNAIL_DIR
 from ..trainer import checkpoint as ckpt
-from ..trainer import plugins
 
 DIR = "async_eval"
 DEFAULT_COMMAND = ("{python}", "-m", "vlmtrain", "eval", "--config", "{run_dir}/config.yaml", "--checkpoint",
@@ -383,5 +382,3 @@ def checkpoint_evaluator(args: Any) -> AsyncEvaluator | None:
     """The trainer's ``checkpoint_evaluator``: rank 0's AsyncEvaluator when train.async_eval is on, else None."""
     return AsyncEvaluator(args) if args.async_eval else None
 
-
-plugins.register("checkpoint_evaluator", checkpoint_evaluator)

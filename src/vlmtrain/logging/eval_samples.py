@@ -32,8 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from ..trainer import plugins
-
 logger = logging.getLogger(__name__)
 
 THUMBNAIL_SIZE = 96
@@ -51,7 +49,7 @@ def samples_path(output_dir: str, step: int) -> str:
 
 def save_eval_samples(trainer: Any, dataset: Any, output: Any, metric_key_prefix: str) -> str | None:
     """Write (rank 0) the per-sample results of one evaluated set; returns the file's path, or None when
-    nothing was written. Called by Trainer.evaluate once per eval set (its ``eval_samples`` slot)."""
+    nothing was written. Called by Trainer.evaluate once per eval set (its ``eval_samples`` part)."""
     state = trainer.state
     if trainer.rank != 0 or not (state.max_steps or state.global_step) or not trainer.args.output_dir:
         return None  # no step to name the file by: neither training nor a checkpoint's evaluation
@@ -233,5 +231,3 @@ def score_rows(rows: list[dict[str, Any]]) -> None:
         if verdicts:
             row["correct"] = all(verdicts)
 
-
-plugins.register("eval_samples", save_eval_samples)

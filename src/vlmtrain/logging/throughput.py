@@ -1,12 +1,12 @@
 """A logging window's rates: samples and tokens per second, the time spent waiting for data, training FLOPs per
 second and MFU, and how full packed rows are. The Trainer's Throughput (trainer/stats.py) counts the window's
-samples and skipped samples and reaches these figures through its ``window_rates`` slot, which ``import vlmtrain``
-fills with :class:`WindowRates`.
+samples and skipped samples and reaches these figures through its ``window_rates`` part, :class:`WindowRates` in
+vlmtrain.Trainer (trainer/parts.py).
 
 A batch's ``pack_stats`` (from a collator: samples, real tokens, rows, capacity, images) gives the real token
 counts of packed batches and the window's ``pack_fill`` (real tokens / row capacity), ``padding_fraction`` and
 ``images_per_pack`` (images per row). With ``flops`` (batch -> training FLOPs, from the trainer's
-``flop_counter`` slot: models/flops.py) also ``tflops_per_second`` per device, and ``mfu`` with ``peak_tflops``;
+``flop_counter`` part: models/flops.py) also ``tflops_per_second`` per device, and ``mfu`` with ``peak_tflops``;
 a window in which counting a batch failed on some rank logs neither (a warning names the cause), later windows
 do again.
 """

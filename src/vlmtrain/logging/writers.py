@@ -1,5 +1,5 @@
 """Log writers as callbacks: metrics.jsonl always, the trackers of report_to (trackers.py) when asked for. Every
-Trainer gets them, after the progress bar, through the trainer's ``logging_callbacks`` slot (filled here)."""
+Trainer gets them, after the progress bar, through vlmtrain.Trainer's ``logging_callbacks`` part (trainer/parts.py))."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import math
 import os
 import warnings
 
-from ..trainer import plugins
 from ..trainer.callbacks import TrainerCallback
 from .console import PrinterCallback, ProgressCallback
 from .tensorboard import TensorBoardCallback  # noqa: F401 - its old home
@@ -110,5 +109,3 @@ def logging_callbacks(args) -> list[TrainerCallback]:
     progress = PrinterCallback() if args.disable_tqdm else ProgressCallback()
     return [progress, *default_writers(args)]
 
-
-plugins.register("logging_callbacks", logging_callbacks)

@@ -30,7 +30,7 @@ families: ``Family.image_tokens``, for every family vlmtrain ships). A model the
 counter does not understand (no attention layers found, unknown matmul parameters, mixture-of-experts, a
 vision tower without that callable) gets no count, with one warning.
 
-The trainer logs these through its ``flop_counter`` slot (trainer/plugins.py), which ``import vlmtrain`` fills
+The trainer logs these through its ``flop_counter`` part (trainer/parts.py), which vlmtrain.Trainer sets
 with :func:`flop_counter`.
 """
 

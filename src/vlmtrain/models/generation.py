@@ -1,6 +1,6 @@
 """Generation for the Trainer's predict_with_generate, in transformers' generate() conventions: greedy decoding
 with the tokenizer's pad id, ``synced_gpus`` for FSDP ranks on different batches, and the new tokens decoded to
-texts. ``import vlmtrain`` puts :data:`GREEDY` in the trainer's ``generation`` slot (trainer/plugins.py)."""
+texts. :data:`GREEDY` is vlmtrain.Trainer's ``generation`` part (trainer/parts.py)."""
 
 from __future__ import annotations
 

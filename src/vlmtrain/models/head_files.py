@@ -115,7 +115,7 @@ def attach_heads(model: nn.Module, directory: str) -> WithHeads:
 
 class HeadFiles:
     """The score heads' side of the checkpoint-parts protocol (model_files.py; ``import
-    vlmtrain`` registers :data:`HEAD_PARTS` in its ``checkpoint_parts`` slot): a WithHeads model's base is saved
+    vlmtrain`` writes with :data:`HEAD_PARTS` among model_files.PART_KINDS): a WithHeads model's base is saved
     in model_files.py's layouts, its heads in heads.safetensors + heads.json, which the methods below write, check
     and load."""
 

@@ -12,8 +12,8 @@ calls (a Qwen3-VL built later in the same process, on CUDA, also runs Liger's Ro
 
 Bad input is a ConfigError before training, naming the setting: liger-kernel not installed, no CUDA device (the
 kernels are Triton, GPU only), a model of a family Liger does not cover, a loss kernel asked for in
-liger_kernel_config. ``import vlmtrain`` puts :func:`apply_liger_kernel` in the trainer's ``liger_kernel`` slot
-(trainer/plugins.py); the hub_vlm kind checks a run's config with :func:`check_liger` before loading the model.
+liger_kernel_config. :func:`apply_liger_kernel` is vlmtrain.Trainer's ``liger_kernel`` part
+(trainer/parts.py); the hub_vlm kind checks a run's config with :func:`check_liger` before loading the model.
 """
 
 from __future__ import annotations

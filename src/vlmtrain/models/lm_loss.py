@@ -51,7 +51,7 @@ def causal_lm_targets(model: Any, inputs: dict[str, Any]) -> torch.Tensor | None
     is the causal-LM one (causal LMs, and VLMs such as Qwen3-VL whose loss_type is ForConditionalGeneration:
     both average over the shifted labels), those labels counted; an encoder-decoder's (Bart, T5: the same
     loss_type, but the decoder's labels are its targets, unshifted) all its labels; else None. The trainer's
-    ``loss_targets`` slot."""
+    ``loss_targets`` part."""
     labels = inputs.get("labels")
     if _causal_lm_loss(model) and isinstance(labels, torch.Tensor):
         if getattr(getattr(model, "config", None), "is_encoder_decoder", False):

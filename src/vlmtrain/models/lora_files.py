@@ -1,7 +1,7 @@
 """A LoRA model's files (peft's layout): `adapter_model.safetensors` + `adapter_config.json` (adapters and
 modules_to_save) and `trainable.safetensors` for any other trainable base tensor; the frozen base is never
 written. :data:`ADAPTER_PARTS` is LoRA's side of the checkpoint-parts protocol (model_files.py):
-the adapter stands in for the base model's own files (``replaces_base``), and ``import vlmtrain`` registers it."""
+the adapter stands in for the base model's own files (``replaces_base``), one of model_files.PART_KINDS."""
 
 from __future__ import annotations
 

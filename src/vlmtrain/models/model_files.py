@@ -1,6 +1,6 @@
 """The Hugging Face layouts of a model's weights in a checkpoint directory: what is written, what counts as
-complete, how it is loaded back. The trainer reaches them through its ``model_files`` slot (trainer/model_files.py),
-which ``import vlmtrain`` fills with :class:`HubModelFiles`.
+complete, how it is loaded back. :data:`MODEL_FILES` is vlmtrain.Trainer's ``model_files`` part (trainer/parts.py; the
+methods trainer/model_files.py names) and the format every reader of vlmtrain's checkpoints uses.
 
 A model's full weights are `model.safetensors`, or shards listed in `model.safetensors.index.json` (+
 `config.json`), what `save_pretrained` writes; transformers models are loaded back through their own
@@ -15,8 +15,8 @@ trainable parameters gathered to rank 0); a full fine-tune keeps its weights in 
 whole model names them; sharded_files.py reads them in one process) with the parts' files and the config beside
 them.
 
-Checkpoint-parts protocol: the trainer's ``checkpoint_parts`` slot (which ``import vlmtrain`` fills with
-:data:`PART_KINDS`) lists one object per kind of part, each with
+Checkpoint-parts protocol: :class:`HubModelFiles` is made with one object per kind of part (:data:`PART_KINDS`,
+the default), each with
   - ``owns(model)``: whether ``model`` saves in these parts;
   - ``part_files``: (config file, weights file): a checkpoint with the config lacks nothing only with the
     weights too;
@@ -77,8 +77,8 @@ def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
 
 class HubModelFiles:
     """The trainer's model-files format (trainer/model_files.py) for Hugging Face models, peft adapters, score
-    heads and plain modules alike. ``import vlmtrain`` puts the class in the ``model_files`` slot; the trainer
-    makes it with the kinds of parts and the reader of DCP shards registered in its slots."""
+    heads and plain modules alike, made with the kinds of parts a model may save in and the reader of DCP
+    shards."""
 
     def __init__(self, part_kinds: tuple[Any, ...] = PART_KINDS,
                  read_sharded: Callable[[str], dict[str, torch.Tensor]] | None = read_model_weights) -> None:
@@ -254,3 +254,6 @@ class HubModelFiles:
         if unexpected or bad_missing:
             raise CheckpointError(f"Weights in {directory!r} do not fit {type(model).__name__}: missing "
                                   f"{bad_missing[:5]}, unexpected {unexpected[:5]}.")
+
+
+MODEL_FILES = HubModelFiles()  # the format vlmtrain writes and reads checkpoints in (vlmtrain.Trainer's part)

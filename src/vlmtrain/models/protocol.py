@@ -10,7 +10,7 @@ MODULE_GROUPS_ATTR = "vlmtrain_module_groups"
 module_learning_rates; LoRA's modules_to_save and the FLOP counter read it here)."""
 REGIONAL_COMPILE_ATTR = "vlmtrain_regional_compile"
 """True: ``torch_compile`` compiles the model layer by layer (models/training_prep.py, in the trainer's
-``compile_model`` slot)."""
+``compile_model`` part)."""
 
 
 def module_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -1,6 +1,6 @@
 """A model's weights read from an FSDP full fine-tune's checkpoint (torch.distributed.checkpoint shards in
 `dcp/`, keys as the whole model names them), in one process: for inference, export, and the trainer loading
-such a checkpoint into an unsharded model (its ``read_sharded_weights`` slot, filled by ``import vlmtrain``)."""
+such a checkpoint into an unsharded model (model_files.py's HubModelFiles reads them with it)."""
 
 from __future__ import annotations
 

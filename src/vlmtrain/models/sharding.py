@@ -1,5 +1,5 @@
-"""How a model is cut for FSDP (train.fsdp), which depends on its structure: the blocks sharded one by one (the
-trainer's ``fsdp_blocks`` slot, filled by ``import vlmtrain``), and the sharding of a model that only rank 0
+"""How a model is cut for FSDP (train.fsdp), which depends on its structure: the blocks sharded one by one (what
+parallel/fsdp.py shards first), and the sharding of a model that only rank 0
 built with weights (the others hold a meta-device skeleton: models/meta.py's sharded_build)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the Trainer has done to a model's structure before training, for TrainingArguments'
 activation_checkpointing and torch_compile: transformers' activation checkpointing switched on in the models it
-holds, and regional compilation of its transformer layers. ``import vlmtrain`` puts them in the trainer's
-``activation_checkpointing`` and ``compile_model`` slots (trainer/plugins.py)."""
+holds, and regional compilation of its transformer layers. They are vlmtrain.Trainer's
+``activation_checkpointing`` and ``compile_model`` parts (trainer/parts.py)."""
 
 from __future__ import annotations
 

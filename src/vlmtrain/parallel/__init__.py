@@ -1,2 +1,2 @@
 """How a model's state is spread over the ranks beyond DDP's replicas: FSDP2 sharding and its DCP checkpoints
-(fsdp.py), which the trainer reaches through its ``sharding`` slot (trainer/sharding.py)."""
+(fsdp.py), which the trainer reaches as vlmtrain.Trainer's ``sharding`` part (trainer/sharding.py)."""

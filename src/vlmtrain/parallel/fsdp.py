@@ -6,14 +6,15 @@ A model with frozen weights (LoRA) saves only what trains: its trainable paramet
 one unsharded state dict keyed by parameter name (:func:`full_optimizer_state`), re-split over any world size
 at resume.
 
-Sharding units: the blocks the model layer names (the ``fsdp_blocks`` slot: every transformer block, the classes
+Sharding units: the blocks the model layer names (every transformer block, the classes
 transformers lists in `_no_split_modules`; models/sharding.py), then the root module (embeddings, tied heads,
 norms, the VLM projector). With bf16, the blocks compute in bfloat16 from float32 master weights and reduce
 gradients in float32 (FSDP's MixedPrecisionPolicy). A model that only rank 0 built with weights is sharded from
 there by models/sharding.py's shard_from_rank0.
 
-The trainer never imports this module: it calls these functions through :class:`FSDPPlan`, which fills its
-``sharding`` slot (trainer/sharding.py) when ``vlmtrain`` is imported.
+The trainer never imports this module: it calls these functions through :class:`FSDPPlan`, vlmtrain.Trainer's
+``sharding`` part (trainer/parts.py). The plan writes and reads model files in the model layer's format
+(models/model_files.py's MODEL_FILES, vlmtrain.Trainer's ``model_files`` part too).
 """
 
 from __future__ import annotations
@@ -26,18 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmtrain.models.model_files import MODEL_FILES
+from vlmtrain.models.sharding import transformer_blocks
 from vlmtrain.trainer import checkpoint as ckpt
-from vlmtrain.trainer import plugins
-from vlmtrain.trainer.model_files import (
-    DCP_DIR,
-    CheckpointError,
-    has_score_heads,
-    has_sharded_weights,
-    load_model_weights,
-    save_head_files,
-    save_model_files,
-    saves_trainable_only,
-)
+from vlmtrain.trainer.model_files import DCP_DIR, CheckpointError, has_sharded_weights
 from vlmtrain.trainer.sharding import keyed_by_name
 
 
@@ -48,13 +41,12 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
-    """fully_shard each of the model's blocks (the ``fsdp_blocks`` slot: every transformer block, see
-    models/sharding.py; none when it is empty), then the root, in place over the default process group."""
+    """fully_shard each of the model's blocks (every transformer block: models/sharding.py), then the root, in place over the default process group."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
-    for block in plugins.lookup("fsdp_blocks", lambda _: [])(model):
+    for block in transformer_blocks(model):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
@@ -87,14 +79,14 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, output_d
     trainable parameters and their optimizer state gathered to rank 0 and written like an unsharded LoRA
     checkpoint's, never the frozen base. A full fine-tune: each rank writes its shards of model and optimizer
     (DCP), rank 0 what from_pretrained needs besides the weights and the score heads, gathered."""
-    if saves_trainable_only(model):
+    if MODEL_FILES.saves_trainable_only(model):
         state = gather_trainable(model)
         optimizer_state = full_optimizer_state(model, optimizer)
         if rank == 0:
             files["optimizer.pt"] = optimizer_state
-        return ckpt.write_checkpoint(output_dir, step, files,
-                                     lambda d: save_model_files(model, d, processing_class, state), rank=rank)
-    heads = gather_params(model, "heads.layers.") if has_score_heads(model) else None
+        return ckpt.write_checkpoint(output_dir, step, files, rank=rank,
+                                     write_model=lambda d: MODEL_FILES.save_model_files(model, d, processing_class, state))
+    heads = gather_params(model, "heads.layers.") if MODEL_FILES.has_score_heads(model) else None
     return ckpt.write_checkpoint(output_dir, step, files, lambda d: _save_model_config(model, d, processing_class, heads),
                                  rank=rank, write_sharded=lambda d: save_sharded(model, optimizer, d))
 
@@ -109,7 +101,7 @@ def _save_model_config(model: nn.Module, directory: str, processing_class: Any,
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(directory)
     if heads is not None:
-        save_head_files(model, directory, heads)
+        MODEL_FILES.save_head_files(model, directory, heads)
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
@@ -182,9 +174,9 @@ def gather_params(model: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
 def save_full_model(model: nn.Module, directory: str, processing_class: Any, rank: int) -> None:
     """Gather the sharded model and write it like an unsharded one (rank 0 writes; every rank must call). With
     LoRA only the trainable parameters are gathered: the files hold the adapter, never the frozen base."""
-    state = gather_trainable(model) if saves_trainable_only(model) else full_state_dict(model)
+    state = gather_trainable(model) if MODEL_FILES.saves_trainable_only(model) else full_state_dict(model)
     if rank == 0:
-        save_model_files(model, directory, processing_class, state_dict=state)
+        MODEL_FILES.save_model_files(model, directory, processing_class, state_dict=state)
 
 
 def load_model_state(model: nn.Module, directory: str) -> None:
@@ -200,7 +192,7 @@ def load_model_state(model: nn.Module, directory: str) -> None:
         _load_dcp_model(model, directory, saved)
         return
     with _full_tensors_into_shards(model):
-        load_model_weights(model, directory)
+        MODEL_FILES.load_model_weights(model, directory)
 
 
 def _dcp_model_keys(directory: str) -> set[str]:
@@ -259,8 +251,8 @@ def _full_tensors_into_shards(model: nn.Module) -> Iterator[None]:
 
 class FSDPPlan:
     """The trainer's :class:`~vlmtrain.trainer.sharding.ShardingPlan` for train.fsdp: FSDP2's ``fully_shard``
-    and DCP checkpoints, the functions of this module. ``import vlmtrain`` puts it in the ``sharding``
-    slot."""
+    and DCP checkpoints, the functions of this module. vlmtrain.Trainer's ``sharding`` part
+    (compat/trainer.py)."""
 
     is_sharded = staticmethod(is_sharded)
     shard_model = staticmethod(shard_model)
@@ -272,5 +264,4 @@ class FSDPPlan:
     save_full_model = staticmethod(save_full_model)
 
 
-FSDP_PLAN = FSDPPlan()
-plugins.register("sharding", FSDP_PLAN)
+FSDP_PLAN = FSDPPlan()  # vlmtrain.Trainer's sharding part (compat/trainer.py)

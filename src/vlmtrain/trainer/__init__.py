@@ -1,33 +1,30 @@
-"""The training engine: transformers' Trainer API in a small core (:class:`TrainerCore`). ``Trainer`` here is
-``vlmtrain.Trainer``, the core with transformers' counts, evaluation conventions and extra public methods,
-which ``import vlmtrain`` registers in the ``trainer_class`` slot (the compat layer above defines it,
-TrainingArguments, the core's TrainingArgumentsCore with transformers' other names, and EarlyStoppingCallback)."""
+"""The training engine: transformers' Trainer API in a small core (:class:`TrainerCore`, with its
+:class:`TrainingArgumentsCore`), which takes what the layers above it provide as its :class:`TrainerParts`.
+``vlmtrain.Trainer`` is the core with transformers' counts, evaluation conventions, extra public methods and every
+part set (vlmtrain/compat/trainer.py); ``vlmtrain.TrainingArguments`` and ``vlmtrain.EarlyStoppingCallback`` are
+the compat layer's too. This package names none of them: it never imports the layers above it."""
 
 from typing import Any
 
 from ..errors import ConfigError
-from . import plugins
 from .args import TrainingArgumentsCore
 from .callbacks import CallbackHandler, DefaultFlowCallback, ExportableState, TrainerCallback
 from .checkpoint import CheckpointError
+from .parts import TrainerParts
 from .setup import set_seed
 from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
 from .trainer import TrainerCore
 
 __all__ = [
-    "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
-    "EvalLoopOutput", "EvalPrediction", "ExportableState", "PredictionOutput", "Trainer", "TrainerCallback", "TrainerCore",
-    "TrainerControl", "TrainerState", "TrainOutput", "TrainingArguments", "TrainingArgumentsCore", "set_seed",
+    "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EvalLoopOutput", "EvalPrediction",
+    "ExportableState", "PredictionOutput", "TrainerCallback", "TrainerControl", "TrainerCore", "TrainerParts",
+    "TrainerState", "TrainOutput", "TrainingArgumentsCore", "set_seed",
 ]
 
 
-# the public names the compat layer above defines: name -> the slot that holds it
-_FROM_SLOTS = {"Trainer": "trainer_class", "TrainingArguments": "arguments_class",
-               "EarlyStoppingCallback": "early_stopping_callback"}
-
-
 def __getattr__(name: str) -> Any:
-    """The public classes of _FROM_SLOTS, from their slots (PEP 562: looked up on each access)."""
-    if name in _FROM_SLOTS:
-        return plugins.require(_FROM_SLOTS[name])
+    """An AttributeError that says where the public classes this package once named live."""
+    if name in ("Trainer", "TrainingArguments", "EarlyStoppingCallback"):
+        raise AttributeError(f"vlmtrain.trainer has no {name}: it is vlmtrain.{name} (`from vlmtrain import {name}`); "
+                             f"vlmtrain.trainer holds the core (TrainerCore, TrainingArgumentsCore, TrainerParts).")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

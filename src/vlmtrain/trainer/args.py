@@ -35,9 +35,9 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
 @dataclass
 class TrainingArgumentsCore(CoreArguments):
     """Everything about how to train that the trainer core reads. Invalid combinations fail here, at construction.
-    ``vlmtrain.TrainingArguments`` (what ``vlmtrain.trainer.TrainingArguments`` names and a Trainer without args
-    builds: the ``arguments_class`` slot) adds the higher layers' arguments (evaluation, logging), transformers'
-    other names, its conventions, derived values and serializations (world_size, should_save, to_dict(), ...)."""
+    ``vlmtrain.TrainingArguments`` (what vlmtrain.Trainer without args builds: its ``arguments_class`` part) adds
+    the higher layers' arguments (evaluation, logging), transformers' other names, its conventions, derived
+    values and serializations (world_size, should_save, to_dict(), ...)."""
 
     def __post_init__(self) -> None:
         self._resolve_defaults()
@@ -150,7 +150,7 @@ class TrainingArgumentsCore(CoreArguments):
 
     def _check_liger(self) -> None:
         """liger_kernel_config needs use_liger_kernel and keeps the loss kernels off (the model and device are
-        checked where the Trainer prepares the model: the ``liger_kernel`` slot, models/liger.py)."""
+        checked where the Trainer prepares the model: the ``liger_kernel`` part, models/liger.py)."""
         config = self.liger_kernel_config
         if config is None:
             return

@@ -20,20 +20,13 @@ import numpy as np
 import torch
 
 from .distributed import barrier, failed_ranks
-from .model_files import (  # noqa: F401  (the model files' formats; re-exported for callers of this module)
-    DCP_DIR,
-    MODEL_NAME,
-    CheckpointError,
-    load_model_weights,
-    missing_weight_files,
-    save_model_files,
-)
+from .model_files import DCP_DIR, MODEL_NAME, CheckpointError, PlainModelFiles  # noqa: F401 (for callers)
 
 PREFIX = "checkpoint"
 TMP_PREFIX = ".tmp-checkpoint-"
 STATE_NAME = "trainer_state.json"
 ARGS_NAME = "training_args.bin"  # torch.save(args), as transformers writes it (never read back on resume)
-REQUIRED = (STATE_NAME, "optimizer.pt", "scheduler.pt")  # plus the model's files: see missing_weight_files
+REQUIRED = (STATE_NAME, "optimizer.pt", "scheduler.pt")  # plus the model's files (its model_files part's)
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 
 
@@ -59,14 +52,15 @@ def latest_checkpoint(output_dir: str) -> str | None:
     return ckpts[-1] if ckpts else None
 
 
-def check_complete(path: str, rank: int = 0) -> None:
+def check_complete(path: str, rank: int = 0, files: Any = PlainModelFiles) -> None:
+    """A CheckpointError naming what ``path`` lacks: its files, or the model's as the ``files`` format needs them."""
     if not os.path.isdir(path):
         raise CheckpointError(f"resume_from_checkpoint={path!r} does not exist (or is not a directory).")
     if os.path.isdir(os.path.join(path, DCP_DIR)):  # FSDP: model and optimizer shards in DCP format
         required = (STATE_NAME, "scheduler.pt", os.path.join(DCP_DIR, ".metadata"))
     else:
         required = REQUIRED
-    missing = [f for f in required if not os.path.isfile(os.path.join(path, f))] + missing_weight_files(path)
+    missing = [f for f in required if not os.path.isfile(os.path.join(path, f))] + files.missing_weight_files(path)
     if not any(os.path.isfile(os.path.join(path, name)) for name in rng_state_names(rank)):
         missing.append(rng_state_names(rank)[0])
     if missing:
@@ -143,7 +137,7 @@ def load_rng_state(directory: str, rank: int) -> dict:
 # A save has three parts, each closed by an agreement of every rank (one rank's error, e.g. a full disk, fails
 # them all at once): start_checkpoint (rank 0 makes the temporary directory), write_files (each rank its own
 # files; rank 0 also the model) and publish_checkpoint (rank 0 renames the directory into place). Synchronous
-# saves run them in a row (write_checkpoint); the checkpoint_writer slot's writer, write_files in a thread.
+# saves run them in a row (write_checkpoint); the checkpoint_writer part's writer, write_files in a thread.
 def temp_dir(output_dir: str, step: int) -> str:
     return os.path.join(output_dir, f"{TMP_PREFIX}{step}")
 
@@ -289,9 +283,11 @@ def resume_requested(resume: str | bool | None) -> bool:
     return not (resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "false", "none")))
 
 
-def resolve_resume(resume: str | bool | None, output_dir: str, rank: int = 0) -> str | None:
-    """A complete checkpoint to resume from: an explicit path, or for True/'true'/'latest' the newest
-    complete one in output_dir (None, with a warning, when there is none)."""
+def resolve_resume(resume: str | bool | None, output_dir: str, rank: int = 0,
+                   files: Any = PlainModelFiles) -> str | None:
+    """A complete checkpoint to resume from (its model's files as the ``files`` format writes them): an explicit
+    path, or for True/'true'/'latest' the newest complete one in output_dir (None, with a warning, when there is
+    none)."""
     if not resume_requested(resume):
         return None
     if resume is True or (isinstance(resume, str) and resume.lower() in ("true", "latest")):
@@ -301,9 +297,9 @@ def resolve_resume(resume: str | bool | None, output_dir: str, rank: int = 0) ->
             warnings.warn(f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint: "
                           "starting from scratch.", stacklevel=3)
         else:
-            check_complete(latest, rank)
+            check_complete(latest, rank, files)
         return latest
-    check_complete(resume, rank)
+    check_complete(resume, rank, files)
     return resume
 
 

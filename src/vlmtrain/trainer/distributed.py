@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .sharding import sharding_plan
+from .sharding import ShardingPlan, sharding_plan
 
 _METRICS_GROUP = None
 
@@ -177,11 +177,11 @@ def default_device() -> torch.device:
 
 
 def wrap_model(model: nn.Module, device: torch.device, fsdp: bool = False, bf16: bool = False,
-               ddp_kwargs: dict[str, Any] | None = None) -> nn.Module:
-    """The module the training loop calls: with several processes, sharded in place with FSDP2 (``fsdp``) or
-    wrapped in DDP (with ``ddp_kwargs``, e.g. find_unused_parameters); else the model itself."""
+               ddp_kwargs: dict[str, Any] | None = None, sharding: ShardingPlan | None = None) -> nn.Module:
+    """The module the training loop calls: with several processes, sharded in place by the ``sharding`` plan
+    (``fsdp``) or wrapped in DDP (with ``ddp_kwargs``, e.g. find_unused_parameters); else the model itself."""
     if fsdp and world_size() > 1:
-        plan = sharding_plan()
+        plan = sharding_plan(sharding)
         return model if plan.is_sharded(model) else plan.shard_model(model, bf16)
     if fsdp:
         warnings.warn("train.fsdp needs several processes (torchrun): training unsharded.", stacklevel=3)

@@ -15,7 +15,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist
-from . import plugins
 from .predictions import Collected, combine_eval_metrics, plain_numbers, select_outputs
 from .sharding import sharding_of
 from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, StepOutput
@@ -96,8 +95,8 @@ class EvaluationMixin:
                                       prediction_loss_only=self.compute_metrics is None and not head_metrics,
                                       ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
         output.metrics.update(self._evaluate_metrics(output, metric_key_prefix, start))
-        # per-sample results for the run report (rank 0; vlmtrain.logging.eval_samples fills the slot)
-        plugins.lookup("eval_samples", lambda *_: None)(self, dataset, output, metric_key_prefix)
+        if self.parts.eval_samples is not None:  # per-sample results for the run report (logging/eval_samples.py)
+            self.parts.eval_samples(self, dataset, output, metric_key_prefix)
         self.log(output.metrics)
         self.control = self._event("on_evaluate", metrics=output.metrics)
         return output.metrics
@@ -155,8 +154,8 @@ class EvaluationMixin:
         generate cannot keep the ranks in step)."""
         if self.world_size <= 1:
             return None
-        sharded = sharding_of(self.model) is not None
-        generation = plugins.require("generation") if sharded and self.args.predict_with_generate else None
+        sharded = sharding_of(self.model, self.parts.sharding) is not None
+        generation = self.parts.generation if sharded and self.args.predict_with_generate else None
         if generation is not None and not generation.generates_in_step(self.model):
             if getattr(dataset, "splits_by_rank", False):
                 raise ValueError(f"Under train.fsdp with predict_with_generate, {type(self.model).__name__}.generate "
@@ -204,7 +203,7 @@ class EvaluationMixin:
         model = self.model
         model.eval()
         # FSDP with each rank on its share: ranks run forward in step (see _lockstep)
-        self._eval_lockstep = sharding is not None and sharding_of(model) is not None
+        self._eval_lockstep = sharding is not None and sharding_of(model, self.parts.sharding) is not None
         tally = _EvalTally()
         for batch in self._eval_batches(dataloader, tally.skipped, prediction_loss_only, ignore_keys):
             step = self.prediction_step(model, batch, bool(prediction_loss_only), ignore_keys)
@@ -214,7 +213,7 @@ class EvaluationMixin:
             self.control = self._event("on_prediction_step")
         if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
             tally.gather_shards(interleave=sharding == "strided")
-        if (plan := sharding_of(model)) is not None:  # (FSDP keeps its root unit gathered after a forward alone)
+        if (plan := sharding_of(model, self.parts.sharding)) is not None:  # (FSDP keeps its root gathered)
             plan.reshard(model)
         self._eval_lockstep = False
         return self._eval_output(tally, sharding, dataloader, metric_key_prefix)
@@ -266,9 +265,9 @@ class EvaluationMixin:
         metrics.update(self._eval_counts(tally))
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v
                    for k, v in metrics.items()}
-        texts = None  # (the generation slot: models/generation.py)
+        texts = None  # (the generation part: models/generation.py)
         if self.args.predict_with_generate and predictions is not None:
-            texts = plugins.require("generation").texts(self.processing_class, predictions)
+            texts = self.parts.generation.texts(self.processing_class, predictions)
         return EvalLoopOutput(predictions, label_ids, metrics, tally.samples, texts, head_outputs)
 
     def _user_metrics(self, predictions: Any, label_ids: Any, dataloader: DataLoader,
@@ -277,7 +276,7 @@ class EvaluationMixin:
         rank's rows of it when the ranks shared the set)."""
         if self.args.batch_eval_metrics:
             rows = (dataloader.batch_size or self.args.per_device_eval_batch_size) * (self.world_size if sharding else 1)
-            batch_metrics = plugins.require("batch_eval_metrics").compute
+            batch_metrics = self.parts.batch_eval_metrics.compute
             return plain_numbers(batch_metrics(self.compute_metrics, predictions, label_ids, rows, EvalPrediction)
                                  or {})
         return plain_numbers(self.compute_metrics(EvalPrediction(predictions, label_ids)))
@@ -360,7 +359,7 @@ class EvaluationMixin:
                     loss = outputs["loss"].detach().float()
                 if loss is not None:
                     extras = extra_losses(outputs)
-                    n = num_items_of(outputs, self.model, inputs)
+                    n = num_items_of(outputs, self.model, inputs, self.parts.loss_targets)
                     if n is not None:
                         extras["num_items"] = n
                     extras.update({f"num_items_{k[len('loss_'):]}": v for k, v in item_counts(outputs).items()})
@@ -379,11 +378,11 @@ class EvaluationMixin:
 
     def generate(self, prompt: dict[str, torch.Tensor]) -> torch.Tensor:
         """Greedy generation from the batch's `prompt_*` inputs; returns only the new tokens (the ``generation``
-        slot: models/generation.py). FSDP with ranks on different batches: forward until all are done."""
+        part: models/generation.py). FSDP with ranks on different batches: forward until all are done."""
         with torch.no_grad(), self.autocast():
-            return plugins.require("generation").generate(self.model, prompt, self.processing_class,
-                                                          self.args.generation_max_new_tokens,
-                                                          synced_gpus=getattr(self, "_eval_lockstep", False))
+            return self.parts.generation.generate(self.model, prompt, self.processing_class,
+                                                  self.args.generation_max_new_tokens,
+                                                  synced_gpus=getattr(self, "_eval_lockstep", False))
 
     def _update_best(self, metrics: dict[str, float]) -> bool:
         name = self.args.metric_for_best_model

@@ -16,10 +16,9 @@ import torch
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from . import plugins
 from .callbacks import callback_states, restore_callback_states
 from .loader_state import load_loader_state
-from .model_files import has_sharded_weights, saves_trainable_only
+from .model_files import has_sharded_weights
 from .setup import load_model_state
 from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
 from .state import TrainerState
@@ -42,7 +41,7 @@ class CheckpointMixin:
                 "nonfinite": self._nonfinite.state_dict(),
                 "async_eval": self._async_eval.state_dict() if self._async_eval is not None else None}
 
-    _async_saver: Any = None  # train.async_checkpoint: the background writer (the checkpoint_writer slot's)
+    _async_saver: Any = None  # train.async_checkpoint: the background writer (the checkpoint_writer part's)
 
     def _save_checkpoint(self) -> str:
         out, step = self._get_output_dir(None), self.state.global_step
@@ -51,10 +50,10 @@ class CheckpointMixin:
         self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
-        sharding, writer = sharding_of(self.model), plugins.lookup("checkpoint_writer")
+        sharding, writer = sharding_of(self.model, self.parts.sharding), self.parts.checkpoint_writer
         if self.args.async_checkpoint and writer is not None and sharding is None:  # (FSDP's saves stay synchronous)
             if self._async_saver is None:
-                self._async_saver = writer(out, self.rank, self._rotate_checkpoints)
+                self._async_saver = writer(out, self.rank, self._rotate_checkpoints, self.parts.model_files)
             return self._async_saver.save(step, lambda: self._checkpoint_files(sharded=False), self.model,
                                           self.processing_class)
         files = self._checkpoint_files(sharded=sharding is not None)
@@ -140,9 +139,9 @@ class CheckpointMixin:
         return files
 
     def _load_checkpoint(self, path: str) -> None:
-        sharding = sharding_of(self.model)
+        sharding = sharding_of(self.model, self.parts.sharding)
         sharded, sharded_model = has_sharded_weights(path), sharding is not None
-        trainable_only = saves_trainable_only(self.model)  # (LoRA: adapter files, under FSDP or not)
+        trainable_only = self.parts.model_files.saves_trainable_only(self.model)  # (LoRA: adapter files, FSDP or not)
         if sharded != sharded_model and not (trainable_only and not sharded):
             raise ckpt.CheckpointError(
                 f"{path!r} was written {'with' if sharded else 'without'} train.fsdp; resume it with train.fsdp="
@@ -151,7 +150,7 @@ class CheckpointMixin:
         if sharded:
             sharding.load_sharded(self.model, self.optimizer, path)
         else:  # (LoRA under FSDP: every rank reads the small adapter and heads files and keeps its shards)
-            load_model_state(self.model, path)
+            load_model_state(self.model, path, self.parts)
         saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
         if saved.max_steps != self.state.max_steps:
             warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
@@ -166,8 +165,7 @@ class CheckpointMixin:
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
         loop_file = os.path.join(path, f"{LOOP_STATE}_{self.rank}.pt")
         if not os.path.isfile(loop_file):  # transformers' checkpoint: the position follows from global_step
-            position_from_step = plugins.lookup("step_position", _no_step_position)
-            self._epoch_index, self._micro_step = position_from_step(
+            self._epoch_index, self._micro_step = self.parts.step_position(
                 path, os.path.basename(loop_file), self.train_dataloader, self.state.global_step,
                 self.state.max_steps, self._steps_in_epoch, self.args.gradient_accumulation_steps)
             self._last_logged_step = self.state.global_step
@@ -196,7 +194,7 @@ class CheckpointMixin:
         if sharding is None and not keyed_by_name(state):  # written and read unsharded
             self.optimizer.load_state_dict(state)
         else:
-            sharding_plan().load_optimizer_state(self.model, self.optimizer, state)
+            sharding_plan(self.parts.sharding).load_optimizer_state(self.model, self.optimizer, state)
         for group, name in zip(self.optimizer.param_groups, names):  # (transformers' groups have no names)
             if name is not None:
                 group.setdefault("name", name)
@@ -205,16 +203,10 @@ class CheckpointMixin:
         """Write model.safetensors (+ config.json), the tokenizer/processor files and the arguments
         (training_args.bin, as transformers) to output_dir (rank 0). Under FSDP every rank must call it: the
         shards are gathered first. A checkpoint (``_internal_call``) writes the arguments with its other files."""
-        sharding, output_dir = sharding_of(self.model), output_dir or self.args.output_dir
+        sharding, output_dir = sharding_of(self.model, self.parts.sharding), output_dir or self.args.output_dir
         if sharding is not None:
             sharding.save_full_model(self.model, output_dir, self.processing_class, self.rank)
         elif self.rank == 0:
-            ckpt.save_model_files(self.model, output_dir, self.processing_class)
+            self.parts.model_files.save_model_files(self.model, output_dir, self.processing_class)
         if self.rank == 0 and not _internal_call:
             torch.save(self.args, os.path.join(output_dir, ckpt.ARGS_NAME))
-
-
-def _no_step_position(path: str, loop_file: str, *_: Any) -> tuple[int, int]:
-    """The ``step_position`` slot's plain default: a checkpoint without vlmtrain's loop state is refused."""
-    raise ckpt.CheckpointError(f"{path!r} has no {loop_file}: resuming a checkpoint of transformers' Trainer needs "
-                               "vlmtrain.compat.checkpoints, which `import vlmtrain` registers.")

@@ -1,7 +1,7 @@
 """What happens before the first step and after the last: the model (or model_init's) and what is done to it
-(tf32, activation checkpointing and torch_compile: the last two through the slots models/training_prep.py
-fills), the train data loader, optimizer and scheduler, the loop's counters, and the end-of-training summary. A
-mixin of TrainerCore, kept apart so each file reads on its own."""
+(tf32, activation checkpointing and torch_compile: the last two are parts, parts.py), the train data loader,
+optimizer and scheduler, the loop's counters, and the end-of-training summary. A mixin of TrainerCore, kept
+apart so each file reads on its own."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from . import checkpoint as ckpt
-from . import plugins
 from .distributed import NamedSums
 from .optim import build_param_groups, create_optimizer, create_scheduler
+from .parts import TrainerParts
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
 from .stats import LossAverager, NonfiniteSteps, Throughput
@@ -47,20 +46,13 @@ def set_tf32(tf32: bool | None, device: torch.device) -> None:
     torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "tf32" if tf32 else "ieee"
 
 
-def compile_whole(model: nn.Module, wrapped: nn.Module, backend: str, mode: str | None) -> nn.Module:
-    """TrainingArguments.torch_compile where the ``compile_model`` slot is empty: ``torch.compile`` of the model
-    as DDP/FSDP wrap it (``wrapped``)."""
-    return torch.compile(wrapped, backend=backend, mode=mode)
-
-
-def load_model_state(model: nn.Module, directory: str) -> None:
-    """Load the model weights of a checkpoint directory into ``model``, in place, whatever the checkpoint holds
-    (see model_files.py): :func:`checkpoint.load_model_weights`, or for a model sharded with FSDP (then every
-    rank must call it) the sharding plan's ``load_model_state`` (DCP shards or files, cut into this rank's
-    shards)."""
-    sharding = sharding_of(model)
+def load_model_state(model: nn.Module, directory: str, parts: TrainerParts) -> None:
+    """Load the model weights of a checkpoint directory into ``model``, in place, whatever the checkpoint holds:
+    with ``parts.model_files``, or for a model sharded with FSDP (then every rank must call it) with the sharding
+    plan's ``load_model_state`` (DCP shards or files, cut into this rank's shards)."""
+    sharding = sharding_of(model, parts.sharding)
     if sharding is None:
-        ckpt.load_model_weights(model, directory)
+        parts.model_files.load_model_weights(model, directory)
     else:
         sharding.load_model_state(model, directory)
 
@@ -80,12 +72,6 @@ def dataloader_workers(value: int | str, cuda: bool, cpus: int | None = None,
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     return max(0, min(4, cpus // max(1, local_world_size) - 2))
-
-
-def _no_step_sampling(dataset: Any, *_: Any) -> None:
-    """The ``step_sampling`` slot empty: a dataset that follows the training step is refused, naming it."""
-    if getattr(dataset, "follows_step", False):
-        plugins.require("step_sampling")
 
 
 class SetupMixin:
@@ -139,14 +125,13 @@ class SetupMixin:
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        """``model`` on the Trainer's device, with Liger's kernels (use_liger_kernel: the ``liger_kernel`` slot,
-        models/liger.py) and activation checkpointing on where the arguments ask for them (before DDP/FSDP wrap it
-        in train(); the ``activation_checkpointing`` slot: models/training_prep.py)."""
+        """``model`` on the Trainer's device, with Liger's kernels (use_liger_kernel) and activation checkpointing
+        on where the arguments ask for them (before DDP/FSDP wrap it in train(); both are parts, parts.py)."""
         model = model.to(self.device)
         if self.args.use_liger_kernel:
-            plugins.require("liger_kernel")(model, self.args.liger_kernel_config)
+            self.parts.liger_kernel(model, self.args.liger_kernel_config)
         if self.args.activation_checkpointing:
-            plugins.require("activation_checkpointing")(model, self.args.activation_checkpointing_kwargs)
+            self.parts.activation_checkpointing(model, self.args.activation_checkpointing_kwargs)
         return model
 
     def get_train_dataloader(self) -> StatefulDataLoader:
@@ -156,7 +141,7 @@ class SetupMixin:
         args, seed = self.args, self.args.data_seed if self.args.data_seed is not None else self.args.seed
         dataset, collator = self._loader_data(self.train_dataset, self.data_collator, "Training")
         sampler = None
-        at_step = plugins.lookup("step_sampling", _no_step_sampling)(
+        at_step = self.parts.step_sampling(
             dataset, self.world_size, self.rank, seed, args.per_device_train_batch_size,
             args.gradient_accumulation_steps)
         if at_step is not None:  # a curriculum: each index comes with the step it feeds (data/step_data.py)
@@ -252,8 +237,9 @@ class SetupMixin:
         self._window_weight = self._window_counts = self._grad_norm = self._last_lrs = None
         self._epoch_cut = False
         self._train_losses, self._run_loss = LossAverager(), LossAverager()
-        count_flops = plugins.lookup("flop_counter")  # (model -> batch FLOPs; None: no tflops_per_second, mfu)
-        self._throughput = Throughput(count_flops(self.model) if count_flops else None, args.peak_tflops)
+        count_flops = self.parts.flop_counter  # (model -> batch FLOPs; None: no tflops_per_second, mfu)
+        self._throughput = Throughput(count_flops(self.model) if count_flops else None, args.peak_tflops,
+                                      self.parts.window_rates)
         self._step_losses = LossAverager()
         self._count_names = NamedSums()  # (the losses count_items counts, agreed over ranks)
         self._nonfinite = NonfiniteSteps(args.max_consecutive_nonfinite_steps)
@@ -280,6 +266,6 @@ class SetupMixin:
                               f"{dict(sorted(skipped.items()))}", stacklevel=3)
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
-            load_model_state(self.model, self.state.best_model_checkpoint)
+            load_model_state(self.model, self.state.best_model_checkpoint, self.parts)
         self.control = self._event("on_train_end")
         return TrainOutput(steps, train_loss, metrics)

@@ -1,7 +1,7 @@
 """Sharded models (train.fsdp): what the trainer asks of the layer that shards a model's parameters, gradients
-and optimizer state over the ranks, without importing it. That layer (FSDP2 with DCP checkpoints) fills the
-``sharding`` slot (trainer/plugins.py) with a :class:`ShardingPlan` when ``vlmtrain`` is imported. The trainer
-calls it only for a model the plan sharded (:func:`sharding_of`) or when train.fsdp asks to shard one
+and optimizer state over the ranks, without importing it. That layer (FSDP2 with DCP checkpoints) gives a
+:class:`ShardingPlan` as the Trainer's ``sharding`` part (parts.py; vlmtrain.Trainer's: vlmtrain/parallel/fsdp.py).
+The trainer calls it only for a model the plan sharded (:func:`sharding_of`) or when train.fsdp asks to shard one
 (:func:`sharding_plan`); a single process and DDP never reach it."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from . import plugins
 
 
 class ShardingPlan(Protocol):
@@ -47,18 +46,16 @@ class ShardingPlan(Protocol):
         """The sharded model gathered and written as an unsharded one's files (rank 0 writes)."""
 
 
-def sharding_of(model: nn.Module) -> ShardingPlan | None:
-    """The plan that sharded ``model``; None for a model that is not sharded."""
-    plan = plugins.lookup("sharding")
+def sharding_of(model: nn.Module, plan: ShardingPlan | None) -> ShardingPlan | None:
+    """``plan`` if it sharded ``model``; None for a model that is not sharded (or no plan)."""
     return plan if plan is not None and plan.is_sharded(model) else None
 
 
-def sharding_plan() -> ShardingPlan:
-    """The plan train.fsdp shards with (ConfigError when no layer registered one)."""
-    plan = plugins.lookup("sharding")
+def sharding_plan(plan: ShardingPlan | None) -> ShardingPlan:
+    """The plan train.fsdp shards with (ConfigError when the Trainer has none)."""
     if plan is None:
-        raise ConfigError("train.fsdp and FSDP checkpoints need the FSDP plan that `import vlmtrain` registers "
-                          "(the trainer's 'sharding' slot is empty): import vlmtrain before building the Trainer.")
+        raise ConfigError("train.fsdp and FSDP checkpoints need the trainer part 'sharding' (vlmtrain.Trainer's "
+                          "FSDP plan, vlmtrain/parallel/fsdp.py), which the trainer core lacks: use vlmtrain.Trainer.")
     return plan
 
 

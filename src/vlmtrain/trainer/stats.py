@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from ..errors import DataError
-from . import plugins
 from .distributed import NamedSums, all_gather_objects
 
 
@@ -43,14 +42,14 @@ def item_counts(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return found
 
 
-def num_items_of(outputs: Mapping[str, Any], model: Any = None,
-                 inputs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
-    """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else what the
-    ``loss_targets`` slot counts in the inputs (models/lm_loss.py: the shifted labels, for a transformers model
-    whose loss is the causal-LM one); else None."""
+def num_items_of(outputs: Mapping[str, Any], model: Any = None, inputs: Mapping[str, Any] | None = None,
+                 count_targets: Callable[[Any, Mapping[str, Any]], torch.Tensor | None] | None = None
+                 ) -> torch.Tensor | None:
+    """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else what
+    ``count_targets`` (the ``loss_targets`` part, models/lm_loss.py: the shifted labels of a transformers model
+    whose loss is the causal-LM one) counts in the inputs; else None."""
     n = outputs.get("num_items", outputs.get("num_tokens")) if isinstance(outputs, Mapping) else None
     if n is None:
-        count_targets = plugins.lookup("loss_targets")
         return None if count_targets is None else count_targets(model, inputs or {})
     return n.detach().reshape(()).float() if isinstance(n, torch.Tensor) else torch.tensor(float(n))
 
@@ -160,16 +159,15 @@ def dropped_for_rank_sync(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class Throughput:
-    """Samples and skipped samples over a logging window (skipped also in total), and the window's rates from the
-    ``window_rates`` slot of trainer/plugins.py (logging/throughput.py: samples, tokens and FLOPs per second,
-    data wait, pack fill), made with ``flops`` (batch -> training FLOPs, the ``flop_counter`` slot) and
-    ``peak_tflops``. With that slot empty, only the skipped samples are logged."""
+    """Samples and skipped samples over a logging window (skipped also in total), and the window's rates that
+    ``make_rates`` (the ``window_rates`` part, logging/throughput.py: samples, tokens and FLOPs per second, data
+    wait, pack fill) makes with ``flops`` (batch -> training FLOPs, the ``flop_counter`` part's) and
+    ``peak_tflops``. Without ``make_rates``, only the skipped samples are logged."""
 
-    def __init__(self, flops: Callable[[Mapping[str, Any]], float] | None = None,
-                 peak_tflops: float | None = None) -> None:
+    def __init__(self, flops: Callable[[Mapping[str, Any]], float] | None = None, peak_tflops: float | None = None,
+                 make_rates: Callable[[Any, float | None], Any] | None = None) -> None:
         self.skipped_total: Counter[str] = Counter()  # (this rank's)
         self._names = NamedSums()
-        make_rates = plugins.lookup("window_rates")
         self.rates = None if make_rates is None else make_rates(flops, peak_tflops)
         self.reset()
 

@@ -72,7 +72,7 @@ class StepMixin:
             empty_device_cache()
         # Weighted by targets, so that 1 x batch 4 == 2 x batch 2 (micro-batches and ranks alike).
         outputs = outputs if isinstance(outputs, Mapping) else {}  # (a tuple: (loss, logits, ...))
-        n, extras = num_items_of(outputs, self.model, inputs), extra_losses(outputs)
+        n, extras = num_items_of(outputs, self.model, inputs, self.parts.loss_targets), extra_losses(outputs)
         counts = item_counts(outputs)  # loss_<name> with its own num_items_<name>: averaged over those
         del outputs  # free logits before backward
         if num_items_in_batch is not None:

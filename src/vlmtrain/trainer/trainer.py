@@ -20,15 +20,15 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from . import checkpoint as ckpt
 from . import distributed as dist
-from . import plugins
 from .args import TrainingArgumentsCore
 from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
 from .counts import CountsMixin
 from .evaluation import EvaluationMixin
 from .optim import freeze_zero_lr, learning_rates
+from .parts import TrainerParts
 from .preemption import PreemptionGuard
 from .resume import CheckpointMixin
-from .setup import SetupMixin, compile_whole, set_seed, set_tf32
+from .setup import SetupMixin, set_seed, set_tf32
 from .state import TrainerControl, TrainerState, TrainOutput
 from .stats import (
     BOOKKEEPING_KEYS,
@@ -45,6 +45,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
     ``vlmtrain.Trainer`` adds transformers' extra public methods (log_metrics, save_metrics, ...)."""
 
     callback_handler_class: type[CallbackHandler] = CallbackHandler
+    parts: TrainerParts = TrainerParts()  # what the layers above give (parts.py): vlmtrain.Trainer sets them all
 
     def __init__(self, model: nn.Module | None = None, args: TrainingArgumentsCore | None = None,
                  data_collator: Any = None, train_dataset: Dataset | None = None,
@@ -52,8 +53,9 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
                  model_init: Any = None, compute_loss_func: Any = None, compute_metrics: Any = None,
                  callbacks: list[TrainerCallback] | None = None, optimizers: tuple[Any, Any] = (None, None),
                  optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None = None,
-                 preprocess_logits_for_metrics: Any = None) -> None:
-        self.args = args if args is not None else plugins.require("arguments_class")()
+                 preprocess_logits_for_metrics: Any = None, parts: TrainerParts | None = None) -> None:
+        self.parts = parts if parts is not None else self.parts  # (Trainer(parts=...): this Trainer's own)
+        self.args = args if args is not None else self.parts.arguments_class()
         set_seed(self.args.seed)  # (before model_init builds the model)
         model = self._resolve_model(model, model_init, compute_loss_func, optimizers, optimizer_cls_and_kwargs)
         if eval_dataset is None:
@@ -65,18 +67,20 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         self.model = self._prepare_model(model)  # (activation checkpointing on, before DDP/FSDP wrap it)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         pad_id = getattr(processing_class, "pad_token_id", None) or 0
-        self.data_collator = data_collator if data_collator is not None else plugins.require("default_collator")(pad_id)
+        default_collator = self.parts.default_collator
+        self.data_collator = data_collator if data_collator is not None or default_collator is None else \
+            default_collator(pad_id)
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.processing_class, self.compute_metrics = processing_class, compute_metrics
         if self.args.batch_eval_metrics:
-            plugins.require("batch_eval_metrics").check(compute_metrics)
+            self.parts.batch_eval_metrics.check(compute_metrics)
         # (logits, labels) -> what evaluation keeps of each batch for compute_metrics, e.g. argmax ids
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.state, self.control = TrainerState(), TrainerControl()
         self.state.is_world_process_zero = self.state.is_local_process_zero = self.rank == 0
-        # the progress bar, metrics.jsonl and the trackers: vlmtrain.logging fills the slot
-        loggers = plugins.lookup("logging_callbacks", lambda args: [])(self.args)
+        # the progress bar, metrics.jsonl and the trackers (vlmtrain.Trainer's: vlmtrain/logging/writers.py)
+        loggers = self.parts.logging_callbacks(self.args) if self.parts.logging_callbacks else []
         self.callback_handler = self.callback_handler_class(
             [DefaultFlowCallback(), *loggers, *(callbacks or [])],
             model=self.model, processing_class=processing_class, optimizer=self.optimizer,
@@ -84,14 +88,15 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         self.train_dataloader: StatefulDataLoader | None = None
         self._preemption: PreemptionGuard | None = None
         self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
-        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes (vlmtrain.evaluation.async_eval
-        # fills the slot; its evaluator is None when the arguments ask for none); every rank waits with it
-        evaluator = plugins.lookup("checkpoint_evaluator", lambda args: None)(self.args)
+        # train.async_eval: rank 0 has saved checkpoints evaluated by other processes (vlmtrain.evaluation.async_eval;
+        # its evaluator is None when the arguments ask for none); every rank waits with it
+        make_evaluator = self.parts.checkpoint_evaluator
+        evaluator = make_evaluator(self.args) if make_evaluator is not None else None
         self._async_eval = evaluator if self.rank == 0 else None
         self._async_eval_on = evaluator is not None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
-        self._label_smoother = (plugins.require("label_smoothing")(self.args.label_smoothing_factor, self.model)
+        self._label_smoother = (self.parts.label_smoothing(self.args.label_smoothing_factor, self.model)
                                 if self.args.label_smoothing_factor else None)
         self.control = self._event("on_init_end")
 
@@ -133,7 +138,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         args, self._eval_ignore_keys = self.args, ignore_keys_for_eval
         self._reinit_model(trial)  # (model_init: a fresh model per train(); a trial is refused)
         resume = ckpt.resolve_resume(args.resume_from_checkpoint if resume_from_checkpoint is None
-                                     else resume_from_checkpoint, args.output_dir, self.rank)
+                                     else resume_from_checkpoint, args.output_dir, self.rank, self.parts.model_files)
         ckpt.prepare_output_dir(args.output_dir, self.rank)
         if self._async_eval is not None:
             self._async_eval.check_command()
@@ -144,10 +149,11 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         if self.optimizer is None:  # module_learning_rates 0: frozen before DDP registers what needs gradients
             freeze_zero_lr(self.model, args)
         # Before the optimizer: FSDP replaces the parameters.
-        model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs())
-        if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: the compile_model slot)
-            compile_model = plugins.lookup("compile_model", compile_whole)
-            model = compile_model(self.model, model, args.torch_compile_backend or "inductor", args.torch_compile_mode)
+        model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs(),
+                                sharding=self.parts.sharding)
+        if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: models/training_prep.py)
+            model = self.parts.compile_model(self.model, model, args.torch_compile_backend or "inductor",
+                                             args.torch_compile_mode)
         epochs = self._setup_training(loader)
         if resume is not None:
             self._load_checkpoint(resume)
