@@ -80,7 +80,7 @@ def _dummy_vision(model: Any, family: Any) -> None:
     if inner is None or not hasattr(inner, "get_image_features"):
         raise TypeError(f"{type(model).__name__}.{model.base_model_prefix} has no get_image_features: the "
                         f"{family.name} family's dummy image cannot run (every rank must run its vision tower).")
-    enable_dummy_vision(inner, family.dummy_image)
+    enable_dummy_vision(inner, family.dummy_image, family.dummy_video)
 
 
 def _freeze_unused(model: Any, family: Any) -> None:

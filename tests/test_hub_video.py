@@ -1,0 +1,123 @@
+"""Video samples after processing, for the Qwen families (tiny checkpoints, fp32): batched and packed with image and
+text-only samples, a packed batch computes exactly what the padded one does (logits at every sample's real
+positions, loss, every gradient; the vision tower's included); each packed sample's multimodal positions are its
+own, its video's temporal positions included; the FLOP count counts every temporal patch of a video as the
+vision tower attends over it (one frame pair at a time); under several processes a batch without a video runs
+the dummy video with an exact zero contribution.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.test_hub_families import _image
+from tests.test_hub_packing import _documents, _forward, assert_documents_match
+from tests.video_items import frames, video_item
+from vlmtrain.data.hub_collate import HubVLMCollator
+from vlmtrain.data.hub_processing import HubVLMProcessor
+from vlmtrain.models.families import get_family
+
+FAMILIES = ("qwen3_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hub_video"))
+
+
+@functools.cache
+def _tiny(name: str, root: str) -> str:
+    return get_family(name).build_tiny(f"{root}/{name}", seed=0)
+
+
+def _parts(name: str, root: str):
+    from transformers import AutoModelForImageTextToText
+
+    family = get_family(name)
+    path = _tiny(name, root)
+    return family, family.load_processor(path), AutoModelForImageTextToText.from_pretrained(
+        path, attn_implementation="sdpa")
+
+
+def _mixed(hub: HubVLMProcessor) -> list[dict]:
+    """Video (4 and 6 frames; one with two turns), image, text-only and image + video samples."""
+    def turns(i: int) -> list[dict]:
+        return [{"user": f"What happens in {i}?", "assistant": f"Thing {i}."}] + (
+            [{"user": "And then?", "assistant": "Done."}] if i % 2 else [])
+
+    return [
+        video_item(hub, {"texts": turns(0)}, frames(0)),
+        {"images": [_image(1, (32, 48))], "texts": turns(1)},
+        {"texts": turns(2)},
+        video_item(hub, {"texts": turns(3)}, frames(3, count=6)),
+        video_item(hub, {"images": [_image(4, (32, 32))], "texts": turns(4)}, frames(4, size=48)),
+    ]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_video_logits_loss_and_gradients_equal_unpacked(root, name, one_thread):
+    family, processor, model = _parts(name, root)
+    model.eval()
+    hub = HubVLMProcessor(processor, family, max_length=300, prompts=False)
+    pack = HubVLMCollator(hub, pack_length=300, model_config=model.config, min_fill_gain=-1.0)
+    samples = _mixed(hub)
+    packed, padded = pack(samples), pack.without_packing()(samples)
+    assert packed["input_ids"].shape[0] < len(samples) and packed["video_grid_thw"].shape == (3, 3)
+    assert packed["pixel_values_videos"].shape == padded["pixel_values_videos"].shape  # (in row order there)
+    logits, loss, grads = _forward(model, packed)
+    ref_logits, ref_loss, ref_grads = _forward(model, padded)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    assert any(n.startswith("model.visual.blocks") for n in grads)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-5, msg=n)
+    assert_documents_match(logits, packed, ref_logits, padded, len(samples))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_positions_are_each_samples_own_with_the_videos_temporal_positions(root, name):
+    family, processor, model = _parts(name, root)
+    hub = HubVLMProcessor(processor, family, max_length=300, prompts=False)
+    items = [s if "input_ids" in s else hub.process(s) for s in _mixed(hub)]
+    pack = HubVLMCollator(hub, pack_length=600, model_config=model.config, min_fill_gain=-1.0)
+    packed = pack(items)
+    pos, ids = packed["position_ids"], packed["input_ids"][0]
+    assert pos.shape == (4, 1, 600)
+    found = 0
+    for at, n in _documents(packed):  # each sample's rope positions are its own get_rope_index's
+        item = next((it for it in items if len(it["input_ids"]) == n and torch.equal(it["input_ids"], ids[at:at + n])),
+                    None)
+        if item is None:  # (the row's padding)
+            continue
+        found += 1
+        own, _ = model.model.get_rope_index(item["input_ids"][None], mm_token_type_ids=item["mm_token_type_ids"][None],
+                                            image_grid_thw=item.get("image_grid_thw"),
+                                            video_grid_thw=item.get("video_grid_thw"),
+                                            second_per_grid_ts=item.get("second_per_grid_ts"))
+        assert torch.equal(pos[1:, 0, at:at + n], own[:, 0]) and torch.equal(pos[0, 0, at:at + n], torch.arange(n))
+        if "video_grid_thw" in item:  # a clip of t temporal patches spans t temporal positions in its tokens
+            video = item["mm_token_type_ids"] == 2
+            t = int(item["video_grid_thw"][0, 0])
+            temporal = own[0, 0][video]
+            if name == "qwen2_5_vl":  # one run: positions spaced by second_per_grid_ts * tokens_per_second
+                step = int(item["second_per_grid_ts"][0] * model.config.vision_config.tokens_per_second)
+                assert step > 1 and sorted(set((temporal - temporal[0]).tolist())) == [i * step for i in range(t)]
+            else:  # Qwen3-VL: a run per temporal patch, after its timestamp text
+                assert len(set(temporal.tolist())) == t
+    assert found == len(items)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_flops_count_each_temporal_patch_of_a_video_as_a_frame(root, name):
+    from vlmtrain.models.flops import IMAGE_TOKENS_ATTR
+
+    family, processor, model = _parts(name, root)
+    count = functools.partial(family.image_tokens, model.config)
+    video = {"video_grid_thw": torch.tensor([[3, 4, 6]]), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    frames_as_images = {"image_grid_thw": torch.tensor([[1, 4, 4]] + [[1, 4, 6]] * 3)}
+    assert count(video) == count(frames_as_images) and len(count(video)) == 4
+    assert count(video)[1][:2] == (24, 6)
+    assert IMAGE_TOKENS_ATTR  # (what the hub_vlm kind sets from family.image_tokens)
