@@ -121,3 +121,46 @@ def test_flops_count_each_temporal_patch_of_a_video_as_a_frame(root, name):
     assert count(video) == count(frames_as_images) and len(count(video)) == 4
     assert count(video)[1][:2] == (24, 6)
     assert IMAGE_TOKENS_ATTR  # (what the hub_vlm kind sets from family.image_tokens)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_batch_mix_makes_the_same_vision_tower_calls_adding_exactly_zero(root, monkeypatch, name, one_thread):
+    """With the dummy path forced on (as under several processes): a text-only, image-only, video-only and an
+    image + video batch each call the vision tower twice (images, then videos: real or dummy), so ranks with any
+    mix stay in step under FSDP; the loss and every gradient are bitwise the plain forward's, and every vision
+    parameter gets a gradient (zero where the batch has neither images nor videos)."""
+    from vlmtrain.models import dummy_vision
+    from vlmtrain.models.hub_loading import load_model
+
+    family = get_family(name)
+    model = load_model(_tiny(name, root)).train()
+    hub = HubVLMProcessor(family.load_processor(_tiny(name, root)), family, max_length=300, prompts=False)
+    collate = HubVLMCollator(hub, label_collate=lambda raw: {})
+    turn = [{"user": "Hi there", "assistant": "Yes."}]
+    mixes = {"text": [{"texts": turn}], "image": [{"images": [_image(0, (32, 32))], "texts": turn}],
+             "video": [video_item(hub, {"texts": turn}, frames(1))],
+             "both": [video_item(hub, {"images": [_image(2, (32, 32))], "texts": turn}, frames(2))]}
+    calls = []
+    hook = model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    vision = family.module_groups["vision"]
+    for mix, samples in mixes.items():
+        batch = {k: v for k, v in collate(samples).items() if isinstance(v, torch.Tensor)}
+        runs = {}
+        for on in (False, True):
+            monkeypatch.setattr(dummy_vision, "needed", lambda on=on: on)
+            model.zero_grad(set_to_none=True)
+            calls.clear()
+            out = model(**batch, loss_only=True)
+            out["loss"].backward()
+            runs[on] = out["loss"].detach(), {n: p.grad for n, p in model.named_parameters()}, len(calls)
+        assert runs[True][2] == 2, (mix, runs[True][2])
+        assert runs[False][2] == {"text": 0, "image": 1, "video": 1, "both": 2}[mix]
+        assert torch.equal(runs[False][0], runs[True][0]), mix
+        for n, grad in runs[False][1].items():
+            if grad is not None:
+                assert torch.equal(grad, runs[True][1][n]), (mix, n)
+            elif n.startswith(vision):
+                assert runs[True][1][n] is not None and not runs[True][1][n].any(), (mix, n)
+        tower = [n for n in runs[True][1] if n.startswith(vision)]
+        assert tower and all(runs[True][1][n] is not None for n in tower), mix
+    hook.remove()

@@ -59,22 +59,26 @@ def video_item(hub: HubVLMProcessor, sample: dict, clip: np.ndarray, fps: float 
     else:
         ids = [start] + [pad] * (t * per_frame) + [end]
     marker = tok.encode(MARKER, add_special_tokens=False)
-    old = item["input_ids"].tolist()
-    at = next(i for i in range(len(old)) if old[i:i + len(marker)] == marker)
-    new_ids = torch.tensor(old[:at] + ids + old[at + len(marker):])
     n = len(ids)
-
-    def splice(value: torch.Tensor, fill: int) -> torch.Tensor:
-        return torch.cat([value[:at], torch.full((n,), fill, dtype=value.dtype), value[at + len(marker):]])
-
     out = dict(item)
-    out["input_ids"] = new_ids
-    out["attention_mask"] = splice(item["attention_mask"], 1)
-    out["labels"] = splice(item["labels"], IGNORE_INDEX)
-    out["mm_token_type_ids"] = splice(item["mm_token_type_ids"], 0)
-    out["mm_token_type_ids"][at:at + n][torch.tensor(ids) == pad] = 2
-    out["pixel_values_videos"] = pixels
-    out["video_grid_thw"] = torch.tensor([[t, h, w]])
-    if hub.family.name == "qwen2_5_vl":
-        out["second_per_grid_ts"] = torch.tensor([tps / fps])
+    for prefix in ("", "prompt_") if "prompt_input_ids" in item else ("",):
+        old = item[f"{prefix}input_ids"].tolist()
+        at = next(i for i in range(len(old)) if old[i:i + len(marker)] == marker)
+
+        def splice(value: torch.Tensor, fill: int, at: int = at) -> torch.Tensor:
+            return torch.cat([value[:at], torch.full((n,), fill, dtype=value.dtype), value[at + len(marker):]])
+
+        out[f"{prefix}input_ids"] = torch.tensor(old[:at] + ids + old[at + len(marker):])
+        out[f"{prefix}attention_mask"] = splice(item[f"{prefix}attention_mask"], 1)
+        if not prefix:
+            out["labels"] = splice(item["labels"], IGNORE_INDEX)
+        types = splice(item[f"{prefix}mm_token_type_ids"], 0)
+        types[at:at + n][torch.tensor(ids) == pad] = 2
+        out[f"{prefix}mm_token_type_ids"] = types
+        for key in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+            out.pop(f"{prefix}{key}", None)
+        out[f"{prefix}pixel_values_videos"] = pixels
+        out[f"{prefix}video_grid_thw"] = torch.tensor([[t, h, w]])
+        if hub.family.name == "qwen2_5_vl":
+            out[f"{prefix}second_per_grid_ts"] = torch.tensor([tps / fps])
     return out

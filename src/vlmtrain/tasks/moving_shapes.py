@@ -42,13 +42,13 @@ STILL_BEST = {"motion": 0.25, "first_color": 0.5}
 QUESTION = {"motion": "Which way does the square move?", "first_color": "Which color appears first?"}
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 SHAPES = ("square", "circle", "triangle")
-FRAME_SIZE = 32
-"""Pixels per side of a frame: with Qwen's tiny test config (8 px patches, merge 2) 4 video tokens per pair of
+FRAME_SIZE = 48
+"""Pixels per side of a frame: with Qwen's tiny test config (8 px patches, merge 2) 9 video tokens per pair of
 frames."""
 NUM_FRAMES = 4
 
-# A clip: (qtype, [objects]); an object is (shape, colour, x, y per frame as [(x, y) | None]) - None: not shown.
-Obj = tuple[str, str, list[tuple[int, int] | None]]
+# An object of a clip: (shape, colour, its top-left corner per frame as [(x, y) | None] - None: not shown, side px).
+Obj = tuple[str, str, list[tuple[int, int] | None], int]
 
 
 def _bucket(qtype: str, objects: list[Obj]) -> int:
@@ -57,14 +57,14 @@ def _bucket(qtype: str, objects: list[Obj]) -> int:
 
 
 def _motion(rng: random.Random, answer: str, frames: int, size: int) -> list[Obj]:
-    side = size // 4
-    step = max(1, size // 16)
+    side = size // 3
+    step = max(1, size // 12)
     travel = step * (frames - 1)
     end = (rng.randint(travel, size - side - travel), rng.randint(travel, size - side - travel))
     dx, dy = DIRECTIONS[answer]
     path: list[tuple[int, int] | None] = [(end[0] - dx * step * (frames - 1 - t), end[1] - dy * step * (frames - 1 - t))
                                           for t in range(frames)]
-    return [("square", rng.choice(ANSWERS["first_color"]), path)]
+    return [("square", rng.choice(ANSWERS["first_color"]), path, side)]
 
 
 def _first_color(rng: random.Random, answer: str, frames: int, size: int) -> list[Obj]:
@@ -77,7 +77,7 @@ def _first_color(rng: random.Random, answer: str, frames: int, size: int) -> lis
         b = (rng.randint(0, size - side), rng.randint(0, size - side))
         if abs(a[0] - b[0]) >= side or abs(a[1] - b[1]) >= side:
             break
-    return [(rng.choice(SHAPES), color, [at if t >= start else None for t in range(frames)])
+    return [(rng.choice(SHAPES), color, [at if t >= start else None for t in range(frames)], side)
             for color, at, start in ((answer, a, t_first), (second, b, t_second))]
 
 
@@ -85,8 +85,7 @@ def render_frame(objects: list[Obj], t: int, size: int) -> Image.Image:
     """Frame ``t`` of a clip: each object shown at frame ``t`` drawn on the light background."""
     img = Image.new("RGB", (size, size), BACKGROUND)
     draw = ImageDraw.Draw(img)
-    side = size // 4
-    for shape, color, path in objects:
+    for shape, color, path, side in objects:
         if path[t] is None:
             continue
         x, y = path[t]
