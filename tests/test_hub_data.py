@@ -164,11 +164,12 @@ def test_no_target_and_video_samples_are_skipped(tiny):
     assert reason(("color",), score_only | {"texts": [{"user": "Rate it.", "assistant": ""}]}) == "no_target"
     assert reason((), score_only | {"texts": [{"user": "Rate it.", "assistant": "Good"}]}) is None
     assert reason(None, score_only) is None  # inference: a prompt has no target
-    # video is not supported: counted as such, not as a corrupt image
+    # a video file among the images: counted as such, not as a corrupt image
     assert reason((), score_only | {"images": ["clip.MP4"], "texts": [{"user": "a", "assistant": "b"}]}) == \
         "video_unsupported"
+    # Qwen3-VL takes videos (tests/test_video_processing.py): a missing file is an unreadable video
     assert reason((), score_only | {"videos": ["clip.webm"], "texts": [{"user": "a", "assistant": "b"}]}) == \
-        "video_unsupported"
+        "video_unreadable"
 
 
 def test_processor_errors_are_named_by_cause(tiny):

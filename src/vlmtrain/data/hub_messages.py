@@ -1,12 +1,13 @@
 """Hub VLM samples as chat messages: where each image goes, which texts are refused, what a processor error means.
 
 A sample's user texts may place its images with the literal placeholder ``<image>`` (one per image, in
-order, in any user turn): each user text is split into text and image content blocks at its placeholders.
-Without any placeholder every image goes first in the first user turn. The family's chat template then
+order, in any user turn) and its videos with ``<video>``: each user text is split into text, image and video
+content blocks at its placeholders. A kind without any placeholder goes first in the first user turn (videos,
+then images). The family's chat template then
 renders each image block as the model's own image tokens where it stands.
 
 Refused per sample (:class:`~vlmtrain.data.processing.SkipSample` reasons): a placeholder count that differs
-from the image count (``placeholder_mismatch``), a placeholder in an assistant text
+from the image count (``placeholder_mismatch``; for videos ``video_placeholder_mismatch``), a placeholder in an assistant text
 (``placeholder_in_assistant``: images belong to user turns), and a literal special token of the tokenizer
 (``<|im_end|>``, ``<|vision_start|>``, ...) in any text (``control_token_in_text``: it would be tokenized as
 that control token, not as text).
@@ -21,45 +22,50 @@ from vlmtrain.data.processing import SkipSample
 
 IMAGE_PLACEHOLDER = "<image>"
 """The literal string that places an image in a user text (as LLaVA / LLaMA-Factory datasets write it)."""
+VIDEO_PLACEHOLDER = "<video>"
+"""The literal string that places a video in a user text."""
+_PLACEHOLDERS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
 def _text_block(text: str) -> dict[str, str]:
     return {"type": "text", "text": text}
 
 
-def count_placeholders(turns: list[tuple[str, str | None]]) -> int:
-    """Number of ``<image>`` placeholders in the user texts of ``turns``."""
-    return sum(user.count(IMAGE_PLACEHOLDER) for user, _ in turns)
+def count_placeholders(turns: list[tuple[str, str | None]], placeholder: str = IMAGE_PLACEHOLDER) -> int:
+    """Number of ``placeholder`` (default ``<image>``) in the user texts of ``turns``."""
+    return sum(user.count(placeholder) for user, _ in turns)
 
 
-def _user_blocks(text: str, images: list[Any], start: int) -> list[dict[str, Any]]:
-    """``text`` split at its placeholders into text and image blocks (images from ``images[start]`` on);
-    empty text pieces are left out."""
-    blocks: list[dict[str, Any]] = []
-    for i, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if i:
-            blocks.append({"type": "image", "image": images[start + i - 1]})
-        if piece:
-            blocks.append(_text_block(piece))
-    return blocks
+def _block(kind: str, item: Any) -> dict[str, Any]:
+    return {"type": kind, kind: item}
 
 
-def build_messages(turns: list[tuple[str, str | None]], images: list[Any]) -> list[dict[str, Any]]:
+def build_messages(turns: list[tuple[str, str | None]], images: list[Any],
+                   videos: list[Any] | None = None) -> list[dict[str, Any]]:
     """Content-block messages: each turn a user message and, when its assistant text is not None, an assistant
-    message. With ``<image>`` placeholders in the user texts each image sits where its placeholder is;
-    without any, the first user message starts with every image, in order. A placeholder count other than
-    ``len(images)`` is a ValueError."""
-    placed = count_placeholders(turns)
-    if placed and placed != len(images):
-        raise ValueError(f"{placed} {IMAGE_PLACEHOLDER} placeholders for {len(images)} images")
+    message. Where the user texts hold ``<image>`` (``<video>``) placeholders, each image (video) sits where its
+    placeholder is; a kind without any placeholder goes first in the first user message, videos before images,
+    each in order. A placeholder count other than the number of its items is a ValueError."""
+    videos = list(videos or [])
+    items = {IMAGE_PLACEHOLDER: ("image", images), VIDEO_PLACEHOLDER: ("video", videos)}
+    placed = {p: count_placeholders(turns, p) for p in items}
+    for p, (kind, values) in items.items():
+        if placed[p] and placed[p] != len(values):
+            raise ValueError(f"{placed[p]} {p} placeholders for {len(values)} {kind}s")
+    used = dict.fromkeys(items, 0)
     messages: list[dict[str, Any]] = []
-    used = 0
     for i, (user, assistant) in enumerate(turns):
-        if placed:
-            blocks = _user_blocks(user, images, used)
-            used += user.count(IMAGE_PLACEHOLDER)
-        else:
-            blocks = [*({"type": "image", "image": img} for img in images if i == 0), _text_block(user)]
+        blocks: list[dict[str, Any]] = []
+        if i == 0:
+            blocks += [_block("video", v) for v in videos if not placed[VIDEO_PLACEHOLDER]]
+            blocks += [_block("image", im) for im in images if not placed[IMAGE_PLACEHOLDER]]
+        for piece in _PLACEHOLDERS.split(user):
+            if piece in items and placed[piece]:
+                kind, values = items[piece]
+                blocks.append(_block(kind, values[used[piece]]))
+                used[piece] += 1
+            elif piece:
+                blocks.append(_text_block(piece))
         messages.append({"role": "user", "content": blocks})
         if assistant is not None:
             messages.append({"role": "assistant", "content": [_text_block(assistant)]})
@@ -78,22 +84,30 @@ def special_tokens_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
 
 
-def check_texts(turns: list[tuple[str, str | None]], num_images: int, special: re.Pattern[str] | None) -> None:
+def check_texts(turns: list[tuple[str, str | None]], num_images: int, special: re.Pattern[str] | None,
+                num_videos: int = 0) -> None:
     """Raise SkipSample for texts a model must not see: a placeholder in an assistant text, a placeholder count
-    other than the image count (when there is any placeholder), a special token written as text."""
+    other than the image (video) count when there is any ``<image>`` (``<video>``), a special token written as
+    text."""
     for i, (user, assistant) in enumerate(turns):
-        if assistant and IMAGE_PLACEHOLDER in assistant:
-            raise SkipSample("placeholder_in_assistant", f"turn {i}: the assistant text contains "
-                             f"{IMAGE_PLACEHOLDER!r}; images belong to user turns")
-        for role, text in (("user", user.replace(IMAGE_PLACEHOLDER, " ")), ("assistant", assistant or "")):
+        for p in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER):
+            if assistant and p in assistant:
+                raise SkipSample("placeholder_in_assistant", f"turn {i}: the assistant text contains "
+                                 f"{p!r}; images and videos belong to user turns")
+        for role, text in (("user", _PLACEHOLDERS.sub(" ", user)), ("assistant", assistant or "")):
             found = special.search(text) if special is not None else None
             if found:
                 raise SkipSample("control_token_in_text", f"turn {i}: the {role} text contains the special token "
-                                 f"{found.group()!r} (place images with {IMAGE_PLACEHOLDER!r})")
+                                 f"{found.group()!r} (place images with {IMAGE_PLACEHOLDER!r}, videos with "
+                                 f"{VIDEO_PLACEHOLDER!r})")
     placed = count_placeholders(turns)
     if placed and placed != num_images:
         raise SkipSample("placeholder_mismatch", f"{placed} {IMAGE_PLACEHOLDER} placeholders in the user texts "
                          f"for {num_images} images (write one per image, or none to put every image first)")
+    placed = count_placeholders(turns, VIDEO_PLACEHOLDER)
+    if placed and placed != num_videos:
+        raise SkipSample("video_placeholder_mismatch", f"{placed} {VIDEO_PLACEHOLDER} placeholders in the user "
+                         f"texts for {num_videos} videos (write one per video, or none to put every video first)")
 
 
 # Messages transformers' processors raise (5.x), most specific first; anything else is `processor_error`.

@@ -29,6 +29,7 @@ from vlmtrain.data.hub_messages import (
 )
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, load_image
 from vlmtrain.data.sources import VIDEO_EXTENSIONS
+from vlmtrain.data.video import VideoClip, VideoSettings, load_video
 from vlmtrain.errors import ConfigError
 
 _MARKER = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
@@ -84,10 +85,15 @@ class HubVLMProcessor:
 
     def __init__(self, processor: Any, family: Any, max_length: int = 2048, max_images: int = 8,
                  label_check: Callable[[dict[str, Any]], Any] | None = None, prompts: bool = True,
-                 head_names: Collection[str] | None = None) -> None:
+                 head_names: Collection[str] | None = None, video: VideoSettings | None = None) -> None:
         if max_length < 1 or max_images < 0:
             raise ValueError(f"max_length must be >= 1 and max_images >= 0, got {max_length}, {max_images}")
         self.processor, self.family = processor, family
+        # Video: the family's support for these settings (default: data.max_length bounds a clip's tokens),
+        # and a copy of the processor that expands video tokens (made on the first video sample).
+        hook = getattr(family, "video", None)
+        self.video = None if hook is None else hook(processor, video or VideoSettings(max_tokens=max_length))
+        self._video_processor: Any = None
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.max_length, self.max_images = max_length, max_images
         self.label_check, self.prompts = label_check, prompts
@@ -124,17 +130,43 @@ class HubVLMProcessor:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         if len(images) > self.max_images:
             raise SkipSample("too_many_images", f"{len(images)} > max_images={self.max_images}")
-        for img in images:  # a video file given as an image: not supported yet (never a corrupt_image count)
+        for img in images:  # a video file given as an image (never a corrupt_image count)
             if isinstance(img, str) and img.lower().endswith(tuple(f".{e}" for e in VIDEO_EXTENSIONS)):
-                raise SkipSample("video_unsupported", img)
+                raise SkipSample("video_unsupported", f"{img}: a video among the images; give it under 'videos'")
         return [load_image(img) for img in images]
 
+    def videos(self, sample: Mapping[str, Any]) -> list[VideoClip]:
+        """The sample's ``videos`` (a file path or bytes, or a list of videos, each a path, bytes or a list of
+        frame images), decoded to the frames the family's plan keeps; SkipSample ``video_unsupported`` for a
+        family without video support, and the reasons of :func:`~vlmtrain.data.video.load_video`."""
+        videos = sample.get("videos")
+        if videos is None:
+            videos = sample.get("video")
+        if videos is None or (isinstance(videos, (list, tuple)) and not videos):
+            return []
+        if not isinstance(videos, (list, tuple)):
+            videos = [videos]
+        if self.video is None:
+            raise SkipSample("video_unsupported", f"the {self.family.name} family has no video support in vlmtrain "
+                             f"(video: Qwen3-VL, Qwen2.5-VL)")
+        return [load_video(v, None, self.video.settings, self.video.choose) for v in videos]
+
+    def _with_video(self) -> Any:
+        if self._video_processor is None:
+            self._video_processor = self.video.attach(self.processor)
+        return self._video_processor
+
     # -- processor calls --------------------------------------------------------------------------
-    def _call(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict[str, torch.Tensor]:
+    def _call(self, messages: list[dict[str, Any]], clips: list[VideoClip] = (), **kwargs: Any  # type: ignore[assignment]
+              ) -> dict[str, torch.Tensor]:
         # Lists, not tensors, from the processor: its assistant-mask alignment walks the token offsets in
         # Python, slow over tensor rows (collation 1.75x faster, benchmarks/README.md); same tensors.
+        processor = self.processor
+        if clips:  # the frames go in the messages, their indices and fps (timestamps) as video_metadata
+            processor = self._with_video()
+            kwargs["processor_kwargs"] = {"video_metadata": [c.metadata() for c in clips]}
         try:
-            out = self.processor.apply_chat_template(
+            out = processor.apply_chat_template(
                 messages, chat_template=self.family.training_template, tokenize=True, return_dict=True,
                 return_tensors=None, **kwargs)
         except (ValueError, IndexError) as err:  # e.g. an extreme aspect ratio: named by what failed
@@ -164,8 +196,6 @@ class HubVLMProcessor:
             raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
         if sample.get("__bad__"):
             raise SkipSample(str(sample["__bad__"]), "unreadable record")
-        if sample.get("videos") or sample.get("video"):
-            raise SkipSample("video_unsupported", "the sample has videos; only images are supported")
         turns = self._turns(sample.get("texts"))
         head_labels = sample.get("labels")
         if head_labels is not None:
@@ -179,9 +209,14 @@ class HubVLMProcessor:
             raise SkipSample("no_target", "no assistant text and no label for any of the model's heads "
                              f"({', '.join(sorted(self.head_names)) or 'it has none'})")
         images = self._images(sample.get("images"))
-        check_texts(turns, len(images), self.special_tokens)
+        if self.video is None and (sample.get("videos") or sample.get("video")):  # (before any decoding)
+            self.videos(sample)
+        num_videos = _count_videos(sample)
+        check_texts(turns, len(images), self.special_tokens, num_videos)
+        clips = self.videos(sample)
+        frames = [c.frames for c in clips]
 
-        out = self._call(build_messages(turns, images), return_assistant_tokens_mask=True)
+        out = self._call(build_messages(turns, images, frames), clips, return_assistant_tokens_mask=True)
         mask = torch.as_tensor(out.pop("assistant_masks"))
         length = int(out["input_ids"].shape[-1])
         if length > self.max_length:
@@ -190,7 +225,7 @@ class HubVLMProcessor:
         item["labels"] = torch.where(mask.reshape(-1).bool(), item["input_ids"], IGNORE_INDEX)
         if self.prompts:
             prompt_turns = turns if turns[-1][1] is None else [*turns[:-1], (turns[-1][0], None)]
-            prompt = self._call(build_messages(prompt_turns, images), add_generation_prompt=True)
+            prompt = self._call(build_messages(prompt_turns, images, frames), clips, add_generation_prompt=True)
             p_len = int(prompt["input_ids"].shape[-1])
             item.update({f"prompt_{k}": v for k, v in self._unbatch(prompt, p_len).items()})
         item["num_images"] = len(images)
@@ -199,6 +234,15 @@ class HubVLMProcessor:
         return item
 
     __call__ = process
+
+
+def _count_videos(sample: Mapping[str, Any]) -> int:
+    videos = sample.get("videos")
+    if videos is None:
+        videos = sample.get("video")
+    if videos is None:
+        return 0
+    return len(videos) if isinstance(videos, (list, tuple)) else 1
 
 
 # -- the load-time template check ---------------------------------------------------------------

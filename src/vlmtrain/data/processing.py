@@ -43,7 +43,9 @@ CHATML_TEMPLATE = (
 SKIP_REASONS = ("empty_conversation", "malformed_text", "malformed_json", "missing_image", "corrupt_image",
                 "too_many_images", "too_long", "placeholder_mismatch", "bad_head_label", "images_for_text_model",
                 "duplicate_image", "no_target", "video_unsupported", "control_token_in_text",
-                "placeholder_in_assistant", "bad_aspect_ratio", "image_too_small", "processor_error")
+                "placeholder_in_assistant", "bad_aspect_ratio", "image_too_small", "processor_error",
+                "video_unreadable", "video_no_frames", "video_too_short", "video_placeholder_mismatch",
+                "video_over_token_cap")
 
 
 class SkipSample(Exception):

@@ -93,6 +93,12 @@ class Family:
     vision tower's final norm when the model takes an earlier layer's output): frozen at load, since they never
     get a gradient and DDP (without ``ddp_find_unused_parameters``) refuses a trainable parameter that gets
     none. None: every parameter is used."""
+    video: Callable[[Any, Any], Any] | None = None
+    """video(processor, settings) -> this checkpoint's video support for ``data.video_*`` settings
+    (:class:`~vlmtrain.data.video.VideoSettings`): an object with ``choose(info)`` (the frame indices to decode),
+    ``plan(info)`` (frames, size and video tokens) and ``attach(processor)`` (a copy of the processor that
+    expands video tokens and makes the video pixels), as :class:`~vlmtrain.models.families.qwen_video.QwenVideo`.
+    None: the family refuses video (a sample with videos is skipped as ``video_unsupported``, naming it)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Anything else a family needs to say (documented in its module)."""
 

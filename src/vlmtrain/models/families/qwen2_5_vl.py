@@ -78,4 +78,5 @@ FAMILY = Family(
                                      "Qwen2_5_VLModel"),
     image_tokens=image_tokens,
     windowed_attention=windowed_attention,
+    video=functools.partial(qwen.video_support, "qwen2_5_vl"),
 )

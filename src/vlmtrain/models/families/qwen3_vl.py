@@ -53,4 +53,5 @@ FAMILY = Family(
     rope_positions=functools.partial(qwen.rope_positions, "transformers.models.qwen3_vl.modeling_qwen3_vl",
                                      "Qwen3VLModel"),
     image_tokens=qwen.image_tokens,
+    video=functools.partial(qwen.video_support, "qwen3_vl"),
 )

@@ -124,6 +124,14 @@ def set_image_size(processor: Any, max_pixels: int | None = None, min_pixels: in
     ip.size = SizeDict(shortest_edge=int(min_pixels), longest_edge=int(max_pixels))
 
 
+def video_support(kind: str, processor: Any, settings: Any) -> Any:
+    """The ``video`` hook of both families: :class:`~vlmtrain.models.families.qwen_video.QwenVideo` for this
+    processor's vision geometry and ``settings`` (``kind``: 'qwen3_vl' or 'qwen2_5_vl')."""
+    from .qwen_video import QwenVideo
+
+    return QwenVideo(kind, processor.image_processor, settings)
+
+
 def special_token_ids() -> dict[str, int]:
     """Token -> id in the tiny tokenizer (:func:`build_tiny_tokenizer`)."""
     return {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
