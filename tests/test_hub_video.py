@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.test_hub_families import _image
 from tests.test_hub_packing import _documents, _forward, assert_documents_match
-from tests.video_items import frames, video_item
 from vlmtrain.data.hub_collate import HubVLMCollator
 from vlmtrain.data.hub_processing import HubVLMProcessor
 from vlmtrain.models.families import get_family
@@ -40,6 +41,17 @@ def _parts(name: str, root: str):
     path = _tiny(name, root)
     return family, family.load_processor(path), AutoModelForImageTextToText.from_pretrained(
         path, attn_implementation="sdpa")
+
+
+def frames(seed: int, count: int = 4, size: int = 32) -> list[Image.Image]:
+    """A clip of ``count`` random frames (a list of frame images is a valid ``videos`` entry)."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB") for _ in range(count)]
+
+
+def video_item(hub: HubVLMProcessor, sample: dict, clip: list[Image.Image]) -> dict:
+    """``sample`` with ``clip`` as its video (videos go first in the first user turn)."""
+    return {**sample, "videos": [clip]}
 
 
 def _mixed(hub: HubVLMProcessor) -> list[dict]:
@@ -84,20 +96,21 @@ def test_packed_positions_are_each_samples_own_with_the_videos_temporal_position
     items = [s if "input_ids" in s else hub.process(s) for s in _mixed(hub)]
     pack = HubVLMCollator(hub, pack_length=600, model_config=model.config, min_fill_gain=-1.0)
     packed = pack(items)
-    pos, ids = packed["position_ids"], packed["input_ids"][0]
-    assert pos.shape == (4, 1, 600)
+    pos = packed["position_ids"].flatten(1)  # [4, rows * 600]: documents never cross a row's end
+    ids = packed["input_ids"].flatten()
+    assert pos.shape[0] == 4
     found = 0
     for at, n in _documents(packed):  # each sample's rope positions are its own get_rope_index's
         item = next((it for it in items if len(it["input_ids"]) == n and torch.equal(it["input_ids"], ids[at:at + n])),
                     None)
-        if item is None:  # (the row's padding)
+        if item is None:  # (a row's padding)
             continue
         found += 1
         own, _ = model.model.get_rope_index(item["input_ids"][None], mm_token_type_ids=item["mm_token_type_ids"][None],
                                             image_grid_thw=item.get("image_grid_thw"),
                                             video_grid_thw=item.get("video_grid_thw"),
                                             second_per_grid_ts=item.get("second_per_grid_ts"))
-        assert torch.equal(pos[1:, 0, at:at + n], own[:, 0]) and torch.equal(pos[0, 0, at:at + n], torch.arange(n))
+        assert torch.equal(pos[1:, at:at + n], own[:, 0]) and torch.equal(pos[0, at:at + n], torch.arange(n))
         if "video_grid_thw" in item:  # a clip of t temporal patches spans t temporal positions in its tokens
             video = item["mm_token_type_ids"] == 2
             t = int(item["video_grid_thw"][0, 0])
