@@ -7,9 +7,9 @@ question after it. Two question types, four answers each (chance 0.25, answers b
 - ``motion`` — "Which way does the square move?" (left / right / up / down): one square moves the same step
   every frame. Its *last* position is drawn from the same box whatever the direction, so the last frame alone
   says nothing about the answer.
-- ``first_color`` — "Which color appears first?" (red / green / blue / yellow): two shapes of two colours
-  appear one after the other (never in the same frame) and stay; the last frame shows both, so it narrows the
-  answer to two colours (0.5 at best) and only the order tells which.
+- ``first_color`` — "Which color appears first?" (red / green / blue / yellow): a square or circle of one
+  colour from the first frame on, another of a second colour joining it in the last half of the clip; the last
+  frame shows both, so it narrows the answer to two colours (0.5 at best) and only the order tells which.
 
 Baselines (:class:`BlankVideos`: background-only frames; :class:`StillVideos`: every frame replaced by the
 clip's last frame) show that the answer needs the motion: a model that reads the clip falls to about chance on
@@ -68,17 +68,16 @@ def _motion(rng: random.Random, answer: str, frames: int, size: int) -> list[Obj
 
 
 def _first_color(rng: random.Random, answer: str, frames: int, size: int) -> list[Obj]:
-    side = size // 4
+    side = size // 3
     second = rng.choice([c for c in ANSWERS["first_color"] if c != answer])
-    t_first = rng.randint(0, frames - 2)
-    t_second = rng.randint(t_first + 1, frames - 1)
+    t_second = rng.randint(frames // 2, frames - 1)  # the first shows from frame 0, the second in the last half
     while True:  # two places that do not overlap
         a = (rng.randint(0, size - side), rng.randint(0, size - side))
         b = (rng.randint(0, size - side), rng.randint(0, size - side))
         if abs(a[0] - b[0]) >= side or abs(a[1] - b[1]) >= side:
             break
-    return [(rng.choice(SHAPES), color, [at if t >= start else None for t in range(frames)], side)
-            for color, at, start in ((answer, a, t_first), (second, b, t_second))]
+    return [(rng.choice(SHAPES[:2]), color, [at if t >= start else None for t in range(frames)], side)
+            for color, at, start in ((answer, a, 0), (second, b, t_second))]
 
 
 def render_frame(objects: list[Obj], t: int, size: int) -> Image.Image:
