@@ -136,6 +136,22 @@ class DataCore:
     max_image_tokens: int | None = None
     """(hub_vlm: Qwen3-VL, Qwen2.5-VL) max_pixels in image tokens: max_image_tokens x (patch x merge)^2 pixels
     (Qwen3-VL 1,024 pixels per token, Qwen2.5-VL 784). Set this or max_pixels, not both."""
+    video_fps: float = 2.0
+    """(hub_vlm: Qwen3-VL, Qwen2.5-VL) Frames sampled per second of a video (Qwen's published 2); see
+    docs/data.md#videos. A video's frames are chosen before it is decoded, and only those are decoded."""
+    video_min_frames: int = 4
+    """(hub_vlm: Qwen-VL) Fewest frames taken from a video (Qwen's 4); a shorter clip is skipped (video_too_short)."""
+    video_max_frames: int = 768
+    """(hub_vlm: Qwen-VL) Most frames taken from a video (Qwen's 768, the checkpoints' own limit)."""
+    video_max_pixels: int | None = None
+    """(hub_vlm: Qwen-VL) Pixels per video frame after the resize, at most. null: 768 video tokens' worth (Qwen's
+    published per-frame maximum: Qwen3-VL 786,432, Qwen2.5-VL 602,112), never above the checkpoint's image limit."""
+    video_min_pixels: int | None = None
+    """(hub_vlm: Qwen-VL) Pixels per video frame after the resize, at least (smaller frames are upscaled), unless
+    max_video_tokens needs smaller ones. null: 128 video tokens' worth (Qwen's published minimum)."""
+    max_video_tokens: int | None = None
+    """(hub_vlm: Qwen-VL) Video tokens of one whole clip, at most: its frames are downscaled (to
+    video_min_pixels), then fewer are taken (to video_min_frames), until it fits. null: data.max_length."""
     split_large_images: bool = False
     """(vlm) Split images larger than the encoder's size into tiles plus a global view."""
     images_after_text: bool = False
@@ -213,6 +229,9 @@ class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
                               "max_pixels counted in image tokens).")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"data.min_pixels={self.min_pixels} is above data.max_pixels={self.max_pixels}.")
+        from vlmtrain.data.video import VideoSettings
+
+        VideoSettings.from_data(self)  # a bad data.video_* value is an error naming its key, before any work
         if self.filter is not None and ":" not in self.filter:
             raise ConfigError(f"data.filter={self.filter!r} must be 'package.module:function'.")
 

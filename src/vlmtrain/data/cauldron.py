@@ -60,6 +60,10 @@ def read_cauldron_jsonl(path: str, load_images: bool = True) -> list[dict[str, A
                 sample["images"] = [_open_rgb(p) for p in paths]
             else:
                 sample["images"] = paths
+            if sample.get("videos") is not None:
+                from vlmtrain.data.video_layout import resolve_videos
+
+                sample["videos"] = resolve_videos(sample["videos"], root)
             if "scene" in sample:
                 sample["scene"] = [[tuple(o) for o in scene] for scene in sample["scene"]]
             samples.append(sample)

@@ -53,6 +53,22 @@ def check_image_size(family: Any, data: Any) -> None:
                           f"(see vlmtrain.models.families.{family.name}). Remove data.{given[0]}.")
 
 
+def check_video_settings(family: Any, data: Any) -> None:
+    """ConfigError if ``data`` changes a video key (``video_*``, ``max_video_tokens``) from its default for a
+    family without video support (its name in the message)."""
+    from dataclasses import fields
+
+    from vlmtrain.data.video import VIDEO_KEYS
+
+    if getattr(family, "video", None) is not None:
+        return
+    defaults = {f.name: f.default for f in fields(data)} if hasattr(data, "__dataclass_fields__") else {}
+    changed = [k for k in VIDEO_KEYS if hasattr(data, k) and getattr(data, k) != defaults.get(k)]
+    if changed:
+        raise ConfigError(f"data.{changed[0]} is a video setting, and the {family.name} family has no video support "
+                          f"in vlmtrain (video: Qwen3-VL, Qwen2.5-VL). Remove data.{changed[0]}.")
+
+
 def apply_image_size(processor: Any, family: Any, data: Any) -> None:
     """Bound the processor's image resize by ``data.max_pixels`` / ``min_pixels`` / ``max_image_tokens`` (the
     family's defaults where null; nothing for families whose image size the checkpoint fixes), in place, so
@@ -171,7 +187,7 @@ class HubVLMProcessor:
                 return_tensors=None, **kwargs)
         except (ValueError, IndexError) as err:  # e.g. an extreme aspect ratio: named by what failed
             raise SkipSample(processor_error_reason(err), str(err)[:200]) from err
-        return {k: v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v)) for k, v in out.items()}
+        return {k: v if isinstance(v, torch.Tensor) else _tensor(v) for k, v in out.items()}
 
     def _unbatch(self, out: Mapping[str, torch.Tensor], length: int) -> dict[str, Any]:
         layout = self.family.batch_layout
@@ -234,6 +250,13 @@ class HubVLMProcessor:
         return item
 
     __call__ = process
+
+
+def _tensor(value: Any) -> torch.Tensor:
+    """A processor output list as return_tensors="pt" makes it (floats in the default dtype, float32:
+    Qwen2.5-VL's second_per_grid_ts)."""
+    array = np.asarray(value)
+    return torch.as_tensor(array.astype(np.float32) if array.dtype == np.float64 else array)
 
 
 def _count_videos(sample: Mapping[str, Any]) -> int:

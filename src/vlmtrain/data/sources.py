@@ -29,9 +29,10 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from vlmtrain.data.video_layout import VIDEO_EXTENSIONS, resolve_videos, video_members
+
 KEY, DROPPED, COUNTS_ONLY = "__key__", "__dropped__", "__counts_only__"
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp")
-VIDEO_EXTENSIONS = ("mp4", "webm", "mov", "avi", "mkv")
 Position = dict[str, Any]
 
 
@@ -92,6 +93,8 @@ class JsonlSource:
                     images = [images]
                 if isinstance(images, list):
                     record["images"] = [os.path.join(base, im) if isinstance(im, str) else im for im in images]
+                if record.get("videos") is not None:
+                    record["videos"] = resolve_videos(record["videos"], base)
                 yield here, {**record, KEY: key}
 
 
@@ -102,9 +105,12 @@ class WebDatasetSource:
 
     Members of one key are consecutive; the position is the tar offset of the next key's first header,
     so a resumed reader opens the shard there and reads nothing before it. Image bytes are decoded later
-    (by the processor), so a corrupt image is skipped and counted there, not here. A sample with a video
-    member (``KEY.0.mp4``, ``.webm``, ``.mov``, ``.avi``, ``.mkv``) is a bad record (``video_unsupported``):
-    video is not supported yet, and dropping the member silently would train on the text without it. A
+    (by the processor), so a corrupt image is skipped and counted there, not here. Videos are members of their
+    own: ``KEY.video.0.mp4``, ``KEY.video.1.webm``, ... (a video file, index order), or ``KEY.video.0.0.jpg``,
+    ``KEY.video.0.1.jpg``, ... (video 0 as frame images, in frame order); they become the sample's ``videos``
+    (bytes, or lists of frame bytes). A video member outside that layout (``KEY.0.mp4``, ``KEY.mp4``, of
+    ``.mp4``, ``.webm``, ``.mov``, ``.avi``, ``.mkv``) is a bad record (``video_unsupported``): dropping it
+    silently would train on the text without it. A
     shard cut short (a writer killed mid-shard) ends with a bad record (``corrupt_image`` or
     ``malformed_json``: the member cut), counted like any other.
     """
@@ -148,8 +154,14 @@ class WebDatasetSource:
             sample = None
         if not isinstance(sample, dict):
             return {KEY: name, "__bad__": "malformed_json"}
+        videos = video_members(group, IMAGE_EXTENSIONS)
+        if videos is None:
+            return {KEY: name, "__bad__": "duplicate_image"}
+        group = [(ext, data) for ext, data in group if not ext.lower().startswith("video.")]
         if any(ext.lower().rpartition(".")[2] in VIDEO_EXTENSIONS for ext, _ in group):
             return {KEY: name, "__bad__": "video_unsupported"}
+        if videos:
+            sample["videos"] = videos
         images = sorted((_image_index(ext), data) for ext, data in group if _image_index(ext) is not None)
         if len({i for i, _ in images}) < len(images):  # e.g. KEY.jpg and KEY.0.png: two images 0
             return {KEY: name, "__bad__": "duplicate_image"}

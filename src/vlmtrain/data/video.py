@@ -308,3 +308,31 @@ def _decode_indices(container: Any, stream: Any, info: VideoInfo, indices: Seque
             out.append(frame.to_ndarray(format="rgb24"))
             k += 1
     return out
+
+
+def write_video(path: str, frames: Any, fps: float, codec: str = "mpeg4", gop: int | None = None) -> str:
+    """Encode RGB uint8 frames (an iterable of [H, W, 3] arrays, even H and W) into a video file with PyAV, one
+    at a time (test clips, synthetic video tasks); ``gop``: frames between keyframes (the codec's default)."""
+    import fractions
+
+    import av
+
+    container = av.open(path, "w")
+    try:
+        stream = None
+        for frame in frames:
+            frame = np.ascontiguousarray(frame, dtype=np.uint8)
+            if stream is None:
+                stream = container.add_stream(codec, rate=fractions.Fraction(fps).limit_denominator(1001))
+                stream.height, stream.width = int(frame.shape[0]), int(frame.shape[1])
+                stream.pix_fmt = "yuv420p"
+                if gop is not None:
+                    stream.codec_context.gop_size = gop
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        if stream is not None:
+            for packet in stream.encode():
+                container.mux(packet)
+    finally:
+        container.close()
+    return path

@@ -20,7 +20,7 @@ this video processor attached, so ``Qwen3VLProcessor`` writes its ``<t seconds>`
 indices and fps in the video metadata) and ``Qwen2_5_VLProcessor`` its ``second_per_grid_ts``.
 
 Caps (:meth:`QwenVideo.plan`): each frame at most ``video_max_pixels`` (default 768 tokens' worth, the
-families' published per-frame maximum, never above the checkpoint's image max_pixels) and at least
+families' published per-frame maximum and their video processors' own) and at least
 ``video_min_pixels`` (default 128 tokens' worth, the published minimum); a clip over ``max_video_tokens``
 gets smaller frames down to video_min_pixels, then fewer frames down to video_min_frames, then frames below
 video_min_pixels; what still does not fit is skipped (``video_over_token_cap``).
@@ -74,11 +74,7 @@ class QwenVideo:
         self.rescale_factor = float(getattr(image_processor, "rescale_factor", 1 / 255))
         self.factor = self.patch_size * self.merge_size
         unit = self.factor ** 2
-        own_max = int(image_processor.size["longest_edge"])
-        self.max_pixels = settings.max_pixels or min(own_max, MAX_FRAME_TOKENS * unit)
-        if self.max_pixels > own_max:
-            raise ConfigError(f"data.video_max_pixels={self.max_pixels} is above the checkpoint's own limit of "
-                              f"{own_max} pixels per image (its image processor's size.longest_edge).")
+        self.max_pixels = settings.max_pixels or MAX_FRAME_TOKENS * unit
         if self.max_pixels < unit:
             raise ConfigError(f"data.video_max_pixels={self.max_pixels} is less than one video token "
                               f"({self.factor}x{self.factor} = {unit} pixels for this checkpoint).")

@@ -65,12 +65,13 @@ def check_packing(cfg: Any) -> None:
 
 
 def validate(cfg: Any) -> None:
-    from vlmtrain.data.hub_processing import check_image_size
+    from vlmtrain.data.hub_processing import check_image_size, check_video_settings
     from vlmtrain.models.families import family_of
 
     # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
     family = family_of(cfg.model.pretrained)
     check_image_size(family, cfg.data)
+    check_video_settings(family, cfg.data)
     if cfg.data.packing and family.packing_unsupported:
         raise ConfigError(f"data.packing=true: the {family.name} family cannot pack: {family.packing_unsupported} "
                           f"Set data.packing: false (or null).")
@@ -199,6 +200,7 @@ def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], mo
     """The training HubVLMProcessor and collator (packing with data.packing; head labels with heads)."""
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.data.video import VideoSettings
     from vlmtrain.models.heads import check_head_labels, head_label_tensors
 
     m, d = cfg.model, cfg.data
@@ -207,7 +209,7 @@ def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], mo
     hub_processor = HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,
         label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
-        head_names=tuple(heads))
+        head_names=tuple(heads), video=VideoSettings.from_data(d))
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     packing = {}
     if d.packing:  # (check_packing refused heads; flash-attention finds documents from one row's positions)
