@@ -102,6 +102,7 @@ def test_video_samples_train_with_lora_and_heads_then_eval_predict_score_generat
     video_sample = samples[0]
     answer = inference.generate(video_sample, max_new_tokens=4)
     assert answer == _greedy(inference, video_sample, 4)
+    assert inference.generate("Which colour?", videos=video_sample["videos"], max_new_tokens=4) == answer
 
 
 def _greedy(inference, sample: dict, max_new_tokens: int) -> str:

@@ -103,7 +103,8 @@ def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, t
     ``model.model``) the dummy image path: under several processes, a forward without ``pixel_values`` first
     encodes ``dummy_image(config)`` (get_image_features' keyword arguments, on CPU) and adds 0 x its features
     to the text embeddings (see the module docstring). With ``dummy_video`` (get_video_features' keyword
-    arguments), a forward without ``pixel_values_videos`` encodes it as well, after the images."""
+    arguments), a forward without ``pixel_values_videos`` encodes it as well (the dummies run before the forward's
+    own vision tower calls; for the collectives only their number counts: each is a whole pass of the tower)."""
     own_forward = type(vlm).forward  # (the class's, called with self: a deepcopy of the model stays right)
 
     @functools.wraps(own_forward)
