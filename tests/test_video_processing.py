@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from optional_extras import requires
 from video_reference import reference_processor, reference_video_processor, torchvision_available
 
 from vlmtrain.data.hub_processing import HubVLMProcessor
@@ -22,7 +23,7 @@ from vlmtrain.data.processing import SkipSample
 from vlmtrain.data.video import VideoInfo, VideoSettings, load_video, write_video
 from vlmtrain.models.families import get_family
 
-pytest.importorskip("av")
+pytestmark = requires("av", "video")
 KINDS = ("qwen3_vl", "qwen2_5_vl")
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "video_processing.pt")
 
@@ -136,12 +137,13 @@ def test_equals_committed_fixture(tiny, kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_frame_choice_equals_transformers_sample_frames(tiny, kind):
     """Without a token cap the frames vlmtrain decodes are those transformers' sample_frames picks, over many
-    clip lengths, frame rates and settings."""
+    clip lengths, frame rates and settings (but the extra index float error adds to Qwen2-VL's arange)."""
     _, proc = tiny(kind)
     rng = np.random.default_rng(0)
     ref = reference_video_processor(kind, proc.image_processor, shim=not torchvision_available())
     from transformers.video_utils import VideoMetadata
 
+    arange_extra = 0
     for _ in range(300):
         total, fps = int(rng.integers(4, 4000)), float(rng.choice([5, 10, 23.976, 24, 25, 29.97, 30, 60]))
         want_fps = float(rng.choice([0.5, 1, 2, 3]))
@@ -156,7 +158,12 @@ def test_frame_choice_equals_transformers_sample_frames(tiny, kind):
             theirs = ref.sample_frames(meta, fps=want_fps)
         else:
             theirs = ref.sample_frames(meta, temporal_patch_size=2, min_frames=low, max_frames=high, fps=want_fps)
-        assert list(ours) == [int(i) for i in theirs], (total, fps, settings)
+        theirs = [int(i) for i in theirs]
+        if kind == "qwen2_5_vl" and len(theirs) % 2:  # transformers' arange: n + 1 indices by float error
+            assert len(ours) == len(theirs) - 1
+            arange_extra += 1
+        assert ours == theirs[:len(ours)], (total, fps, settings)
+    assert arange_extra < 10
 
 
 def test_other_families_refuse_video_naming_the_family(tiny, video_file):

@@ -311,13 +311,18 @@ def _data(argv: list[str]) -> int:
     parser = jsonargparse.ArgumentParser(prog="vlmtrain data", description=_description("data"), formatter_class=help_formatter(), exit_on_error=False)
     sub = parser.add_subcommands(required=True, dest="tool")
     src_help = "shapes[:N], a .jsonl file/glob, .tar shards (path, glob or {000..009}) or a load_from_disk dir"
-    to_wds = jsonargparse.ArgumentParser(description="Write a source as WebDataset tar shards (KEY.json + KEY.N.png).")
+    to_wds = jsonargparse.ArgumentParser(description="Write a source as WebDataset tar shards (KEY.json + KEY.N.png + KEY.video.N.mp4).")
     to_wds.add_argument("src", type=str, help=src_help)
     to_wds.add_argument("out", type=str, help="Output directory for shard-NNNNNN.tar files.")
     to_wds.add_argument("--shard-size", "--shard_size", type=int, default=1000, help="Samples per shard.")
     inspect = jsonargparse.ArgumentParser(description="Counts, image/length histograms and bad-sample reasons.")
     inspect.add_argument("src", type=str, help=src_help)
     inspect.add_argument("--limit", type=int | None, default=None, help="Look at the first N samples only.")
+    inspect.add_argument("--model", type=str | None, default=None,
+                         help="Hub id or checkpoint dir (Qwen3-VL / Qwen2.5-VL): each video's frames, size and "
+                              "video tokens as its processing plans them (default: frames and timestamps only).")
+    inspect.add_argument("--config", type=str | None, default=None,
+                         help="A run YAML: its data.video_* keys (and model.pretrained, unless --model) apply.")
     sub.add_subcommand("to-wds", to_wds)
     sub.add_subcommand("inspect", inspect)
     try:
@@ -334,10 +339,41 @@ def _data(argv: list[str]) -> int:
             paths = tools.write_webdataset(tools.progress(stream, "to-wds"), args.out, shard_size=args.shard_size)
             print(f"wrote {len(paths)} shard(s) to {args.out}")
         else:
-            print(tools.format_report(tools.inspect_source(ns.inspect.src, limit=ns.inspect.limit)))
+            video = _inspect_video(ns.inspect.model, ns.inspect.config)
+            print(tools.format_report(tools.inspect_source(ns.inspect.src, limit=ns.inspect.limit, video=video)))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return 0
+
+
+def _inspect_video(model: str | None, config: str | None) -> Any:
+    """`data inspect`'s video planning: a family's video support for the settings of ``config`` (its data
+    section; defaults otherwise) and ``model`` (or the config's model.pretrained), else those settings alone."""
+    import types
+
+    import yaml
+
+    from vlmtrain.data.video import VIDEO_KEYS, VideoSettings
+
+    data: dict[str, Any] = {}
+    if config is not None:
+        with open(config) as f:
+            raw = yaml.safe_load(f) or {}
+        data = {k: v for k, v in (raw.get("data") or {}).items() if k in (*VIDEO_KEYS, "max_length")}
+        model = model or (raw.get("model") or {}).get("pretrained")
+    from vlmtrain.config import DataConfig
+
+    data.setdefault("max_length", DataConfig.__dataclass_fields__["max_length"].default)  # (a clip's token cap)
+    settings = VideoSettings.from_data(types.SimpleNamespace(**data))
+    if model is None:
+        return settings
+    from vlmtrain.models.families import family_of
+
+    family = family_of(model)
+    if family.video is None:
+        raise ConfigError(f"--model {model}: the {family.name} family has no video support in vlmtrain "
+                          f"(video: Qwen3-VL, Qwen2.5-VL).")
+    return family.video(family.load_processor(model), settings)
 
 
 def _report(argv: list[str]) -> int:

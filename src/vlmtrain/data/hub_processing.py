@@ -1,4 +1,5 @@
-"""Processing for Hub VLMs through the model's own processor: chat template, token expansion, pixels, labels.
+"""Processing for Hub VLMs through the model's own processor: chat template, token expansion, pixels, labels
+(and, for Qwen3-VL / Qwen2.5-VL, videos: :mod:`vlmtrain.data.video`, the family's ``video`` hook).
 
 vlmtrain renders a the_cauldron sample as content-block messages (:mod:`vlmtrain.data.hub_messages`: each
 image where its ``<image>`` placeholder stands in a user text, or without placeholders all images first in
@@ -95,8 +96,14 @@ class HubVLMProcessor:
     samples has a NaN loss); None (inference) accepts it. Bad samples raise
     :class:`~vlmtrain.data.processing.SkipSample` (reasons in :mod:`vlmtrain.data.hub_messages` and
     :func:`~vlmtrain.data.hub_messages.processor_error_reason` besides the shared ones; ``video_unsupported``
-    for a sample with ``videos`` or a video file among its images); an over-long one (> ``max_length``
-    tokens, image tokens included, after the images are resized) is dropped, never truncated.
+    for a video file among its images, or videos for a family without video support); an over-long one
+    (> ``max_length`` tokens, image and video tokens included, after the resize) is dropped, never truncated.
+
+    Videos (``videos``: Qwen3-VL, Qwen2.5-VL, through ``family.video``): decoded to the frames the family's plan
+    keeps under ``video`` (:class:`~vlmtrain.data.video.VideoSettings`; default: the defaults, the clip's tokens
+    bounded by ``max_length``), placed by ``<video>`` placeholders (else first), and expanded by the checkpoint's
+    processor class with the family's torch-only video processor attached (``pixel_values_videos``,
+    ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``, Qwen3-VL's timestamps in the text).
     """
 
     def __init__(self, processor: Any, family: Any, max_length: int = 2048, max_images: int = 8,

@@ -54,6 +54,25 @@ def _image_bytes(image: Any) -> tuple[bytes, str]:
     return data, _sniff(data)
 
 
+def _video_members(videos: Any) -> list[tuple[str, bytes]]:
+    """(member name after the key, bytes) of a sample's videos: ``video.N.<ext>`` for a file (its extension;
+    bytes: mp4), ``video.N.M.<ext>`` for frame M of a frame list (docs/data.md#videos)."""
+    if videos is None:
+        return []
+    out = []
+    for i, video in enumerate(videos if isinstance(videos, (list, tuple)) else [videos]):
+        if isinstance(video, (list, tuple)):
+            for j, frame in enumerate(video):
+                data, ext = _image_bytes(frame)
+                out.append((f"video.{i}.{j}.{ext}", data))
+        elif isinstance(video, (bytes, bytearray)):
+            out.append((f"video.{i}.mp4", bytes(video)))
+        else:
+            with open(video, "rb") as f:
+                out.append((f"video.{i}.{os.path.splitext(video)[1].lstrip('.').lower() or 'mp4'}", f.read()))
+    return out
+
+
 def _sniff(data: bytes) -> str:
     return "jpg" if data[:3] == b"\xff\xd8\xff" else "webp" if data[8:12] == b"WEBP" else "png"
 
@@ -82,12 +101,14 @@ def write_webdataset(samples: Iterable[dict[str, Any]], out_dir: str, shard_size
                 paths.append(os.path.join(out_dir, f"{prefix}-{len(paths):06d}.tar"))
                 tar = tarfile.open(paths[-1], "w")
             key = f"{n:09d}"
-            record = {k: v for k, v in sample.items() if k not in ("images", KEY) and not k.startswith("__")
-                      and _jsonable(v)}
+            record = {k: v for k, v in sample.items() if k not in ("images", "videos", KEY)
+                      and not k.startswith("__") and _jsonable(v)}
             _add(tar, f"{key}.json", json.dumps(record).encode())
             for i, image in enumerate(sample.get("images") or []):
                 data, ext = _image_bytes(image)
                 _add(tar, f"{key}.{i}.{ext}", data)
+            for name, data in _video_members(sample.get("videos")):
+                _add(tar, f"{key}.{name}", data)
     finally:
         if tar is not None:
             tar.close()
@@ -102,17 +123,22 @@ def _jsonable(value: Any) -> bool:
         return False
 
 
-def inspect_source(spec: str, processor: Any = None, limit: int | None = None) -> dict[str, Any]:
-    """Counts, image-count and text-length histograms and bad-sample reasons of a source (first ``limit``).
+def inspect_source(spec: str, processor: Any = None, limit: int | None = None, video: Any = None) -> dict[str, Any]:
+    """Counts, image-count and text-length histograms and bad-sample reasons of a source (first ``limit``), and
+    per video the frames chosen, their timestamps and (with a family's ``video`` support: its ``plan``) the
+    video tokens and frame size.
 
     Without a processor, lengths are characters of the conversation and only unreadable records and
-    missing/undecodable images count as bad; with one, lengths are tokens and every SkipSample reason counts.
+    missing/undecodable images and videos count as bad; with one, lengths are tokens and every SkipSample
+    reason counts. ``video``: a family's video support (``plan``, ``choose``, ``settings``) or
+    :class:`~vlmtrain.data.video.VideoSettings` (frames and timestamps only; default: the default settings).
     """
     from vlmtrain.data.processing import SkipSample, load_image
 
     source = open_source(spec)
     records = (sample for shard in range(len(source.shards)) for _, sample in source.read(shard, {}))
     images, lengths, bad = Counter(), [], Counter()
+    videos: list[dict[str, Any]] = []
     samples = 0
     for sample in progress(records, "inspect"):
         if limit is not None and samples >= limit:
@@ -122,6 +148,8 @@ def inspect_source(spec: str, processor: Any = None, limit: int | None = None) -
             bad[sample["__bad__"]] += 1
             continue
         try:
+            if sample.get("videos") or sample.get("video"):
+                videos += describe_videos(sample, video)
             if processor is not None:
                 lengths.append(len(processor.process(sample)["input_ids"]))
             else:
@@ -133,7 +161,36 @@ def inspect_source(spec: str, processor: Any = None, limit: int | None = None) -
         except SkipSample as err:
             bad[err.reason] += 1
     return {"source": spec, "shards": len(source.shards), "samples": samples, "bad": dict(bad),
-            "images_per_sample": dict(sorted(images.items())), "lengths": _histogram(lengths)}
+            "images_per_sample": dict(sorted(images.items())), "lengths": _histogram(lengths), "videos": videos}
+
+
+def describe_videos(sample: dict[str, Any], video: Any = None) -> list[dict[str, Any]]:
+    """Per video of ``sample``: its frames chosen (source indices), their timestamps in seconds, the source's
+    frame count and rate, and with a family's ``video`` support the frame size and video tokens (see
+    :func:`inspect_source`). Raises SkipSample for a video that cannot be used."""
+    from vlmtrain.data.video import VideoSettings, load_video
+
+    settings = video if isinstance(video, VideoSettings) else getattr(video, "settings", None) or VideoSettings()
+    plan = getattr(video, "plan", None)
+    specs = sample.get("videos", sample.get("video"))
+    out = []
+    for i, spec in enumerate(specs if isinstance(specs, (list, tuple)) else [specs]):
+        plans: list[Any] = []
+
+        def choose(info: Any, plans: list[Any] = plans) -> list[int]:
+            if plan is None:
+                return settings.indices(info)
+            plans.append(plan(info))
+            return plans[-1].indices
+
+        clip = load_video(spec, None, settings, choose)
+        entry = {"sample": str(sample.get(KEY, sample.get("id", ""))), "video": i, "source_frames": clip.total_frames,
+                 "source_fps": round(clip.fps, 3), "frames": len(clip.indices), "indices": clip.indices,
+                 "timestamps": [round(t, 3) for t in clip.timestamps]}
+        if plans:
+            entry.update(size=[plans[-1].height, plans[-1].width], tokens=plans[-1].tokens)
+        out.append(entry)
+    return out
 
 
 def _histogram(values: list[int], bins: int = 8) -> dict[str, int]:
@@ -153,4 +210,18 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append("  text length (characters):")
     for label, n in report["lengths"].items():
         lines.append(f"    {label:>12} {n:>7} {'#' * round(40 * n / total)}")
+    videos = report.get("videos") or []
+    if videos:
+        lines.append(f"  videos: {len(videos)} (frames chosen, their timestamps in seconds, video tokens)")
+    for v in videos[:VIDEOS_LISTED]:
+        stamps = ", ".join(f"{t:g}" for t in v["timestamps"][:8]) + (", ..." if len(v["timestamps"]) > 8 else "")
+        tokens = f", {v['tokens']} tokens at {v['size'][1]}x{v['size'][0]}" if "tokens" in v else ""
+        lines.append(f"    {v['sample']} video {v['video']}: {v['frames']} of {v['source_frames']} frames "
+                     f"({v['source_fps']:g} fps) at [{stamps}] s{tokens}")
+    if len(videos) > VIDEOS_LISTED:
+        lines.append(f"    ... {len(videos) - VIDEOS_LISTED} more")
     return "\n".join(lines)
+
+
+VIDEOS_LISTED = 20
+"""Videos `vlmtrain data inspect` lists one per line (all of them are in inspect_source's report)."""

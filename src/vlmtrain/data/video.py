@@ -249,13 +249,12 @@ def _decode(file: Any, name: str, settings: VideoSettings, choose: Chooser) -> V
         stream, info = probe(container)
         _check_length(info.total_frames, settings, name)
         indices = choose(info)
-        frames = _decode_indices(container, stream, info, indices, name)
+        frames, got = _decode_indices(container, stream, info, indices)
     except av.FFmpegError as err:
         raise SkipSample("video_unreadable", f"{name}: {err}"[:200]) from err
     finally:
         container.close()
-    if len(frames) < len(indices):  # a truncated file, or a header frame count above what decodes
-        got = len(frames)
+    if got < len(indices):  # a truncated file, or a header frame count above what decodes
         if got == 0:
             raise SkipSample("video_no_frames", f"{name}: no frame decodes")
         if got < settings.min_frames:
@@ -263,7 +262,7 @@ def _decode(file: Any, name: str, settings: VideoSettings, choose: Chooser) -> V
                              f"{settings.min_frames}")
         # Fewer frames decode than the header says: choose again among those that did (decoding again).
         return _decode(_reopen(file), name, settings, _capped(choose, got))
-    return VideoClip(torch.from_numpy(np.stack(frames)), indices, info.fps, info.total_frames, source=name)
+    return VideoClip(torch.from_numpy(frames), indices, info.fps, info.total_frames, source=name)
 
 
 def _reopen(file: Any) -> Any:
@@ -278,14 +277,15 @@ def _capped(choose: Chooser, total: int) -> Chooser:
     return chooser
 
 
-def _decode_indices(container: Any, stream: Any, info: VideoInfo, indices: Sequence[int], name: str) -> list[Any]:
-    """RGB arrays of the frames at ``indices`` (ascending), found by presentation time; frames between them
-    are decoded (or skipped by a seek) and dropped at once, so memory holds the kept frames only."""
+def _decode_indices(container: Any, stream: Any, info: VideoInfo, indices: Sequence[int]) -> tuple[Any, int]:
+    """The frames at ``indices`` (ascending), found by presentation time, as one uint8 array [T, H, W, 3] filled
+    in place, and how many were found; frames between them are decoded (or skipped by a seek) and dropped at
+    once, so memory holds the kept frames only (and one array of them, never a list and its stacked copy)."""
     stream.thread_type = "AUTO"
     time_base = float(stream.time_base)
     start = stream.start_time or 0
     gap = max(1, int(SEEK_GAP_SECONDS * info.fps))
-    out: list[Any] = []
+    out: Any = None
     wanted = list(indices)
     position = -1  # index of the last frame decoded
     frames: Any = None
@@ -299,15 +299,19 @@ def _decode_indices(container: Any, stream: Any, info: VideoInfo, indices: Seque
         while position < target:
             frame = next(frames, None)
             if frame is None:
-                return out  # the file ends (truncated, or fewer frames than its header says)
+                return out, k  # the file ends (truncated, or fewer frames than its header says)
             if frame.pts is None:
                 position += 1
             else:
                 position = int(round((frame.pts - start) * time_base * info.fps))
+        array = None
         while k < len(wanted) and wanted[k] <= position:  # (the same frame for indices that round onto it)
-            out.append(frame.to_ndarray(format="rgb24"))
+            array = frame.to_ndarray(format="rgb24") if array is None else array
+            if out is None:
+                out = np.empty((len(wanted), *array.shape), np.uint8)
+            out[k] = array
             k += 1
-    return out
+    return out, k
 
 
 def write_video(path: str, frames: Any, fps: float, codec: str = "mpeg4", gop: int | None = None) -> str:

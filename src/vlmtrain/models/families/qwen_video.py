@@ -6,7 +6,8 @@ computes what they compute, with torch alone:
 
 - frame choice: Qwen3-VL ``np.linspace(0, total - 1, n).round()`` with ``n = int(total / fps * video_fps)``;
   Qwen2.5-VL ``torch.arange(0, total, total / n).int()`` with n floored to a multiple of temporal_patch_size
-  (each family's ``sample_frames``), both within [video_min_frames, video_max_frames];
+  (each family's ``sample_frames``), both within [video_min_frames, video_max_frames] (where float error
+  makes transformers' arange yield n + 1 indices, the first n);
 - frame size: the family's own ``smart_resize`` (imported from transformers) under the ``size`` the caps give;
 - resize: ``torch.nn.functional.interpolate(uint8 frames, mode="bicubic", antialias=True,
   align_corners=False)``, what torchvision's ``resize`` does for uint8 tensors on CPU with BICUBIC (the
@@ -103,7 +104,8 @@ class QwenVideo:
             n = math.floor(n / tp) * tp
         if n < 1:
             raise SkipSample("video_too_short", f"{total} frames: fewer than temporal_patch_size={tp} to sample")
-        return torch.arange(0, total, total / n).int().tolist()
+        # (transformers' arange can yield n + 1 indices by float error, one above max_frames: the first n are kept)
+        return torch.arange(0, total, total / n).int()[:n].tolist()
 
     # -- frame size -----------------------------------------------------------------------------------
     def size_for(self, num_frames: int, max_pixels: int, min_pixels: int) -> dict[str, int]:
@@ -137,20 +139,25 @@ class QwenVideo:
 
     def _fit(self, num_frames: int, height: int, width: int, below_min: bool) -> tuple[dict[str, int], int, int] | None:
         """The size for ``num_frames`` frames under the per-frame and clip caps (frames no smaller than
-        video_min_pixels unless ``below_min``), or None if none fits."""
+        video_min_pixels unless ``below_min``), or None if none fits. The bound handed to smart_resize starts at
+        the caps and steps down one token's pixels while whole patches of a thin frame still overshoot them."""
+        unit = self.factor ** 2
         groups = -(-num_frames // self.temporal_patch_size)
         most = self.max_pixels
         if self.max_tokens is not None:
-            most = min(most, (self.max_tokens // groups) * self.factor ** 2)
-        if most < self.min_pixels and not below_min or most < self.factor ** 2:
-            return None
-        size = self.size_for(num_frames, most, min(self.min_pixels, most))
-        try:
-            h, w = self.resized(num_frames, height, width, size)
-        except ValueError as err:  # smart_resize: an aspect ratio above 200
-            raise SkipSample("bad_aspect_ratio", str(err)) from err
-        fits = h * w <= self.max_pixels and (self.max_tokens is None or self.tokens(num_frames, h, w) <= self.max_tokens)
-        return (size, h, w) if fits else None
+            most = min(most, (self.max_tokens // groups) * unit)
+        floor = unit if below_min else self.min_pixels
+        while most >= floor:
+            size = self.size_for(num_frames, most, min(self.min_pixels, most))
+            try:
+                h, w = self.resized(num_frames, height, width, size)
+            except ValueError as err:  # smart_resize: an aspect ratio above 200
+                raise SkipSample("bad_aspect_ratio", str(err)) from err
+            if h * w <= self.max_pixels and (self.max_tokens is None
+                                             or self.tokens(num_frames, h, w) <= self.max_tokens):
+                return size, h, w
+            most = (most - 1) // unit * unit  # (the next whole token below)
+        return None
 
     def plan(self, info: VideoInfo) -> FramePlan:
         """Frames and size for a clip: the family's choice at video_fps, its frames downscaled (to
