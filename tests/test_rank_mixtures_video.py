@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
+import yaml
 from PIL import Image
 
 from tests.test_rank_mixtures_vision import _config, _problem
@@ -50,13 +52,27 @@ def test_video_rank_and_image_or_text_rank_match_one_process(tmp_path, one_threa
     for name, samples in (("train", _samples(tmp_path, 4, 0)), ("eval", _samples(tmp_path, 2, 100))):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     checkpoints = {"qwen3_vl": get_family("qwen3_vl").build_tiny(str(tmp_path / "tiny-qwen3_vl"), seed=0)}
-    configs = [str(_config(tmp_path, c, checkpoints, 2)) for c in CASES]
+
+    def config(case: str, nproc: int) -> str:
+        """The image test's config, with the clips kept at their 32 x 32 frames (8 video tokens each)."""
+        path = _config(tmp_path, case, checkpoints, nproc)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["data"].update(video_min_pixels=1024, max_length=160)
+        path.write_text(yaml.safe_dump(cfg))
+        return str(path)
+
+    configs = [config(c, 2) for c in CASES]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "rank_mixtures_vision_worker.py"), str(tmp_path), *configs]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     output = done.stdout[-3000:] + done.stderr[-5000:]
     for case in CASES:
-        run(str(_config(tmp_path, case, checkpoints, 1)), str(tmp_path))
+        run(config(case, 1), str(tmp_path))
     problems = {case: _problem(tmp_path, case, output) for case in CASES}
     assert not any(problems.values()), "\n".join(f"{c}: {p}" for c, p in problems.items() if p)
+    for case in CASES:  # every clip trained and was evaluated (none skipped: they were the point)
+        two = torch.load(tmp_path / f"{case}-2.pt", weights_only=False)
+        final = next(r for r in two["logs"] if "train_loss" in r)
+        assert not any("skipped" in k for k in final) and not any("skipped" in k for k in two["eval"]), (final,
+                                                                                                        two["eval"])
