@@ -19,6 +19,7 @@ from tests.test_hub_families import _image
 from tests.test_hub_packing import _documents, _forward, assert_documents_match
 from vlmtrain.data.hub_collate import HubVLMCollator
 from vlmtrain.data.hub_processing import HubVLMProcessor
+from vlmtrain.data.video import VideoSettings
 from vlmtrain.models.families import get_family
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")
@@ -41,6 +42,13 @@ def _parts(name: str, root: str):
     path = _tiny(name, root)
     return family, family.load_processor(path), AutoModelForImageTextToText.from_pretrained(
         path, attn_implementation="sdpa")
+
+
+def _hub(processor, family) -> HubVLMProcessor:
+    """Samples up to 300 tokens; clips kept at their own small frames (video_min_pixels 32 x 32, not Qwen's 128
+    tokens' worth)."""
+    return HubVLMProcessor(processor, family, max_length=300, prompts=False,
+                           video=VideoSettings(min_pixels=1024, max_tokens=300))
 
 
 def frames(seed: int, count: int = 4, size: int = 32) -> list[Image.Image]:
@@ -73,7 +81,7 @@ def _mixed(hub: HubVLMProcessor) -> list[dict]:
 def test_packed_video_logits_loss_and_gradients_equal_unpacked(root, name, one_thread):
     family, processor, model = _parts(name, root)
     model.eval()
-    hub = HubVLMProcessor(processor, family, max_length=300, prompts=False)
+    hub = _hub(processor, family)
     pack = HubVLMCollator(hub, pack_length=300, model_config=model.config, min_fill_gain=-1.0)
     samples = _mixed(hub)
     packed, padded = pack(samples), pack.without_packing()(samples)
@@ -92,7 +100,7 @@ def test_packed_video_logits_loss_and_gradients_equal_unpacked(root, name, one_t
 @pytest.mark.parametrize("name", FAMILIES)
 def test_packed_positions_are_each_samples_own_with_the_videos_temporal_positions(root, name):
     family, processor, model = _parts(name, root)
-    hub = HubVLMProcessor(processor, family, max_length=300, prompts=False)
+    hub = _hub(processor, family)
     items = [s if "input_ids" in s else hub.process(s) for s in _mixed(hub)]
     pack = HubVLMCollator(hub, pack_length=600, model_config=model.config, min_fill_gain=-1.0)
     packed = pack(items)
@@ -147,7 +155,7 @@ def test_every_batch_mix_makes_the_same_vision_tower_calls_adding_exactly_zero(r
 
     family = get_family(name)
     model = load_model(_tiny(name, root)).train()
-    hub = HubVLMProcessor(family.load_processor(_tiny(name, root)), family, max_length=300, prompts=False)
+    hub = _hub(family.load_processor(_tiny(name, root)), family)
     collate = HubVLMCollator(hub, label_collate=lambda raw: {})
     turn = [{"user": "Hi there", "assistant": "Yes."}]
     mixes = {"text": [{"texts": turn}], "image": [{"images": [_image(0, (32, 32))], "texts": turn}],

@@ -4,6 +4,7 @@ clip), its baselines and its config keys."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from vlmtrain.config import ConfigError, load_run_config
-from vlmtrain.tasks.moving_shapes import ANSWERS, BlankVideos, MovingShapes, StillVideos
+from vlmtrain.tasks.moving_shapes import ANSWERS, DIRECTIONS, BlankVideos, MovingShapes, StillVideos, _motion
 
 
 def _pixels(sample: dict) -> list[np.ndarray]:
@@ -24,7 +25,7 @@ def test_items_are_pure_balanced_and_splits_share_no_clip():
         assert train[i]["texts"] == again[i]["texts"] and train[i]["clip"] == again[i]["clip"]
         assert all(np.array_equal(a, b) for a, b in zip(_pixels(train[i]), _pixels(again[i])))
     samples = [train[i] for i in range(64)]
-    assert all(len(s["videos"]) == 1 and len(s["videos"][0]) == 4 and s["videos"][0][0].size == (48, 48)
+    assert all(len(s["videos"]) == 1 and len(s["videos"][0]) == 4 and s["videos"][0][0].size == (64, 64)
                for s in samples)
     for q in ANSWERS:
         counts = Counter(s["texts"][0]["assistant"] for s in samples if s["qtype"] == q)
@@ -34,14 +35,15 @@ def test_items_are_pure_balanced_and_splits_share_no_clip():
 
 
 def test_the_last_frame_does_not_tell_the_motion_and_shows_both_colours():
-    ds = MovingShapes("train", 200, qtypes=["motion"])
-    last = {d: Counter() for d in ANSWERS["motion"]}
+    for seed in range(50):  # the same draws for every direction: the same last position, other first ones
+        paths = [_motion(random.Random(seed), d, 4, 64)[0][2] for d in ANSWERS["motion"]]
+        assert len({p[-1] for p in paths}) == 1 and len({p[0] for p in paths}) == 4
+        assert all(0 <= v <= 64 - 64 // 3 for p in paths for xy in p for v in xy)  # always whole in the frame
+    ds = MovingShapes("train", 8, qtypes=["motion"])
     for i in range(len(ds)):
         (_, _, path, _), = ds[i]["clip"]
-        last[ds[i]["texts"][0]["assistant"]][path[-1]] += 1
-        assert path[0] != path[-1]  # it moves
-    boxes = [({x for x, _ in c}, {y for _, y in c}) for c in last.values()]
-    assert all(b == boxes[0] for b in boxes)  # the same range of last positions whatever the direction
+        dx, dy = DIRECTIONS[ds[i]["texts"][0]["assistant"]]
+        assert (path[-1][0] - path[0][0]) * dx > 0 or (path[-1][1] - path[0][1]) * dy > 0
     colors = MovingShapes("train", 40, qtypes=["first_color"])
     for i in range(len(colors)):
         first, second = colors[i]["clip"]

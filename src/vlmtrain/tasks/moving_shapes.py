@@ -42,8 +42,8 @@ STILL_BEST = {"motion": 0.25, "first_color": 0.5}
 QUESTION = {"motion": "Which way does the square move?", "first_color": "Which color appears first?"}
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 SHAPES = ("square", "circle", "triangle")
-FRAME_SIZE = 48
-"""Pixels per side of a frame: with Qwen's tiny test config (8 px patches, merge 2) 9 video tokens per pair of
+FRAME_SIZE = 64
+"""Pixels per side of a frame: with Qwen's tiny test config (8 px patches, merge 2) 16 video tokens per pair of
 frames."""
 NUM_FRAMES = 4
 

@@ -17,7 +17,7 @@ class MovingShapesOptions:
 
     clip_frames: int = 4
     """(moving_shapes) Frames per synthetic clip (>= 2)."""
-    clip_size: int = 48
+    clip_size: int = 64
     """(moving_shapes) Pixels per side of a synthetic clip's frames (>= 16)."""
     clip_qtypes: list[str] | None = None
     """(moving_shapes) Question types asked, among motion and first_color (null: both, half each)."""
