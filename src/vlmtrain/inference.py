@@ -123,18 +123,22 @@ class InferenceModel:
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompt_or_samples: str | Mapping[str, Any] | Sequence[Mapping[str, Any]],
-                 images: Sequence[Any] | None = None, max_new_tokens: int = 32) -> str | list[str]:
+                 images: Sequence[Any] | None = None, max_new_tokens: int = 32, *,
+                 videos: Sequence[Any] | None = None) -> str | list[str]:
         """Greedy answers, stopping at the model's end-of-turn token. A prompt string (with ``images``: paths
-        or PIL images) -> its answer; a sample (training format; the answer is to its last user turn, a last
-        assistant text is ignored) -> its answer; a list of samples -> a list of answers (one batch)."""
+        or PIL images; ``videos``: video file paths or lists of frames) -> its answer; a sample (training
+        format; the answer is to its last user turn, a last assistant text is ignored) -> its answer; a list of
+        samples -> a list of answers (one batch)."""
         if self._generate is None:
             raise ConfigError(f"{self.checkpoint or 'this model'}: its model kind has no batch generation here; "
                               "use vlmtrain generate.")
         if isinstance(prompt_or_samples, str):
-            return self._generate([{"images": list(images or []), "texts": [{"user": prompt_or_samples}]}],
-                                  max_new_tokens)[0]
-        if images is not None:
-            raise ConfigError("generate(images=...) goes with a prompt string; samples carry their own images.")
+            sample: dict[str, Any] = {"images": list(images or []), "texts": [{"user": prompt_or_samples}]}
+            if videos:
+                sample["videos"] = list(videos)
+            return self._generate([sample], max_new_tokens)[0]
+        if images is not None or videos is not None:
+            raise ConfigError("generate(images=..., videos=...) go with a prompt string; samples carry their own.")
         if isinstance(prompt_or_samples, Mapping):
             return self._generate([dict(prompt_or_samples)], max_new_tokens)[0]
         return self._generate([dict(s) for s in prompt_or_samples], max_new_tokens)

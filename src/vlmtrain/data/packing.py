@@ -96,9 +96,10 @@ def pack_items(items: Sequence[dict[str, Any]], pack_length: int, pad_token_id: 
 
 
 def vision_patches(item: dict[str, Any]) -> int:
-    """A processed Hub VLM sample's vision patches (Qwen-VL: the sum over ``image_grid_thw`` of t x h x w)."""
-    grid = item.get("image_grid_thw")
-    return 0 if grid is None else int(torch.as_tensor(grid).reshape(-1, 3).prod(-1).sum())
+    """A processed Hub VLM sample's vision patches (Qwen-VL: the sum over ``image_grid_thw`` and
+    ``video_grid_thw`` of t x h x w)."""
+    grids = [item.get(k) for k in ("image_grid_thw", "video_grid_thw")]
+    return sum(int(torch.as_tensor(g).reshape(-1, 3).prod(-1).sum()) for g in grids if g is not None)
 
 
 MIN_FILL_GAIN = 0.05

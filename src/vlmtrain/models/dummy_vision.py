@@ -13,6 +13,14 @@ would receive is added to the text embeddings: every vision and projector parame
 and the loss, logits and every other gradient are bitwise those of the run without it. A batch with images
 computes exactly what it did. One process never runs the dummy; nor do decoding steps of ``generate`` (no rank
 encodes images there). benchmarks/dummy_vision.py measures its cost.
+
+Videos (a family with a ``dummy_video``: Qwen3-VL, Qwen2.5-VL) go through the vision tower in a call of their
+own (``get_video_features``), after the images'. So that every rank makes the same calls in the same order
+whatever mix of images, videos and text its batch holds, such a family's forward under several processes always
+makes both: a batch without images encodes the dummy image, one without videos the dummy video (the same
+smallest input, as ``get_video_features``' arguments), each adding 0 x its features. (For Qwen both calls run
+the same tower: under FSDP a rank with images only would otherwise gather its vision blocks once per forward,
+a rank with images and videos twice.)
 """
 
 from __future__ import annotations
@@ -83,20 +91,38 @@ def hub_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Any:
     return [out.pooler_output, getattr(out, "deepstack_features", None)]
 
 
-def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, torch.Tensor]]) -> None:
+def hub_video_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Any:
+    """:func:`hub_features` of ``get_video_features(**inputs)``."""
+    out = model.get_video_features(**inputs, return_dict=True)
+    return [out.pooler_output, getattr(out, "deepstack_features", None)]
+
+
+def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, torch.Tensor]],
+                        dummy_video: Callable[[Any], dict[str, torch.Tensor]] | None = None) -> None:
     """Give a transformers VLM model (the module with ``get_image_features``, e.g. Qwen3VLModel: a Hub VLM's
     ``model.model``) the dummy image path: under several processes, a forward without ``pixel_values`` first
     encodes ``dummy_image(config)`` (get_image_features' keyword arguments, on CPU) and adds 0 x its features
-    to the text embeddings (see the module docstring)."""
+    to the text embeddings (see the module docstring). With ``dummy_video`` (get_video_features' keyword
+    arguments), a forward without ``pixel_values_videos`` encodes it as well (the dummies run before the forward's
+    own vision tower calls; for the collectives only their number counts: each is a whole pass of the tower)."""
     own_forward = type(vlm).forward  # (the class's, called with self: a deepcopy of the model stays right)
 
     @functools.wraps(own_forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("pixel_values") is not None or not needed() or _decode_step(kwargs):
+        if not needed() or _decode_step(kwargs):
+            return own_forward(self, *args, **kwargs)
+        no_image = kwargs.get("pixel_values") is None
+        no_video = dummy_video is not None and kwargs.get("pixel_values_videos") is None
+        if not (no_image or no_video):
             return own_forward(self, *args, **kwargs)
         embedding = self.get_input_embeddings()
-        inputs = {k: v.to(embedding.weight.device) for k, v in dummy_image(self.config).items()}
-        zero = zero_of(hub_features(self, inputs))
+        device = embedding.weight.device
+        dummies = []  # (every rank makes the same number of vision tower calls: the real ones and these)
+        if no_image:
+            dummies.append(hub_features(self, {k: v.to(device) for k, v in dummy_image(self.config).items()}))
+        if no_video:
+            dummies.append(hub_video_features(self, {k: v.to(device) for k, v in dummy_video(self.config).items()}))
+        zero = zero_of(dummies)
         if kwargs.get("inputs_embeds") is not None:  # (the embeddings were computed outside: no hook fires)
             kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + zero.to(kwargs["inputs_embeds"].dtype)
             return own_forward(self, *args, **kwargs)

@@ -82,7 +82,7 @@ def _dummy_vision(model: Any, family: Any) -> None:
     if inner is None or not hasattr(inner, "get_image_features"):
         raise TypeError(f"{type(model).__name__}.{model.base_model_prefix} has no get_image_features: the "
                         f"{family.name} family's dummy image cannot run (every rank must run its vision tower).")
-    enable_dummy_vision(inner, family.dummy_image)
+    enable_dummy_vision(inner, family.dummy_image, family.dummy_video)
 
 
 def _freeze_unused(model: Any, family: Any) -> None:
@@ -259,7 +259,8 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
     processor, the checkpoint's own when it saved one), ``process`` (one the_cauldron sample -> per-sample
     tensors, the training HubVLMProcessor; raises SkipSample), ``collate`` (processed items -> a batch) and
     ``generate`` (samples -> answers). ``max_length`` / ``max_images`` default to the run's config.yaml
-    (data.max_length / data.max_images, next to the checkpoint or in its run directory), else no limit."""
+    (data.max_length / data.max_images, next to the checkpoint or in its run directory), else no limit; videos
+    are sampled and sized by the run's data.video_* settings (:func:`_run_video_settings`)."""
     import torch
 
     from vlmtrain.data.hub_collate import HubVLMCollator
@@ -283,12 +284,27 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
         from vlmtrain.models.heads import check_head_labels
 
         label_check = functools.partial(check_head_labels, heads)
+    video = _run_video_settings(checkpoint, max_length)
     hub = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, label_check=label_check,
-                          prompts=False)
+                          prompts=False, video=video)
     collator = HubVLMCollator(hub)
-    prompts = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, prompts=True)
+    prompts = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, prompts=True,
+                              video=video)
     return {"model": model, "processor": processor, "process": hub.process, "collate": collator,
             "generate": _generator(model, processor, prompts, torch.device(device))}
+
+
+def _run_video_settings(checkpoint: str, max_length: int) -> Any:
+    """The run's video sampling (its config.yaml's data.video_* / max_video_tokens, next to the checkpoint or in
+    its run directory; the defaults where it has none), so that inference samples and sizes clips as training
+    did."""
+    import types
+
+    from vlmtrain.data.video import VIDEO_KEYS, VideoSettings
+
+    data = types.SimpleNamespace(max_length=max_length,
+                                 **{k: _run_config_value(checkpoint, "data", k) for k in VIDEO_KEYS})
+    return VideoSettings.from_data(data)
 
 
 def _generator(model: Any, processor: Any, prompts: Any, device: Any) -> Callable[..., list[str]]:

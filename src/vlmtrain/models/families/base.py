@@ -83,6 +83,11 @@ class Family:
     micro-batch has no image and several processes train, so every rank runs the same collectives
     (models/dummy_vision.py). None: the vision tower runs only on real images (one process only: not safe
     under DDP / FSDP with text-only micro-batches)."""
+    dummy_video: Callable[[Any], dict[str, torch.Tensor]] | None = None
+    """dummy_video(model config) -> the family's smallest valid video input, as ``get_video_features``' keyword
+    arguments, for a family whose model encodes videos in a vision tower call of their own: under several
+    processes a micro-batch without a video encodes it (models/dummy_vision.py), so every rank makes the same
+    vision tower calls whatever mix of images, videos and text it holds. None: the family takes no videos."""
     unused_parameters: Callable[[Any], tuple[str, ...]] | None = None
     """unused_parameters(model config) -> name prefixes of parameters no forward of the model ever uses (e.g. a
     vision tower's final norm when the model takes an earlier layer's output): frozen at load, since they never

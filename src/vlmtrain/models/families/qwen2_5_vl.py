@@ -24,18 +24,18 @@ CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.261302
 
 
 def image_tokens(config: Any, batch: Any) -> list[tuple[int, int, int]]:
-    """(patches, image tokens, query-key pairs in a windowed vision layer) per image of ``image_grid_thw``: the
-    windowed blocks attend within squares of ``window_size`` pixels (``window_size // patch // merge`` image
-    tokens a side; the last window of a row or column is cut short), each frame on its own."""
-    grid = batch.get("image_grid_thw")
+    """(patches, image tokens, query-key pairs in a windowed vision layer) per frame the vision tower attends over
+    alone (each image, each temporal patch of a video: :func:`~vlmtrain.models.families.qwen_common.frame_grids`):
+    the windowed blocks attend within squares of ``window_size`` pixels (``window_size // patch // merge`` image
+    tokens a side; the last window of a row or column is cut short)."""
     vision = config.vision_config
     merge = vision.spatial_merge_size
     side = vision.window_size // merge // vision.patch_size  # image tokens per window side
     out = []
-    for t, h, w in [] if grid is None else grid.tolist():
+    for h, w in qwen.frame_grids(batch):
         squares = [sum(n * n for n in [side] * (m // side) + ([m % side] if m % side else [])) for m in (h // merge,
                                                                                                        w // merge)]
-        out.append((t * h * w, t * h * w // merge**2, t * merge**4 * squares[0] * squares[1]))
+        out.append((h * w, h * w // merge**2, merge**4 * squares[0] * squares[1]))
     return out
 
 
@@ -72,6 +72,7 @@ FAMILY = Family(
     load_processor=functools.partial(load_processor, processor_class),
     build_tiny=build_tiny,
     dummy_image=qwen.dummy_image,
+    dummy_video=qwen.dummy_video,
     image_size=qwen.set_image_size,
     rope_positions=functools.partial(qwen.rope_positions, "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
                                      "Qwen2_5_VLModel"),

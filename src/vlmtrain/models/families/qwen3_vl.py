@@ -48,6 +48,7 @@ FAMILY = Family(
     load_processor=functools.partial(load_processor, processor_class),
     build_tiny=build_tiny,
     dummy_image=qwen.dummy_image,
+    dummy_video=qwen.dummy_video,
     image_size=qwen.set_image_size,
     rope_positions=functools.partial(qwen.rope_positions, "transformers.models.qwen3_vl.modeling_qwen3_vl",
                                      "Qwen3VLModel"),

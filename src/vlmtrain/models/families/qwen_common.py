@@ -34,16 +34,36 @@ DEFAULT_MAX_IMAGE_TOKENS = 1024
 """Image tokens per image unless data.max_pixels / max_image_tokens say otherwise."""
 
 # Batch layout shared by both: pixels of every image (video) concatenated in placeholder order, one grid row per
-# image (video; Qwen2.5-VL also one second_per_grid_ts each), the multimodal token types padded like input_ids.
+# image (video), Qwen2.5-VL's seconds per temporal patch one per video, the multimodal token types padded like
+# input_ids.
 QWEN_BATCH_LAYOUT = {"pixel_values": "concat", "image_grid_thw": "concat", "mm_token_type_ids": "pad",
                      "pixel_values_videos": "concat", "video_grid_thw": "concat", "second_per_grid_ts": "concat"}
 
 
+def frame_grids(batch: Any) -> list[tuple[int, int]]:
+    """(h, w) patches of each frame the vision tower attends over alone: every image of ``image_grid_thw`` and
+    every temporal patch of each video of ``video_grid_thw`` (the tower's attention spans one temporal patch:
+    transformers' ``get_vision_cu_seqlens``)."""
+    out = []
+    for key in ("image_grid_thw", "video_grid_thw"):
+        grid = batch.get(key)
+        for t, h, w in [] if grid is None else torch.as_tensor(grid).reshape(-1, 3).tolist():
+            out += [(h, w)] * t
+    return out
+
+
 def image_tokens(config: Any, batch: Any) -> list[tuple[int, int]]:
-    """(patches, image tokens) per image: t*h*w patches of ``image_grid_thw``, merged spatial_merge_size^2 to 1."""
-    grid = batch.get("image_grid_thw")
+    """(patches, image tokens) per frame the vision tower attends over alone (:func:`frame_grids`: images and
+    videos' temporal patches): h*w patches, merged spatial_merge_size^2 to 1."""
     merge = config.vision_config.spatial_merge_size ** 2
-    return [] if grid is None else [(t * h * w, t * h * w // merge) for t, h, w in grid.tolist()]
+    return [(h * w, h * w // merge) for h, w in frame_grids(batch)]
+
+
+def dummy_video(config: Any) -> dict[str, torch.Tensor]:
+    """Qwen's smallest valid video (the ``dummy_video`` of both families): :func:`dummy_image` as
+    ``get_video_features``' arguments (one temporal patch of merge x merge patches)."""
+    image = dummy_image(config)
+    return {"pixel_values_videos": image["pixel_values"], "video_grid_thw": image["image_grid_thw"]}
 
 
 def dummy_image(config: Any) -> dict[str, torch.Tensor]:
@@ -56,8 +76,8 @@ def dummy_image(config: Any) -> dict[str, torch.Tensor]:
 
 
 def rope_positions(module: str, class_name: str, config: Any, item: Any) -> torch.Tensor:
-    """One processed sample's multimodal rotary positions [3, L] (temporal, height, width), computed for the
-    sample alone by the model's own ``get_rope_index`` (class ``class_name`` of ``module``; called without
+    """One processed sample's multimodal rotary positions [3, L] (temporal, height, width; its images' and videos'),
+    computed for the sample alone by the model's own ``get_rope_index`` (class ``class_name`` of ``module``; called without
     weights, it reads only ``config``), as the model computes them for an unpacked sample. A family binds
     module and class with functools.partial (picklable, for data-loader workers)."""
     import importlib
@@ -67,9 +87,12 @@ def rope_positions(module: str, class_name: str, config: Any, item: Any) -> torc
     index.get_vision_position_ids = functools.partial(cls.get_vision_position_ids, index)
     ids = torch.as_tensor(item["input_ids"]).reshape(1, -1)
     token_types = torch.as_tensor(item["mm_token_type_ids"]).reshape(1, -1)
-    grid = item.get("image_grid_thw")
-    pos, _ = cls.get_rope_index(index, ids, mm_token_type_ids=token_types,
-                                image_grid_thw=None if grid is None else torch.as_tensor(grid).reshape(-1, 3))
+    grids = {key: None if item.get(key) is None else torch.as_tensor(item[key]).reshape(-1, 3)
+             for key in ("image_grid_thw", "video_grid_thw")}
+    seconds = item.get("second_per_grid_ts")  # (Qwen2.5-VL: a video's temporal positions are spaced by it)
+    if seconds is not None:
+        grids["second_per_grid_ts"] = torch.as_tensor(seconds).reshape(-1)
+    pos, _ = cls.get_rope_index(index, ids, mm_token_type_ids=token_types, **grids)
     return pos[:, 0]
 
 
