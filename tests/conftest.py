@@ -43,6 +43,24 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="session")
+def tiny_hub(tmp_path_factory):
+    """family name -> (family, checkpoint dir, processor) of its tiny random-init checkpoint (seed 0), built on
+    first use and shared by the test files of one process."""
+    from vlmtrain.models.families import get_family
+
+    built = {}
+
+    def get(name):
+        if name not in built:
+            fam = get_family(name)
+            path = fam.build_tiny(str(tmp_path_factory.mktemp(name)), seed=0)
+            built[name] = (fam, path, fam.load_processor(path))
+        return built[name]
+
+    return get
+
+
 # The longest test first: with two xdist workers (scripts/test.sh) it then runs beside the rest of the suite
 # instead of starting after a worker's share of it.
 LONGEST_FIRST = ("test_vlm_demo_learns_shapes_vqa_from_the_images",)

@@ -23,18 +23,9 @@ FAMILIES = ("qwen3_vl", "qwen2_5_vl", "idefics3", "llava_onevision", "gemma3")
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_hub):
     """family name -> (family, checkpoint dir, processor), built on first use."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            fam = get_family(name)
-            path = fam.build_tiny(str(tmp_path_factory.mktemp(name)), seed=0)
-            built[name] = (fam, path, fam.load_processor(path))
-        return built[name]
-
-    return get
+    return tiny_hub
 
 
 def _image(i: int, size=(32, 32)) -> Image.Image:

@@ -52,16 +52,9 @@ def clips(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    built = {}
-
-    def get(name):
-        if name not in built:
-            fam = get_family(name)
-            built[name] = (fam, fam.load_processor(fam.build_tiny(str(tmp_path_factory.mktemp(name)))))
-        return built[name]
-
-    return get
+def tiny(tiny_hub):
+    """family name -> (family, processor) of its tiny checkpoint."""
+    return lambda name: tiny_hub(name)[::2]
 
 
 def _sequential(path: str, indices: list[int]) -> dict[int, np.ndarray]:

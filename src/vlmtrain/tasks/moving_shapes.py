@@ -29,6 +29,7 @@ from typing import Any
 from PIL import Image, ImageDraw
 from torch.utils.data import Dataset
 
+from vlmtrain.tasks.shapes import BlankImages
 from vlmtrain.tasks.shapes_scenes import BACKGROUND, COLORS, NUM_BUCKETS, SPLIT_BUCKETS
 
 QTYPES = ("motion", "first_color")
@@ -146,15 +147,9 @@ class MovingShapes(Dataset):
                 "id": f"{self.split}-{index}", "clip": objects}
 
 
-class BlankVideos(Dataset):
+class BlankVideos(BlankImages):
     """The same samples with every frame replaced by the empty background (same size and count): what a model
     scores without seeing anything (about chance, answers being balanced)."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         sample = dict(self.dataset[index])
