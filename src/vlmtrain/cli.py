@@ -304,45 +304,14 @@ def _data(argv: list[str]) -> int:
             paths = tools.write_webdataset(tools.progress(stream, "to-wds"), args.out, shard_size=args.shard_size)
             print(f"wrote {len(paths)} shard(s) to {args.out}")
         else:
-            from vlmtrain.run import record_check
+            from vlmtrain.run import inspect_checks
 
-            check = record_check(ns.inspect.config) if ns.inspect.config else None
-            video = _inspect_video(ns.inspect.model, ns.inspect.config)
+            check, video = inspect_checks(ns.inspect.config, ns.inspect.model)
             print(tools.format_report(tools.inspect_source(ns.inspect.src, limit=ns.inspect.limit, check=check,
                                                            video=video)))
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(str(e)) from None
     return 0
-
-
-def _inspect_video(model: str | None, config: str | None) -> Any:
-    """`data inspect`'s video planning: a family's video support for the settings of ``config`` (its data
-    section; defaults otherwise) and ``model`` (or the config's model.pretrained), else those settings alone."""
-    import types
-
-    import yaml
-
-    from vlmtrain.data.video import VIDEO_KEYS, VideoSettings
-
-    data: dict[str, Any] = {}
-    if config is not None:
-        with open(config) as f:
-            raw = yaml.safe_load(f) or {}
-        data = {k: v for k, v in (raw.get("data") or {}).items() if k in (*VIDEO_KEYS, "max_length")}
-        model = model or (raw.get("model") or {}).get("pretrained")
-    from vlmtrain.config import DataConfig
-
-    data.setdefault("max_length", DataConfig.__dataclass_fields__["max_length"].default)  # (a clip's token cap)
-    settings = VideoSettings.from_data(types.SimpleNamespace(**data))
-    if model is None:
-        return settings
-    from vlmtrain.models.families import family_of
-
-    family = family_of(model)
-    if family.video is None:
-        raise ConfigError(f"--model {model}: the {family.name} family has no video support in vlmtrain "
-                          f"(video: Qwen3-VL, Qwen2.5-VL).")
-    return family.video(family.load_processor(model), settings)
 
 
 def _report(argv: list[str]) -> int:

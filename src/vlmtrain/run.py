@@ -123,14 +123,31 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     return kind_of_checkpoint(ckpt).generate(ckpt, prompt, images, max_new_tokens)
 
 
-def record_check(config: str) -> Any:
-    """The checks the run of ``config`` (a YAML file) makes on each raw sample before tokenizing, as a function
-    of one sample that raises SkipSample (its model kind's ``record_check``; None for a kind without one)."""
+def inspect_checks(config: str | None, model: str | None) -> tuple[Any, Any]:
+    """What ``vlmtrain data inspect`` checks with: (the raw-sample check the run of ``config`` makes before
+    tokenizing, its model kind's ``record_check``, or None for the default; the video planning: the video support
+    of ``model``'s family (else of the config's model.pretrained's) for the config's data.video_* settings, or
+    those settings alone without a model)."""
+    from vlmtrain.config import DataConfig
+    from vlmtrain.data.video import VideoSettings
     from vlmtrain.models.kinds import get_kind
 
-    cfg = load_run_config(config)
-    kind = get_kind(cfg.model.kind)
-    return kind.record_check(cfg) if kind.record_check is not None else None
+    cfg = load_run_config(config) if config else None
+    check = None
+    if cfg is not None:
+        kind = get_kind(cfg.model.kind)
+        check = kind.record_check(cfg) if kind.record_check is not None else None
+        model = model or cfg.model.pretrained
+    settings = VideoSettings.from_data(cfg.data if cfg is not None else DataConfig())
+    if model is None:
+        return check, settings
+    from vlmtrain.models.families import family_of
+
+    family = family_of(model)
+    if family.video is None:
+        raise ConfigError(f"--model {model}: the {family.name} family has no video support in vlmtrain "
+                          f"(video: Qwen3-VL, Qwen2.5-VL).")
+    return check, family.video(family.load_processor(model), settings)
 
 
 def find_demo_config(name: str = DEMO_CONFIG) -> Path:

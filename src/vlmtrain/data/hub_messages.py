@@ -138,14 +138,21 @@ def sample_turns(texts: Any) -> list[tuple[str, str | None]]:
     return turns
 
 
-def count_videos(sample: Any) -> int:
-    """How many videos ``sample`` holds (its ``videos``, or ``video``: one video or a list of them)."""
+def sample_videos(sample: Any) -> list[Any]:
+    """The videos of ``sample`` as a list (its ``videos``, or ``video``: one video or a list of them; a video is a
+    path, bytes or a list of frame images)."""
     videos = sample.get("videos")
     if videos is None:
         videos = sample.get("video")
     if videos is None:
-        return 0
-    return len(videos) if isinstance(videos, (list, tuple)) else 1
+        return []
+    return list(videos) if isinstance(videos, (list, tuple)) else [videos]
+
+
+def no_video_support(family: str) -> SkipSample:
+    """The skip of a sample with videos for a family vlmtrain has no video processing for."""
+    return SkipSample("video_unsupported", f"the {family} family has no video support in vlmtrain (video: Qwen3-VL, "
+                      f"Qwen2.5-VL)")
 
 
 def check_record(sample: Any, max_images: int | None = None, label_check: Callable[[dict[str, Any]], Any] | None = None,
@@ -163,10 +170,9 @@ def check_record(sample: Any, max_images: int | None = None, label_check: Callab
         raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
     if sample.get("__bad__"):
         raise SkipSample(str(sample["__bad__"]), "unreadable record")
-    num_videos = count_videos(sample)
+    num_videos = len(sample_videos(sample))
     if num_videos and no_video is not None:
-        raise SkipSample("video_unsupported", f"the {no_video} family has no video support in vlmtrain "
-                         f"(video: Qwen3-VL, Qwen2.5-VL)")
+        raise no_video_support(no_video)
     turns = sample_turns(sample.get("texts"))
     head_labels = sample.get("labels")
     if head_labels is not None:

@@ -25,7 +25,9 @@ from PIL import Image
 from vlmtrain.data.hub_messages import (
     build_messages,
     check_record,
+    no_video_support,
     processor_error_reason,
+    sample_videos,
     special_tokens_pattern,
 )
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample
@@ -127,16 +129,9 @@ class HubVLMProcessor:
         """The sample's ``videos`` (a file path or bytes, or a list of videos, each a path, bytes or a list of
         frame images), decoded to the frames the family's plan keeps; SkipSample ``video_unsupported`` for a
         family without video support, and the reasons of :func:`~vlmtrain.data.video.load_video`."""
-        videos = sample.get("videos")
-        if videos is None:
-            videos = sample.get("video")
-        if videos is None or (isinstance(videos, (list, tuple)) and not videos):
-            return []
-        if not isinstance(videos, (list, tuple)):
-            videos = [videos]
-        if self.video is None:
-            raise SkipSample("video_unsupported", f"the {self.family.name} family has no video support in vlmtrain "
-                             f"(video: Qwen3-VL, Qwen2.5-VL)")
+        videos = sample_videos(sample)
+        if videos and self.video is None:
+            raise no_video_support(self.family.name)
         return [load_video(v, None, self.video.settings, self.video.choose) for v in videos]
 
     def _with_video(self) -> Any:

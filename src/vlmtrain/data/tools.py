@@ -154,8 +154,7 @@ def inspect_source(spec: str, processor: Any = None, limit: int | None = None,
         samples += 1
         try:
             check(sample)
-            if sample.get("videos") or sample.get("video"):
-                videos += describe_videos(sample, video)
+            videos += describe_videos(sample, video)
             if processor is not None:
                 lengths.append(len(processor.process(sample)["input_ids"]))
             else:
@@ -175,14 +174,14 @@ def describe_videos(sample: dict[str, Any], video: Any = None) -> list[dict[str,
     """Per video of ``sample``: its frames chosen (source indices), their timestamps in seconds, the source's
     frame count and rate, and with a family's ``video`` support the frame size and video tokens (see
     :func:`inspect_source`). Raises SkipSample for a video that cannot be used."""
+    from vlmtrain.data.hub_messages import sample_videos
     from vlmtrain.data.processing import sample_name
     from vlmtrain.data.video import VideoSettings, load_video
 
     settings = video if isinstance(video, VideoSettings) else getattr(video, "settings", None) or VideoSettings()
     plan = getattr(video, "plan", None)
-    specs = sample.get("videos", sample.get("video"))
     out = []
-    for i, spec in enumerate(specs if isinstance(specs, (list, tuple)) else [specs]):
+    for i, spec in enumerate(sample_videos(sample)):
         plans: list[Any] = []
 
         def choose(info: Any, plans: list[Any] = plans) -> list[int]:
