@@ -111,11 +111,8 @@ def _with_base(relative_run, tmp_path, base: str):
     return ckpt
 
 
-def test_missing_base_model_is_one_line_naming_the_setting(relative_run, tmp_path, monkeypatch, capsys):
-    """A base directory that is gone (here: the relative path a checkpoint of an older vlmtrain recorded, read
-    from another directory) is exit 2 and one line naming adapter_config.json, the setting and the path."""
-    ckpt = _with_base(relative_run, tmp_path, "../vlmtrain/runs/tiny-qwen3vl")
-    monkeypatch.chdir(tmp_path)
+def _predict_and_export_errors(relative_run, ckpt, capsys):
+    """`vlmtrain predict` and `vlmtrain export --merge` of ``ckpt``: each exits 2 with one stderr line, yielded."""
     data = str(relative_run / "data" / "train.jsonl")
     for argv in (["predict", "--checkpoint", str(ckpt), "--data", data, "--output", "p.jsonl"],
                  ["export", "--checkpoint", str(ckpt), "--merge", "--output-dir", "merged"]):
@@ -123,6 +120,15 @@ def test_missing_base_model_is_one_line_naming_the_setting(relative_run, tmp_pat
         assert cli.main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1, err
+        yield err
+
+
+def test_missing_base_model_is_one_line_naming_the_setting(relative_run, tmp_path, monkeypatch, capsys):
+    """A base directory that is gone (here: the relative path a checkpoint of an older vlmtrain recorded, read
+    from another directory) is exit 2 and one line naming adapter_config.json, the setting and the path."""
+    ckpt = _with_base(relative_run, tmp_path, "../vlmtrain/runs/tiny-qwen3vl")
+    monkeypatch.chdir(tmp_path)
+    for err in _predict_and_export_errors(relative_run, ckpt, capsys):
         assert err.startswith(f"error: {ckpt / 'adapter_config.json'}: base_model_name_or_path "
                               f"'../vlmtrain/runs/tiny-qwen3vl' names no directory"), err
         assert str(tmp_path.parent / "vlmtrain" / "runs" / "tiny-qwen3vl") in err
@@ -138,13 +144,7 @@ def test_bare_relative_base_that_is_no_hub_model_names_the_setting(relative_run,
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     ckpt = _with_base(relative_run, tmp_path, "tiny-qwen3vl")
     monkeypatch.chdir(tmp_path)
-    data = str(relative_run / "data" / "train.jsonl")
-    for argv in (["predict", "--checkpoint", str(ckpt), "--data", data, "--output", "p.jsonl"],
-                 ["export", "--checkpoint", str(ckpt), "--merge", "--output-dir", "merged"]):
-        capsys.readouterr()
-        assert cli.main(argv) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1, err
+    for err in _predict_and_export_errors(relative_run, ckpt, capsys):
         assert err.startswith(f"error: {ckpt / 'adapter_config.json'}: base_model_name_or_path 'tiny-qwen3vl' is "
                               f"no directory here or beside the checkpoint, and transformers could not load it"), err
         assert err.endswith("Set base_model_name_or_path in "
