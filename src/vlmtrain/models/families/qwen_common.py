@@ -127,26 +127,24 @@ def set_image_size(processor: Any, max_pixels: int | None = None, min_pixels: in
 def video_support(kind: str, processor: Any, settings: Any) -> Any:
     """The ``video`` hook of both families: :class:`~vlmtrain.models.families.qwen_video.QwenVideo` for this
     processor's vision geometry and ``settings`` (``kind``: 'qwen3_vl' or 'qwen2_5_vl'), its frame count never
-    above the checkpoint's own ``max_frames`` (its video_preprocessor_config.json, where a local checkpoint has
-    one; Qwen's 768 otherwise)."""
+    above the checkpoint's own ``max_frames`` (the video processor settings transformers reads from a local
+    checkpoint, :func:`~vlmtrain.models.families.processors.video_settings`; Qwen's 768 otherwise)."""
     import dataclasses
-    import json
     import logging
     import os
 
-    from .processors import VIDEO_CONFIG
+    from .processors import video_settings
     from .qwen_video import QwenVideo
 
     source = getattr(processor, "source", None)
-    path = os.path.join(source, VIDEO_CONFIG) if isinstance(source, str) and os.path.isdir(source) else None
-    if path is not None and os.path.isfile(path):
-        with open(path) as f:
-            own = json.load(f).get("max_frames")
-        if isinstance(own, int) and own < settings.max_frames:
-            logging.getLogger(__name__).warning(
-                "data.video_max_frames=%d is above the checkpoint's own max_frames=%d (%s): using %d.",
-                settings.max_frames, own, path, own)
-            settings = dataclasses.replace(settings, max_frames=own, min_frames=min(settings.min_frames, own))
+    own = None
+    if isinstance(source, str) and os.path.isdir(source):
+        own = (video_settings(source, getattr(processor, "saved_class_name", "")) or {}).get("max_frames")
+    if isinstance(own, int) and own < settings.max_frames:
+        logging.getLogger(__name__).warning(
+            "data.video_max_frames=%d is above the checkpoint's own max_frames=%d (%s): using %d.",
+            settings.max_frames, own, source, own)
+        settings = dataclasses.replace(settings, max_frames=own, min_frames=min(settings.min_frames, own))
     return QwenVideo(kind, processor.image_processor, settings)
 
 
