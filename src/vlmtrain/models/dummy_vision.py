@@ -84,16 +84,11 @@ def _decode_step(kwargs: Mapping[str, Any]) -> bool:
     return int(length) > 0
 
 
-def hub_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Any:
-    """What a transformers VLM's language model receives from ``get_image_features(**inputs)``: the projected
-    image embeddings (``pooler_output``) and, for Qwen3-VL, the deepstack features fed to its first layers."""
-    out = model.get_image_features(**inputs, return_dict=True)
-    return [out.pooler_output, getattr(out, "deepstack_features", None)]
-
-
-def hub_video_features(model: nn.Module, inputs: Mapping[str, torch.Tensor]) -> Any:
-    """:func:`hub_features` of ``get_video_features(**inputs)``."""
-    out = model.get_video_features(**inputs, return_dict=True)
+def hub_features(model: nn.Module, inputs: Mapping[str, torch.Tensor], kind: str = "image") -> Any:
+    """What a transformers VLM's language model receives from ``get_image_features(**inputs)`` (``kind``
+    'video': ``get_video_features``): the projected embeddings (``pooler_output``) and, for Qwen3-VL, the
+    deepstack features fed to its first layers."""
+    out = getattr(model, f"get_{kind}_features")(**inputs, return_dict=True)
     return [out.pooler_output, getattr(out, "deepstack_features", None)]
 
 
@@ -118,10 +113,9 @@ def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, t
         embedding = self.get_input_embeddings()
         device = embedding.weight.device
         dummies = []  # (every rank makes the same number of vision tower calls: the real ones and these)
-        if no_image:
-            dummies.append(hub_features(self, {k: v.to(device) for k, v in dummy_image(self.config).items()}))
-        if no_video:
-            dummies.append(hub_video_features(self, {k: v.to(device) for k, v in dummy_video(self.config).items()}))
+        for kind, dummy in (("image", dummy_image if no_image else None), ("video", dummy_video if no_video else None)):
+            if dummy is not None:
+                dummies.append(hub_features(self, {k: v.to(device) for k, v in dummy(self.config).items()}, kind))
         zero = zero_of(dummies)
         if kwargs.get("inputs_embeds") is not None:  # (the embeddings were computed outside: no hook fires)
             kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + zero.to(kwargs["inputs_embeds"].dtype)
