@@ -205,7 +205,7 @@ def _load_dcp(checkpoint: str, torch_dtype: str, stop_token_id: int | None, devi
     if os.path.isfile(os.path.join(checkpoint, "heads.json")):
         heads = read_head_configs(checkpoint)
     elif any(k.startswith("heads.") for k in state):
-        heads = _run_config_value(checkpoint, "model", "heads")
+        heads = _run_config_section(checkpoint, "model").get("heads")
         if not heads:
             raise CheckpointError(f"{checkpoint}/dcp holds score heads but neither {checkpoint}/heads.json nor the "
                                   f"run's config.yaml (model.heads) says what they are.")
@@ -240,16 +240,17 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
     return model
 
 
-def _run_config_value(checkpoint: str, section: str, key: str) -> Any:
-    """``section.key`` of the run's config.yaml (in the checkpoint directory or its parent run directory)."""
+def _run_config_section(checkpoint: str, section: str) -> dict[str, Any]:
+    """``section`` of the run's config.yaml (in the checkpoint directory or its parent run directory); {} when
+    there is none."""
     import yaml
 
     for where in (checkpoint, os.path.dirname(os.path.abspath(checkpoint))):
         path = os.path.join(where, "config.yaml")
         if os.path.isfile(path):
             with open(path) as f:
-                return ((yaml.safe_load(f) or {}).get(section) or {}).get(key)
-    return None
+                return (yaml.safe_load(f) or {}).get(section) or {}
+    return {}
 
 
 def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int | None = None,
@@ -274,17 +275,18 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
     dtype_name = str(dtype).removeprefix("torch.")
     model = load_checkpoint(checkpoint, dtype_name, stop_token_id=end_of_turn_id(processor, family), device=device)
     model.eval()
+    run_data = _run_config_section(checkpoint, "data")
     if max_length is None:
-        max_length = _run_config_value(checkpoint, "data", "max_length") or 1 << 20
+        max_length = run_data.get("max_length") or 1 << 20
     if max_images is None:
-        max_images = _run_config_value(checkpoint, "data", "max_images") or 1 << 10
+        max_images = run_data.get("max_images") or 1 << 10
     heads = getattr(model, "head_configs", None) or {}
     label_check = None
     if heads:
         from vlmtrain.models.heads import check_head_labels
 
         label_check = functools.partial(check_head_labels, heads)
-    video = _run_video_settings(checkpoint, max_length)
+    video = _run_video_settings(run_data, max_length)
     hub = HubVLMProcessor(processor, family, max_length=max_length, max_images=max_images, label_check=label_check,
                           prompts=False, video=video)
     collator = HubVLMCollator(hub)
@@ -294,17 +296,16 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
             "generate": _generator(model, processor, prompts, torch.device(device))}
 
 
-def _run_video_settings(checkpoint: str, max_length: int) -> Any:
-    """The run's video sampling (its config.yaml's data.video_* / max_video_tokens, next to the checkpoint or in
-    its run directory; the defaults where it has none), so that inference samples and sizes clips as training
+def _run_video_settings(run_data: dict[str, Any], max_length: int) -> Any:
+    """The run's video sampling (``run_data``: its config.yaml's data section, with data.video_* /
+    max_video_tokens; the defaults where it has none), so that inference samples and sizes clips as training
     did."""
     import types
 
     from vlmtrain.data.video import VIDEO_KEYS, VideoSettings
 
-    data = types.SimpleNamespace(max_length=max_length,
-                                 **{k: _run_config_value(checkpoint, "data", k) for k in VIDEO_KEYS})
-    return VideoSettings.from_data(data)
+    return VideoSettings.from_data(types.SimpleNamespace(max_length=max_length,
+                                                         **{k: run_data.get(k) for k in VIDEO_KEYS}))
 
 
 def _generator(model: Any, processor: Any, prompts: Any, device: Any) -> Callable[..., list[str]]:
