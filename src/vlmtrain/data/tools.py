@@ -178,10 +178,13 @@ def describe_videos(sample: dict[str, Any], video: Any = None) -> list[dict[str,
     from vlmtrain.data.processing import sample_name
     from vlmtrain.data.video import VideoSettings, load_video
 
+    specs = sample_videos(sample)
+    if not specs:
+        return []
     settings = video if isinstance(video, VideoSettings) else getattr(video, "settings", None) or VideoSettings()
     plan = getattr(video, "plan", None)
     out = []
-    for i, spec in enumerate(sample_videos(sample)):
+    for i, spec in enumerate(specs):
         plans: list[Any] = []
 
         def choose(info: Any, plans: list[Any] = plans) -> list[int]:
