@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from test_transformers_dropin import OUR_EVAL_ADDITIONS, _same_rows, _untimed
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     BertConfig,
@@ -27,8 +28,6 @@ import vlmtrain
 
 FRAMEWORKS = {"hf": (transformers.Trainer, transformers.TrainingArguments),
               "ours": (vlmtrain.Trainer, vlmtrain.TrainingArguments)}
-OUR_EVAL_ADDITIONS = {"eval_samples"}  # what vlmtrain's evaluate() adds to transformers' keys
-TIMINGS = ("_runtime", "_per_second", "_time")
 WORDS = [f"w{i}" for i in range(24)]
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -55,18 +54,6 @@ def _args(framework: str, out, **kw):
     base.update(kw)
     extra = {"use_cpu": True} if framework == "hf" else {}
     return FRAMEWORKS[framework][1](**base, **extra)
-
-
-def _untimed(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.endswith(TIMINGS) and k not in OUR_EVAL_ADDITIONS}
-
-
-def _same_rows(ours: list[dict], hf: list[dict]) -> None:
-    """log_history: the same rows, keys and (timings aside) values; vlmtrain's eval rows add only eval_samples."""
-    assert len(ours) == len(hf)
-    for mine, theirs in zip(ours, hf):
-        assert set(mine) - set(theirs) <= OUR_EVAL_ADDITIONS and set(theirs) <= set(mine)
-        assert _untimed(mine) == pytest.approx(_untimed(theirs), rel=1e-4)
 
 
 # -- token classification: string and offset columns the model does not take --------------------------------------------
@@ -113,7 +100,7 @@ def test_token_classification_unused_columns_dropped_as_transformers(tmp_path):
     hf, hf_train, hf_eval, hf_pred = _ner_script("hf", tmp_path)
     ours, train, evaluation, pred = _ner_script("ours", tmp_path)
     assert set(train) == set(hf_train) and _untimed(train) == pytest.approx(_untimed(hf_train), rel=1e-4)
-    _same_rows(ours.state.log_history, hf.state.log_history)
+    _same_rows(ours.state.log_history, hf.state.log_history, rel=1e-4)
     assert set(evaluation) - set(hf_eval) == OUR_EVAL_ADDITIONS and set(hf_eval) <= set(evaluation)
     assert _untimed(evaluation) == pytest.approx(_untimed(hf_eval), rel=1e-4)
     assert set(pred.metrics) == set(hf_pred.metrics)
@@ -258,7 +245,7 @@ def test_mlm_batch_encoding_counts_flos_and_tokens_as_transformers(tmp_path, tok
     assert ours.state.total_flos == hf.state.total_flos > 0
     assert ours.state.num_input_tokens_seen == hf.state.num_input_tokens_seen > 0
     assert set(train) == set(hf_train) and _untimed(train) == pytest.approx(_untimed(hf_train), rel=1e-4)
-    _same_rows(ours.state.log_history, hf.state.log_history)
+    _same_rows(ours.state.log_history, hf.state.log_history, rel=1e-4)
     assert ours.state.global_step == 4 and "eval_loss" in ours.state.log_history[-1]
 
 
