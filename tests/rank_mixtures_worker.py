@@ -90,9 +90,16 @@ def random_mixture(seed: int, world: int, samples: int, batch: int) -> list[list
     return per_rank
 
 
+OPTIMIZERS = {"sgd": {"optim": "sgd", "learning_rate": 0.02},
+              "adamw": {"optim": "adamw_torch", "learning_rate": 0.01, "weight_decay": 0.1}}
+
+
 def scenario(name: str) -> dict:
-    """Each rank's samples (train and eval), the model and the arguments of a named case (2 ranks; random3_*: 3)."""
-    base = {"model": "heads", "batch": 2, "accum": 1, "steps": 4, "logging_steps": 2, "eval": None, "args": {}}
+    """Each rank's samples (train and eval), the model and the arguments of a named case (2 ranks; random3_*: 3);
+    a name ending in -adamw trains with AdamW and weight decay (else SGD)."""
+    name, adamw, _ = name.partition("-adamw")
+    base = {"model": "heads", "batch": 2, "accum": 1, "steps": 4, "logging_steps": 2, "eval": None, "args": {},
+            "optimizer": OPTIMIZERS["adamw" if adamw else "sgd"]}
     if name == "score_only_window":  # rank 1 has no LM target in the first logging window (steps 1-2)
         return {**base, "train": [["answer", "score", "answer", "answer", "score", "answer", "answer", "answer"],
                                   ["score", "score", "score", "score", "answer", "score", "answer", "score"]],
@@ -122,7 +129,7 @@ def run(out: str, name: str) -> dict:
     args = TrainingArguments(
         output_dir=out, max_steps=case["steps"], per_device_train_batch_size=case["batch"] * scale,
         per_device_eval_batch_size=case["batch"] * scale, gradient_accumulation_steps=case["accum"],
-        train_sampling_strategy="sequential", optim="sgd", learning_rate=0.02, max_grad_norm=0.0,
+        train_sampling_strategy="sequential", **case["optimizer"], max_grad_norm=0.0,
         logging_steps=case["logging_steps"], save_strategy="no", disable_tqdm=True, report_to="none", seed=0,
         ddp_timeout=60, use_cpu=True, **case["args"])
     trainer = Trainer(model, args, data_collator=Collate(case["model"] == "heads"),

@@ -17,6 +17,9 @@ import torch
 from tests.rank_mixtures_worker import run
 
 ROOT = Path(__file__).resolve().parents[1]
+# each equivalence also with AdamW and weight decay (a scenario name's suffix): it moves a parameter whose gradient
+# is zero where one process gives none, which SGD hides
+OPTIM = pytest.mark.parametrize("optim", ["", "-adamw"], ids=["sgd", "adamw"])
 
 
 def _torchrun(tmp_path: Path, *names: str, nproc: int = 2) -> Path:
@@ -49,11 +52,11 @@ def _eval_counts(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k.startswith(("eval_loss_", "eval_skipped_")) or k == "eval_samples"}
 
 
-def _same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+def _same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-7) -> None:
     """Float error only: ranks sum the gradients in another order (a count or weighting bug is ~1e-2 off)."""
     for name, w in want.items():
         err = float((got[name] - w).abs().max())
-        assert err <= 1e-5 * float(w.abs().max()) + 1e-7, (name, err)
+        assert err <= 1e-5 * float(w.abs().max()) + atol, (name, err)
 
 
 def _compare(tmp_path: Path, name: str, two_ranks: Path | None = None, world: int = 2) -> tuple[dict, dict]:
@@ -62,27 +65,31 @@ def _compare(tmp_path: Path, name: str, two_ranks: Path | None = None, world: in
     assert two["world_size"] == world and one["world_size"] == 1
     _same_numbers(_logged(two["logs"]), _logged(one["logs"]))  # log_history (the final row too)
     _same_numbers(_logged(two["rows"]), _logged(one["rows"]))  # metrics.jsonl: what trackers get
-    _same_weights(two["weights"], one["weights"])
+    # (AdamW's normalized step magnifies that float error on small gradients: 1.2e-5 seen; a zero gradient where one
+    # process has none moves a weight by its momentum, ~0.7 x lr = 7e-3)
+    _same_weights(two["weights"], one["weights"], 1e-4 if name.endswith("-adamw") else 1e-7)
     if "eval" in one:
         # (eval_loss itself weighs each batch by its num_items: it depends on the batches, not only the samples)
         _same_numbers([_eval_counts(two["eval"])], [_eval_counts(one["eval"])])
     return one, two
 
 
-def test_a_logging_window_with_only_score_only_samples_on_one_rank(tmp_path, one_thread):
+@OPTIM
+def test_a_logging_window_with_only_score_only_samples_on_one_rank(tmp_path, one_thread, optim):
     """Rank 1's model returns no loss_lm for a whole logging window (training), nor for its share of the eval
     set: each loss is averaged over the ranks that had it, as one process averages it."""
-    one, two = _compare(tmp_path, "score_only_window")
+    one, two = _compare(tmp_path, "score_only_window" + optim)
     rows = [r for r in two["logs"] if "loss" in r]
     assert all("loss_lm" in r and "loss_cls" in r for r in rows)
     assert "eval_loss_lm" in two["eval"]
 
 
-def test_bad_samples_on_rank_1_are_counted_and_checked_over_ranks(tmp_path, one_thread):
+@OPTIM
+def test_bad_samples_on_rank_1_are_counted_and_checked_over_ranks(tmp_path, one_thread, optim):
     """2 of rank 1's 4 samples are bad (2 of 8 over the ranks): logged in the window's row, metrics.jsonl and
     train_skipped_*, as one process logs them; max_bad_sample_fraction=0.4 is checked on the 2 ranks' 25%, so
     rank 1 (50% alone) does not stop."""
-    one, two = _compare(tmp_path, "bad_on_rank1")
+    one, two = _compare(tmp_path, "bad_on_rank1" + optim)
     assert [r["skipped_corrupt_image"] for r in two["rows"] if "loss" in r] == [2]
     assert two["logs"][-1]["train_skipped_corrupt_image"] == 2
 
@@ -97,26 +104,29 @@ def test_too_many_bad_samples_stop_every_rank_with_one_message(tmp_path, one_thr
     assert [(out / f"error_{r}.txt").read_text() for r in range(2)] == [want, want]
 
 
-def test_a_whole_accumulation_window_without_targets_on_one_rank(tmp_path, one_thread):
+@OPTIM
+def test_a_whole_accumulation_window_without_targets_on_one_rank(tmp_path, one_thread, optim):
     """A plain LM (no per-loss counts): rank 1's first accumulation window has no target; the logged loss and
     train_loss are the 1-process run's (no NaN), the weights too."""
-    one, two = _compare(tmp_path, "no_target_window")
+    one, two = _compare(tmp_path, "no_target_window" + optim)
     assert two["logs"][-1]["train_loss"] == pytest.approx(one["logs"][-1]["train_loss"], rel=1e-5)
 
 
-def test_random_mixtures_per_rank(tmp_path, one_thread):
+@OPTIM
+def test_random_mixtures_per_rank(tmp_path, one_thread, optim):
     """Seeds 0, 1, 2: each rank draws its own mixture of answered, score-only, no-target and bad samples
     (training and evaluation)."""
-    names = [f"random_{seed}" for seed in range(3)]
+    names = [f"random_{seed}{optim}" for seed in range(3)]
     two_ranks = _torchrun(tmp_path, *names)
     for name in names:
         _compare(tmp_path, name, two_ranks)
 
 
-def test_random_mixtures_on_three_ranks(tmp_path, one_thread):
+@OPTIM
+def test_random_mixtures_on_three_ranks(tmp_path, one_thread, optim):
     """Seeds 0 and 1 on 3 ranks: each rank draws its own mixture of answered, score-only, no-target and bad
     samples (training and evaluation); everything logged and the final weights equal one process's."""
-    names = [f"random3_{seed}" for seed in range(2)]
+    names = [f"random3_{seed}{optim}" for seed in range(2)]
     three_ranks = _torchrun(tmp_path, *names, nproc=3)
     for name in names:
         _, three = _compare(tmp_path, name, three_ranks, world=3)

@@ -21,6 +21,14 @@ makes both: a batch without images encodes the dummy image, one without videos t
 smallest input, as ``get_video_features``' arguments), each adding 0 x its features. (For Qwen both calls run
 the same tower: under FSDP a rank with images only would otherwise gather its vision blocks once per forward,
 a rank with images and videos twice.)
+
+The zero gradients are for the collectives only: an optimizer step where no forward on any rank had vision input
+must leave the vision tower and projector as one process without the dummy leaves them (AdamW's momentum and
+weight decay move a parameter whose gradient is zero, and skip one whose gradient is None). So the module that
+runs the dummy carries a :class:`VisionInput` (``VISION_INPUT_ATTR``): it notes each forward with gradients that
+had real vision input and names the parameters the dummy feeds; on each optimizer step the Trainer agrees over
+ranks whether any had vision input and, where none did, sets those parameters' gradients to None before clipping
+and the step (trainer/step.py).
 """
 
 from __future__ import annotations
@@ -33,7 +41,36 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["enable_dummy_vision", "needed", "zero_of"]
+__all__ = ["VISION_INPUT_ATTR", "VisionInput", "enable_dummy_vision", "needed", "zero_of"]
+
+VISION_INPUT_ATTR = "vlmtrain_vision_input"
+"""A module whose forward runs the dummy path carries its :class:`VisionInput` under this attribute (the Trainer
+looks for it: trainer/step.py)."""
+
+
+class VisionInput:
+    """What the Trainer needs to give the parameters the dummy feeds no gradient on a step without vision input:
+    whether a forward with gradients had real vision input since it last asked (:meth:`take`), and those
+    parameters (:meth:`parameters`: the host module's parameters under ``prefixes``, names relative to it)."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = tuple(p.rstrip(".") for p in prefixes)
+        self.seen = False
+
+    def record(self, real: bool) -> None:
+        """Called by each forward: ``real`` when it had vision input (counted only where gradients flow)."""
+        if real and torch.is_grad_enabled():
+            self.seen = True
+
+    def take(self) -> bool:
+        """Whether a forward had vision input since the last call."""
+        seen, self.seen = self.seen, False
+        return seen
+
+    def parameters(self, host: nn.Module) -> list[nn.Parameter]:
+        """``host``'s parameters the dummy feeds (trainable or not; under FSDP the sharded ones)."""
+        return [p for name, p in host.named_parameters()
+                if any(name == prefix or name.startswith(prefix + ".") for prefix in self.prefixes)]
 
 
 def needed() -> bool:
@@ -93,21 +130,27 @@ def hub_features(model: nn.Module, inputs: Mapping[str, torch.Tensor], kind: str
 
 
 def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, torch.Tensor]],
-                        dummy_video: Callable[[Any], dict[str, torch.Tensor]] | None = None) -> None:
+                        dummy_video: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+                        fed: tuple[str, ...] = ()) -> None:
     """Give a transformers VLM model (the module with ``get_image_features``, e.g. Qwen3VLModel: a Hub VLM's
     ``model.model``) the dummy image path: under several processes, a forward without ``pixel_values`` first
     encodes ``dummy_image(config)`` (get_image_features' keyword arguments, on CPU) and adds 0 x its features
     to the text embeddings (see the module docstring). With ``dummy_video`` (get_video_features' keyword
     arguments), a forward without ``pixel_values_videos`` encodes it as well (the dummies run before the forward's
-    own vision tower calls; for the collectives only their number counts: each is a whole pass of the tower)."""
+    own vision tower calls; for the collectives only their number counts: each is a whole pass of the tower).
+    ``fed``: the name prefixes (relative to ``vlm``) of the parameters the dummies feed, for its
+    :class:`VisionInput`."""
     own_forward = type(vlm).forward  # (the class's, called with self: a deepcopy of the model stays right)
+    setattr(vlm, VISION_INPUT_ATTR, VisionInput(fed))
 
     @functools.wraps(own_forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        has_image = kwargs.get("pixel_values") is not None
+        has_video = kwargs.get("pixel_values_videos") is not None
+        getattr(self, VISION_INPUT_ATTR).record(has_image or has_video)
         if not needed() or _decode_step(kwargs):
             return own_forward(self, *args, **kwargs)
-        no_image = kwargs.get("pixel_values") is None
-        no_video = dummy_video is not None and kwargs.get("pixel_values_videos") is None
+        no_image, no_video = not has_image, dummy_video is not None and not has_video
         if not (no_image or no_video):
             return own_forward(self, *args, **kwargs)
         embedding = self.get_input_embeddings()

@@ -82,7 +82,9 @@ def _dummy_vision(model: Any, family: Any) -> None:
     if inner is None or not hasattr(inner, "get_image_features"):
         raise TypeError(f"{type(model).__name__}.{model.base_model_prefix} has no get_image_features: the "
                         f"{family.name} family's dummy image cannot run (every rank must run its vision tower).")
-    enable_dummy_vision(inner, family.dummy_image, family.dummy_video)
+    own = model.base_model_prefix + "."  # (the family's prefixes name the top model's parameters)
+    fed = tuple(p.removeprefix(own) for group in ("vision", "projector") for p in family.module_groups[group])
+    enable_dummy_vision(inner, family.dummy_image, family.dummy_video, fed)
 
 
 def _freeze_unused(model: Any, family: Any) -> None:

@@ -20,6 +20,10 @@ however it is split, for every loss the model returns.
   the run's step losses, each its step's mean over its items (as transformers' Trainer makes it).
 
 Every ``loss_<name>`` with a ``num_items_<name>`` is logged as its mean over its own items in the log window.
+
+A model whose vision tower runs on a dummy input when a batch has none (vlmtrain/models/dummy_vision.py: every
+rank runs the same collectives) gives that tower an exact zero gradient; a step in which no rank had vision input
+sets those gradients to None instead (``VISION_INPUT_ATTR``), as one process without the dummy leaves them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,20 @@ from torch.cuda import empty_cache as empty_device_cache  # (a no-op until CUDA 
 from . import distributed as dist
 from .optim import learning_rates
 from .stats import extra_losses, item_counts, num_items_of
+
+VISION_INPUT_ATTR = "vlmtrain_vision_input"
+"""A module whose forward runs its vision tower on a dummy input when a batch has none carries under this attribute
+an object with ``take() -> bool`` (whether a forward with gradients had real vision input since the last call) and
+``parameters(module)`` (the parameters the dummy feeds an exact zero gradient): vlmtrain/models/dummy_vision.py's
+VisionInput. Found through wrappers (score heads, peft)."""
+
+
+def vision_inputs(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(module, its VISION_INPUT_ATTR object) for each module of ``model`` that has one, their notes cleared."""
+    found = [(m, v) for m in model.modules() if (v := getattr(m, VISION_INPUT_ATTR, None)) is not None]
+    for _, v in found:
+        v.take()
+    return found
 
 
 class StepMixin:
@@ -125,7 +143,20 @@ class StepMixin:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _drop_dummy_gradients(self) -> None:
+        """A step in which no forward on any rank had vision input: the parameters the dummy input fed (zero
+        gradients) get None, as one process without the dummy leaves them; AdamW's momentum and weight decay
+        would move them. The ranks agree by one small all-reduce on every step, whatever their data."""
+        if not self._vision_inputs:
+            return
+        seen = float(any([v.take() for _, v in self._vision_inputs]))  # (a list: every note is cleared)
+        if not dist.reduce_cpu([seen], "max")[0]:
+            for module, v in self._vision_inputs:
+                for p in v.parameters(module):
+                    p.grad = None
+
     def _optimizer_step(self, model: nn.Module) -> None:
+        self._drop_dummy_gradients()  # (before the gradients are scaled, clipped and counted in grad_norm)
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         # Sum of weights over micro-batches (and ranks); DDP averages gradients, hence the world_size factor.
         grads = [p.grad for p in params]
