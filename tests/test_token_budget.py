@@ -81,6 +81,26 @@ def test_every_step_is_one_row_of_T_tokens_holding_whole_samples(root, tmp_path,
     assert seen == [P] * sum(p > 0 for p in patches)  # the vision tower's input: the same shape every step
 
 
+def test_the_dummy_image_and_video_are_not_padded_to_the_patch_budget(root, tmp_path, monkeypatch, one_thread):
+    """Under several ranks (the dummy path forced on here) a row without images or videos encodes the family's
+    dummy instead, before its own images: the dummy stays its smallest input (4 patches), never padded to
+    max_patches_per_pack, which would double the vision work of image-only token-budget training; the row's own
+    images still fill exactly P."""
+    from vlmtrain.models import dummy_vision
+    from vlmtrain.models.families import get_family
+
+    monkeypatch.setattr(dummy_vision, "needed", lambda: True)
+    trainer = _build(root, tmp_path)
+    family, seen, expected = get_family("qwen3_vl"), _vision_inputs(trainer.model), []
+    smallest = int(family.dummy_image(trainer.model.config)["pixel_values"].shape[0])
+    for batch in _loader(trainer):
+        # a text-only row: the dummy image and the dummy video; a row with images: the dummy video, then P
+        expected += [smallest, smallest] if batch.get("image_grid_thw") is None else [smallest, P]
+        with torch.no_grad():
+            trainer.model(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}, use_cache=False)
+    assert smallest == 4 and P in expected and seen == expected
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "varlen_torch"])
 def test_a_rows_documents_compute_what_its_samples_do_padded(root, tmp_path, attn, one_thread):
     trainer = _build(root, tmp_path, {"model.attn_implementation": attn})

@@ -29,23 +29,30 @@ runs the dummy carries a :class:`VisionInput` (``VISION_INPUT_ATTR``): it notes 
 had real vision input and names the parameters the dummy feeds; on each optimizer step the Trainer agrees over
 ranks whether any had vision input and, where none did, sets those parameters' gradients to None before clipping
 and the step (trainer/step.py).
+
+Under ``data.max_patches_per_pack`` (models/vision_padding.py) the dummy is not padded to the patch budget: it
+stays the family's smallest input (:func:`encoding_dummy` tells the padding hook).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["VISION_INPUT_ATTR", "VisionInput", "enable_dummy_vision", "needed", "zero_of"]
+__all__ = ["VISION_INPUT_ATTR", "VisionInput", "enable_dummy_vision", "encoding_dummy", "needed", "zero_of"]
 
 VISION_INPUT_ATTR = "vlmtrain_vision_input"
 """A module whose forward runs the dummy path carries its :class:`VisionInput` under this attribute (the Trainer
 looks for it: trainer/step.py)."""
+
+_ENCODING_DUMMY = contextvars.ContextVar("vlmtrain_encoding_dummy", default=False)
 
 
 class VisionInput:
@@ -71,6 +78,20 @@ class VisionInput:
         """``host``'s parameters the dummy feeds (trainable or not; under FSDP the sharded ones)."""
         return [p for name, p in host.named_parameters()
                 if any(name == prefix or name.startswith(prefix + ".") for prefix in self.prefixes)]
+
+
+def encoding_dummy() -> bool:
+    """Whether the vision tower now runs on the dummy input (not on a batch's images)."""
+    return _ENCODING_DUMMY.get()
+
+
+@contextlib.contextmanager
+def _dummy_running() -> Iterator[None]:
+    token = _ENCODING_DUMMY.set(True)
+    try:
+        yield
+    finally:
+        _ENCODING_DUMMY.reset(token)
 
 
 def needed() -> bool:
@@ -158,7 +179,9 @@ def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, t
         dummies = []  # (every rank makes the same number of vision tower calls: the real ones and these)
         for kind, dummy in (("image", dummy_image if no_image else None), ("video", dummy_video if no_video else None)):
             if dummy is not None:
-                dummies.append(hub_features(self, {k: v.to(device) for k, v in dummy(self.config).items()}, kind))
+                with _dummy_running():  # (its smallest input: no padding to data.max_patches_per_pack)
+                    dummies.append(hub_features(self, {k: v.to(device) for k, v in dummy(self.config).items()},
+                                                kind))
         zero = zero_of(dummies)
         if kwargs.get("inputs_embeds") is not None:  # (the embeddings were computed outside: no hook fires)
             kwargs["inputs_embeds"] = kwargs["inputs_embeds"] + zero.to(kwargs["inputs_embeds"].dtype)

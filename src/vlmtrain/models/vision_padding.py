@@ -6,7 +6,8 @@ The padding is one or more blank images appended after the batch's real ones (ze
 or one variable-length call, models/vision_attention.py), so the real images' outputs do not depend on them,
 and their outputs are cut off before the language model sees them (nothing of theirs reaches the loss, so they
 add nothing to any gradient). The batch itself is unchanged: its ``image_grid_thw`` names the real images only,
-so the logged FLOPs never count the padding.
+so the logged FLOPs never count the padding. The dummy image or video of a rank without any (models/dummy_vision.py)
+is not padded: it stays the family's smallest input (padded, it would double the vision work of a step).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from .dummy_vision import encoding_dummy
 
 PADDED_ATTR = "_vlmtrain_vision_patch_multiple"
 """Set on a vision tower whose input is padded (the multiple)."""
@@ -64,7 +67,8 @@ def _pad_inputs(visual: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     grid = args[1] if len(args) > 1 else kwargs["grid_thw"]
     multiple = getattr(visual, PADDED_ATTR)
     real = hidden.shape[0]
-    missing = -real % multiple
+    # (the dummy image / video of a rank without any: its smallest input, the same on every rank that runs it)
+    missing = 0 if encoding_dummy() else -real % multiple
     visual._vlmtrain_real_patches = real
     if missing:
         grids = blank_grids(missing, visual.spatial_merge_size)
