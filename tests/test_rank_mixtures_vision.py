@@ -46,6 +46,8 @@ CASES = {
     "qwen3_vl-fsdp-lora-heads": ("qwen3_vl", True, LORA),
     # evaluate() before train() (the worker's "eval-first"): the optimizer gets the sharded parameters
     "qwen3_vl-fsdp-full-eval-first": ("qwen3_vl", True, None),
+    # evaluation with predict_with_generate: generate() encodes rank 0's image itself (mm_encoder_outputs)
+    "qwen3_vl-fsdp-full-generate": ("qwen3_vl", True, None),
 }
 HEADS = {"score": {"type": "regression", "loss": "mse"}, "kind": {"type": "classification", "num_outputs": 3,
                                                                   "weight": 0.5}}
@@ -63,6 +65,7 @@ GROUPS = {"qwen3_vl-ddp": ["qwen3_vl-ddp-full", "qwen3_vl-ddp-lora"],
           "own-vlm": ["vlm-ddp", "vlm-fsdp"],
           "qwen3_vl-heads": ["qwen3_vl-ddp-lora-heads", "qwen3_vl-fsdp-full-heads", "qwen3_vl-fsdp-lora-heads"],
           "fsdp-eval-first": ["qwen3_vl-fsdp-full-eval-first"],
+          "fsdp-generate": ["qwen3_vl-fsdp-full-generate"],
           "other-families": ["idefics3-ddp-full", "llava_onevision-ddp-full", "gemma3-fsdp-lora"]}
 # SGD shows a wrong gradient; AdamW with weight decay also a zero gradient where there should be none (it moves a
 # parameter by its momentum and decay where None leaves it alone)
@@ -137,7 +140,9 @@ def _config(tmp: Path, case: str, checkpoints: dict[str, str], nproc: int, optim
                   "per_device_train_batch_size": batch, "per_device_eval_batch_size": batch,
                   "train_sampling_strategy": "sequential", "logging_steps": 1, "eval_strategy": "no",
                   "save_strategy": "no", "dataloader_num_workers": 0, "disable_tqdm": True, "seed": 0,
-                  "ddp_timeout": 30, "fsdp": fsdp, "report_to": "none"},
+                  "ddp_timeout": 30, "fsdp": fsdp, "report_to": "none",
+                  **({"predict_with_generate": True, "generation_max_new_tokens": 3}
+                     if case.endswith("-generate") else {})},
     }
     path = tmp / f"{case}-{nproc}.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -173,6 +178,10 @@ def _problem(tmp: Path, case: str, output: str, optim: str = "sgd") -> str | Non
             return f"{len(still)} parameters never changed: {still[:6]}"
     if case.endswith("-heads"):
         return _logged_problem(two, one)
+    if case.endswith("-generate") and not two["eval"]["eval_samples"] == one["eval"]["eval_samples"] == 2:
+        return f"not every eval sample generated: {two['eval']} (2 ranks) vs {one['eval']} (1 process)"
+    if case.endswith("-generate") and two["eval"]["eval_exact_match"] != one["eval"]["eval_exact_match"]:
+        return f"eval_exact_match {two['eval']['eval_exact_match']} (2 ranks) vs {one['eval']['eval_exact_match']}"
     return None
 
 
@@ -196,9 +205,9 @@ def _logged_problem(two: dict, one: dict) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("optim", list(OPTIMIZERS))
-@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) if g == "other-families" else g
-                                   for g in GROUPS])
+@pytest.mark.parametrize("group,optim", [
+    pytest.param(g, o, marks=pytest.mark.slow) if g == "other-families" or (g, o) == ("fsdp-generate", "adamw")
+    else (g, o) for g in GROUPS for o in OPTIMIZERS])
 def test_image_rank_and_text_only_rank_match_one_process(tmp_path, one_thread, group, optim):
     """The group's cases in one torchrun launch (one process group, each case built and run in turn), the
     1-process references in this process. With AdamW the second step has no image on any rank: the vision

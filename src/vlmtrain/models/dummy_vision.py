@@ -160,14 +160,17 @@ def enable_dummy_vision(vlm: nn.Module, dummy_image: Callable[[Any], dict[str, t
     arguments), a forward without ``pixel_values_videos`` encodes it as well (the dummies run before the forward's
     own vision tower calls; for the collectives only their number counts: each is a whole pass of the tower).
     ``fed``: the name prefixes (relative to ``vlm``) of the parameters the dummies feed, for its
-    :class:`VisionInput`."""
+    :class:`VisionInput`. transformers' generate() may encode the images and videos itself and pass their features
+    as ``mm_encoder_outputs`` ({'image': ..., 'video': ...}) without pixel values: those count as the forward's own
+    (no dummy for them, so an image rank makes as many tower calls as a text-only one)."""
     own_forward = type(vlm).forward  # (the class's, called with self: a deepcopy of the model stays right)
     setattr(vlm, VISION_INPUT_ATTR, VisionInput(fed))
 
     @functools.wraps(own_forward)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        has_image = kwargs.get("pixel_values") is not None
-        has_video = kwargs.get("pixel_values_videos") is not None
+        encoded = kwargs.get("mm_encoder_outputs") or {}  # (images generate() encoded itself: no pixel values)
+        has_image = kwargs.get("pixel_values") is not None or encoded.get("image") is not None
+        has_video = kwargs.get("pixel_values_videos") is not None or encoded.get("video") is not None
         getattr(self, VISION_INPUT_ATTR).record(has_image or has_video)
         if not needed() or _decode_step(kwargs):
             return own_forward(self, *args, **kwargs)
