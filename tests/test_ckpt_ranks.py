@@ -17,6 +17,11 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from vlmtrain.errors import CheckpointError
+from vlmtrain.trainer.world_size import reposition
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,6 +146,29 @@ def test_resume_with_another_number_of_processes_trains_each_sample_once(tmp_pat
     steps_after = 40 // 2 // 2 // after - stop_at * before // after  # the epoch's steps left at the new size
     assert resumed[0]["max_steps"] == stop_at + steps_after
     assert sorted(int(s) for s in resumed[0]["steps"])[0] == stop_at + 1
+
+
+
+def _position(samples: int, num_replicas: int = 1) -> StatefulDataLoader:
+    """A loader of ten ids, batch 1, in order (rank 0 of ``num_replicas``), after ``samples`` batches."""
+    data = list(range(10))
+    loader = StatefulDataLoader(data, batch_size=1, sampler=StatefulDistributedSampler(
+        data, num_replicas=num_replicas, rank=0, shuffle=False))
+    batches = iter(loader)
+    for _ in range(samples):
+        next(batches)
+    return loader
+
+
+def test_a_position_the_new_processes_cannot_split_evenly_is_refused():
+    """One process had taken 3 samples: 2 processes cannot go on from there in step (each would skip 1.5); 4
+    samples: each goes on after 2 of its share."""
+    two = _position(0, num_replicas=2)
+    with pytest.raises(CheckpointError, match=r"ckpt was written by 1 process\(es\) and is resumed by 2: its epoch "
+                                              r"position \(3 samples, 3 micro-batches per process\) does not split"):
+        reposition(two, {"loader": _position(3).state_dict(), "micro_step": 3}, 1, 2, 1, "ckpt")
+    assert reposition(two, {"loader": _position(4).state_dict(), "micro_step": 4}, 1, 2, 1, "ckpt") == 2
+    assert [int(batch) for batch in two] == [4, 6, 8]
 
 
 if __name__ == "__main__":
