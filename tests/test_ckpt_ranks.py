@@ -17,6 +17,11 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from vlmtrain.errors import CheckpointError
+from vlmtrain.trainer.world_size import reposition
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -106,6 +111,64 @@ def test_ranks_never_write_one_path_and_resume_is_bitwise(tmp_path):
                for k in opt[0]["state"][i])
     # TrainOutput.train_loss covers the whole run: the resumed run's includes steps 1-3 it did not train.
     assert _train_loss(tmp_path / "resumed") == _train_loss(tmp_path / "straight")
+
+
+def _world_run(tmp_path: Path, nproc: int, phase: str, stop_at: int, bad: tuple[int, ...]) -> list[dict]:
+    """tests/world_size_worker.py in ``nproc`` processes (torchrun for several) on tmp_path/run; each rank's
+    record: the ids its steps trained, its final global_step and max_steps."""
+    worker = [str(ROOT / "tests" / "world_size_worker.py"), str(tmp_path / "run"), phase, str(stop_at),
+              "resume" if phase == "resumed" else "new", ",".join(map(str, bad))]
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
+    done = subprocess.run([sys.executable, *launch, *worker], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((tmp_path / "run" / f"{phase}-rank{r}.json").read_text()) for r in range(nproc)]
+
+
+# (processes before, after; the step the first run stops after; bad ids, each set an all-bad batch on one rank;
+# the ids no step trains: the bad ones and, under DDP, the other rank's batch of that micro-step)
+WORLD_CHANGES = [(2, 1, 2, (), ()), (2, 1, 2, (4, 6), (4, 5, 6, 7)), (1, 2, 4, (), ()), (1, 2, 4, (4, 5), (4, 5))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("before", "after", "stop_at", "bad", "untrained"), WORLD_CHANGES,
+                         ids=["2to1", "2to1-all-bad-batch", "1to2", "1to2-all-bad-batch"])
+def test_resume_with_another_number_of_processes_trains_each_sample_once(tmp_path, before, after, stop_at, bad,
+                                                                         untrained):
+    """A mid-epoch checkpoint of map-style data resumed by another number of processes goes on at the epoch's
+    global sample position: over both runs every sample of the epoch is trained once (none twice, none left
+    out), and an epoch-based run ends at its epoch's end."""
+    first = _world_run(tmp_path, before, "first", stop_at, bad)
+    resumed = _world_run(tmp_path, after, "resumed", 0, bad)
+    assert all(run["global_step"] == stop_at for run in first)
+    trained = [i for run in (*first, *resumed) for ids in run["steps"].values() for i in ids]
+    assert sorted(trained) == [i for i in range(40) if i not in untrained]
+    steps_after = 40 // 2 // 2 // after - stop_at * before // after  # the epoch's steps left at the new size
+    assert resumed[0]["max_steps"] == stop_at + steps_after
+    assert sorted(int(s) for s in resumed[0]["steps"])[0] == stop_at + 1
+
+
+
+def _position(samples: int, num_replicas: int = 1) -> StatefulDataLoader:
+    """A loader of ten ids, batch 1, in order (rank 0 of ``num_replicas``), after ``samples`` batches."""
+    data = list(range(10))
+    loader = StatefulDataLoader(data, batch_size=1, sampler=StatefulDistributedSampler(
+        data, num_replicas=num_replicas, rank=0, shuffle=False))
+    batches = iter(loader)
+    for _ in range(samples):
+        next(batches)
+    return loader
+
+
+def test_a_position_the_new_processes_cannot_split_evenly_is_refused():
+    """One process had taken 3 samples: 2 processes cannot go on from there in step (each would skip 1.5); 4
+    samples: each goes on after 2 of its share."""
+    two = _position(0, num_replicas=2)
+    with pytest.raises(CheckpointError, match=r"ckpt was written by 1 process\(es\) and is resumed by 2: its epoch "
+                                              r"position \(3 samples, 3 micro-batches per process\) does not split"):
+        reposition(two, {"loader": _position(3).state_dict(), "micro_step": 3}, 1, 2, 1, "ckpt")
+    assert reposition(two, {"loader": _position(4).state_dict(), "micro_step": 4}, 1, 2, 1, "ckpt") == 2
+    assert [int(batch) for batch in two] == [4, 6, 8]
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tiny import tiny_llama, token_samples
 from torch import nn
 
 from vlmtrain import Trainer, TrainingArguments
+from vlmtrain.errors import CheckpointError
 from vlmtrain.trainer import TrainerCallback
 
 # 28 samples / batch 4 = 7 micro-batches per epoch; accumulation 2 -> 4 optimizer steps per epoch (2+2+2+1).
@@ -256,3 +258,29 @@ def test_resume_with_another_number_of_dataloader_workers(tmp_path, before, afte
     assert resumed_model.seen == straight_model.seen[MICRO_BEFORE_STOP:]
     assert logged(resumed, "loss") == logged(straight, "loss")
     assert_same_weights(resumed_model, straight_model)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, samples: list[dict]) -> None:
+        self.samples = samples
+
+    def __iter__(self):
+        yield from self.samples
+
+
+def test_a_stream_resumed_mid_epoch_by_another_number_of_processes_is_refused(tmp_path):
+    """A streamed dataset keeps one position per process: a mid-epoch checkpoint of 2 processes resumed by 1 is
+    a one-line error naming both numbers, before any weight is read (tests/test_ckpt_ranks.py resumes map-style
+    data across world sizes)."""
+    data = Stream(token_samples(NUM_SAMPLES, seed=1))
+    Trainer(tiny_llama(0), make_args(tmp_path, 0, max_steps=2, save_steps=2), train_dataset=data).train()
+    checkpoint = tmp_path / "checkpoint-2"
+    shutil.copy(checkpoint / "loop_state_0.pt", checkpoint / "loop_state_1.pt")  # as 2 processes write it
+    model = tiny_llama(5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model, make_args(tmp_path, 0, max_steps=4), train_dataset=data)
+    with pytest.raises(CheckpointError, match=r"written by 2 process\(es\) and is resumed by 1: a streamed "
+                                              r"train_dataset .* resume with 2 process\(es\)") as error:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert "\n" not in str(error.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -6,17 +6,23 @@ needed down to a batch of 1. A mixin of :class:`vlmtrain.Trainer` (vlmtrain/comp
 
 transformers restarts its whole inner training loop at the smaller size; here the steps already taken stand. One
 process only: under torchrun a rank that runs out of memory alone would leave the others waiting in a collective.
+A resume restores the batch the checkpoint was trained with (its ``train_batch_size``, as transformers), with the
+accumulation the halvings doubled.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from ..trainer import checkpoint as ckpt
+from ..trainer.state import TrainerState
 from .checkpoints import skip_batches
 
 # transformers' (accelerate's) should_reduce_batch_size: the errors a smaller batch may avoid.
@@ -49,19 +55,60 @@ class AutoBatchSize:
     _micro_step: int
     _epoch_index: int
     _step_start: dict[str, Any] | None = None
+    _window_batch = 0  # the loader's batch (of this epoch) that starts the current step: where a retry begins
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if self.args.auto_find_batch_size and (self.world_size > 1 or self.args.fsdp):
             raise ConfigError("auto_find_batch_size=True works in one process only (a rank out of memory alone would "
                               "leave the others waiting): under torchrun set per_device_train_batch_size and "
                               "gradient_accumulation_steps yourself.")
-        return super().train(*args, **kwargs)  # type: ignore[misc]
+        if self.args.auto_find_batch_size:
+            self._restore_shrunk_batch(self.args.resume_from_checkpoint if resume_from_checkpoint is None
+                                       else resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def _restore_shrunk_batch(self, resume: str | bool | None) -> None:
+        """Before the train loader is built: the batch of the checkpoint to resume, if the run had shrunk it (its
+        trainer_state.json's train_batch_size, as transformers restores it), halving per_device_train_batch_size
+        and doubling gradient_accumulation_steps as the run did; a batch that halving does not reach is refused."""
+        if not ckpt.resume_requested(resume):
+            return
+        latest = resume is True or str(resume).lower() in ("true", "latest")
+        path = ckpt.latest_checkpoint(self.args.output_dir) if latest else str(resume)
+        state_file = os.path.join(path or "", ckpt.STATE_NAME)
+        if not os.path.isfile(state_file):  # (no checkpoint: train() says so)
+            return
+        saved, args = TrainerState.load_from_json(state_file).train_batch_size, self.args
+        batch, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        if saved is None or saved >= batch:
+            return
+        while batch > saved:
+            batch, accum = batch // 2, accum * 2
+        if batch != saved:
+            raise ConfigError(f"{path}: auto_find_batch_size had shrunk the batch to {saved}, which halving "
+                              f"per_device_train_batch_size={args.per_device_train_batch_size} does not reach: resume "
+                              "with the per_device_train_batch_size and gradient_accumulation_steps the run went on "
+                              "with (its auto_find_batch_size warning names them).")
+        args.per_device_train_batch_size, args.gradient_accumulation_steps = batch, accum
 
     def _event(self, name: str, **kwargs: Any) -> Any:
         if name == "on_step_begin" and self.args.auto_find_batch_size:  # what a retried step must not count twice
             self._step_start = {"num_input_tokens_seen": self.state.num_input_tokens_seen,
-                                "current_flos": getattr(self, "current_flos", 0.0)}
+                                "current_flos": getattr(self, "current_flos", 0.0),
+                                "skipped": self._throughput.skipped.copy(),  # (bad samples the retry reads again)
+                                "skipped_total": self._throughput.skipped_total.copy()}
         return super()._event(name, **kwargs)  # type: ignore[misc]
+
+    def _usable_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The loop's batches, noting the loader's position of each step's first one: batches the collator emptied
+        (every sample bad) are drawn from the loader but take no micro-step, so a retry cannot count micro-steps."""
+        micro_step = self._micro_step
+        for batch in super()._usable_batches(batches):  # type: ignore[misc]
+            if micro_step % self.args.gradient_accumulation_steps == 0:  # (torch's count of the epoch's batches,
+                drawn = getattr(batches, "_num_yielded", None)  # restored on resume; None: another iterable)
+                self._window_batch = micro_step if drawn is None else drawn - 1
+            micro_step += 1
+            yield batch
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -93,13 +140,14 @@ class AutoBatchSize:
         if batch <= 1 or not callable(getattr(self.train_dataloader, "load_state_dict", None)):
             raise error from None
         accum = args.gradient_accumulation_steps
-        window_start = self._micro_step // accum * accum
+        window_start, first_sample = self._micro_step // accum * accum, self._window_batch * batch
         model.zero_grad(set_to_none=True)
         self._step_losses.reset()
         self._window_weight = self._window_counts = None
         self._unsynced = False
         for key, value in (self._step_start or {}).items():
-            setattr(self.state if key == "num_input_tokens_seen" else self, key, value)
+            owner = self.state if key == "num_input_tokens_seen" else self._throughput if "skipped" in key else self
+            setattr(owner, key, value)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -111,14 +159,15 @@ class AutoBatchSize:
         warnings.warn(f"auto_find_batch_size: out of memory at step {self.state.global_step + 1} with "
                       f"per_device_train_batch_size={batch}: going on with {batch // 2} and "
                       f"gradient_accumulation_steps={accum * 2}.", stacklevel=2)
-        self._rebuild_loader(window_start * 2)
+        self._rebuild_loader(window_start * 2, first_sample)
 
-    def _rebuild_loader(self, micro_step: int) -> None:
-        """A train loader at the new batch size, positioned after ``micro_step`` of its micro-batches this epoch."""
+    def _rebuild_loader(self, micro_step: int, first_sample: int) -> None:
+        """A train loader at the new batch size, the loop after ``micro_step`` micro-batches of this epoch, its data
+        at the ``first_sample``-th sample of the epoch (of this process's share of a map-style dataset's shuffle)."""
         loader = self.train_dataloader = self.get_train_dataloader()
         self.callback_handler.refs["train_dataloader"] = loader
         if self._steps_in_epoch is not None:
             self._steps_in_epoch = len(loader)
         self._micro_step = micro_step
         self._set_data_epoch(loader)
-        skip_batches(loader, micro_step)
+        skip_batches(loader, first_sample // self.args.per_device_train_batch_size)

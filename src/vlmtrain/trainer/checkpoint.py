@@ -61,7 +61,7 @@ def check_complete(path: str, rank: int = 0, files: Any = PlainModelFiles) -> No
     else:
         required = REQUIRED
     missing = [f for f in required if not os.path.isfile(os.path.join(path, f))] + files.missing_weight_files(path)
-    if not any(os.path.isfile(os.path.join(path, name)) for name in rng_state_names(rank)):
+    if not any(os.path.isfile(os.path.join(path, name)) for name in rng_state_names(rank, fallback=True)):
         missing.append(rng_state_names(rank)[0])
     if missing:
         raise CheckpointError(f"Checkpoint {path!r} is incomplete: missing {missing}. Resume from another "
@@ -90,9 +90,11 @@ def rng_state_name(rank: int, world_size: int) -> str:
     return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
 
 
-def rng_state_names(rank: int) -> tuple[str, ...]:
-    """The RNG files a process may read, in order: rng_state.pth only for rank 0 (a single process wrote it)."""
-    return ("rng_state.pth", f"rng_state_{rank}.pth") if rank == 0 else (f"rng_state_{rank}.pth",)
+def rng_state_names(rank: int, fallback: bool = False) -> tuple[str, ...]:
+    """The RNG files a process may read, in order: rng_state.pth only for rank 0 (a single process wrote it);
+    with ``fallback``, then rank 0's (a rank the checkpoint's fewer processes did not have starts from it)."""
+    own = ("rng_state.pth", f"rng_state_{rank}.pth") if rank == 0 else (f"rng_state_{rank}.pth",)
+    return own + rng_state_names(0) if fallback and rank else own
 
 
 def rng_state(world_size: int = 1) -> dict:
@@ -126,7 +128,8 @@ def set_rng_state(state: dict) -> None:
 def load_rng_state(directory: str, rank: int) -> dict:
     """This process's RNG state from a checkpoint, either layout; transformers' files hold numpy arrays, which
     are allowed here (and only numpy's array types) as transformers itself allows them."""
-    path = next(os.path.join(directory, n) for n in rng_state_names(rank) if os.path.isfile(os.path.join(directory, n)))
+    path = next(os.path.join(directory, n) for n in rng_state_names(rank, fallback=True)
+                if os.path.isfile(os.path.join(directory, n)))
     np_core = getattr(np, "_core", None) or np.core
     allowed = [np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     with torch.serialization.safe_globals(allowed):

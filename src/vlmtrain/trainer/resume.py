@@ -22,6 +22,7 @@ from .model_files import has_sharded_weights
 from .setup import load_model_state
 from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
 from .state import TrainerState
+from .world_size import loop_state_for_rank, max_steps_after, reposition, saved_world_size
 
 ASYNC_EVAL_POLL_S = 0.2  # (async_eval) seconds between polls while the ranks wait for an evaluation
 LOOP_STATE = "loop_state"  # loop_state_<rank>.pt: vlmtrain's own position and window state (transformers ignores it)
@@ -138,7 +139,31 @@ class CheckpointMixin:
                 files["optimizer.pt"] = self.optimizer.state_dict()
         return files
 
+    def _read_loop_state(self, path: str) -> tuple[dict | None, int]:
+        """This rank's loop state in checkpoint ``path`` (None for transformers' checkpoints, which have none), the
+        train loader put at its position, and how many processes wrote it; another number of processes than this
+        run's goes on at the epoch's global sample position, or is refused (world_size.py)."""
+        saved = saved_world_size(path)
+        if not os.path.isfile(os.path.join(path, f"{LOOP_STATE}_0.pt")):
+            return None, saved
+        if saved == self.world_size:
+            loop = ckpt.load_torch(os.path.join(path, f"{LOOP_STATE}_{self.rank}.pt"))
+            if loop["loader"] is not None:  # (saved with another dataloader_num_workers: map-style data resumes too)
+                load_loader_state(self.train_dataloader, loop["loader"], path)
+            return loop, saved
+        ranks = range(saved) if self.rank == 0 else [0]  # (rank 0 sums every saved rank's counts)
+        loop = loop_state_for_rank([ckpt.load_torch(os.path.join(path, f"{LOOP_STATE}_{r}.pt")) for r in ranks],
+                                   self.rank)
+        loop["micro_step"] = reposition(self.train_dataloader, loop, saved, self.world_size,
+                                        self.args.gradient_accumulation_steps, path)
+        if self.rank == 0:
+            warnings.warn(f"{path} was written by {saved} process(es), resumed by {self.world_size}: the epoch goes "
+                          f"on at its global sample position, an optimizer step now takes the samples of "
+                          f"{self.world_size} process(es).", stacklevel=4)
+        return loop, saved
+
     def _load_checkpoint(self, path: str) -> None:
+        loop, saved_world = self._read_loop_state(path)  # (first: a refusal before any weight is read)
         sharding = sharding_of(self.model, self.parts.sharding)
         sharded, sharded_model = has_sharded_weights(path), sharding is not None
         trainable_only = self.parts.model_files.saves_trainable_only(self.model)  # (LoRA: adapter files, FSDP or not)
@@ -152,6 +177,8 @@ class CheckpointMixin:
         else:  # (LoRA under FSDP: every rank reads the small adapter and heads files and keeps its shards)
             load_model_state(self.model, path, self.parts)
         saved = TrainerState.load_from_json(os.path.join(path, ckpt.STATE_NAME))
+        if loop is not None and saved_world != self.world_size:
+            self._end_epochs_after(saved.global_step, loop)
         if saved.max_steps != self.state.max_steps:
             warnings.warn(f"Resuming {path!r} with max_steps={self.state.max_steps}, the checkpoint was made with "
                           f"{saved.max_steps}.", stacklevel=3)
@@ -163,17 +190,13 @@ class CheckpointMixin:
         if not sharded:  # (else the optimizer came with the shards)
             self._load_optimizer_file(path, sharding)
         self.lr_scheduler.load_state_dict(ckpt.load_torch(os.path.join(path, "scheduler.pt")))
-        loop_file = os.path.join(path, f"{LOOP_STATE}_{self.rank}.pt")
-        if not os.path.isfile(loop_file):  # transformers' checkpoint: the position follows from global_step
+        if loop is None:  # transformers' checkpoint: the position follows from global_step
             self._epoch_index, self._micro_step = self.parts.step_position(
-                path, os.path.basename(loop_file), self.train_dataloader, self.state.global_step,
+                path, f"{LOOP_STATE}_{self.rank}.pt", self.train_dataloader, self.state.global_step,
                 self.state.max_steps, self._steps_in_epoch, self.args.gradient_accumulation_steps)
             self._last_logged_step = self.state.global_step
             ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
             return
-        loop = ckpt.load_torch(loop_file)
-        if loop["loader"] is not None:  # (saved with another dataloader_num_workers: map-style data resumes too)
-            load_loader_state(self.train_dataloader, loop["loader"], path)
         self._epoch_index, self._micro_step = loop["epoch_index"], loop["micro_step"]
         self._train_losses.load_state_dict(loop["train_losses"])
         if "run_loss" in loop:  # the whole run's mean loss (TrainOutput.train_loss) goes on across resumes
@@ -185,6 +208,19 @@ class CheckpointMixin:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
         self._throughput.skipped_total.update(loop.get("skipped", {}))
         ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
+
+    def _end_epochs_after(self, global_step: int, loop: dict) -> None:
+        """(resumed by another number of processes) An epoch-based run's max_steps, and the schedule the Trainer
+        built over it, end at num_train_epochs' end in steps of the new size."""
+        if self.args.max_steps > 0 or self._steps_in_epoch is None:
+            return
+        self.state.max_steps = max_steps_after(global_step, loop["epoch_index"], loop["micro_step"],
+                                               self._steps_in_epoch, self.args.gradient_accumulation_steps,
+                                               self.args.num_train_epochs)
+        if self.lr_scheduler is self._built_scheduler:  # (a scheduler passed in optimizers= stays as it is)
+            self.lr_scheduler = self._built_scheduler = None
+            self.create_scheduler(self.state.max_steps)
+            self.callback_handler.refs["lr_scheduler"] = self.lr_scheduler
 
     def _load_optimizer_file(self, path: str, sharding: ShardingPlan | None) -> None:
         """A checkpoint's optimizer.pt: by position (written unsharded) or by parameter name (gathered from FSDP

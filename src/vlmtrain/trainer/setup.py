@@ -78,6 +78,8 @@ def dataloader_workers(value: int | str, cuda: bool, cpus: int | None = None,
 class SetupMixin:
     """TrainerCore methods that prepare training and close it."""
 
+    _built_scheduler: Any = None  # the scheduler create_scheduler built (not one passed in optimizers=)
+
     def _resolve_model(self, model: nn.Module | None, model_init: Callable[..., nn.Module] | None,
                        compute_loss_func: Callable[..., Any] | None, optimizers: tuple[Any, Any],
                        optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None) -> nn.Module:
@@ -199,7 +201,8 @@ class SetupMixin:
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.lr_scheduler is None:
-            self.lr_scheduler = create_scheduler(optimizer or self.optimizer, self.args, num_training_steps)
+            self.lr_scheduler = self._built_scheduler = create_scheduler(optimizer or self.optimizer, self.args,
+                                                                         num_training_steps)
         return self.lr_scheduler
 
     def _setup_training(self, loader: StatefulDataLoader) -> int:
