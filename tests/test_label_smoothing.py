@@ -65,3 +65,23 @@ def test_label_smoothing_factor_to_zero_gives_the_unsmoothed_loss(kind, tmp_path
     assert len(plain) == 3 and plain[0] > 0
     # (the LM loss of a full logits tensor and of vlmtrain's chunked one at the targets: float rounding apart)
     assert smoothed == pytest.approx(plain, rel=1e-5)
+
+
+def test_label_smoothing_with_score_heads_is_refused_before_training(tmp_path):
+    """A model with score heads has one loss of its LM and its heads: smoothing the LM logits alone (transformers'
+    LabelSmoother replaces the model's loss) would drop the heads' losses. Refused when the Trainer is built, and
+    for a config before the model loads."""
+    from tiny import tiny_llama
+
+    from vlmtrain import Trainer, TrainingArguments
+    from vlmtrain.errors import ConfigError
+    from vlmtrain.models.heads import WithHeads
+
+    model = WithHeads(tiny_llama(0), {"cls": {"type": "classification", "num_outputs": 3}})
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", label_smoothing_factor=0.1)
+    with pytest.raises(ConfigError, match="label_smoothing_factor=0.1 with score heads"):
+        Trainer(model=model, args=args)
+    path = _hub_config(tmp_path, "not/loaded")
+    with pytest.raises(ConfigError, match="train.label_smoothing_factor=0.1 with model.heads"):
+        load_run_config(path, {"model.heads": {"cls": {"type": "classification", "num_outputs": 3}},
+                               "train.label_smoothing_factor": 0.1})

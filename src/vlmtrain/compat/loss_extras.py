@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..models.families import REGISTRY as FAMILIES
+from ..models.heads import WithHeads
 from ..models.vlm import VLMConfig
 
 
@@ -24,6 +26,10 @@ class LabelSmoothing:
     def __init__(self, epsilon: float, model: nn.Module) -> None:
         from transformers.trainer_pt_utils import LabelSmoother
 
+        if any(isinstance(m, WithHeads) for m in model.modules()):
+            raise ConfigError(f"label_smoothing_factor={epsilon} with score heads: the smoothed loss of the LM "
+                              f"logits would replace the model's loss and drop its heads' losses. Set "
+                              f"label_smoothing_factor=0 for a model with heads.")
         self.smoother = LabelSmoother(epsilon=epsilon)
         self.shift_labels = _is_causal_lm(model)
 
