@@ -1,6 +1,9 @@
 """Run under torchrun by tests/test_async_eval_ranks.py: a tiny DDP run with train.async_eval whose evaluation of
 some checkpoints outlasts ddp_timeout. Rank 0 waits for them mid-run (async_eval_when_full: wait, one slot) and at
-the end of training; every rank must wait with it. Writes each rank's final step and weights to OUT/rank<r>.pt."""
+the end of training; every rank must wait with it. Writes each rank's final step and weights to OUT/rank<r>.pt.
+
+With ``--config CONFIG OUT``: ``run.train`` of a config (the final evaluation of its eval set included), each
+rank's returned metrics written to OUT/metrics<r>.pt."""
 
 from __future__ import annotations
 
@@ -44,5 +47,16 @@ def main(out: str, max_steps: int, slow_steps: str, seconds: float, ddp_timeout:
     dist.shutdown()
 
 
-if __name__ == "__main__":
+def run_config(config: str, out: str) -> None:
+    from vlmtrain import run
+    from vlmtrain.config import load_run_config
+
+    metrics = run.train(load_run_config(config))
+    torch.save(metrics, os.path.join(out, f"metrics{dist.rank()}.pt"))
+    dist.shutdown()
+
+
+if __name__ == "__main__" and sys.argv[1] == "--config":
+    run_config(sys.argv[2], sys.argv[3])
+elif __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), int(sys.argv[5]))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 # A rank left inside a collective for EVAL_S fails the job. (ddp_timeout is low, but not so low that a loaded
@@ -38,3 +39,41 @@ def test_every_rank_waits_with_rank_0_for_evaluations_longer_than_ddp_timeout(tm
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     arrived = {r["step"]: (r["eval_fake_step"], r["eval_arrived_step"]) for r in rows if r.get("eval_async")}
     assert arrived == {1: (1, 2), 2: (2, 3), 3: (3, 3)}  # checkpoint-1's waited for at step 2, 3's at the end
+
+
+def _evaluator(eval_loss: bool) -> list[str]:
+    """An evaluation command that at once writes a result naming its step, with an eval_loss or without one."""
+    metrics = "{'eval_fake_step': int(step)" + (", 'eval_loss': 0.125}" if eval_loss else "}")
+    script = f"import json, sys\nout, step = sys.argv[1:3]\nopen(out, 'w').write(json.dumps({{'metrics': {metrics}}}))\n"
+    return [sys.executable, "-c", script, "{result_file}", "{step}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_loss", [True, False], ids=["reused", "evaluated"])
+def test_every_rank_decides_the_final_evaluation_alike(tmp_path, async_loss):
+    """run.train with an eval set and async_eval under 2 ranks: rank 0 alone logs the asynchronous evaluations,
+    so whether the last step's (with an eval_loss) spares the final evaluate() is rank 0's decision, which every
+    rank takes. (Before: rank 1 ran evaluate() alone and the job died after ddp_timeout.)"""
+    from test_async_eval import LM
+
+    out = tmp_path / "run"
+    cfg = json.loads(json.dumps(LM))
+    cfg["train"].update(output_dir=str(out), max_steps=2, save_steps=2, per_device_eval_batch_size=4,
+                        ddp_timeout=DDP_TIMEOUT_S, async_eval_command=_evaluator(async_loss))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "async_eval_ranks_worker.py"), "--config", str(path), str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = [torch.load(out / f"metrics{r}.pt", weights_only=False) for r in range(2)]
+    untimed = [{k: v for k, v in m.items() if not k.endswith(("_runtime", "_per_second"))} for m in ranks]
+    assert untimed[0] == untimed[1] and "eval_loss" in untimed[0]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["eval_fake_step"] for r in rows if r.get("eval_async")] == [2]
+    evaluated = [r for r in rows if "eval_loss" in r and not r.get("eval_async")]
+    if async_loss:  # the asynchronous result is the final one: no second evaluation
+        assert ranks[0]["eval_loss"] == 0.125 and evaluated == []
+    else:
+        assert len(evaluated) == 1 and ranks[0]["eval_loss"] == evaluated[0]["eval_loss"] != 0.125

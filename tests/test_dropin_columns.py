@@ -286,3 +286,41 @@ def test_vlmtrain_collators_reading_whole_samples_keep_every_column(tmp_path):
     assert dataset is data and collator is trainer.data_collator
     plain, _ = trainer._loader_data(data.add_column("input_ids", [[5]]), lambda s: s, "Training")
     assert plain.column_names == ["input_ids"]
+
+
+# -- a model with score heads: its head label columns are its inputs --------------------------------------------------
+def _head_rows(n: int) -> list[dict]:
+    """Score-only samples (no LM labels): input_ids and one label per head, as `labels_<head>` columns."""
+    g = np.random.default_rng(0)
+    rows = []
+    for _ in range(n):
+        ids = [int(t) for t in g.integers(1, 40, int(g.integers(3, 9)))]
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels_cls": ids[-1] % 3,
+                     "labels_reg": ids[0] / 40})
+    return rows
+
+
+def _train_heads(data, out) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    from tiny import tiny_llama
+
+    from vlmtrain.models.heads import WithHeads
+
+    model = WithHeads(tiny_llama(0), {"cls": {"type": "classification", "num_outputs": 3},
+                                      "reg": {"type": "regression", "loss": "mse"}})
+    before = {k: v.clone() for k, v in model.heads.state_dict().items()}
+    trainer = vlmtrain.Trainer(model=model, args=_args("ours", out, max_steps=2, weight_decay=0.1), train_dataset=data)
+    trainer.train()
+    moved = {k: (v - before[k]).abs().max() for k, v in model.heads.state_dict().items()}
+    return trainer.state.log_history, moved
+
+
+def test_head_label_columns_kept_for_a_model_with_heads(tmp_path):
+    """A datasets.Dataset with `labels_<head>` columns under WithHeads: the columns are the heads' inputs (its
+    forward hands them on by keyword), so remove_unused_columns keeps them: the heads train, and every loss is the
+    one the same samples give as a list (never trimmed)."""
+    rows = _head_rows(8)
+    listed, _ = _train_heads(rows, tmp_path / "list")
+    history, moved = _train_heads(datasets.Dataset.from_list(rows), tmp_path / "dataset")
+    assert all(float(m) > 0 for m in moved.values()), moved
+    assert "loss_cls" in history[0] and "loss_reg" in history[0]
+    _same_rows(history, listed, rel=1e-6)

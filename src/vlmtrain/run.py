@@ -57,18 +57,25 @@ def _train(cfg: RunConfig, console: Any = None, resume: str = "--train.resume_fr
                        out.global_step, cfg.train.output_dir, resume)
         return trainer, metrics
     if getattr(trainer, "eval_dataset", None) is not None:
-        # Reuse an evaluation the run already made of its last step (inline or async) rather than running it twice.
-        from vlmtrain.evaluation.async_eval import BOOKKEEPING
-
-        state = trainer.state  # (load_best_model_at_end: the model is now the best step's)
-        step = state.best_global_step if cfg.train.load_best_model_at_end and state.best_model_checkpoint else \
-            out.global_step
-        last = [h for h in state.log_history if h.get("step") == step
-                and any(k.startswith("eval_") and k.endswith("loss") for k in h)]
-        metrics.update({k: v for h in last for k, v in h.items() if k.startswith("eval_") and k not in BOOKKEEPING}
-                       if last else trainer.evaluate())
+        metrics.update(_final_evaluation(trainer, cfg, out.global_step))
     metrics.update(_summary(cfg, metrics))
     return trainer, metrics
+
+
+def _final_evaluation(trainer: Any, cfg: RunConfig, last_step: int) -> dict[str, Any]:
+    """The eval metrics of the trained model: an evaluation the run already made of its last step (inline or
+    async) rather than a second one. Rank 0 decides: it alone logs the asynchronous evaluations, and evaluate() is
+    a collective every rank must enter (or none), so its decision reaches every rank."""
+    from vlmtrain.evaluation.async_eval import BOOKKEEPING
+    from vlmtrain.trainer import distributed as dist
+
+    state = trainer.state  # (load_best_model_at_end: the model is now the best step's)
+    step = state.best_global_step if cfg.train.load_best_model_at_end and state.best_model_checkpoint else last_step
+    last = [h for h in state.log_history if h.get("step") == step
+            and any(k.startswith("eval_") and k.endswith("loss") for k in h)]
+    made = {k: v for h in last for k, v in h.items() if k.startswith("eval_") and k not in BOOKKEEPING} or None
+    made = dist.broadcast_object(made, src=0)
+    return made if made is not None else trainer.evaluate()
 
 
 def evaluate(cfg: RunConfig, checkpoint: str | None = None, result_file: str | None = None) -> dict[str, Any]:

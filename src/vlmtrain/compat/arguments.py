@@ -101,6 +101,9 @@ DIFFERENT: dict[str, str] = {
                          "same curves as transformers'); its other schedules are refused",
     "weight_decay": "also exempts every 1-dimensional parameter (transformers: biases and normalization layers "
                     "only)",
+    "label_smoothing_factor": "the labels are shifted for every causal model: transformers' causal-LM classes (as "
+                              "transformers), and also vlmtrain's own VLM and its Hub VLM families (Qwen-VL, "
+                              "Idefics3 / SmolVLM, LLaVA-OneVision), which transformers smooths unshifted",
     "report_to": "metrics.jsonl is always written; trackers: tensorboard, wandb, mlflow, trackio (others refused); "
                  "'all' stays ['all'] (every installed one at run time); None means [] (transformers: [None])",
     "fsdp": "any true value shards with FSDP2, one unit per transformer block (transformers' full_shard auto_wrap); "

@@ -32,10 +32,11 @@ class CompatArguments:
     (transformers restarts its training loop). One process only."""
     remove_unused_columns: bool = True
     """As transformers' for a `datasets.Dataset`: drop its columns the model's forward does not take (and that
-    are not `label`, `label_ids` or `label_names`) before the data collator sees them, in training, evaluation and
-    prediction. Other datasets (lists, torch datasets, streams) reach the collator whole, and so do the samples of
-    vlmtrain's own collators (VLM, Hub VLM, text, packing, tasks), which read whole samples: a config run
-    (`vlmtrain train`) uses those, so this key changes nothing there."""
+    are not `label`, `label_ids` or `label_names`; under score heads each head's `labels_<head>` is an input too)
+    before the data collator sees them, in training, evaluation and prediction. Other datasets (lists, torch
+    datasets, streams) reach the collator whole, and so do the samples of vlmtrain's own collators (VLM, Hub VLM,
+    text, packing, tasks), which read whole samples: a config run (`vlmtrain train`) uses those, so this key changes
+    nothing there."""
 
 
 @dataclass

@@ -32,17 +32,19 @@ def _is_hf_dataset(dataset: Any) -> bool:
     return isinstance(dataset, datasets.Dataset)
 
 
-def _forward_owner(model: Any) -> Any:
-    """The model whose forward names the columns: under a peft wrapper its base model (as transformers), under
-    vlmtrain's score heads (WithHeads, whose forward hands its keywords on, head labels in ``labels``) the model
-    they sit on."""
+def forward_columns(model: Any) -> list[str]:
+    """The batch keys ``model``'s forward takes, as dataset columns: its forward's parameters; under a peft wrapper
+    those of its base model (as transformers); under vlmtrain's score heads (WithHeads, whose forward hands its
+    keywords on) those of the model they sit on plus each head's label column (``labels_<head>``)."""
+    heads: list[str] = []
     while True:
         if isinstance(model, WithHeads):
+            heads += model.head_label_columns
             model = model.base
         elif hasattr(model, "get_base_model"):  # a peft model
             model = model.get_base_model()
         else:
-            return model
+            return list(inspect.signature(model.forward).parameters) + heads
 
 
 class TransformersColumns:
@@ -53,12 +55,12 @@ class TransformersColumns:
     _signature_columns: list[str] | None = None
 
     def _set_signature_columns_if_needed(self) -> None:
-        """The names a dataset column may have to be kept: the forward's parameters (of the model under a peft
-        or score-heads wrapper), ``label``, ``label_ids`` and the label names (``args.label_names``, else those of the
-        model's forward)."""
+        """The names a dataset column may have to be kept: the forward's inputs (:func:`forward_columns`: of the
+        model under a peft wrapper, with score heads their label columns too), ``label``, ``label_ids`` and the label
+        names (``args.label_names``, else those of the model's forward)."""
         if self._signature_columns is not None:
             return
-        self._signature_columns = list(inspect.signature(_forward_owner(self.model).forward).parameters)
+        self._signature_columns = forward_columns(self.model)
         label_names = self.args.label_names if self.args.label_names is not None else find_labels(type(self.model))
         self._signature_columns += list({"label", "label_ids", *label_names})
 

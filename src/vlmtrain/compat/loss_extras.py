@@ -12,15 +12,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+from ..models.families import REGISTRY as FAMILIES
+from ..models.heads import WithHeads
+from ..models.vlm import VLMConfig
+
 
 class LabelSmoothing:
     """The loss of a model called without its labels: transformers' LabelSmoother over the model's `logits`,
-    shifted by one position for a causal LM (as transformers decides: the model class is one of its causal-LM
-    classes), averaged over this micro-batch's labelled positions."""
+    shifted by one position for a causal model (as transformers decides, and for every causal model vlmtrain
+    trains: :func:`_is_causal_lm`), averaged over this micro-batch's labelled positions."""
 
     def __init__(self, epsilon: float, model: nn.Module) -> None:
         from transformers.trainer_pt_utils import LabelSmoother
 
+        if any(isinstance(m, WithHeads) for m in model.modules()):
+            raise ConfigError(f"label_smoothing_factor={epsilon} with score heads: the smoothed loss of the LM "
+                              f"logits would replace the model's loss and drop its heads' losses. Set "
+                              f"label_smoothing_factor=0 for a model with heads.")
         self.smoother = LabelSmoother(epsilon=epsilon)
         self.shift_labels = _is_causal_lm(model)
 
@@ -32,10 +41,16 @@ class LabelSmoothing:
 
 
 def _is_causal_lm(model: nn.Module) -> bool:
+    """Whether the logits at position t predict the label at t + 1: transformers' rule (the model class is one of
+    its causal-LM classes), and every causal model vlmtrain trains that transformers' mapping leaves out: the own
+    VLM and each Hub VLM family (Qwen-VL, Idefics3 / SmolVLM, LLaVA-OneVision: image-text-to-text classes,
+    whose unshifted smoothing would train each position on its own token)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     inner = model.base_model.model if hasattr(model, "peft_config") else model  # (a peft model: its base)
-    return inner._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    if inner._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return True
+    return getattr(getattr(inner, "config", None), "model_type", None) in (VLMConfig.model_type, *FAMILIES)
 
 
 class BatchEvalMetrics:

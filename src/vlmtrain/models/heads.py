@@ -163,6 +163,12 @@ class WithHeads(nn.Module):
         return getattr(self.base, "config", None)
 
     @property
+    def head_label_columns(self) -> list[str]:
+        """The batch keys of the heads' labels (``labels_<name>``): forward takes them as keywords, so a dataset's
+        columns of these names are inputs (remove_unused_columns keeps them, vlmtrain/compat/columns.py)."""
+        return [f"labels_{name}" for name in self.head_configs]
+
+    @property
     def vlmtrain_target_logits_module(self) -> str | None:
         """The LM head's name when training applies it only at targets (models/flops.py counts it so)."""
         parts = decoder_and_head(_inner_model(self.base))

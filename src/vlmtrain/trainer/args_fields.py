@@ -68,7 +68,9 @@ class CoreArguments:
     label_smoothing_factor: float = 0.0
     """Label smoothing epsilon, as transformers: when > 0 and the batch has `labels`, the model is called without
     them and the loss is (1 - eps) * NLL + eps * the mean negative log-probability over the vocabulary, from its
-    `logits` (shifted by one for causal LMs). 0: the model's own loss."""
+    `logits` (shifted by one for causal models: transformers' causal-LM classes, and the own VLM and every Hub VLM
+    family, which transformers leaves unshifted). 0: the model's own loss. Refused for a model with score heads
+    (the smoothed loss would replace their losses)."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     logging_strategy: str = "steps"

@@ -45,6 +45,10 @@ def check(cfg: Any) -> None:
         from vlmtrain.models.heads import parse_heads
 
         parse_heads(m.heads)  # an unknown head type or loss fails before anything is loaded
+        if cfg.train.label_smoothing_factor:  # (the Trainer refuses it too: vlmtrain/compat/loss_extras.py)
+            raise ConfigError(f"train.label_smoothing_factor={cfg.train.label_smoothing_factor} with model.heads: "
+                              "the smoothed LM loss would replace the model's loss and drop the heads' losses. "
+                              "Set train.label_smoothing_factor: 0 for a model with heads.")
 
 
 PACKING_ATTENTION = ("sdpa", "eager", "flash_attention_2", VARLEN_TORCH)
