@@ -153,8 +153,10 @@ def test_budgets_that_cannot_hold_a_sample_are_errors_naming_the_setting(root, t
     with pytest.raises(ConfigError, match=r"data.max_patches_per_pack=128 is smaller than one sample can be: "
                                           r"data.max_images=3 images of up to 64 patches each"):
         _build(root, tmp_path, max_patches_per_pack=128)
-    with pytest.raises(ConfigError, match="data.max_patches_per_pack=192 caps and pads .* data.packing is False"):
-        load_run_config(_config(tmp_path, _tiny("qwen3_vl", root), **{**BUDGET, "packing": False, "pack_window": None}))
+    with pytest.raises(ConfigError, match=r"data.max_patches_per_pack=192 is a packing setting, .* "
+                                          r"data.packing: true \(got False\)"):
+        load_run_config(_config(tmp_path, _tiny("qwen3_vl", root), **{**BUDGET, "packing": False, "pack_window": None,
+                                                                    "pack_length": None}))
     with pytest.raises(ConfigError, match="set one"):
         load_run_config(_config(tmp_path, _tiny("qwen3_vl", root), **{**BUDGET, "max_images_per_pack": 2}))
     with pytest.raises(ConfigError, match="use data.max_images_per_pack"):

@@ -21,6 +21,8 @@ from vlmtrain.models.hub_loading import (
 from vlmtrain.models.kinds import ModelKind
 
 DTYPES = ("float32", "bfloat16")
+PACKING_KEYS = ("pack_length", "pack_window", "max_images_per_pack", "max_patches_per_pack")
+"""data.* keys that only packed rows use (refused when a Hub VLM pads)."""
 
 
 def check(cfg: Any) -> None:
@@ -30,15 +32,12 @@ def check(cfg: Any) -> None:
                           "or a local directory written by save_pretrained.")
     if cfg.data.packing:
         check_packing(cfg)
-    elif cfg.data.pack_window:  # (never a silent padded run)
-        raise ConfigError(f"data.pack_window={cfg.data.pack_window} packs rows, but Hub VLM batches are packed only "
-                          f"with data.packing: true (got {cfg.data.packing!r}). Set data.packing: true, or drop "
-                          f"data.pack_window.")
-    if cfg.data.max_patches_per_pack is not None and not cfg.data.packing:
-        raise ConfigError(f"data.max_patches_per_pack={cfg.data.max_patches_per_pack} caps and pads the vision "
-                          f"patches of packed rows, but data.packing is {cfg.data.packing!r}. Set data.packing: "
-                          f"true (and data.pack_window for token-budget micro-batches), or drop "
-                          f"data.max_patches_per_pack.")
+    else:  # padded batches: a packing key would do nothing (never a silent padded run)
+        for key in PACKING_KEYS:
+            if getattr(cfg.data, key) is not None:
+                raise ConfigError(f"data.{key}={getattr(cfg.data, key)} is a packing setting, but Hub VLM batches "
+                                  f"are packed only with data.packing: true (got {cfg.data.packing!r}). Set "
+                                  f"data.packing: true, or drop data.{key}.")
     if cfg.data.max_patches_per_pack is not None and cfg.data.max_images_per_pack is not None:
         raise ConfigError("data.max_patches_per_pack and data.max_images_per_pack both cap a packed row; set one.")
     if m.heads is not None:
