@@ -68,11 +68,7 @@ def validate(cfg: Any) -> None:
     from vlmtrain.models.families import family_of
 
     # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
-    try:
-        family = family_of(cfg.model.pretrained)
-    except OSError as err:  # (a local directory that does not exist fails earlier, in compose.build)
-        raise ConfigError(f"model.pretrained: {cfg.model.pretrained!r} is no local directory and transformers "
-                          f"could not load it as a Hub id: {str(err).splitlines()[0]}") from None
+    family = family_of(cfg.model.pretrained, key="model.pretrained")
     check_image_size(family, cfg.data)
     check_video_settings(family, cfg.data)
     if cfg.data.packing and family.packing_unsupported:
@@ -239,7 +235,7 @@ def record_check(cfg: Any) -> Any:
     from vlmtrain.models.heads import check_head_labels
 
     heads = parse_heads(cfg.model.heads)
-    family = family_of(cfg.model.pretrained)
+    family = family_of(cfg.model.pretrained, key="model.pretrained")
     return functools.partial(check_record, max_images=cfg.data.max_images, head_names=tuple(heads),
                              label_check=functools.partial(check_head_labels, heads) if heads else None,
                              no_video=None if family.video is not None else family.name)
