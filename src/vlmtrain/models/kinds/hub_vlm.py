@@ -208,7 +208,8 @@ def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], mo
     hub_processor = HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,
         label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
-        head_names=tuple(heads), video=VideoSettings.from_data(d))
+        head_names=tuple(heads), video=VideoSettings.from_data(d),
+        max_patches=d.max_patches_per_pack if d.packing else None)
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     packing = {}
     if d.packing:  # (check_packing refused heads; flash-attention finds documents from one row's positions)
