@@ -210,3 +210,18 @@ def test_data_inspect_model_overrides_the_configs_pretrained(tiny_qwen, tmp_path
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"model.pretrained: {missing!r} is no local directory" in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_data_inspect_with_a_hub_config_applies_trainings_length_check(tiny_qwen, tmp_path, capsys):
+    """A sample training skips as too_long (its tokens, counted by the model's processor) is a bad sample in
+    `data inspect --config` too, named by its line; one that fits is not."""
+    path = tmp_path / "d.jsonl"
+    rows = [{"texts": [{"user": "Hi", "assistant": "Hello."}]},
+            {"texts": [{"user": "Read this: " + "lorem ipsum " * 20, "assistant": "Done."}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": tiny_qwen},
+           "data": {"source": "jsonl", "train_file": str(path), "max_length": 128}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["data", "inspect", str(path), "--config", str(tmp_path / "cfg.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "bad samples: {'too_long': 1}" in out and "d.jsonl:2 (too_long: " in out and "d.jsonl:1 " not in out

@@ -195,21 +195,30 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
             "process": hub_processor.process}
 
 
-def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], model_config: Any) -> tuple[Any, Any]:
-    """The training HubVLMProcessor and collator (packing with data.packing; head labels with heads)."""
-    from vlmtrain.data.hub_collate import HubVLMCollator
+def _hub_processor(cfg: Any, processor: Any, family: Any, heads: dict[str, Any]) -> Any:
+    """The training HubVLMProcessor: data.max_length, max_images, video settings and (packing) patch budget,
+    the heads' label checks."""
     from vlmtrain.data.hub_processing import HubVLMProcessor
     from vlmtrain.data.video import VideoSettings
-    from vlmtrain.models.heads import check_head_labels, head_label_tensors
+    from vlmtrain.models.heads import check_head_labels
 
-    m, d = cfg.model, cfg.data
+    d = cfg.data
     # Generation prompts cost a second processor call per sample: only in evaluation batches (the collator's
     # without_packing twin), and only when evaluation generates.
-    hub_processor = HubVLMProcessor(
+    return HubVLMProcessor(
         processor, family, max_length=d.max_length, max_images=d.max_images,
         label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
         head_names=tuple(heads), video=VideoSettings.from_data(d),
         max_patches=d.max_patches_per_pack if d.packing else None)
+
+
+def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], model_config: Any) -> tuple[Any, Any]:
+    """The training HubVLMProcessor and collator (packing with data.packing; head labels with heads)."""
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.models.heads import head_label_tensors
+
+    m, d = cfg.model, cfg.data
+    hub_processor = _hub_processor(cfg, processor, family, heads)
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     packing = {}
     if d.packing:  # (check_packing refused heads; flash-attention finds documents from one row's positions)
@@ -227,19 +236,18 @@ def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
 
 
 def record_check(cfg: Any) -> Any:
-    """The checks training makes on a raw sample before the processor runs (check_record with the run's
-    data.max_images, model.heads and its family's video support; the tokenizer's special tokens need the processor
-    and are left out)."""
-    from vlmtrain.data.hub_messages import check_record
+    """The checks training makes on a raw sample: its processing by the training HubVLMProcessor (the
+    checkpoint's processor with the run's image size, data.max_length, max_images, video settings and patch
+    budget, model.heads' label checks), without the model: check_record's checks, the tokenizer's, and the
+    sample's tokens and vision patches against max_length and max_patches_per_pack (too_long, too_many_patches)."""
+    from vlmtrain.data.hub_processing import apply_image_size
     from vlmtrain.models.families import family_of
     from vlmtrain.models.head_config import parse_heads
-    from vlmtrain.models.heads import check_head_labels
 
-    heads = parse_heads(cfg.model.heads)
     family = family_of(cfg.model.pretrained, key="model.pretrained")
-    return functools.partial(check_record, max_images=cfg.data.max_images, head_names=tuple(heads),
-                             label_check=functools.partial(check_head_labels, heads) if heads else None,
-                             no_video=None if family.video is not None else family.name)
+    processor = family.load_processor(cfg.model.pretrained)
+    apply_image_size(processor, family, cfg.data)
+    return _hub_processor(cfg, processor, family, parse_heads(cfg.model.heads)).process
 
 
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
