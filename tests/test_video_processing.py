@@ -175,9 +175,9 @@ def clip_span(ids: torch.Tensor, tokenizer) -> int:
     return int(ends[-1]) - int(starts[0]) + 1
 
 
-FIT_CASES = [  # (frames, height, width, the file's fps, max_length): a long clip; one of tiny frames (upscaled
-    (240, 48, 64, 10.0, 600),  # by the default video_min_pixels)
-    (40, 32, 48, 10.0, 256),
+FIT_CASES = [  # (frames, height, width, the file's fps, max_length, whether every frame fits at its own size): a
+    (240, 48, 64, 10.0, 600, False),  # long clip; one of tiny frames (that the default video_min_pixels upscales)
+    (40, 32, 48, 10.0, 256, True),
 ]
 
 
@@ -188,7 +188,7 @@ def test_a_clip_is_planned_into_what_max_length_leaves_counting_every_token_the_
     """A clip that can fit is never too_long: its plan counts the tokens the family's processor inserts (Qwen3-VL's
     timestamps, the vision start / end markers) and fits the clip into what max_length leaves after the text;
     the processed sample is the plan for exactly that room, and the plan's count is the processor's."""
-    frames, height, width, fps, max_length = FIT_CASES[case]
+    frames, height, width, fps, max_length, all_fit = FIT_CASES[case]
     path = str(tmp_path_factory.mktemp("fit") / "clip.mp4")
     write_video(path, clip_frames(frames, height, width, seed=case), fps=fps)
     fam, proc = tiny(kind)
@@ -202,3 +202,6 @@ def test_a_clip_is_planned_into_what_max_length_leaves_counting_every_token_the_
     patch = proc.image_processor.patch_size
     t, h, w = item["video_grid_thw"][0].tolist()
     assert (t, h * patch, w * patch) == (-(-len(plan.indices) // 2), plan.height, plan.width)
+    if all_fit:  # the upscale to video_min_pixels gives way before any frame does
+        assert plan.indices == hub.video.sample(VideoInfo(frames, fps, height, width))
+        assert plan.height * plan.width >= height * width

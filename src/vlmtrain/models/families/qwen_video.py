@@ -25,8 +25,9 @@ families' published per-frame maximum and their video processors' own) and at le
 ``video_min_pixels`` (default 128 tokens' worth, the published minimum); a clip over ``max_video_tokens``
 (its video tokens), or over the room a sample's text leaves it under ``max_length`` (all the tokens it takes:
 video tokens, the template's vision start / end markers and, for Qwen3-VL, each temporal patch's
-``<t seconds>`` timestamp and markers), gets smaller frames down to video_min_pixels, then fewer frames down to
-video_min_frames, then frames below video_min_pixels; what still does not fit is skipped
+``<t seconds>`` timestamp and markers), gets smaller frames down to video_min_pixels (or the source's frame size
+where video_min_pixels would upscale it), then fewer frames down to video_min_frames, then frames below
+video_min_pixels; what still does not fit is skipped
 (``video_over_token_cap``).
 """
 
@@ -171,9 +172,9 @@ class QwenVideo:
     def _fit(self, num_frames: int, height: int, width: int, below_min: bool, cap: int | None
              ) -> tuple[dict[str, int], int, int] | None:
         """The size for ``num_frames`` frames under the per-frame cap and ``cap`` video tokens for the clip
-        (frames no smaller than video_min_pixels unless ``below_min``), or None if none fits. The bound handed to
-        smart_resize starts at the caps and steps down one token's pixels while whole patches of a thin frame
-        still overshoot them."""
+        (frames no smaller than video_min_pixels, or than their own size where that is smaller, unless
+        ``below_min``), or None if none fits. The bound handed to smart_resize starts at the caps and steps down
+        one token's pixels while whole patches of a thin frame still overshoot them."""
         unit = self.factor ** 2
         groups = -(-num_frames // self.temporal_patch_size)
         most = self.max_pixels
@@ -181,7 +182,8 @@ class QwenVideo:
             if cap < groups:
                 return None
             most = min(most, (cap // groups) * unit)
-        floor = unit if below_min else self.min_pixels
+        # (an upscale to video_min_pixels gives way before any frame does)
+        floor = unit if below_min else max(unit, min(self.min_pixels, height * width))
         while most >= floor:
             size = self.size_for(num_frames, most, min(self.min_pixels, most))
             try:
