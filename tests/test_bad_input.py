@@ -192,3 +192,36 @@ def test_an_empty_jsonl_file_in_a_stream_is_a_source_without_data(tmp_path, caps
     assert cli.main(["train", "--config", config]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"data.sources[0] (jsonl {empty}): ValueError: it has no data" in err
+
+
+def test_data_inspect_model_overrides_the_configs_pretrained(tiny_qwen, tmp_path, capsys):
+    """--model replaces the config's model.pretrained (here one that is not on this machine) for the checks too;
+    without --model that pretrained is a one-line error naming it, not a traceback."""
+    path = _inspect_file(tmp_path)
+    missing = str(tmp_path / "not-here")
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": missing,
+                     "heads": {"color": {"type": "classification", "num_outputs": 3}}},
+           "data": {"source": "jsonl", "train_file": str(path)}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    config = str(tmp_path / "cfg.yaml")
+    assert cli.main(["data", "inspect", str(path), "--config", config, "--model", tiny_qwen]) == 0
+    assert "d.jsonl:7 (bad_head_label" in capsys.readouterr().out  # the config's heads, --model's family
+    assert cli.main(["data", "inspect", str(path), "--config", config]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"model.pretrained: {missing!r} is no local directory" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_data_inspect_with_a_hub_config_applies_trainings_length_check(tiny_qwen, tmp_path, capsys):
+    """A sample training skips as too_long (its tokens, counted by the model's processor) is a bad sample in
+    `data inspect --config` too, named by its line; one that fits is not."""
+    path = tmp_path / "d.jsonl"
+    rows = [{"texts": [{"user": "Hi", "assistant": "Hello."}]},
+            {"texts": [{"user": "Read this: " + "lorem ipsum " * 20, "assistant": "Done."}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": tiny_qwen},
+           "data": {"source": "jsonl", "train_file": str(path), "max_length": 128}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["data", "inspect", str(path), "--config", str(tmp_path / "cfg.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "bad samples: {'too_long': 1}" in out and "d.jsonl:2 (too_long: " in out and "d.jsonl:1 " not in out

@@ -231,8 +231,12 @@ def test_bad_packing_combinations_fail_before_any_work(root, tmp_path):
     with pytest.raises(ConfigError, match="pack_length=100 is below data.max_length=300"):
         load_run_config(config, {"data.pack_length": 100})
     load_run_config(config, {"model.heads": heads, "data.packing": False})  # heads pad: fine
-    with pytest.raises(ConfigError, match="data.pack_window=8 packs rows, but Hub VLM batches are packed only"):
-        load_run_config(config, {"data.packing": None, "data.pack_window": 8})
+    for packing in (None, False):  # padding: every packing key is refused alike, naming itself
+        for key, value in (("pack_window", 8), ("pack_length", 400), ("max_images_per_pack", 2),
+                           ("max_patches_per_pack", 192)):
+            with pytest.raises(ConfigError, match=rf"data.{key}={value} is a packing setting, but Hub VLM "
+                                                  rf"batches are packed only with data.packing: true \(got {packing}\)"):
+                load_run_config(config, {"data.packing": packing, f"data.{key}": value})
     if importlib.util.find_spec("flash_attn") is None:
         from vlmtrain.models.kinds import get_kind
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -173,8 +174,10 @@ def test_budgets_that_cannot_hold_a_sample_are_errors_naming_the_setting(root, t
     with pytest.raises(ConfigError, match=r"data.max_patches_per_pack=128 is smaller than one sample can be: "
                                           r"data.max_images=3 images of up to 64 patches each"):
         _build(root, tmp_path, max_patches_per_pack=128)
-    with pytest.raises(ConfigError, match="data.max_patches_per_pack=192 caps and pads .* data.packing is False"):
-        load_run_config(_config(tmp_path, _tiny("qwen3_vl", root), **{**BUDGET, "packing": False, "pack_window": None}))
+    with pytest.raises(ConfigError, match=r"data.max_patches_per_pack=192 is a packing setting, .* "
+                                          r"data.packing: true \(got False\)"):
+        load_run_config(_config(tmp_path, _tiny("qwen3_vl", root), **{**BUDGET, "packing": False, "pack_window": None,
+                                                                    "pack_length": None}))
     with pytest.raises(ConfigError, match="set one"):
         load_run_config(_config(tmp_path, _tiny("qwen3_vl", root), **{**BUDGET, "max_images_per_pack": 2}))
     with pytest.raises(ConfigError, match="use data.max_images_per_pack"):
@@ -250,3 +253,38 @@ def test_per_batch_packing_caps_each_rows_patches_too(root, one_thread):
     collate.max_patches_per_pack = most - 4
     with pytest.raises(ValueError, match=f"a sample has {most} vision patches, more than data.max_patches_per_pack"):
         collate(samples)
+
+
+@pytest.mark.parametrize("window", [6, None])
+def test_video_patches_count_against_max_patches_per_pack_like_images(root, tmp_path, window):
+    """data.max_patches_per_pack holds for videos as for images, window-packed or not: a clip is planned into the
+    patches its sample's images leave, and a sample with no room left for its clip is skipped and counted by its
+    id (too_many_patches), never an error mid-training."""
+    from PIL import Image
+
+    from vlmtrain import run
+    from vlmtrain.data.video import write_video
+
+    config = _config(tmp_path, _tiny("qwen3_vl", root), **{**BUDGET, "pack_window": window, "video_min_pixels": 256})
+    # 3 temporal patches of 6 x 8 tokens (4 patches each): 576 patches at its own size, 3x the budget
+    write_video(str(tmp_path / "clip.mp4"), [np.full((96, 128, 3), 8 * t, np.uint8) for t in range(30)], fps=10)
+    for j in range(3):  # 3 images of 64 patches (max_image_tokens 16): the whole budget
+        Image.new("RGB", (256, 256), (40 * j, 90, 200)).save(tmp_path / f"big{j}.png")
+    lines = (tmp_path / "data.jsonl").read_text().splitlines()
+    lines += [json.dumps({"videos": ["clip.mp4"], "texts": [{"user": "<video> What changes?", "assistant": "Light."}]}),
+              json.dumps({"videos": ["clip.mp4"], "images": [f"big{j}.png" for j in range(3)],
+                          "texts": [{"user": "<video> And these?", "assistant": "Three."}]})]
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    trainer = run.build(load_run_config(config, {"train.per_device_train_batch_size": 1}))
+    skipped, keys, video_patches = {}, [], []
+    for batch in _loader(trainer):
+        for reason, n in batch["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        keys += batch["skipped_keys"]
+        grids = [batch.get(k) for k in ("image_grid_thw", "video_grid_thw")]
+        assert sum(int(g.prod(-1).sum()) for g in grids if g is not None) <= P
+        if batch.get("video_grid_thw") is not None:
+            video_patches.append(int(batch["video_grid_thw"].prod(-1).sum()))
+    assert skipped == {"too_many_patches": 1}
+    assert keys == [f"{tmp_path / 'data.jsonl'}:{len(lines)} (too_many_patches)"]
+    assert len(video_patches) == 1 and 0 < video_patches[0] <= P  # the clip alone: fitted into the budget

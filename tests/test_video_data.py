@@ -141,9 +141,9 @@ def test_caps_hold_for_any_clip(tiny, kind):
         assert plan.height % factor == 0 and plan.width % factor == 0
         assert plan.height * plan.width <= max_pixels, (info, settings, plan)
         assert plan.tokens <= tokens and plan.tokens == -(-n // 2) * plan.height * plan.width // factor ** 2
-        if plan.height * plan.width < min_pixels and n > max(low, 2) + 1:
+        if plan.height * plan.width < min_pixels <= h * w and n > max(low, 2) + 1:
             # below the floor only once frames are at theirs, or where a cap is within rounding (whole patches
-            # of a thin frame) of it
+            # of a thin frame) of it (a frame smaller than video_min_pixels gives up its upscale first)
             budget = min(max_pixels, tokens // -(-n // 2) * factor ** 2)
             assert budget < 4 * min_pixels, (info, settings, plan)
 

@@ -92,6 +92,7 @@ def _compare(tiny, kind, video_file, case, shim):
         assert text.count(" seconds>") == int(ours["video_grid_thw"][0, 0])  # Qwen3-VL's timestamps
     # the plan's token count is what the processor expanded
     assert int((ours["input_ids"] == proc.tokenizer.convert_tokens_to_ids("<|video_pad|>")).sum()) == plan.tokens
+    assert clip_span(ours["input_ids"], proc.tokenizer) == plan.length  # and every token the clip takes
     return ours, plan
 
 
@@ -164,3 +165,43 @@ def test_other_families_refuse_video_naming_the_family(tiny, video_file):
     with pytest.raises(SkipSample) as err:
         hub.process({"videos": [video_file], "texts": [{"user": "<video> what?", "assistant": "x"}]})
     assert err.value.reason == "video_unsupported" and "idefics3" in err.value.detail
+
+
+def clip_span(ids: torch.Tensor, tokenizer) -> int:
+    """Tokens the one clip of a sample without images takes in its input_ids: from its first <|vision_start|> to
+    its last <|vision_end|> (the template's markers, Qwen3-VL's timestamps and per-frame markers, video tokens)."""
+    starts = (ids == tokenizer.convert_tokens_to_ids("<|vision_start|>")).nonzero().reshape(-1)
+    ends = (ids == tokenizer.convert_tokens_to_ids("<|vision_end|>")).nonzero().reshape(-1)
+    return int(ends[-1]) - int(starts[0]) + 1
+
+
+FIT_CASES = [  # (frames, height, width, the file's fps, max_length, whether every frame fits at its own size): a
+    (240, 48, 64, 10.0, 600, False),  # long clip; one of tiny frames (that the default video_min_pixels upscales)
+    (40, 32, 48, 10.0, 256, True),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("case", range(len(FIT_CASES)))
+def test_a_clip_is_planned_into_what_max_length_leaves_counting_every_token_the_processor_adds(
+        tiny, kind, case, tmp_path_factory):
+    """A clip that can fit is never too_long: its plan counts the tokens the family's processor inserts (Qwen3-VL's
+    timestamps, the vision start / end markers) and fits the clip into what max_length leaves after the text;
+    the processed sample is the plan for exactly that room, and the plan's count is the processor's."""
+    frames, height, width, fps, max_length, all_fit = FIT_CASES[case]
+    path = str(tmp_path_factory.mktemp("fit") / "clip.mp4")
+    write_video(path, clip_frames(frames, height, width, seed=case), fps=fps)
+    fam, proc = tiny(kind)
+    hub = HubVLMProcessor(proc, fam, max_length=max_length)  # default settings: max_video_tokens is max_length
+    item = hub.process({"videos": [path], "texts": [{"user": "What happens? <video>", "assistant": "It moves."}]})
+    ids = item["input_ids"]
+    assert len(ids) <= max_length
+    span = clip_span(ids, proc.tokenizer)
+    plan = hub.video.plan(VideoInfo(frames, fps, height, width), room=max_length - (len(ids) - span))
+    assert plan.length == span
+    patch = proc.image_processor.patch_size
+    t, h, w = item["video_grid_thw"][0].tolist()
+    assert (t, h * patch, w * patch) == (-(-len(plan.indices) // 2), plan.height, plan.width)
+    if all_fit:  # the upscale to video_min_pixels gives way before any frame does
+        assert plan.indices == hub.video.sample(VideoInfo(frames, fps, height, width))
+        assert plan.height * plan.width >= height * width

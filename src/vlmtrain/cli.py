@@ -283,8 +283,9 @@ def _data(argv: list[str]) -> int:
     inspect.add_argument("src", type=str, help=src_help)
     inspect.add_argument("--limit", type=int | None, default=None, help="Look at the first N samples only.")
     inspect.add_argument("--model", type=str | None, default=None,
-                         help="Hub id or checkpoint dir (Qwen3-VL / Qwen2.5-VL): each video's frames, size and "
-                              "video tokens as its processing plans them (default: frames and timestamps only).")
+                         help="Hub id or checkpoint dir (Qwen3-VL / Qwen2.5-VL; with --config it replaces model.pretrained): "
+                              "each video's frames, size and video tokens as its processing plans them (default: "
+                              "frames and timestamps only).")
     inspect.add_argument("--config", type=str | None, default=None,
                          help="A run's config: check samples as its training does (its model kind, heads, limits); its "
                               "data.video_* keys (and model.pretrained, unless --model) apply.")

@@ -169,8 +169,8 @@ class DataCore:
     """Pack each training batch's samples into rows of pack_length tokens, every sample attending only to
     itself (positions restart per sample). null: on where safe, i.e. when a check on the model finds packed
     logits equal to unpacked ones; true: required (an error if the model fails the check); false: pad.
-    hub_vlm: null pads; true packs (Qwen's multimodal positions per sample; not Gemma 3, not with model.heads).
-    Evaluation never packs."""
+    hub_vlm: null pads; true packs (Qwen's multimodal positions per sample; not Gemma 3, not with model.heads);
+    pack_length, pack_window, max_images_per_pack and max_patches_per_pack need true. Evaluation never packs."""
     pack_length: int | None = None
     """Tokens per packed row (default: max_length for a VLM or Hub VLM, 64 for addition)."""
     pack_window: int | None = None

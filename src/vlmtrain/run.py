@@ -141,16 +141,20 @@ def inspect_checks(config: str | None, model: str | None) -> tuple[Any, Any]:
 
     cfg = load_run_config(config) if config else None
     check = None
+    key = "--model"
     if cfg is not None:
+        if model:  # (--model stands in for model.pretrained, in the checks too)
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=model))
+        else:
+            model, key = cfg.model.pretrained, "model.pretrained"
         kind = get_kind(cfg.model.kind)
         check = kind.record_check(cfg) if kind.record_check is not None else None
-        model = model or cfg.model.pretrained
     settings = VideoSettings.from_data(cfg.data if cfg is not None else DataConfig())
     if model is None:
         return check, settings
     from vlmtrain.models.families import family_of
 
-    family = family_of(model)
+    family = family_of(model, key=key)
     if family.video is None:
         raise ConfigError(f"--model {model}: the {family.name} family has no video support in vlmtrain "
                           f"(video: Qwen3-VL, Qwen2.5-VL).")

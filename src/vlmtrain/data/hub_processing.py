@@ -14,6 +14,7 @@ checkpoint's own and that its mask covers exactly the assistant replies, with an
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -30,8 +31,9 @@ from vlmtrain.data.hub_messages import (
     sample_videos,
     special_tokens_pattern,
 )
+from vlmtrain.data.packing import vision_patches
 from vlmtrain.data.processing import IGNORE_INDEX, SkipSample
-from vlmtrain.data.video import VideoClip, VideoSettings, load_video
+from vlmtrain.data.video import VideoClip, VideoSettings, load_planned
 from vlmtrain.errors import ConfigError
 
 _MARKER = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
@@ -103,41 +105,74 @@ class HubVLMProcessor:
 
     Videos (``videos``: Qwen3-VL, Qwen2.5-VL, through ``family.video``): decoded to the frames the family's plan
     keeps under ``video`` (:class:`~vlmtrain.data.video.VideoSettings`; default: the defaults, the clip's tokens
-    bounded by ``max_length``), placed by ``<video>`` placeholders (else first), and expanded by the checkpoint's
-    processor class with the family's torch-only video processor attached (``pixel_values_videos``,
-    ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``, Qwen3-VL's timestamps in the text).
+    bounded by ``max_length``) and within the room the sample's text, images and template leave under
+    ``max_length`` (shared equally by its clips; every token a clip takes is counted, timestamps and markers
+    included), so a clip that can fit is never ``too_long``; placed by ``<video>`` placeholders (else first),
+    and expanded by the checkpoint's processor class with the family's torch-only video processor attached
+    (``pixel_values_videos``, ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``, Qwen3-VL's timestamps in
+    the text).
     """
 
     def __init__(self, processor: Any, family: Any, max_length: int = 2048, max_images: int = 8,
                  label_check: Callable[[dict[str, Any]], Any] | None = None, prompts: bool = True,
-                 head_names: Collection[str] | None = None, video: VideoSettings | None = None) -> None:
+                 head_names: Collection[str] | None = None, video: VideoSettings | None = None,
+                 max_patches: int | None = None) -> None:
         if max_length < 1 or max_images < 0:
             raise ValueError(f"max_length must be >= 1 and max_images >= 0, got {max_length}, {max_images}")
         self.processor, self.family = processor, family
-        # Video: the family's support for these settings (default: data.max_length bounds a clip's tokens),
-        # and a copy of the processor that expands video tokens (made on the first video sample).
+        # Video: the family's support for these settings (default: data.max_length bounds a clip's tokens).
         hook = getattr(family, "video", None)
         self.video = None if hook is None else hook(processor, video or VideoSettings(max_tokens=max_length))
-        self._video_processor: Any = None
         self.tokenizer = getattr(processor, "tokenizer", processor)
-        self.max_length, self.max_images = max_length, max_images
+        self.max_length, self.max_images, self.max_patches = max_length, max_images, max_patches
         self.label_check, self.prompts = label_check, prompts
         self.head_names = None if head_names is None else frozenset(head_names)
         self.special_tokens = special_tokens_pattern(self.tokenizer)
 
-    def videos(self, sample: Mapping[str, Any]) -> list[VideoClip]:
+    def videos(self, sample: Mapping[str, Any], room: int | None = None, tokens: int | None = None
+               ) -> list[VideoClip]:
         """The sample's ``videos`` (a file path or bytes, or a list of videos, each a path, bytes or a list of
-        frame images), decoded to the frames the family's plan keeps; SkipSample ``video_unsupported`` for a
-        family without video support, and the reasons of :func:`~vlmtrain.data.video.load_video`."""
+        frame images), decoded to the frames the family's plan keeps (each clip within ``room`` tokens, all it
+        takes in input_ids counted, and ``tokens`` video tokens; None: the settings' caps only) with the frame
+        size it planned
+        (``VideoClip.size``); SkipSample ``video_unsupported`` for a family without video support, and the
+        reasons of :func:`~vlmtrain.data.video.load_video`."""
         videos = sample_videos(sample)
         if videos and self.video is None:
             raise no_video_support(self.family.name)
-        return [load_video(v, None, self.video.settings, self.video.choose) for v in videos]
+        clips = []
+        for spec in videos:
+            clip, plan = load_planned(spec, self.video.settings,
+                                      functools.partial(self.video.plan, room=room, tokens=tokens))
+            clip.size = (plan.height, plan.width)
+            clips.append(clip)
+        return clips
 
-    def _with_video(self) -> Any:
-        if self._video_processor is None:
-            self._video_processor = self.video.attach(self.processor)
-        return self._video_processor
+    def _video_room(self, turns: list[Any], images: list[Any], count: int) -> tuple[int, int | None]:
+        """What each of a sample's ``count`` clips may take so that the sample fits: (tokens in input_ids under
+        max_length, video tokens under ``max_patches``; None without it), what its text, images and template leave
+        (measured by the processor with the smallest clip in each clip's place), shared equally. SkipSample
+        ``too_long`` / ``too_many_patches`` when even the smallest clips do not fit."""
+        smallest = [self.video.smallest() for _ in range(count)]
+        clips = [clip for clip, _ in smallest]
+        out = self._call(build_messages(turns, images, [c.frames for c in clips]), clips)
+        length = int(out["input_ids"].shape[-1])
+        self._check_size(length, vision_patches(out))
+        room = (self.max_length - length + sum(plan.length for _, plan in smallest)) // count
+        if self.max_patches is None:
+            return room, None
+        per_token = self.video.merge_size ** 2
+        videos = sum(plan.tokens for _, plan in smallest) * per_token
+        return room, (self.max_patches - vision_patches(out) + videos) // count // per_token
+
+    def _check_size(self, length: int, patches: int) -> None:
+        """SkipSample ``too_long`` past max_length tokens, ``too_many_patches`` past ``max_patches`` vision patches
+        (images and videos: one packed row must hold the sample)."""
+        if length > self.max_length:
+            raise SkipSample("too_long", f"{length} tokens > max_length={self.max_length}")
+        if self.max_patches is not None and patches > self.max_patches:
+            raise SkipSample("too_many_patches", f"{patches} vision patches (images and videos) > "
+                             f"data.max_patches_per_pack={self.max_patches}")
 
     # -- processor calls --------------------------------------------------------------------------
     def _call(self, messages: list[dict[str, Any]], clips: list[VideoClip] = (), **kwargs: Any  # type: ignore[assignment]
@@ -146,7 +181,7 @@ class HubVLMProcessor:
         # Python, slow over tensor rows (collation 1.75x faster, benchmarks/README.md); same tensors.
         processor = self.processor
         if clips:  # the frames go in the messages, their indices and fps (timestamps) as video_metadata
-            processor = self._with_video()
+            processor = self.video.attach(self.processor, [c.size for c in clips])  # (a shallow copy per call)
             kwargs["processor_kwargs"] = {"video_metadata": [c.metadata() for c in clips]}
         try:
             out = processor.apply_chat_template(
@@ -179,14 +214,15 @@ class HubVLMProcessor:
         turns, images = check_record(sample, self.max_images, self.label_check, self.head_names,
                                      self.special_tokens, no_video=no_video)
         head_labels = sample.get("labels")
-        clips = self.videos(sample)
+        count = len(sample_videos(sample))
+        room, tokens = self._video_room(turns, images, count) if count and self.video else (None, None)
+        clips = self.videos(sample, room, tokens)
         frames = [c.frames for c in clips]
 
         out = self._call(build_messages(turns, images, frames), clips, return_assistant_tokens_mask=True)
         mask = torch.as_tensor(out.pop("assistant_masks"))
         length = int(out["input_ids"].shape[-1])
-        if length > self.max_length:
-            raise SkipSample("too_long", f"{length} tokens > max_length={self.max_length}")
+        self._check_size(length, vision_patches(out))
         item = self._unbatch(out, length)
         item["labels"] = torch.where(mask.reshape(-1).bool(), item["input_ids"], IGNORE_INDEX)
         if self.prompts:

@@ -176,29 +176,20 @@ def describe_videos(sample: dict[str, Any], video: Any = None) -> list[dict[str,
     :func:`inspect_source`). Raises SkipSample for a video that cannot be used."""
     from vlmtrain.data.hub_messages import sample_videos
     from vlmtrain.data.processing import sample_name
-    from vlmtrain.data.video import VideoSettings, load_video
+    from vlmtrain.data.video import VideoSettings, load_planned
 
     specs = sample_videos(sample)
     if not specs:
         return []
     settings = video if isinstance(video, VideoSettings) else getattr(video, "settings", None) or VideoSettings()
-    plan = getattr(video, "plan", None)
     out = []
     for i, spec in enumerate(specs):
-        plans: list[Any] = []
-
-        def choose(info: Any, plans: list[Any] = plans) -> list[int]:
-            if plan is None:
-                return settings.indices(info)
-            plans.append(plan(info))
-            return plans[-1].indices
-
-        clip = load_video(spec, None, settings, choose)
+        clip, plan = load_planned(spec, settings, getattr(video, "plan", None))
         entry = {"sample": sample_name(sample), "video": i, "source_frames": clip.total_frames,
                  "source_fps": round(clip.fps, 3), "frames": len(clip.indices), "indices": clip.indices,
                  "timestamps": [round(t, 3) for t in clip.timestamps]}
-        if plans:
-            entry.update(size=[plans[-1].height, plans[-1].width], tokens=plans[-1].tokens)
+        if plan is not None:
+            entry.update(size=[plan.height, plan.width], tokens=plan.tokens)
         out.append(entry)
     return out
 

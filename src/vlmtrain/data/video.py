@@ -133,6 +133,8 @@ class VideoClip:
     timestamps: list[float] = field(default_factory=list)
     source: str = ""
     """The path (or '<bytes>' / '<frames>') the clip came from, for messages and `data inspect`."""
+    size: tuple[int, int] | None = None
+    """(height, width) the family's plan resizes the frames to (None: its video processor fits them itself)."""
 
     def __post_init__(self) -> None:
         if not self.timestamps:
@@ -176,6 +178,23 @@ def load_video(spec: Any, base_dir: str | None, settings: VideoSettings, choose:
     if isinstance(spec, (bytes, bytearray, memoryview)):
         return _decode(io.BytesIO(bytes(spec)), "<bytes>", settings, choose)
     raise SkipSample("video_unreadable", f"a video is a path, bytes or a list of frames, got {type(spec).__name__}")
+
+
+def load_planned(spec: Any, settings: VideoSettings, plan: Callable[[VideoInfo], Any] | None = None
+                 ) -> tuple[VideoClip, Any]:
+    """:func:`load_video` of the frames ``plan(info)`` keeps (an object with ``indices``, e.g. a family's frame
+    plan; default: :meth:`VideoSettings.indices`), and that plan (None without ``plan``); the last one made
+    where fewer frames decode than the header says."""
+    plans: list[Any] = []
+
+    def choose(info: VideoInfo) -> list[int]:
+        if plan is None:
+            return settings.indices(info)
+        plans.append(plan(info))
+        return plans[-1].indices
+
+    clip = load_video(spec, None, settings, choose)
+    return clip, (plans[-1] if plans else None)
 
 
 def _check_length(total: int, settings: VideoSettings, what: str) -> None:

@@ -46,9 +46,16 @@ def model_type_of(pretrained: str) -> str:
     return AutoConfig.from_pretrained(pretrained).model_type
 
 
-def family_of(pretrained: str) -> Family:
-    """The family of a Hub id or local checkpoint directory."""
-    return get_family(model_type_of(pretrained))
+def family_of(pretrained: str, key: str | None = None) -> Family:
+    """The family of a Hub id or local checkpoint directory; with ``key`` (the setting that names it, e.g.
+    ``model.pretrained``) one that transformers cannot load is a one-line ConfigError naming the key."""
+    try:
+        return get_family(model_type_of(pretrained))
+    except OSError as err:
+        if key is None:
+            raise
+        raise ConfigError(f"{key}: {pretrained!r} is no local directory and transformers could not load it as a "
+                          f"Hub id: {str(err).splitlines()[0]}") from None
 
 
 __all__ = ["REGISTRY", "Family", "Layout", "family_of", "get_family", "model_type_of"]

@@ -145,7 +145,7 @@ def video_support(kind: str, processor: Any, settings: Any) -> Any:
             "data.video_max_frames=%d is above the checkpoint's own max_frames=%d (%s): using %d.",
             settings.max_frames, own, source, own)
         settings = dataclasses.replace(settings, max_frames=own, min_frames=min(settings.min_frames, own))
-    return QwenVideo(kind, processor.image_processor, settings)
+    return QwenVideo(kind, processor, settings)
 
 
 def special_token_ids() -> dict[str, int]:

@@ -23,8 +23,12 @@ indices and fps in the video metadata) and ``Qwen2_5_VLProcessor`` its ``second_
 Caps (:meth:`QwenVideo.plan`): each frame at most ``video_max_pixels`` (default 768 tokens' worth, the
 families' published per-frame maximum and their video processors' own) and at least
 ``video_min_pixels`` (default 128 tokens' worth, the published minimum); a clip over ``max_video_tokens``
-gets smaller frames down to video_min_pixels, then fewer frames down to video_min_frames, then frames below
-video_min_pixels; what still does not fit is skipped (``video_over_token_cap``).
+(its video tokens), or over the room a sample's text leaves it under ``max_length`` (all the tokens it takes:
+video tokens, the template's vision start / end markers and, for Qwen3-VL, each temporal patch's
+``<t seconds>`` timestamp and markers), gets smaller frames down to video_min_pixels (or the source's frame size
+where video_min_pixels would upscale it), then fewer frames down to video_min_frames, then frames below
+video_min_pixels; what still does not fit is skipped
+(``video_over_token_cap``).
 """
 
 from __future__ import annotations
@@ -56,17 +60,25 @@ class FramePlan:
     width: int
     size: dict[str, int]
     tokens: int
+    """Video tokens (what the vision tower's output fills)."""
+    length: int
+    """Every token the clip takes in a sample's input_ids: its video tokens, the template's vision start / end
+    markers and, for Qwen3-VL, each temporal patch's timestamp text and markers (the processor's expansion)."""
 
 
 class QwenVideo:
     """The video side of one Qwen checkpoint: ``kind`` 'qwen3_vl' or 'qwen2_5_vl', the vision geometry and
-    normalization (from the image processor, which the checkpoint's video processor shares) and the
+    normalization (from the processor's image processor, which the checkpoint's video processor shares), its
+    tokenizer (Qwen3-VL's timestamp texts are counted with it) and the
     :class:`~vlmtrain.data.video.VideoSettings`, resolved against the checkpoint's limits."""
 
-    def __init__(self, kind: str, image_processor: Any, settings: VideoSettings) -> None:
+    def __init__(self, kind: str, processor: Any, settings: VideoSettings) -> None:
         if kind not in ("qwen3_vl", "qwen2_5_vl"):
             raise ValueError(f"unknown Qwen video kind {kind!r}")
         self.kind = kind
+        image_processor = processor.image_processor
+        self.tokenizer = getattr(processor, "tokenizer", None)
+        self._text_tokens: dict[str, int] = {}
         self.patch_size = int(image_processor.patch_size)
         self.merge_size = int(image_processor.merge_size)
         self.temporal_patch_size = int(getattr(image_processor, "temporal_patch_size", 2) or 2)
@@ -137,32 +149,58 @@ class QwenVideo:
         groups = -(-num_frames // self.temporal_patch_size)
         return groups * (height // self.factor) * (width // self.factor)
 
-    def _fit(self, num_frames: int, height: int, width: int, below_min: bool) -> tuple[dict[str, int], int, int] | None:
-        """The size for ``num_frames`` frames under the per-frame and clip caps (frames no smaller than
-        video_min_pixels unless ``below_min``), or None if none fits. The bound handed to smart_resize starts at
-        the caps and steps down one token's pixels while whole patches of a thin frame still overshoot them."""
+    def markers(self, indices: list[int], fps: float) -> int:
+        """The tokens a clip of the frames ``indices`` (of a source at ``fps``) takes besides its video tokens:
+        the template's ``<|vision_start|>``/``<|vision_end|>`` around its ``<|video_pad|>`` (which the video tokens
+        replace) and, for Qwen3-VL, per temporal patch ``<t seconds>`` and its own start / end markers, as
+        ``Qwen3VLProcessor.replace_video_token`` writes them (t: the patch's mean frame time, one decimal)."""
+        if self.kind == "qwen2_5_vl":
+            return 2
+        tp = self.temporal_patch_size
+        padded = list(indices) + [indices[-1]] * (-len(indices) % tp)  # (_calculate_timestamps' padding)
+        times = [(padded[i] / fps + padded[i + tp - 1] / fps) / 2 for i in range(0, len(padded), tp)]
+        return 2 + sum(self._count(f"<{t:.1f} seconds>") + 2 for t in times)
+
+    def _count(self, text: str) -> int:
+        """Tokens of ``text`` alone (the processor's text between special tokens is tokenized on its own)."""
+        if text not in self._text_tokens:
+            if self.tokenizer is None:
+                raise ValueError("QwenVideo needs the processor's tokenizer to count Qwen3-VL's timestamps")
+            self._text_tokens[text] = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._text_tokens[text]
+
+    def _fit(self, num_frames: int, height: int, width: int, below_min: bool, cap: int | None
+             ) -> tuple[dict[str, int], int, int] | None:
+        """The size for ``num_frames`` frames under the per-frame cap and ``cap`` video tokens for the clip
+        (frames no smaller than video_min_pixels, or than their own size where that is smaller, unless
+        ``below_min``), or None if none fits. The bound handed to smart_resize starts at the caps and steps down
+        one token's pixels while whole patches of a thin frame still overshoot them."""
         unit = self.factor ** 2
         groups = -(-num_frames // self.temporal_patch_size)
         most = self.max_pixels
-        if self.max_tokens is not None:
-            most = min(most, (self.max_tokens // groups) * unit)
-        floor = unit if below_min else self.min_pixels
+        if cap is not None:
+            if cap < groups:
+                return None
+            most = min(most, (cap // groups) * unit)
+        # (an upscale to video_min_pixels gives way before any frame does)
+        floor = unit if below_min else max(unit, min(self.min_pixels, height * width))
         while most >= floor:
             size = self.size_for(num_frames, most, min(self.min_pixels, most))
             try:
                 h, w = self.resized(num_frames, height, width, size)
             except ValueError as err:  # smart_resize: an aspect ratio above 200
                 raise SkipSample("bad_aspect_ratio", str(err)) from err
-            if h * w <= self.max_pixels and (self.max_tokens is None
-                                             or self.tokens(num_frames, h, w) <= self.max_tokens):
+            if h * w <= self.max_pixels and (cap is None or self.tokens(num_frames, h, w) <= cap):
                 return size, h, w
             most = (most - 1) // unit * unit  # (the next whole token below)
         return None
 
-    def plan(self, info: VideoInfo) -> FramePlan:
+    def plan(self, info: VideoInfo, room: int | None = None, tokens: int | None = None) -> FramePlan:
         """Frames and size for a clip: the family's choice at video_fps, its frames downscaled (to
         video_min_pixels), then fewer of them (to video_min_frames), then smaller than video_min_pixels,
-        until the clip is within max_video_tokens; SkipSample(video_over_token_cap) if nothing fits."""
+        until the clip's video tokens are within max_video_tokens (and ``tokens``: what data.max_patches_per_pack
+        leaves it) and all its tokens (:attr:`FramePlan.length`) within ``room`` (what a sample's text leaves it
+        under max_length; None: no such bound); SkipSample(video_over_token_cap) if nothing fits."""
         indices = self.sample(info)
         counts = [len(indices)]
         step = 1 if self.kind == "qwen3_vl" else self.temporal_patch_size
@@ -171,37 +209,57 @@ class QwenVideo:
         for below_min in (False, True):
             for n in (counts if not below_min else counts[-1:]):
                 chosen = indices if n == len(indices) else self.sample(info, n)
-                fit = self._fit(len(chosen), info.height, info.width, below_min)
+                markers = self.markers(chosen, info.fps)
+                caps = [c for c in (self.max_tokens, tokens, None if room is None else room - markers) if c is not None]
+                cap = min(caps) if caps else None
+                fit = self._fit(len(chosen), info.height, info.width, below_min, cap)
                 if fit is not None:
                     size, h, w = fit
-                    return FramePlan(chosen, h, w, size, self.tokens(len(chosen), h, w))
+                    count = self.tokens(len(chosen), h, w)
+                    return FramePlan(chosen, h, w, size, count, count + markers)
+        within = (f"data.max_video_tokens={self.max_tokens}" + ("" if tokens is None else f", the {tokens} video "
+                  f"tokens data.max_patches_per_pack leaves it") + ("" if room is None else
+                                                                    f", the {room} tokens max_length leaves it"))
         raise SkipSample("video_over_token_cap", f"{info.total_frames} frames of {info.width}x{info.height}: "
-                         f"no frame count >= {least} and size fits data.max_video_tokens={self.max_tokens}")
+                         f"no frame count >= {least} and size fits {within}")
+
+    def smallest(self) -> tuple[Any, FramePlan]:
+        """The smallest clip (temporal_patch_size blank frames of one token's size, at 1 fps) and its plan: what
+        stands in for a sample's clips while the room its text leaves them is measured."""
+        from ...data.video import VideoClip
+
+        tp, f = self.temporal_patch_size, self.factor
+        indices = list(range(tp))
+        clip = VideoClip(torch.zeros(tp, f, f, 3, dtype=torch.uint8), indices, 1.0, tp, size=(f, f))
+        tokens = self.tokens(tp, f, f)
+        return clip, FramePlan(indices, f, f, self.size_for(tp, f * f, f * f), tokens, tokens + self.markers(indices, 1.0))
 
     def choose(self, info: VideoInfo) -> list[int]:
         """The chooser for :func:`~vlmtrain.data.video.load_video`: the plan's frame indices."""
         return self.plan(info).indices
 
     # -- processing -----------------------------------------------------------------------------------
-    def processor(self) -> TorchQwenVideoProcessor:
-        return TorchQwenVideoProcessor(self)
+    def processor(self, sizes: list[tuple[int, int] | None] | None = None) -> TorchQwenVideoProcessor:
+        return TorchQwenVideoProcessor(self, sizes)
 
-    def attach(self, processor: Any) -> Any:
+    def attach(self, processor: Any, sizes: list[tuple[int, int] | None] | None = None) -> Any:
         """A shallow copy of ``processor`` (vlmtrain's image-only Qwen processor) with this video processor, so
         the processor class's own code expands video tokens; ``processor`` itself is left without one (what is
-        saved with a checkpoint names the real class, whose own video processor then loads)."""
+        saved with a checkpoint names the real class, whose own video processor then loads). ``sizes``: the
+        (height, width) each video of the call is resized to (its plan's; None: fitted to the settings)."""
         with_video = copy.copy(processor)
-        with_video.video_processor = self.processor()
+        with_video.video_processor = self.processor(sizes)
         return with_video
 
 
 class TorchQwenVideoProcessor:
     """Stands in for transformers' Qwen video processor inside the checkpoint's processor: called with frames
     (uint8 [T, H, W, 3] each) and their ``video_metadata``, it returns ``pixel_values_videos``,
-    ``video_grid_thw`` and the metadata, computed as transformers' processor does (module docstring)."""
+    ``video_grid_thw`` and the metadata, computed as transformers' processor does (module docstring); ``sizes``:
+    per video of a call, the (height, width) its plan resizes it to (None: fitted to the settings)."""
 
-    def __init__(self, video: QwenVideo) -> None:
-        self.video = video
+    def __init__(self, video: QwenVideo, sizes: list[tuple[int, int] | None] | None = None) -> None:
+        self.video, self.sizes = video, sizes
         self.patch_size, self.merge_size = video.patch_size, video.merge_size
         self.temporal_patch_size = video.temporal_patch_size
 
@@ -214,10 +272,13 @@ class TorchQwenVideoProcessor:
         metadata = list(_flatten(video_metadata)) if video_metadata is not None else [None] * len(videos)
         if len(metadata) != len(videos):
             raise ValueError(f"{len(videos)} videos but {len(metadata)} video_metadata entries")
+        sizes = self.sizes if self.sizes is not None else [None] * len(videos)
+        if len(sizes) != len(videos):
+            raise ValueError(f"{len(videos)} videos but {len(sizes)} planned sizes")
         pixels, grids = [], []
-        for frames in videos:
+        for frames, size in zip(videos, sizes):
             frames = torch.as_tensor(np.asarray(frames)) if not isinstance(frames, torch.Tensor) else frames
-            patches, grid = self.process(frames)
+            patches, grid = self.process(frames, size)
             pixels.append(patches)
             grids.append(grid)
         data = {"pixel_values_videos": torch.cat(pixels, dim=0), "video_grid_thw": torch.tensor(grids)}
@@ -225,14 +286,18 @@ class TorchQwenVideoProcessor:
             data["video_metadata"] = metadata
         return BatchFeature(data=data)
 
-    def process(self, frames: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """uint8 frames [T, H, W, 3] -> (patches [t*h*w, C*temporal*patch^2] float32, [t, h, w])."""
+    def process(self, frames: torch.Tensor, size: tuple[int, int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """uint8 frames [T, H, W, 3] -> (patches [t*h*w, C*temporal*patch^2] float32, [t, h, w]); ``size``: the
+        (height, width) to resize to (default: fitted to the settings' caps)."""
         v = self.video
         num_frames, height, width = int(frames.shape[0]), int(frames.shape[1]), int(frames.shape[2])
-        fit = v._fit(num_frames, height, width, below_min=False) or v._fit(num_frames, height, width, below_min=True)
-        if fit is None:
-            raise SkipSample("video_over_token_cap", f"{num_frames} frames of {width}x{height}")
-        _, h, w = fit
+        if size is None:
+            fit = (v._fit(num_frames, height, width, False, v.max_tokens)
+                   or v._fit(num_frames, height, width, True, v.max_tokens))
+            if fit is None:
+                raise SkipSample("video_over_token_cap", f"{num_frames} frames of {width}x{height}")
+            size = fit[1:]
+        h, w = size
         x = frames.permute(0, 3, 1, 2).contiguous()  # [T, C, H, W], as transformers lays videos out
         x = resize_like_torchvision(x, h, w)
         mean = torch.tensor(v.image_mean) * (1.0 / v.rescale_factor)

@@ -51,9 +51,10 @@ class ModelKind:
     in dtype on device, with its heads), processor, process (raw sample -> item; raises SkipSample), collate
     (items -> batch) and generate(samples, max_new_tokens) -> answers. What vlmtrain.load_for_inference uses."""
     record_check: Callable[[Any], Callable[[dict[str, Any]], Any]] | None = None
-    """record_check(cfg) -> check(sample): the checks this kind's training makes on one raw sample before it is
-    tokenized (texts, images, `<image>` placeholders, head labels; raise SkipSample), with the run's limits and
-    heads and no model or tokenizer. What `vlmtrain data inspect --config` runs."""
+    """record_check(cfg) -> check(sample): the checks this kind's training makes on one raw sample (texts, images,
+    `<image>` placeholders, head labels; raise SkipSample), with the run's limits and heads and never the model's
+    weights (hub_vlm: the sample processed by its processor, too_long included). What `vlmtrain data inspect
+    --config` runs."""
 
 
 def get_kind(name: str) -> ModelKind:

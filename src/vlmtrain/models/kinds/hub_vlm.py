@@ -21,6 +21,8 @@ from vlmtrain.models.hub_loading import (
 from vlmtrain.models.kinds import ModelKind
 
 DTYPES = ("float32", "bfloat16")
+PACKING_KEYS = ("pack_length", "pack_window", "max_images_per_pack", "max_patches_per_pack")
+"""data.* keys that only packed rows use (refused when a Hub VLM pads)."""
 
 
 def check(cfg: Any) -> None:
@@ -30,15 +32,12 @@ def check(cfg: Any) -> None:
                           "or a local directory written by save_pretrained.")
     if cfg.data.packing:
         check_packing(cfg)
-    elif cfg.data.pack_window:  # (never a silent padded run)
-        raise ConfigError(f"data.pack_window={cfg.data.pack_window} packs rows, but Hub VLM batches are packed only "
-                          f"with data.packing: true (got {cfg.data.packing!r}). Set data.packing: true, or drop "
-                          f"data.pack_window.")
-    if cfg.data.max_patches_per_pack is not None and not cfg.data.packing:
-        raise ConfigError(f"data.max_patches_per_pack={cfg.data.max_patches_per_pack} caps and pads the vision "
-                          f"patches of packed rows, but data.packing is {cfg.data.packing!r}. Set data.packing: "
-                          f"true (and data.pack_window for token-budget micro-batches), or drop "
-                          f"data.max_patches_per_pack.")
+    else:  # padded batches: a packing key would do nothing (never a silent padded run)
+        for key in PACKING_KEYS:
+            if getattr(cfg.data, key) is not None:
+                raise ConfigError(f"data.{key}={getattr(cfg.data, key)} is a packing setting, but Hub VLM batches "
+                                  f"are packed only with data.packing: true (got {cfg.data.packing!r}). Set "
+                                  f"data.packing: true, or drop data.{key}.")
     if cfg.data.max_patches_per_pack is not None and cfg.data.max_images_per_pack is not None:
         raise ConfigError("data.max_patches_per_pack and data.max_images_per_pack both cap a packed row; set one.")
     if m.heads is not None:
@@ -73,11 +72,7 @@ def validate(cfg: Any) -> None:
     from vlmtrain.models.families import family_of
 
     # an unsupported model_type names the supported ones; data.max_pixels & co. must apply to the family
-    try:
-        family = family_of(cfg.model.pretrained)
-    except OSError as err:  # (a local directory that does not exist fails earlier, in compose.build)
-        raise ConfigError(f"model.pretrained: {cfg.model.pretrained!r} is no local directory and transformers "
-                          f"could not load it as a Hub id: {str(err).splitlines()[0]}") from None
+    family = family_of(cfg.model.pretrained, key="model.pretrained")
     check_image_size(family, cfg.data)
     check_video_settings(family, cfg.data)
     if cfg.data.packing and family.packing_unsupported:
@@ -204,20 +199,30 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
             "process": hub_processor.process}
 
 
+def _hub_processor(cfg: Any, processor: Any, family: Any, heads: dict[str, Any]) -> Any:
+    """The training HubVLMProcessor: data.max_length, max_images, video settings and (packing) patch budget,
+    the heads' label checks."""
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.data.video import VideoSettings
+    from vlmtrain.models.heads import check_head_labels
+
+    d = cfg.data
+    # Generation prompts cost a second processor call per sample: only in evaluation batches (the collator's
+    # without_packing twin), and only when evaluation generates.
+    return HubVLMProcessor(
+        processor, family, max_length=d.max_length, max_images=d.max_images,
+        label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
+        head_names=tuple(heads), video=VideoSettings.from_data(d),
+        max_patches=d.max_patches_per_pack if d.packing else None)
+
+
 def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], model_config: Any) -> tuple[Any, Any]:
     """The training HubVLMProcessor and collator (packing with data.packing; head labels with heads)."""
     from vlmtrain.data.hub_collate import HubVLMCollator
-    from vlmtrain.data.hub_processing import HubVLMProcessor
-    from vlmtrain.data.video import VideoSettings
-    from vlmtrain.models.heads import check_head_labels, head_label_tensors
+    from vlmtrain.models.heads import head_label_tensors
 
     m, d = cfg.model, cfg.data
-    # Generation prompts cost a second processor call per sample: only in evaluation batches (the collator's
-    # without_packing twin), and only when evaluation generates.
-    hub_processor = HubVLMProcessor(
-        processor, family, max_length=d.max_length, max_images=d.max_images,
-        label_check=functools.partial(check_head_labels, heads) if heads else None, prompts=False,
-        head_names=tuple(heads), video=VideoSettings.from_data(d))
+    hub_processor = _hub_processor(cfg, processor, family, heads)
     # Without heads a sample's `labels` dict is not for the model: collated to nothing.
     packing = {}
     if d.packing:  # (check_packing refused heads; flash-attention finds documents from one row's positions)
@@ -235,19 +240,18 @@ def _no_head_labels(raw: list[Any]) -> dict[str, Any]:
 
 
 def record_check(cfg: Any) -> Any:
-    """The checks training makes on a raw sample before the processor runs (check_record with the run's
-    data.max_images, model.heads and its family's video support; the tokenizer's special tokens need the processor
-    and are left out)."""
-    from vlmtrain.data.hub_messages import check_record
+    """The checks training makes on a raw sample: its processing by the training HubVLMProcessor (the
+    checkpoint's processor with the run's image size, data.max_length, max_images, video settings and patch
+    budget, model.heads' label checks), without the model: check_record's checks, the tokenizer's, and the
+    sample's tokens and vision patches against max_length and max_patches_per_pack (too_long, too_many_patches)."""
+    from vlmtrain.data.hub_processing import apply_image_size
     from vlmtrain.models.families import family_of
     from vlmtrain.models.head_config import parse_heads
-    from vlmtrain.models.heads import check_head_labels
 
-    heads = parse_heads(cfg.model.heads)
-    family = family_of(cfg.model.pretrained)
-    return functools.partial(check_record, max_images=cfg.data.max_images, head_names=tuple(heads),
-                             label_check=functools.partial(check_head_labels, heads) if heads else None,
-                             no_video=None if family.video is not None else family.name)
+    family = family_of(cfg.model.pretrained, key="model.pretrained")
+    processor = family.load_processor(cfg.model.pretrained)
+    apply_image_size(processor, family, cfg.data)
+    return _hub_processor(cfg, processor, family, parse_heads(cfg.model.heads)).process
 
 
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
