@@ -256,6 +256,8 @@ def _export(argv: list[str]) -> int:
     from vlmtrain.models.export import export_checkpoint
 
     ckpt = run.resolve_checkpoint(ns.checkpoint, ns.checkpoint)
+    if ns.output_dir:
+        run.check_writable(ns.output_dir, "--output-dir")
     try:
         if ns.merge:
             from vlmtrain.models.lora import export_merged

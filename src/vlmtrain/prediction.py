@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from vlmtrain.checkpoint_paths import resolve_checkpoint
+from vlmtrain.checkpoint_paths import check_writable, resolve_checkpoint
 from vlmtrain.compose import build
 from vlmtrain.config import ConfigError, RunConfig
 
@@ -27,6 +27,8 @@ def predict(cfg: RunConfig, checkpoint: str) -> list[str]:
     also written to <train.output_dir>/predictions.jsonl. Under torchrun each rank scores its share."""
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir)
     heads = bool(getattr(cfg.model, "heads", None))
+    if heads:  # predictions.jsonl goes there
+        check_writable(cfg.train.output_dir, "--train.output_dir")
     args = dataclasses.replace(cfg.train, predict_with_generate=not heads)  # predict means generate, or heads
     trainer = build(dataclasses.replace(cfg, train=args), checkpoint=ckpt)
     if trainer.eval_dataset is None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlmtrain.checkpoint_paths import resolve_checkpoint
+from vlmtrain.checkpoint_paths import check_writable, resolve_checkpoint
 from vlmtrain.compose import build
 from vlmtrain.config import ConfigError, RunConfig, load_run_config, save_run_config
 
@@ -40,6 +40,7 @@ def _train(cfg: RunConfig, console: Any = None, resume: str = "--train.resume_fr
            ) -> tuple[Any, dict[str, Any]]:
     """console: a callback that replaces the progress bar and log lines (the demo's EvalLinesCallback);
     resume: what a preempted run tells the user to resubmit with."""
+    check_writable(cfg.train.output_dir, "--train.output_dir")  # one line now, not a traceback after loading
     trainer = build(cfg)
     if console is not None:
         from vlmtrain.logging.console import PrinterCallback, ProgressCallback
@@ -79,6 +80,7 @@ def evaluate(cfg: RunConfig, checkpoint: str | None = None, result_file: str | N
     from vlmtrain.trainer.checkpoint import checkpoint_step
 
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir) if checkpoint else None
+    check_writable(cfg.train.output_dir, "--train.output_dir")  # metrics.jsonl goes there
     check_run_args(cfg.train, ckpt)  # train.lmms_eval_tasks: fail before any work
     trainer = build(cfg, checkpoint=ckpt)
     step = checkpoint_step(ckpt) if ckpt else None
