@@ -121,6 +121,19 @@ def test_hub_vlm_skips_malformed_lines_and_predict_refuses_an_empty_file(tiny_qw
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(row.get("skipped_malformed_json", 0) for row in logged) == 1
     capsys.readouterr()
+    new = tmp_path / "new_data.jsonl"  # the malformed line and a sample past data.max_length (64 tokens)
+    long = {"images": ["0.png"], "texts": [{"user": "Which colour? " * 40, "assistant": "red"}]}
+    new.write_text(data.read_text() + json.dumps(long) + "\n")
+    with pytest.warns(UserWarning) as caught:
+        assert cli.main(["predict", "--checkpoint", str(tmp_path / "run" / "checkpoint-2"), "--data", str(new),
+                         "--output", str(tmp_path / "scored.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    assert [r.get("skipped") for r in rows] == [None] * 2 + ["malformed_json"] + [None] * 6 + ["too_long"]
+    [said] = [w for w in caught if "skipped" in str(w.message)]
+    assert str(said.message) == \
+        "2 of 10 samples were skipped (rows with 'skipped'): {'malformed_json': 1, 'too_long': 1}"
+    assert said.filename == __file__  # the warning points at the call, not at vlmtrain's code
+    capsys.readouterr()
     empty = tmp_path / "new.jsonl"
     empty.write_text("")
     out = tmp_path / "predictions.jsonl"

@@ -137,8 +137,10 @@ def test_eval_set_predict_keeps_indices_under_skips(trained, tmp_path):
     data = _write_jsonl(tmp_path / "eval.jsonl", [dict(r, images=[str(folder / im) for im in r["images"]])
                                                   for r in records])
     out_dir = tmp_path / "out"
-    assert cli.main(["predict", "--config", config, "--checkpoint", run_dir, "--data.eval_file", data,
-                     "--train.output_dir", str(out_dir)]) == 0
+    with pytest.warns(UserWarning, match=r"^1 of 5 samples were skipped \(rows with 'skipped'\): "
+                                         r"\{'malformed_text': 1\}$"):
+        assert cli.main(["predict", "--config", config, "--checkpoint", run_dir, "--data.eval_file", data,
+                         "--train.output_dir", str(out_dir)]) == 0
     rows = _read_rows(out_dir / "predictions.jsonl")
     assert [r["index"] for r in rows] == [0, 1, 2, 3, 4]
     assert rows[2]["skipped"] == "malformed_text" and "color" not in rows[2]

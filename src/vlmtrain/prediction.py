@@ -9,12 +9,14 @@ import dataclasses
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 from vlmtrain.checkpoint_paths import check_writable, resolve_checkpoint
 from vlmtrain.compose import build
 from vlmtrain.config import ConfigError, RunConfig
+from vlmtrain.errors import warn_caller
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ def _predict_heads(cfg: RunConfig, trainer: Any, datasets: dict[str | None, Any]
         path = os.path.join(cfg.train.output_dir, "predictions.jsonl")
         _write_lines(path, lines)
         logger.info("wrote %d head predictions to %s", len(lines), path)
+        warn_skipped([json.loads(line) for line in lines])
     return lines
 
 
@@ -136,6 +139,14 @@ def predict_data(checkpoint: str, data: str | list[str], output: str = "predicti
         for row in rows:
             row.pop("__order__")
         _write_lines(output, [json.dumps(row) for row in rows])
-        skipped = sum("skipped" in r for r in rows)
-        logger.info("wrote %d rows (%d skipped samples) to %s", len(rows), skipped, output)
+        logger.info("wrote %d rows to %s", len(rows), output)
+        warn_skipped(rows)
     return output
+
+
+def warn_skipped(rows: list[dict[str, Any]]) -> None:
+    """Say how many rows are skipped samples, by reason, as training does (one warning; none without skips)."""
+    reasons = Counter(row["skipped"] for row in rows if "skipped" in row)
+    if reasons:
+        warn_caller(f"{sum(reasons.values())} of {len(rows)} samples were skipped (rows with 'skipped'): "
+                    f"{dict(sorted(reasons.items()))}")
