@@ -205,3 +205,30 @@ def test_an_empty_jsonl_file_in_a_stream_is_a_source_without_data(tmp_path, caps
     assert cli.main(["train", "--config", config]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"data.sources[0] (jsonl {empty}): ValueError: it has no data" in err
+
+
+def test_skips_count_every_read_and_the_distinct_bad_samples_once(tmp_path, caplog):
+    """3 malformed lines read in each of 2 epochs: 6 skips, 3 bad samples; the warning says both, points at the
+    line that called train(), and the parser's position of a malformed line is in its reason."""
+    path = _shapes_jsonl(tmp_path)
+    lines = path.read_text().splitlines()
+    for at in (3, 9, 15):
+        lines.insert(at, '{"texts": [oops')
+    path.write_text("\n".join(lines) + "\n")
+    cfg = _config(tmp_path, data={"source": "jsonl", "train_file": str(path)},
+                  train={"max_steps": -1, "num_train_epochs": 2, "eval_strategy": "no", "save_strategy": "epoch",
+                         "predict_with_generate": False, "max_bad_sample_fraction": 1.0})
+    trainer = run.build(cfg)
+    with caplog.at_level(logging.WARNING, logger="vlmtrain.data.processing"), \
+            pytest.warns(UserWarning, match="skipped") as caught:
+        out = trainer.train()
+    assert out.metrics["train_skipped_malformed_json"] == 6 and out.metrics["train_bad_samples"] == 3
+    [said] = [w for w in caught if "skipped" in str(w.message)]
+    assert str(said.message) == ("6 training samples were skipped: {'malformed_json': 6} (3 distinct bad samples: "
+                                 "one is skipped at every read, e.g. each epoch)")
+    assert said.filename == __file__
+    [logged] = [r.getMessage() for r in caplog.records if "skipping bad sample" in r.getMessage()]
+    assert "(malformed_json: Expecting value: line 1 column 12 (char 11))" in logged, logged
+    with pytest.warns(UserWarning, match=r"\(3 distinct bad samples"):  # a resumed run keeps both counts
+        again = run.build(cfg).train(resume_from_checkpoint=str(tmp_path / "run" / f"checkpoint-{out.global_step}"))
+    assert again.metrics["train_skipped_malformed_json"] == 6 and again.metrics["train_bad_samples"] == 3

@@ -111,7 +111,8 @@ def test_predict_new_jsonl_and_shards_equal_evaluation_ids_kept(trained, tmp_pat
                      "--batch-size", "2"]) == 0
     rows = _read_rows(out)
     assert [r["id"] for r in rows] == [1, "sample-1", 3, 4, "sample-3", 6, "sample-5"]  # line numbers, or `id`
-    assert rows[2] == {"id": 3, "skipped": "malformed_json", "detail": "unreadable record"}
+    assert rows[2] == {"id": 3, "skipped": "malformed_json",  # with where the parser stopped
+                       "detail": "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"}
     assert rows[4]["skipped"] == "empty_conversation"
     _assert_rows_match([r for r in rows if "skipped" not in r], expected)
 
