@@ -333,3 +333,42 @@ def test_saved_processor_names_the_real_class_and_keeps_video_settings(trained, 
     assert json.loads((saved / "tokenizer_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
     assert json.loads((saved / "video_preprocessor_config.json").read_text()) == video
     assert type(family.load_processor(str(saved))).__name__ == "ImageOnlyQwen3VLProcessor"
+
+
+def test_predict_data_without_heads_writes_each_samples_generated_answer(tiny_hub, tmp_path):
+    """A checkpoint without score heads answers new data: one row per sample keyed by its id, the answer its
+    load_for_inference().generate gives (a skipped sample keeps its row)."""
+    _, ckpt, _ = tiny_hub("qwen3_vl")
+    records = _records(tmp_path, 4)
+    records[2]["images"] = ["missing.png"]
+    out = tmp_path / "answers.jsonl"
+    with pytest.warns(UserWarning, match=r"1 of 4 samples were skipped"):
+        assert cli.main(["predict", "--checkpoint", ckpt, "--data", _write_jsonl(tmp_path / "new.jsonl", records),
+                         "--output", str(out), "--max-new-tokens", "6", "--batch-size", "2"]) == 0
+    rows = _read_rows(out)
+    assert [r["id"] for r in rows] == [1, 2, 3, 4] and rows[2]["skipped"] == "missing_image"
+    model = vlmtrain.load_for_inference(ckpt, device="cpu")
+    expected = [model.generate(dict(r, images=[str(tmp_path / im) for im in r["images"]]), max_new_tokens=6)
+                for i, r in enumerate(records) if i != 2]
+    assert [r["generated"] for r in rows if "skipped" not in r] == expected and all(expected), rows
+
+
+@requires("av", "video")
+def test_generate_answers_a_prompt_about_a_video(tiny_hub, tmp_path, capsys):
+    from vlmtrain.data.video import write_video
+
+    _, ckpt, _ = tiny_hub("qwen3_vl")
+    frames = np.zeros((8, 48, 64, 3), np.uint8)
+    for t in range(8):  # a square moving right
+        frames[t, 16:32, 6 * t:6 * t + 16] = (250, 30, 30)
+    clip = write_video(str(tmp_path / "clip.mp4"), frames, fps=4)
+    argv = ["generate", "--checkpoint", ckpt, "--prompt", "Where does the square go?", "--max-new-tokens", "6"]
+    assert cli.main([*argv, "--video", clip]) == 0
+    answer = capsys.readouterr().out.strip()
+    model = vlmtrain.load_for_inference(ckpt, device="cpu")
+    assert answer == model.generate("Where does the square go?", videos=[clip], max_new_tokens=6)
+    assert answer != model.generate("Where does the square go?", max_new_tokens=6)  # the clip was seen
+    capsys.readouterr()
+    assert cli.main([*argv, "--video", str(tmp_path / "none.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--video" in err and "none.mp4" in err, err

@@ -135,7 +135,8 @@ def _predict(argv: list[str]) -> int:
 
     if data:
         out = prediction.predict_data(ns.checkpoint, ns.data, output=ns.output, batch_size=ns.batch_size,
-                                      num_workers=ns.num_workers, device=ns.device, dtype=ns.dtype)
+                                      num_workers=ns.num_workers, device=ns.device, dtype=ns.dtype,
+                                      max_new_tokens=ns.max_new_tokens)
         if _is_rank_zero():
             print(f"wrote {out}")
         return 0
@@ -163,7 +164,11 @@ def _predict_data_parser() -> Any:
                         help="Samples in the training format: a .jsonl file (image paths relative to it) or "
                              "WebDataset shards (x.tar, a glob or x-{000..009}.tar); labels optional.")
     parser.add_argument("--output", type=str, default="predictions.jsonl",
-                        help="Where to write one JSON row per input sample, keyed by its id.")
+                        help="Where to write one JSON row per input sample, keyed by its id: the heads' outputs, "
+                             "or for a checkpoint without heads the generated answer.")
+    parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int | None, default=None,
+                        help="Without heads: most tokens to generate (default: the run's "
+                             "train.generation_max_new_tokens, else 32).")
     parser.add_argument("--batch-size", "--batch_size", type=int, default=8, help="Samples per forward pass.")
     parser.add_argument("--num-workers", "--num_workers", type=int, default=0,
                         help="Data-loader worker processes reading and processing samples.")
@@ -223,6 +228,9 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--prompt", type=str, required=True, help="The question or text to continue.")
     parser.add_argument("--image", type=str, default=[], action="append",
                         help="An image file; repeat for several images (VLM checkpoints).")
+    parser.add_argument("--video", type=str, default=[], action="append",
+                        help="A video file (.mp4, .webm, ...), sampled as the run's data.video_* settings say; "
+                             "repeat for several (Qwen3-VL / Qwen2.5-VL checkpoints).")
     parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=32,
                         help="Most tokens to generate.")
     try:
@@ -231,7 +239,8 @@ def _generate(argv: list[str]) -> int:
         raise ConfigError(f"{e}. See vlmtrain generate --help.") from None
     from vlmtrain import run
 
-    print(run.generate(ns.checkpoint, ns.prompt, images=list(ns.image), max_new_tokens=ns.max_new_tokens))
+    print(run.generate(ns.checkpoint, ns.prompt, images=list(ns.image), max_new_tokens=ns.max_new_tokens,
+                       videos=list(ns.video)))
     return 0
 
 

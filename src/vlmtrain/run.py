@@ -113,8 +113,9 @@ def evaluate_all(run_dir: str, cfg: RunConfig) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
-    """Answer one prompt (with images, for a VLM) from a trained checkpoint, greedily."""
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32,
+             videos: list[str] | None = None) -> str:
+    """Answer one prompt (with images and videos, for a VLM) from a trained checkpoint, greedily."""
     from vlmtrain.models.kinds import kind_of_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint, checkpoint)
@@ -122,7 +123,20 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
 
     if has_sharded_weights(ckpt):
         raise ConfigError(f"{ckpt} holds FSDP shards: run `vlmtrain export --checkpoint {ckpt}` first.")
-    return kind_of_checkpoint(ckpt).generate(ckpt, prompt, images, max_new_tokens)
+    kind = kind_of_checkpoint(ckpt)
+    if not videos:
+        return kind.generate(ckpt, prompt, images, max_new_tokens)
+    for video in videos:
+        if not os.path.isfile(video):
+            raise ConfigError(f"--video {video!r} does not exist (or is not a file).")
+    if kind.load_for_inference is None:  # (videos go through the Hub families' processors)
+        raise ConfigError(f"--video: {ckpt} is a {kind.name!r} model, which takes no videos (videos: Hub VLM "
+                          f"checkpoints of Qwen3-VL / Qwen2.5-VL).")
+    from vlmtrain.inference import load_for_inference
+
+    return load_for_inference(ckpt, device="cpu", dtype="float32").generate(prompt, images=images or [],
+                                                                           videos=videos,
+                                                                           max_new_tokens=max_new_tokens)
 
 
 def inspect_checks(config: str | None, model: str | None) -> tuple[Any, Any]:
