@@ -80,6 +80,7 @@ def evaluate(cfg: RunConfig, checkpoint: str | None = None, result_file: str | N
     from vlmtrain.trainer.checkpoint import checkpoint_step
 
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir) if checkpoint else None
+    cfg = _apart_from_the_run(cfg)
     check_writable(cfg.train.output_dir, "--train.output_dir")  # metrics.jsonl goes there
     check_run_args(cfg.train, ckpt)  # train.lmms_eval_tasks: fail before any work
     trainer = build(cfg, checkpoint=ckpt)
@@ -99,6 +100,11 @@ def evaluate_all(run_dir: str, cfg: RunConfig) -> dict[int, dict[str, Any]]:
     from vlmtrain.evaluation import async_eval
     from vlmtrain.trainer.checkpoint import checkpoint_step, list_checkpoints
 
+    changed = _data_changes(cfg, run_dir)
+    if changed:
+        raise ConfigError(f"vlmtrain eval --all appends the run's own evaluations to its metrics.jsonl, but "
+                          f"{', '.join(changed)} differ from the run's config.yaml: drop those overrides, or "
+                          f"evaluate one checkpoint (recorded apart, under {os.path.join(run_dir, EVALS)}/).")
     done, rows = async_eval.evaluated_steps(run_dir), {}
     for path in list_checkpoints(run_dir):
         step = checkpoint_step(path)
@@ -111,6 +117,43 @@ def evaluate_all(run_dir: str, cfg: RunConfig) -> dict[int, dict[str, Any]]:
                      result_file=result)
         rows[step] = async_eval.log_result(run_dir, step)
     return rows
+
+
+EVALS = "evals"  # <run>/evals/<name>/: evaluations of the run's checkpoints on other data than the run's
+
+
+def _data_changes(cfg: RunConfig, run_dir: str) -> list[str]:
+    """The data.* keys of ``cfg`` that differ from the run's own (``run_dir``/config.yaml; none without one)."""
+    import yaml
+
+    from vlmtrain.config import run_config_to_dict
+
+    saved = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(saved):
+        return []
+    with open(saved) as f:
+        theirs = (yaml.safe_load(f) or {}).get("data") or {}
+    ours = yaml.safe_load(yaml.safe_dump(run_config_to_dict(cfg)["data"]))  # (as the file holds it)
+    return [f"data.{key}" for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key)]
+
+
+def _apart_from_the_run(cfg: RunConfig) -> RunConfig:
+    """An evaluation on other data than the run's (a data.* key differs from train.output_dir's config.yaml) is
+    written under ``<output_dir>/evals/<name>/`` (its own metrics.jsonl and sample files; ``name``: the eval
+    file's, else a digest of the data settings): the run's rows, sample files and report stay the run's own."""
+    import hashlib
+    import json
+
+    changed = _data_changes(cfg, cfg.train.output_dir)
+    if not changed:
+        return cfg
+    data = dataclasses.asdict(cfg.data)
+    name = Path(cfg.data.eval_file).stem if "data.eval_file" in changed and cfg.data.eval_file else \
+        "data-" + hashlib.sha1(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    out = os.path.join(cfg.train.output_dir, EVALS, name)
+    logger.warning("%s differ from the run's config.yaml: this evaluation is written to %s, not to the run's "
+                   "metrics.jsonl", ", ".join(changed), out)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=out))
 
 
 def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32,
@@ -233,7 +276,7 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
           f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
           f"  config:      {os.path.join(out, 'config.yaml')}\n"
           f"  report:      {_write_report(out)}\n"
-          f"  next: vlmtrain eval --config {path} --checkpoint {out}")
+          f"  next: vlmtrain eval --config {os.path.join(out, 'config.yaml')} --checkpoint {out}")  # (its data)
     return metrics
 
 
