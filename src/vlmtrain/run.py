@@ -126,14 +126,19 @@ def _data_changes(cfg: RunConfig, run_dir: str) -> list[str]:
     """The data.* keys of ``cfg`` that differ from the run's own (``run_dir``/config.yaml; none without one)."""
     import yaml
 
-    from vlmtrain.config import run_config_to_dict
+    from vlmtrain.config import DataConfig
 
     saved = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(saved):
         return []
     with open(saved) as f:
         theirs = (yaml.safe_load(f) or {}).get("data") or {}
-    ours = yaml.safe_load(yaml.safe_dump(run_config_to_dict(cfg)["data"]))  # (as the file holds it)
+
+    def as_saved(data: DataConfig) -> dict[str, Any]:
+        return yaml.safe_load(yaml.safe_dump(dataclasses.asdict(data)))
+
+    ours = as_saved(cfg.data)
+    theirs = {**as_saved(DataConfig()), **theirs}  # (a key newer than the run's file: its default)
     return [f"data.{key}" for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key)]
 
 
