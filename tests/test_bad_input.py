@@ -121,6 +121,19 @@ def test_hub_vlm_skips_malformed_lines_and_predict_refuses_an_empty_file(tiny_qw
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(row.get("skipped_malformed_json", 0) for row in logged) == 1
     capsys.readouterr()
+    new = tmp_path / "new_data.jsonl"  # the malformed line and a sample past data.max_length (64 tokens)
+    long = {"images": ["0.png"], "texts": [{"user": "Which colour? " * 40, "assistant": "red"}]}
+    new.write_text(data.read_text() + json.dumps(long) + "\n")
+    with pytest.warns(UserWarning) as caught:
+        assert cli.main(["predict", "--checkpoint", str(tmp_path / "run" / "checkpoint-2"), "--data", str(new),
+                         "--output", str(tmp_path / "scored.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    assert [r.get("skipped") for r in rows] == [None] * 2 + ["malformed_json"] + [None] * 6 + ["too_long"]
+    [said] = [w for w in caught if "skipped" in str(w.message)]
+    assert str(said.message) == \
+        "2 of 10 samples were skipped (rows with 'skipped'): {'malformed_json': 1, 'too_long': 1}"
+    assert said.filename == __file__  # the warning points at the call, not at vlmtrain's code
+    capsys.readouterr()
     empty = tmp_path / "new.jsonl"
     empty.write_text("")
     out = tmp_path / "predictions.jsonl"
@@ -225,3 +238,30 @@ def test_data_inspect_with_a_hub_config_applies_trainings_length_check(tiny_qwen
     assert cli.main(["data", "inspect", str(path), "--config", str(tmp_path / "cfg.yaml")]) == 0
     out = capsys.readouterr().out
     assert "bad samples: {'too_long': 1}" in out and "d.jsonl:2 (too_long: " in out and "d.jsonl:1 " not in out
+
+
+def test_skips_count_every_read_and_the_distinct_bad_samples_once(tmp_path, caplog):
+    """3 malformed lines read in each of 2 epochs: 6 skips, 3 bad samples; the warning says both, points at the
+    line that called train(), and the parser's position of a malformed line is in its reason."""
+    path = _shapes_jsonl(tmp_path)
+    lines = path.read_text().splitlines()
+    for at in (3, 9, 15):
+        lines.insert(at, '{"texts": [oops')
+    path.write_text("\n".join(lines) + "\n")
+    cfg = _config(tmp_path, data={"source": "jsonl", "train_file": str(path)},
+                  train={"max_steps": -1, "num_train_epochs": 2, "eval_strategy": "no", "save_strategy": "epoch",
+                         "predict_with_generate": False, "max_bad_sample_fraction": 1.0})
+    trainer = run.build(cfg)
+    with caplog.at_level(logging.WARNING, logger="vlmtrain.data.processing"), \
+            pytest.warns(UserWarning, match="skipped") as caught:
+        out = trainer.train()
+    assert out.metrics["train_skipped_malformed_json"] == 6 and out.metrics["train_bad_samples"] == 3
+    [said] = [w for w in caught if "skipped" in str(w.message)]
+    assert str(said.message) == ("6 training samples were skipped: {'malformed_json': 6} (3 distinct bad samples: "
+                                 "one is skipped at every read, e.g. each epoch)")
+    assert said.filename == __file__
+    [logged] = [r.getMessage() for r in caplog.records if "skipping bad sample" in r.getMessage()]
+    assert "(malformed_json: Expecting value: line 1 column 12 (char 11))" in logged, logged
+    with pytest.warns(UserWarning, match=r"\(3 distinct bad samples"):  # a resumed run keeps both counts
+        again = run.build(cfg).train(resume_from_checkpoint=str(tmp_path / "run" / f"checkpoint-{out.global_step}"))
+    assert again.metrics["train_skipped_malformed_json"] == 6 and again.metrics["train_bad_samples"] == 3

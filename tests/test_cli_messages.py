@@ -198,3 +198,35 @@ def test_a_stopped_demo_names_the_demo_command_that_continues_it(tmp_path, monke
     assert cli.main(shlex.split(command)[1:]) == 0  # the command it names works, and continues the run
     assert "4 steps" in capsys.readouterr().out
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+@pytest.mark.parametrize("command, setting", [("train", "--train.output_dir"), ("eval", "--train.output_dir"),
+                                              ("export", "--output-dir"), ("export --merge", "--output-dir"),
+                                              ("predict", "--output")])
+def test_an_unwritable_output_dir_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys, command, setting):
+    """A directory under a file cannot be made (also as root, where permissions do not stop a write)."""
+    from vlmtrain import inference
+    from vlmtrain.models import export, lora
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output directory was checked")
+
+    for module, name in ((run, "build"), (export, "export_checkpoint"), (lora, "export_merged"),
+                         (inference, "load_for_inference")):
+        monkeypatch.setattr(module, name, loaded)
+    (tmp_path / "a_file").write_text("")
+    bad = str(tmp_path / "a_file" / "out")
+    if command.startswith("export"):
+        ckpt = tmp_path / "checkpoint-2"
+        ckpt.mkdir()
+        (ckpt / "model.safetensors").write_text("")
+        argv = [*command.split(), "--checkpoint", str(ckpt), "--output-dir", bad]
+    elif command == "predict":  # (predict --data: the rows are written after every sample is scored)
+        (tmp_path / "new.jsonl").write_text(json.dumps({"texts": [{"user": "hi"}]}) + "\n")
+        argv = [command, "--checkpoint", str(tmp_path), "--data", str(tmp_path / "new.jsonl"),
+                "--output", os.path.join(bad, "rows.jsonl")]
+    else:
+        argv = [command, "--config", str(_write(tmp_path, LM)), "--train.output_dir", bad]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {setting} {bad!r} is not writable"), err

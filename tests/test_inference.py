@@ -111,7 +111,8 @@ def test_predict_new_jsonl_and_shards_equal_evaluation_ids_kept(trained, tmp_pat
                      "--batch-size", "2"]) == 0
     rows = _read_rows(out)
     assert [r["id"] for r in rows] == [1, "sample-1", 3, 4, "sample-3", 6, "sample-5"]  # line numbers, or `id`
-    assert rows[2] == {"id": 3, "skipped": "malformed_json", "detail": "unreadable record"}
+    assert rows[2] == {"id": 3, "skipped": "malformed_json",  # with where the parser stopped
+                       "detail": "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"}
     assert rows[4]["skipped"] == "empty_conversation"
     _assert_rows_match([r for r in rows if "skipped" not in r], expected)
 
@@ -137,8 +138,10 @@ def test_eval_set_predict_keeps_indices_under_skips(trained, tmp_path):
     data = _write_jsonl(tmp_path / "eval.jsonl", [dict(r, images=[str(folder / im) for im in r["images"]])
                                                   for r in records])
     out_dir = tmp_path / "out"
-    assert cli.main(["predict", "--config", config, "--checkpoint", run_dir, "--data.eval_file", data,
-                     "--train.output_dir", str(out_dir)]) == 0
+    with pytest.warns(UserWarning, match=r"^1 of 5 samples were skipped \(rows with 'skipped'\): "
+                                         r"\{'malformed_text': 1\}$"):
+        assert cli.main(["predict", "--config", config, "--checkpoint", run_dir, "--data.eval_file", data,
+                         "--train.output_dir", str(out_dir)]) == 0
     rows = _read_rows(out_dir / "predictions.jsonl")
     assert [r["index"] for r in rows] == [0, 1, 2, 3, 4]
     assert rows[2]["skipped"] == "malformed_text" and "color" not in rows[2]
@@ -330,3 +333,42 @@ def test_saved_processor_names_the_real_class_and_keeps_video_settings(trained, 
     assert json.loads((saved / "tokenizer_config.json").read_text())["processor_class"] == "Qwen3VLProcessor"
     assert json.loads((saved / "video_preprocessor_config.json").read_text()) == video
     assert type(family.load_processor(str(saved))).__name__ == "ImageOnlyQwen3VLProcessor"
+
+
+def test_predict_data_without_heads_writes_each_samples_generated_answer(tiny_hub, tmp_path):
+    """A checkpoint without score heads answers new data: one row per sample keyed by its id, the answer its
+    load_for_inference().generate gives (a skipped sample keeps its row)."""
+    _, ckpt, _ = tiny_hub("qwen3_vl")
+    records = _records(tmp_path, 4)
+    records[2]["images"] = ["missing.png"]
+    out = tmp_path / "answers.jsonl"
+    with pytest.warns(UserWarning, match=r"1 of 4 samples were skipped"):
+        assert cli.main(["predict", "--checkpoint", ckpt, "--data", _write_jsonl(tmp_path / "new.jsonl", records),
+                         "--output", str(out), "--max-new-tokens", "6", "--batch-size", "2"]) == 0
+    rows = _read_rows(out)
+    assert [r["id"] for r in rows] == [1, 2, 3, 4] and rows[2]["skipped"] == "missing_image"
+    model = vlmtrain.load_for_inference(ckpt, device="cpu")
+    expected = [model.generate(dict(r, images=[str(tmp_path / im) for im in r["images"]]), max_new_tokens=6)
+                for i, r in enumerate(records) if i != 2]
+    assert [r["generated"] for r in rows if "skipped" not in r] == expected and all(expected), rows
+
+
+@requires("av", "video")
+def test_generate_answers_a_prompt_about_a_video(tiny_hub, tmp_path, capsys):
+    from vlmtrain.data.video import write_video
+
+    _, ckpt, _ = tiny_hub("qwen3_vl")
+    frames = np.zeros((8, 48, 64, 3), np.uint8)
+    for t in range(8):  # a square moving right
+        frames[t, 16:32, 6 * t:6 * t + 16] = (250, 30, 30)
+    clip = write_video(str(tmp_path / "clip.mp4"), frames, fps=4)
+    argv = ["generate", "--checkpoint", ckpt, "--prompt", "Where does the square go?", "--max-new-tokens", "6"]
+    assert cli.main([*argv, "--video", clip]) == 0
+    answer = capsys.readouterr().out.strip()
+    model = vlmtrain.load_for_inference(ckpt, device="cpu")
+    assert answer == model.generate("Where does the square go?", videos=[clip], max_new_tokens=6)
+    assert answer != model.generate("Where does the square go?", max_new_tokens=6)  # the clip was seen
+    capsys.readouterr()
+    assert cli.main([*argv, "--video", str(tmp_path / "none.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--video" in err and "none.mp4" in err, err

@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "vlmtrain": 8,
     "vlmtrain.cli": 9,
     "vlmtrain.cli_help": 9,
+    "vlmtrain.cli_inference": 9,
     "vlmtrain.__main__": 10,
 }
 # trainer/ is the generic engine: what it needs from the rest arrives through the interfaces it defines.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -266,3 +267,24 @@ def test_async_evaluation_files_join_the_run_dir(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 5, "eval_loss": 1.0, "eval_async": True}) + "\n")
     page = Path(write_report(str(tmp_path))).read_text()
     assert page.count('<div class="card right"') == 1 and 'class="thumb img0"' in page and "thumb missing" not in page
+
+
+def test_eval_on_other_data_is_recorded_apart_and_never_as_the_runs(tiny_run, tmp_path, caplog):
+    """`vlmtrain eval --checkpoint` with data other than the run's (here 1 sample per set instead of 3) writes
+    its rows under evals/<name>/ of the run: the run's metrics.jsonl, sample files and report stay as they were."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run, run_dir)
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    argv = ["eval", "--config", str(run_dir / "config.yaml"), "--checkpoint", str(run_dir / "checkpoint-2"),
+            "--train.output_dir", str(run_dir), "--data.num_eval", "1"]
+    with caplog.at_level(logging.WARNING, logger="vlmtrain.run"):
+        assert cli.main(argv) == 0
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    [own] = list((run_dir / "evals").glob("*/metrics.jsonl"))
+    rows = [r for r in _rows(own) if "eval_samples" in r]
+    assert rows and rows[-1]["step"] == 2 and rows[-1]["eval_samples"] == len(QTYPES)  # 1 per set, not 3
+    assert any("data.num_eval" in r.getMessage() and str(own.parent) in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match="data.num_eval"):  # --all appends to the run's rows: the run's data only
+        run.evaluate_all(str(run_dir), load_run_config(run_dir / "config.yaml", {"data.num_eval": 1}))

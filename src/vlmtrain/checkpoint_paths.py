@@ -1,9 +1,11 @@
 """A checkpoint as a user names it (``--checkpoint``, load_for_inference, lmms-eval's model_args): a checkpoint
-directory, a run directory (its newest complete checkpoint-N/) or 'latest' (the run's output_dir)."""
+directory, a run directory (its newest complete checkpoint-N/) or 'latest' (the run's output_dir); and the
+check that a directory a command writes to can be written, before any model loads."""
 
 from __future__ import annotations
 
 import os
+import tempfile
 
 from vlmtrain.errors import ConfigError
 
@@ -22,3 +24,20 @@ def resolve_checkpoint(path: str, output_dir: str) -> str:
     if latest is None:
         raise ConfigError(f"{run_dir!r} holds neither model.safetensors nor a complete checkpoint-N/ directory.")
     return latest
+
+
+def check_writable(directory: str, setting: str) -> None:
+    """A ConfigError naming ``setting`` when ``directory`` cannot be created or written (checked by writing a
+    temporary file into it, or into its nearest existing parent: permissions alone do not stop root). Leaves
+    nothing behind."""
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{setting} {directory!r} is not writable ({err.strerror}): choose another "
+                          f"{setting}.") from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
 import os
@@ -24,6 +23,7 @@ from vlmtrain.cli_help import (  # noqa: F401 - COMMANDS, DOCS
     usage,
     wants_help,
 )
+from vlmtrain.cli_inference import parse_predict_data, predict_data_parser, without_data_section
 from vlmtrain.config import build_parser, help_formatter, parse_with
 from vlmtrain.errors import USER_ERRORS, ConfigError
 
@@ -119,14 +119,14 @@ def _eval(argv: list[str]) -> int:
 def _predict(argv: list[str]) -> int:
     nproc, argv = pop_nproc(argv)
     if wants_help(argv):  # both forms; --help-all adds every key of the config form
-        print(predict_help(_predict_data_parser()))
+        print(predict_help(predict_data_parser()))
         if HELP_ALL in argv:
             print("\nvlmtrain predict --config FILE.yaml --checkpoint DIR, every option:\n")
-            _parse("predict", [HELP_ALL], checkpoint="required", extra=_without_data_section)
+            _parse("predict", [HELP_ALL], checkpoint="required", extra=without_data_section)
         return 0
     data = any(a == "--data" or a.startswith("--data=") for a in argv)
     if data:
-        ns = _parse_predict_data(argv)  # a bad option fails here, once, not in N processes
+        ns = parse_predict_data(argv)  # a bad option fails here, once, not in N processes
     else:
         _parse("predict", argv, checkpoint="required")
     if nproc > 1:
@@ -135,7 +135,8 @@ def _predict(argv: list[str]) -> int:
 
     if data:
         out = prediction.predict_data(ns.checkpoint, ns.data, output=ns.output, batch_size=ns.batch_size,
-                                      num_workers=ns.num_workers, device=ns.device, dtype=ns.dtype)
+                                      num_workers=ns.num_workers, device=ns.device, dtype=ns.dtype,
+                                      max_new_tokens=ns.max_new_tokens)
         if _is_rank_zero():
             print(f"wrote {out}")
         return 0
@@ -144,49 +145,6 @@ def _predict(argv: list[str]) -> int:
     if _is_rank_zero():
         print("\n".join(texts))
     return 0
-
-
-def _without_data_section(parser: Any) -> None:
-    """predict's --data is the data to score: the config form's --data (the data section as a file) is hidden."""
-    next(a for a in parser._actions if a.dest == "data").help = argparse.SUPPRESS
-
-
-def _predict_data_parser() -> Any:
-    """The options of ``vlmtrain predict --checkpoint DIR --data ...`` (no config: the checkpoint says it all)."""
-    import jsonargparse
-
-    parser = jsonargparse.ArgumentParser(prog="vlmtrain predict", description=description("predict"),
-                                         formatter_class=help_formatter(), exit_on_error=False, allow_abbrev=False)
-    parser.add_argument("--checkpoint", type=str, required=True, help=CHECKPOINT_HELP.replace(
-        ", or 'latest' for the newest checkpoint in train.output_dir", ", or an exported folder"))
-    parser.add_argument("--data", type=str, required=True,
-                        help="Samples in the training format: a .jsonl file (image paths relative to it) or "
-                             "WebDataset shards (x.tar, a glob or x-{000..009}.tar); labels optional.")
-    parser.add_argument("--output", type=str, default="predictions.jsonl",
-                        help="Where to write one JSON row per input sample, keyed by its id.")
-    parser.add_argument("--batch-size", "--batch_size", type=int, default=8, help="Samples per forward pass.")
-    parser.add_argument("--num-workers", "--num_workers", type=int, default=0,
-                        help="Data-loader worker processes reading and processing samples.")
-    parser.add_argument("--nproc", type=int, default=1, help=NPROC_HELP + " Each scores its share of the data.")
-    parser.add_argument("--device", type=str | None, default=None, help="Default: cuda if available, else cpu.")
-    parser.add_argument("--dtype", type=str | None, default=None,
-                        help="Weights dtype; default bfloat16 on CUDA, float32 on CPU.")
-    return parser
-
-
-def _parse_predict_data(argv: list[str]) -> Any:
-    import jsonargparse
-
-    if "--config" in argv or any(a.startswith("--config=") for a in argv):
-        raise ConfigError("vlmtrain predict --data scores with the checkpoint alone (limits come from the run's "
-                          "config.yaml): drop --config, or drop --data to predict the config's eval set.")
-    try:
-        ns = _predict_data_parser().parse_args(argv)
-    except jsonargparse.ArgumentError as e:
-        raise ConfigError(f"{e}. See vlmtrain predict --help.") from None
-    if ns.batch_size < 1 or ns.num_workers < 0:
-        raise ConfigError(f"--batch-size must be >= 1 and --num-workers >= 0, got {ns.batch_size}, {ns.num_workers}.")
-    return ns
 
 
 def _demo(argv: list[str]) -> int:
@@ -223,6 +181,9 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--prompt", type=str, required=True, help="The question or text to continue.")
     parser.add_argument("--image", type=str, default=[], action="append",
                         help="An image file; repeat for several images (VLM checkpoints).")
+    parser.add_argument("--video", type=str, default=[], action="append",
+                        help="A video file (.mp4, .webm, ...), sampled as the run's data.video_* settings say; "
+                             "repeat for several (Qwen3-VL / Qwen2.5-VL checkpoints).")
     parser.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=32,
                         help="Most tokens to generate.")
     try:
@@ -231,7 +192,8 @@ def _generate(argv: list[str]) -> int:
         raise ConfigError(f"{e}. See vlmtrain generate --help.") from None
     from vlmtrain import run
 
-    print(run.generate(ns.checkpoint, ns.prompt, images=list(ns.image), max_new_tokens=ns.max_new_tokens))
+    print(run.generate(ns.checkpoint, ns.prompt, images=list(ns.image), max_new_tokens=ns.max_new_tokens,
+                       videos=list(ns.video)))
     return 0
 
 
@@ -256,6 +218,8 @@ def _export(argv: list[str]) -> int:
     from vlmtrain.models.export import export_checkpoint
 
     ckpt = run.resolve_checkpoint(ns.checkpoint, ns.checkpoint)
+    if ns.output_dir:
+        run.check_writable(ns.output_dir, "--output-dir")
     try:
         if ns.merge:
             from vlmtrain.models.lora import export_merged

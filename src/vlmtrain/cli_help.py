@@ -14,11 +14,12 @@ COMMANDS = {
     "train": "Train a model: vlmtrain train --config FILE.yaml [--nproc N] [--train.learning_rate 3e-4 ...]",
     "eval": "Evaluate on the eval set: vlmtrain eval --config FILE.yaml [--checkpoint DIR] [--result-file F.json]; "
             "vlmtrain eval --checkpoint RUN_DIR --all evaluates every checkpoint metrics.jsonl has no evaluation for",
-    "predict": "Score new data with a checkpoint's heads: vlmtrain predict --checkpoint DIR --data FILE.jsonl|SHARDS.tar "
-               "[--output predictions.jsonl] [--batch-size N] [--num-workers N] [--nproc N]; or the eval set's "
+    "predict": "Score new data with a checkpoint's heads (without heads: answer it): vlmtrain predict --checkpoint DIR "
+               "--data FILE.jsonl|SHARDS.tar [--output predictions.jsonl] [--batch-size N] [--num-workers N] "
+               "[--max-new-tokens N] [--nproc N]; or the eval set's "
                "answers/scores: vlmtrain predict --config FILE.yaml --checkpoint DIR",
     "generate": "Answer a prompt from a checkpoint: vlmtrain generate --checkpoint DIR [--image a.png ...] "
-                "--prompt TEXT",
+                "[--video clip.mp4 ...] --prompt TEXT",
     # The time is the README's measured one (configs/shapes-tiny.yaml).
     "demo": "Train a tiny VLM on shapes-VQA on CPU (333-342 s on an idle 2-core machine): "
             "vlmtrain demo [--config C] [--output-dir DIR] [--seed N] [--resume]",

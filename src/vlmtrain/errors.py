@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message says which key and what to change."""
@@ -18,3 +24,13 @@ class DataError(RuntimeError):
 
 # What the command line prints as one line (`error: ...`, no traceback): the user fixes a setting or the data.
 USER_ERRORS = (ConfigError, CheckpointError, DataError)
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside vlmtrain (the user's script or test line that
+    called into the package; ``<frozen runpy>`` under ``python -m vlmtrain``), however deep in vlmtrain the
+    warning arises: a fixed stacklevel names whichever vlmtrain frame happens to sit there."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

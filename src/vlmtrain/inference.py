@@ -108,7 +108,7 @@ class InferenceModel:
         """Rows of one :class:`Preparer` batch (each with ``__order__``; ``id`` where known)."""
         if not self.head_configs:
             raise ConfigError(f"{self.checkpoint or 'this model'} has no score heads (no heads.json): nothing to "
-                              "score; use generate().")
+                              "score; use generate() or generate_rows().")
         rows = [_skipped_row(s) for s in prepared["skipped"]]
         batch = prepared["batch"]
         if batch is not None:
@@ -129,9 +129,7 @@ class InferenceModel:
         or PIL images; ``videos``: video file paths or lists of frames) -> its answer; a sample (training
         format; the answer is to its last user turn, a last assistant text is ignored) -> its answer; a list of
         samples -> a list of answers (one batch)."""
-        if self._generate is None:
-            raise ConfigError(f"{self.checkpoint or 'this model'}: its model kind has no batch generation here; "
-                              "use vlmtrain generate.")
+        self._check_generates()
         if isinstance(prompt_or_samples, str):
             sample: dict[str, Any] = {"images": list(images or []), "texts": [{"user": prompt_or_samples}]}
             if videos:
@@ -142,6 +140,28 @@ class InferenceModel:
         if isinstance(prompt_or_samples, Mapping):
             return self._generate([dict(prompt_or_samples)], max_new_tokens)[0]
         return self._generate([dict(s) for s in prompt_or_samples], max_new_tokens)
+
+
+    def generate_rows(self, samples: Sequence[Mapping[str, Any]], max_new_tokens: int = 32) -> list[dict[str, Any]]:
+        """One row per sample (each tagged with ``__order__`` and optionally ``__id__``, as NumberedSamples
+        tags them), answered in one batch: ``{"__order__", "id", "generated": answer}``, or the skipped row
+        (``skipped``, ``detail``) of a sample the processing skips."""
+        self._check_generates()
+        raw = [{k: v for k, v in s.items() if k not in (ORDER, ID)} for s in samples]
+        rows = []
+        for sample, answer in zip(samples, self._generate(raw, max_new_tokens, skip=True)):
+            where = (sample.get(ORDER), sample.get(ID))
+            if isinstance(answer, Exception):  # (a SkipSample)
+                rows.append(_skipped_row((*where, answer.reason, answer.detail)))
+            else:
+                rows.append({ORDER: where[0], **({"id": where[1]} if where[1] is not None else {}),
+                             "generated": answer})
+        return rows
+
+    def _check_generates(self) -> None:
+        if self._generate is None:
+            raise ConfigError(f"{self.checkpoint or 'this model'}: its model kind has no batch generation here; "
+                              "use vlmtrain generate.")
 
 
 class Preparer:
@@ -293,3 +313,13 @@ def score_rows(inference: InferenceModel, dataset: Any, batch_size: int = 8, num
     for prepared in loader:
         rows += inference.score_prepared(prepared)
     return rows
+
+
+def generate_rows(inference: InferenceModel, dataset: Any, batch_size: int = 8, num_workers: int = 0,
+                  max_new_tokens: int = 32) -> list[dict]:
+    """Rows (with ``__order__``) of generated answers for every sample of ``dataset`` (tagged as by
+    NumberedSamples), read in ``num_workers`` data-loader workers, answered in batches of ``batch_size``."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=list, num_workers=num_workers)
+    return [row for samples in loader for row in inference.generate_rows(samples, max_new_tokens)]

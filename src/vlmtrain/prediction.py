@@ -9,12 +9,14 @@ import dataclasses
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from vlmtrain.checkpoint_paths import resolve_checkpoint
+from vlmtrain.checkpoint_paths import check_writable, resolve_checkpoint
 from vlmtrain.compose import build
 from vlmtrain.config import ConfigError, RunConfig
+from vlmtrain.errors import warn_caller
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,8 @@ def predict(cfg: RunConfig, checkpoint: str) -> list[str]:
     also written to <train.output_dir>/predictions.jsonl. Under torchrun each rank scores its share."""
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir)
     heads = bool(getattr(cfg.model, "heads", None))
+    if heads:  # predictions.jsonl goes there
+        check_writable(cfg.train.output_dir, "--train.output_dir")
     args = dataclasses.replace(cfg.train, predict_with_generate=not heads)  # predict means generate, or heads
     trainer = build(dataclasses.replace(cfg, train=args), checkpoint=ckpt)
     if trainer.eval_dataset is None:
@@ -68,6 +72,7 @@ def _predict_heads(cfg: RunConfig, trainer: Any, datasets: dict[str | None, Any]
         path = os.path.join(cfg.train.output_dir, "predictions.jsonl")
         _write_lines(path, lines)
         logger.info("wrote %d head predictions to %s", len(lines), path)
+        warn_skipped([json.loads(line) for line in lines])
     return lines
 
 
@@ -106,17 +111,20 @@ def _write_lines(path: str, lines: list[str]) -> None:
 
 
 def predict_data(checkpoint: str, data: str | list[str], output: str = "predictions.jsonl", batch_size: int = 8,
-                 num_workers: int = 0, device: str | None = None, dtype: str | None = None) -> str:
-    """Score new data with a checkpoint's heads (``vlmtrain predict --checkpoint DIR --data ...``): ``data`` is
-    a JSONL file (image paths relative to it) or WebDataset shards in the training sample format (labels
-    optional). Writes ``output``: one JSON row per input sample, in data order, ``{"id": ..., <head>: ...}``
-    (see InferenceModel.score for the head fields) or ``{"id": ..., "skipped": reason, "detail": ...}``; ids
+                 num_workers: int = 0, device: str | None = None, dtype: str | None = None,
+                 max_new_tokens: int | None = None) -> str:
+    """Score new data with a checkpoint's heads, or answer it without heads (``vlmtrain predict --checkpoint DIR
+    --data ...``): ``data`` is a JSONL file (image paths relative to it) or WebDataset shards in the training
+    sample format (labels optional). Writes ``output``: one JSON row per input sample, in data order, ``{"id":
+    ..., <head>: ...}`` (see InferenceModel.score for the head fields), for a model without heads ``{"id": ...,
+    "generated": answer}`` (greedy, at most ``max_new_tokens``: default the run's
+    train.generation_max_new_tokens, else 32), or ``{"id": ..., "skipped": reason, "detail": ...}``; ids
     as NumberedSamples gives them. Samples are processed in ``num_workers`` data-loader workers and scored in
     batches of ``batch_size`` on the GPU when there is one; under torchrun each rank scores its share and
     rank 0 writes the file. No config needed (limits come from the run's config.yaml when there is one). Data
     without any sample is a ConfigError naming it (nothing is written).
     Returns ``output``."""
-    from vlmtrain.inference import NumberedSamples, load_for_inference, open_data, score_rows
+    from vlmtrain.inference import NumberedSamples, generate_rows, load_for_inference, open_data, score_rows
     from vlmtrain.trainer import distributed
 
     distributed.init_from_env()
@@ -124,9 +132,14 @@ def predict_data(checkpoint: str, data: str | list[str], output: str = "predicti
     if not any(True for shard in range(len(source.shards)) for _ in source.read(shard, {})):
         raise ConfigError(f"--data {data!r} holds no samples (an empty file, or shards without members): "
                           f"nothing to predict; point --data at a JSONL file or shards in the training format.")
+    check_writable(os.path.dirname(output) or ".", "--output")  # (written after every sample is scored)
     inference = load_for_inference(checkpoint, device=device or distributed.default_device(), dtype=dtype)
-    rows = score_rows(inference, NumberedSamples(source, distributed.rank(), distributed.world_size()),
-                      batch_size=batch_size, num_workers=num_workers)
+    samples = NumberedSamples(source, distributed.rank(), distributed.world_size())
+    if inference.head_configs:
+        rows = score_rows(inference, samples, batch_size=batch_size, num_workers=num_workers)
+    else:  # answers, as evaluation with predict_with_generate makes them
+        rows = generate_rows(inference, samples, batch_size=batch_size, num_workers=num_workers,
+                             max_new_tokens=max_new_tokens or _run_max_new_tokens(inference.checkpoint))
     rows = _gather_rows(rows, distributed)
     if distributed.rank() == 0:
         if os.path.dirname(output):
@@ -134,6 +147,21 @@ def predict_data(checkpoint: str, data: str | list[str], output: str = "predicti
         for row in rows:
             row.pop("__order__")
         _write_lines(output, [json.dumps(row) for row in rows])
-        skipped = sum("skipped" in r for r in rows)
-        logger.info("wrote %d rows (%d skipped samples) to %s", len(rows), skipped, output)
+        logger.info("wrote %d rows to %s", len(rows), output)
+        warn_skipped(rows)
     return output
+
+
+def _run_max_new_tokens(checkpoint: str | None) -> int:
+    """The run's train.generation_max_new_tokens (its config.yaml next to the checkpoint), else 32."""
+    from vlmtrain.models.hub_loading import run_config_section
+
+    return int(run_config_section(checkpoint, "train").get("generation_max_new_tokens") or 32) if checkpoint else 32
+
+
+def warn_skipped(rows: list[dict[str, Any]]) -> None:
+    """Say how many rows are skipped samples, by reason, as training does (one warning; none without skips)."""
+    reasons = Counter(row["skipped"] for row in rows if "skipped" in row)
+    if reasons:
+        warn_caller(f"{sum(reasons.values())} of {len(rows)} samples were skipped (rows with 'skipped'): "
+                    f"{dict(sorted(reasons.items()))}")

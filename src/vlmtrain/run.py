@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vlmtrain.checkpoint_paths import resolve_checkpoint
+from vlmtrain.checkpoint_paths import check_writable, resolve_checkpoint
 from vlmtrain.compose import build
 from vlmtrain.config import ConfigError, RunConfig, load_run_config, save_run_config
 
@@ -40,6 +40,7 @@ def _train(cfg: RunConfig, console: Any = None, resume: str = "--train.resume_fr
            ) -> tuple[Any, dict[str, Any]]:
     """console: a callback that replaces the progress bar and log lines (the demo's EvalLinesCallback);
     resume: what a preempted run tells the user to resubmit with."""
+    check_writable(cfg.train.output_dir, "--train.output_dir")  # one line now, not a traceback after loading
     trainer = build(cfg)
     if console is not None:
         from vlmtrain.logging.console import PrinterCallback, ProgressCallback
@@ -86,6 +87,8 @@ def evaluate(cfg: RunConfig, checkpoint: str | None = None, result_file: str | N
     from vlmtrain.trainer.checkpoint import checkpoint_step
 
     ckpt = resolve_checkpoint(checkpoint, cfg.train.output_dir) if checkpoint else None
+    cfg = _apart_from_the_run(cfg)
+    check_writable(cfg.train.output_dir, "--train.output_dir")  # metrics.jsonl goes there
     check_run_args(cfg.train, ckpt)  # train.lmms_eval_tasks: fail before any work
     trainer = build(cfg, checkpoint=ckpt)
     step = checkpoint_step(ckpt) if ckpt else None
@@ -104,6 +107,11 @@ def evaluate_all(run_dir: str, cfg: RunConfig) -> dict[int, dict[str, Any]]:
     from vlmtrain.evaluation import async_eval
     from vlmtrain.trainer.checkpoint import checkpoint_step, list_checkpoints
 
+    changed = _data_changes(cfg, run_dir)
+    if changed:
+        raise ConfigError(f"vlmtrain eval --all appends the run's own evaluations to its metrics.jsonl, but "
+                          f"{', '.join(changed)} differ from the run's config.yaml: drop those overrides, or "
+                          f"evaluate one checkpoint (recorded apart, under {os.path.join(run_dir, EVALS)}/).")
     done, rows = async_eval.evaluated_steps(run_dir), {}
     for path in list_checkpoints(run_dir):
         step = checkpoint_step(path)
@@ -118,8 +126,51 @@ def evaluate_all(run_dir: str, cfg: RunConfig) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32) -> str:
-    """Answer one prompt (with images, for a VLM) from a trained checkpoint, greedily."""
+EVALS = "evals"  # <run>/evals/<name>/: evaluations of the run's checkpoints on other data than the run's
+
+
+def _data_changes(cfg: RunConfig, run_dir: str) -> list[str]:
+    """The data.* keys of ``cfg`` that differ from the run's own (``run_dir``/config.yaml; none without one)."""
+    import yaml
+
+    from vlmtrain.config import DataConfig
+
+    saved = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(saved):
+        return []
+    with open(saved) as f:
+        theirs = (yaml.safe_load(f) or {}).get("data") or {}
+
+    def as_saved(data: DataConfig) -> dict[str, Any]:
+        return yaml.safe_load(yaml.safe_dump(dataclasses.asdict(data)))
+
+    ours = as_saved(cfg.data)
+    theirs = {**as_saved(DataConfig()), **theirs}  # (a key newer than the run's file: its default)
+    return [f"data.{key}" for key in sorted(set(ours) | set(theirs)) if ours.get(key) != theirs.get(key)]
+
+
+def _apart_from_the_run(cfg: RunConfig) -> RunConfig:
+    """An evaluation on other data than the run's (a data.* key differs from train.output_dir's config.yaml) is
+    written under ``<output_dir>/evals/<name>/`` (its own metrics.jsonl and sample files; ``name``: the eval
+    file's, else a digest of the data settings): the run's rows, sample files and report stay the run's own."""
+    import hashlib
+    import json
+
+    changed = _data_changes(cfg, cfg.train.output_dir)
+    if not changed:
+        return cfg
+    data = dataclasses.asdict(cfg.data)
+    name = Path(cfg.data.eval_file).stem if "data.eval_file" in changed and cfg.data.eval_file else \
+        "data-" + hashlib.sha1(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    out = os.path.join(cfg.train.output_dir, EVALS, name)
+    logger.warning("%s differ from the run's config.yaml: this evaluation is written to %s, not to the run's "
+                   "metrics.jsonl", ", ".join(changed), out)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, output_dir=out))
+
+
+def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_new_tokens: int = 32,
+             videos: list[str] | None = None) -> str:
+    """Answer one prompt (with images and videos, for a VLM) from a trained checkpoint, greedily."""
     from vlmtrain.models.kinds import kind_of_checkpoint
 
     ckpt = resolve_checkpoint(checkpoint, checkpoint)
@@ -127,7 +178,20 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
 
     if has_sharded_weights(ckpt):
         raise ConfigError(f"{ckpt} holds FSDP shards: run `vlmtrain export --checkpoint {ckpt}` first.")
-    return kind_of_checkpoint(ckpt).generate(ckpt, prompt, images, max_new_tokens)
+    kind = kind_of_checkpoint(ckpt)
+    if not videos:
+        return kind.generate(ckpt, prompt, images, max_new_tokens)
+    for video in videos:
+        if not os.path.isfile(video):
+            raise ConfigError(f"--video {video!r} does not exist (or is not a file).")
+    if kind.load_for_inference is None:  # (videos go through the Hub families' processors)
+        raise ConfigError(f"--video: {ckpt} is a {kind.name!r} model, which takes no videos (videos: Hub VLM "
+                          f"checkpoints of Qwen3-VL / Qwen2.5-VL).")
+    from vlmtrain.inference import load_for_inference
+
+    return load_for_inference(ckpt, device="cpu", dtype="float32").generate(prompt, images=images or [],
+                                                                           videos=videos,
+                                                                           max_new_tokens=max_new_tokens)
 
 
 def inspect_checks(config: str | None, model: str | None) -> tuple[Any, Any]:
@@ -228,7 +292,7 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
           f"  metrics:     {os.path.join(out, 'metrics.jsonl')}\n"
           f"  config:      {os.path.join(out, 'config.yaml')}\n"
           f"  report:      {_write_report(out)}\n"
-          f"  next: vlmtrain eval --config {path} --checkpoint {out}")
+          f"  next: vlmtrain eval --config {os.path.join(out, 'config.yaml')} --checkpoint {out}")  # (its data)
     return metrics
 
 

@@ -54,7 +54,7 @@ class HubVLMCollator:
     :class:`~vlmtrain.data.pack_stream.PackedDataset` (``data.pack_window``).
 
     Bookkeeping as :class:`~vlmtrain.data.vlm_collate.VLMCollator`: ``skipped`` (this batch's counts by
-    reason), ``skipped_keys`` (up to 5), ``pack_stats`` (rows, capacity, real tokens, images); ``self.skipped``
+    reason), ``skipped_keys`` (each one's name), ``pack_stats`` (rows, capacity, real tokens, images); ``self.skipped``
     is the running total. Already-processed items (dicts with ``input_ids``) pass through. If every sample is bad the
     batch holds only the bookkeeping keys.
     """
@@ -118,7 +118,7 @@ class HubVLMCollator:
         keys: list[str] = []
         items = [it for it in (self._process(s, skipped, keys) for s in samples) if it is not None]
         if not items:  # nothing for the model: the Trainer counts the drops and moves on to the next batch
-            return {"skipped": dict(+skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
+            return {"skipped": dict(+skipped), "skipped_keys": keys, "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         if self.pack_length is not None:
             lengths = [int(len(it["input_ids"])) for it in items]
             if self.max_patches_per_pack is not None:  # (vision patches per row, not images)
@@ -131,7 +131,7 @@ class HubVLMCollator:
                 bins = pack_lengths(lengths, self.pack_length, [int(it.get("num_images", 0)) for it in items],
                                     self.max_images_per_pack)
             if worth_packing(lengths, len(bins), self.pack_length, self.min_fill_gain):
-                return {**self.pack(items, bins), "skipped": dict(+skipped), "skipped_keys": keys[:5]}
+                return {**self.pack(items, bins), "skipped": dict(+skipped), "skipped_keys": keys}
         batch = self.collate_items(items, side="right")
         if any("prompt_input_ids" in it for it in items):
             prompts = [{k[len("prompt_"):]: v for k, v in it.items() if k.startswith("prompt_")} for it in items]
@@ -147,7 +147,7 @@ class HubVLMCollator:
         rows, width = batch["input_ids"].shape
         n_images = sum(int(it.get("num_images", 0)) for it in items)
         lengths = sum(int(len(it["input_ids"])) for it in items)
-        return {**batch, "skipped": dict(+skipped), "skipped_keys": keys[:5],
+        return {**batch, "skipped": dict(+skipped), "skipped_keys": keys,
                 "pack_stats": pack_stats(len(items), lengths, rows, width, n_images)}
 
     def pack(self, items: list[dict[str, Any]], bins: list[list[int]]) -> dict[str, Any]:
@@ -176,7 +176,7 @@ class HubVLMCollator:
             skipped.update(row.get("skipped", {}))
             keys += row.get("skipped_keys", [])
         groups = [row["items"] for row in rows if row.get("items")]
-        bookkeeping = {"skipped": dict(skipped), "skipped_keys": keys[:5]}
+        bookkeeping = {"skipped": dict(skipped), "skipped_keys": keys}
         if not groups:
             return {**bookkeeping, "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         items = [it for group in groups for it in group]

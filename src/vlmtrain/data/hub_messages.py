@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Collection
 from typing import Any
 
-from vlmtrain.data.processing import SkipSample, load_image
+from vlmtrain.data.processing import SkipSample, load_image, skip_unreadable
 from vlmtrain.data.sources import VIDEO_EXTENSIONS
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -168,8 +168,7 @@ def check_record(sample: Any, max_images: int | None = None, label_check: Callab
     ``vlmtrain data inspect`` runs it without a processor."""
     if not isinstance(sample, dict):
         raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
-    if sample.get("__bad__"):
-        raise SkipSample(str(sample["__bad__"]), "unreadable record")
+    skip_unreadable(sample)
     num_videos = len(sample_videos(sample))
     if num_videos and no_video is not None:
         raise no_video_support(no_video)

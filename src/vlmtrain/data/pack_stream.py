@@ -109,7 +109,7 @@ class PackedDataset(IterableDataset):
 
     def _rows(self, items: list[dict], skipped: Counter[str], keys: list[str]) -> list[dict[str, Any]]:
         if not items:  # a window of bad samples only: one empty row carries the counts
-            return [{"skipped": dict(skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}]
+            return [{"skipped": dict(skipped), "skipped_keys": keys, "pack_stats": pack_stats(0, 0, 0, 0, 0)}]
         if self.keep_items:
             lengths = [len(it["input_ids"]) for it in items]
             images = [int(it.get("num_images", 0) or 0) for it in items]
@@ -119,7 +119,7 @@ class PackedDataset(IterableDataset):
             else:
                 bins = pack_lengths(lengths, self.pack_length, images, self.max_images_per_pack)
             return [{"items": [items[i] for i in members], "skipped": dict(skipped) if r == 0 else {},
-                     "skipped_keys": keys[:5] if r == 0 else [],
+                     "skipped_keys": keys if r == 0 else [],
                      "pack_stats": pack_stats(len(members), sum(lengths[i] for i in members), 1, self.pack_length,
                                               sum(images[i] for i in members))}
                     for r, members in enumerate(bins)]
@@ -130,7 +130,7 @@ class PackedDataset(IterableDataset):
             pixels = [items[i]["pixel_values"] for i in members] if vlm else []
             row = {"input_ids": batch["input_ids"][r], "labels": batch["labels"][r],
                    "position_ids": batch["position_ids"][r],
-                   "skipped": dict(skipped) if r == 0 else {}, "skipped_keys": keys[:5] if r == 0 else [],
+                   "skipped": dict(skipped) if r == 0 else {}, "skipped_keys": keys if r == 0 else [],
                    "pack_stats": pack_stats(len(members), sum(len(items[i]["input_ids"]) for i in members), 1,
                                             self.pack_length, sum(int(p.shape[0]) for p in pixels))}
             if vlm:
@@ -158,7 +158,7 @@ def collate_rows(rows: list[dict[str, Any]]) -> dict[str, Any]:
         keys += row.get("skipped_keys", [])
         layout.update(row["pack_stats"])
     real = [row for row in rows if "input_ids" in row]
-    batch: dict[str, Any] = {"skipped": dict(skipped), "skipped_keys": keys[:5], "pack_stats": dict(layout)}
+    batch: dict[str, Any] = {"skipped": dict(skipped), "skipped_keys": keys, "pack_stats": dict(layout)}
     if not real:
         return batch
     for key in ("input_ids", "labels", "position_ids"):

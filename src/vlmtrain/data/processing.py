@@ -79,8 +79,8 @@ def process_or_skip(process: Callable[[Any], dict[str, Any]], sample: Any, total
     if isinstance(sample, Mapping) and "input_ids" in sample:
         return dict(sample)
     try:
-        if isinstance(sample, Mapping) and sample.get("__bad__"):  # a source could not parse it (malformed JSON)
-            raise SkipSample(str(sample["__bad__"]), "unreadable record")
+        if isinstance(sample, Mapping):
+            skip_unreadable(sample)
         return process(sample)
     except SkipSample as err:
         key = sample_name(sample)
@@ -90,6 +90,15 @@ def process_or_skip(process: Callable[[Any], dict[str, Any]], sample: Any, total
         skipped[err.reason] += 1
         keys.append(f"{key} ({err.reason})")
         return None
+
+
+def skip_unreadable(sample: Mapping[str, Any]) -> None:
+    """A SkipSample for a record its source could not parse (``__bad__``, e.g. a malformed JSON line), with what
+    the source said was wrong (the JSON parser's message: line and column)."""
+    from vlmtrain.data.sources import BAD_DETAIL
+
+    if sample.get("__bad__"):
+        raise SkipSample(str(sample["__bad__"]), str(sample.get(BAD_DETAIL) or "unreadable record"))
 
 
 def sample_name(sample: Any) -> str:
@@ -301,8 +310,7 @@ class VLMProcessor:
         images opened as RGB), or SkipSample. What `vlmtrain data inspect --config` runs for a ``vlm`` run."""
         if not isinstance(sample, dict):
             raise SkipSample("malformed_text", f"sample is a {type(sample).__name__}, expected a dict")
-        if sample.get("__bad__"):  # a source could not parse it (e.g. a malformed JSON line)
-            raise SkipSample(str(sample["__bad__"]), "unreadable record")
+        skip_unreadable(sample)
         turns = cls._check_texts(sample.get("texts"))
         images = cls._as_image_list(sample.get("images"))
         if max_images is not None and len(images) > max_images:

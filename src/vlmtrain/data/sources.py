@@ -32,6 +32,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from vlmtrain.data.video_layout import VIDEO_EXTENSIONS, resolve_videos, video_members
 
 KEY, DROPPED, COUNTS_ONLY = "__key__", "__dropped__", "__counts_only__"
+BAD_DETAIL = "__bad_detail__"  # what was wrong with a record its source could not parse (``__bad__``)
 IMAGE_EXTENSIONS = ("png", "jpg", "jpeg", "webp", "bmp")
 Position = dict[str, Any]
 
@@ -85,8 +86,8 @@ class JsonlSource:
                     record = json.loads(line)
                     if not isinstance(record, dict):
                         raise ValueError(f"a JSON {type(record).__name__}, not an object")
-                except ValueError:
-                    yield here, {KEY: key, "__bad__": "malformed_json"}
+                except ValueError as err:  # (the parser's message: where in the line)
+                    yield here, {KEY: key, "__bad__": "malformed_json", BAD_DETAIL: str(err)}
                     continue
                 images = record.get("images")
                 if isinstance(images, str):
@@ -150,10 +151,11 @@ class WebDatasetSource:
         record = next((data for ext, data in group if ext == "json"), None)
         try:
             sample = json.loads(record) if record is not None else None
-        except ValueError:
-            sample = None
+        except ValueError as err:
+            return {KEY: name, "__bad__": "malformed_json", BAD_DETAIL: f"{os.path.basename(key)}.json: {err}"}
         if not isinstance(sample, dict):
-            return {KEY: name, "__bad__": "malformed_json"}
+            detail = "no .json member" if sample is None else f"a JSON {type(sample).__name__}, not an object"
+            return {KEY: name, "__bad__": "malformed_json", BAD_DETAIL: detail}
         videos = video_members(group, IMAGE_EXTENSIONS)
         if videos is None:
             return {KEY: name, "__bad__": "duplicate_image"}

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from vlmtrain.data.collate import pad_sequences
-from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, process_or_skip
+from vlmtrain.data.processing import IGNORE_INDEX, SkipSample, process_or_skip, skip_unreadable
 
 
 class TextChatProcessor:
@@ -31,8 +31,7 @@ class TextChatProcessor:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
-        if sample.get("__bad__"):  # a source could not parse it (e.g. a malformed JSON line)
-            raise SkipSample(str(sample["__bad__"]), "unreadable record")
+        skip_unreadable(sample)
         if sample.get("images"):
             raise SkipSample("images_for_text_model", f"{len(sample['images'])} image(s)")
         texts = sample.get("texts")
@@ -90,7 +89,7 @@ class TextCollator:
         skipped: Counter[str] = Counter()
         keys: list[str] = []
         items = [it for it in (self._process(s, skipped, keys) for s in samples) if it is not None]
-        bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys[:5]}
+        bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys}
         if not items:
             return bookkeeping
         if self.pack_length is None:

@@ -35,7 +35,7 @@ class VLMCollator:
     Samples raising :class:`SkipSample` are dropped and counted by reason: the batch's ``skipped``
     entry holds this batch's counts (so they reach the Trainer's log from DataLoader workers too; the
     Trainer keeps the key out of the model's forward), ``self.skipped`` the running total of this
-    process; ``skipped_keys`` names up to 5 of them (``__key__`` or ``id``). Items already processed
+    process; ``skipped_keys`` names each of them (``__key__`` or ``id``). Items already processed
     (dicts with ``input_ids``) pass through unchanged. If EVERY sample of a batch is bad, the batch
     holds only ``skipped``, ``skipped_keys`` and ``pack_stats``: the Trainer counts it and goes on
     (and stops when bad samples pass ``max_bad_sample_fraction``).
@@ -86,7 +86,7 @@ class VLMCollator:
             skipped["too_many_images"] += over
             items = [it for it in items if it["pixel_values"].shape[0] <= cap]
         if not items:  # nothing for the model: the Trainer counts the drops and moves on to the next batch
-            return {"skipped": dict(+skipped), "skipped_keys": keys[:5], "pack_stats": pack_stats(0, 0, 0, 0, 0)}
+            return {"skipped": dict(+skipped), "skipped_keys": keys, "pack_stats": pack_stats(0, 0, 0, 0, 0)}
         prompts = [torch.as_tensor(it["prompt_input_ids"], dtype=torch.long) for it in items]
         batch: dict[str, Any] = {}
         lengths = [len(it["input_ids"]) for it in items]
@@ -114,7 +114,7 @@ class VLMCollator:
             "prompt_attention_mask": pad_sequences([torch.ones_like(t) for t in prompts], 0, side="left"),
             "prompt_pixel_values": prompt_pixels,
             "skipped": dict(+skipped),  # (+: without zero counts)
-            "skipped_keys": keys[:5],
+            "skipped_keys": keys,
             "pack_stats": pack_stats(len(items), sum(lengths), rows, width, n_images),
         }
 

@@ -207,7 +207,7 @@ def _load_dcp(checkpoint: str, torch_dtype: str, stop_token_id: int | None, devi
     if os.path.isfile(os.path.join(checkpoint, "heads.json")):
         heads = read_head_configs(checkpoint)
     elif any(k.startswith("heads.") for k in state):
-        heads = _run_config_section(checkpoint, "model").get("heads")
+        heads = run_config_section(checkpoint, "model").get("heads")
         if not heads:
             raise CheckpointError(f"{checkpoint}/dcp holds score heads but neither {checkpoint}/heads.json nor the "
                                   f"run's config.yaml (model.heads) says what they are.")
@@ -242,7 +242,7 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
     return model
 
 
-def _run_config_section(checkpoint: str, section: str) -> dict[str, Any]:
+def run_config_section(checkpoint: str, section: str) -> dict[str, Any]:
     """``section`` of the run's config.yaml (in the checkpoint directory or its parent run directory); {} when
     there is none."""
     import yaml
@@ -277,7 +277,7 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
     dtype_name = str(dtype).removeprefix("torch.")
     model = load_checkpoint(checkpoint, dtype_name, stop_token_id=end_of_turn_id(processor, family), device=device)
     model.eval()
-    run_data = _run_config_section(checkpoint, "data")
+    run_data = run_config_section(checkpoint, "data")
     if max_length is None:
         max_length = run_data.get("max_length") or 1 << 20
     if max_images is None:
@@ -319,14 +319,23 @@ def _generator(model: Any, processor: Any, prompts: Any, device: Any) -> Callabl
 
     prompt_collator = HubVLMCollator(prompts)
 
-    def generate(samples: list[dict[str, Any]], max_new_tokens: int = 32) -> list[str]:
-        """Greedy answers to samples (each answering its last user turn), stopping at the end-of-turn token."""
+    def generate(samples: list[dict[str, Any]], max_new_tokens: int = 32, skip: bool = False) -> list[Any]:
+        """Greedy answers to samples (each answering its last user turn), stopping at the end-of-turn token. A
+        sample the processing skips is a ConfigError, or with ``skip`` its SkipSample in place of its answer."""
         from vlmtrain.data.processing import SkipSample
 
-        try:
-            items = [prompts.process(s) for s in samples]
-        except SkipSample as e:
-            raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
+        items, skipped = [], {}
+        for i, sample in enumerate(samples):
+            try:
+                items.append(prompts.process(sample))
+            except SkipSample as e:
+                if not skip:
+                    raise ConfigError(f"cannot use this input: {e.reason} ({e})") from None
+                skipped[i] = e
+        answers = iter(_answers(items, max_new_tokens) if items else [])
+        return [skipped[i] if i in skipped else next(answers) for i in range(len(samples))]
+
+    def _answers(items: list[dict[str, Any]], max_new_tokens: int) -> list[str]:
         batch = prompt_collator(items)
         inputs = {k[len("prompt_"):]: v.to(device) if isinstance(v, torch.Tensor) else v
                   for k, v in batch.items() if k.startswith("prompt_")}

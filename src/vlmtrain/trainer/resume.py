@@ -38,7 +38,7 @@ class CheckpointMixin:
         return {"loader": None if epoch_done or self._epoch_cut or stateless else self.train_dataloader.state_dict(),
                 "epoch_index": self._epoch_index + int(epoch_done), "micro_step": 0 if epoch_done else self._micro_step,
                 "train_losses": self._train_losses.state_dict(), "last_logged_step": self._last_logged_step,
-                "skipped": dict(self._throughput.skipped_total), "run_loss": self._run_loss.state_dict(),
+                **self._throughput.state_dict(), "run_loss": self._run_loss.state_dict(),
                 "nonfinite": self._nonfinite.state_dict(),
                 "async_eval": self._async_eval.state_dict() if self._async_eval is not None else None}
 
@@ -206,7 +206,7 @@ class CheckpointMixin:
             self._nonfinite.load_state_dict(loop["nonfinite"])
         if self._async_eval is not None:
             self._async_eval.load_state_dict(loop.get("async_eval") or {}, self.state.global_step)
-        self._throughput.skipped_total.update(loop.get("skipped", {}))
+        self._throughput.load_state_dict(loop)
         ckpt.set_rng_state(ckpt.load_rng_state(path, self.rank))
 
     def _end_epochs_after(self, global_step: int, loop: dict) -> None:

@@ -20,12 +20,13 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from ..errors import warn_caller
 from .distributed import NamedSums
 from .optim import build_param_groups, create_optimizer, create_scheduler
 from .parts import TrainerParts
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
-from .stats import LossAverager, NonfiniteSteps, Throughput
+from .stats import LossAverager, NonfiniteSteps, Throughput, skip_summary
 from .step import vision_inputs
 
 
@@ -264,11 +265,12 @@ class SetupMixin:
         if self._nonfinite.total:
             metrics["train_nonfinite_steps"] = self._nonfinite.total
         skipped = self._throughput.total_over_ranks()
-        if skipped:  # bad samples the collator dropped, by reason, over the whole run (resumes included) and ranks
+        bad = self._throughput.bad_samples_over_ranks()
+        if skipped:  # samples the collator dropped, by reason, over the whole run (resumes included) and ranks
             metrics.update({f"train_skipped_{reason}": n for reason, n in sorted(skipped.items())})
+            metrics["train_bad_samples"] = bad
             if self.rank == 0:
-                warnings.warn(f"{sum(skipped.values())} training samples were skipped: "
-                              f"{dict(sorted(skipped.items()))}", stacklevel=3)
+                warn_caller(skip_summary(skipped, bad))
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             load_model_state(self.model, self.state.best_model_checkpoint, self.parts)

@@ -3,6 +3,7 @@ skipped samples, with its rates from the logging layer."""
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -167,6 +168,9 @@ class Throughput:
     def __init__(self, flops: Callable[[Mapping[str, Any]], float] | None = None, peak_tflops: float | None = None,
                  make_rates: Callable[[Any, float | None], Any] | None = None) -> None:
         self.skipped_total: Counter[str] = Counter()  # (this rank's)
+        # Digests of the names of the bad samples skipped (this rank's, the whole run): a sample read again
+        # (each epoch) is skipped and counted again, but it is one bad sample.
+        self.bad_samples: set[int] = set()
         self._names = NamedSums()
         self.rates = None if make_rates is None else make_rates(flops, peak_tflops)
         self.reset()
@@ -190,6 +194,7 @@ class Throughput:
         self.skipped.update(skipped)
         self.skipped_total.update(skipped)
         keys = batch.get("skipped_keys") if isinstance(batch, Mapping) else None
+        self.bad_samples.update(_digest(key) for key in keys or ())
         if keys and len(self.bad_keys) < 5:
             self.bad_keys += list(keys)[: 5 - len(self.bad_keys)]
         layout = batch.get("pack_stats") if isinstance(batch, Mapping) else None
@@ -233,10 +238,37 @@ class Throughput:
         out.update({f"skipped_{reason}": n for reason, n in sorted(skipped.items())})
         return out
 
+    def bad_samples_over_ranks(self) -> int:
+        """How many distinct bad samples the run skipped (by name; resumes included), over ranks: a sample that
+        two ranks read in different epochs counts once. Every rank calls it (a collective)."""
+        return len(set().union(*all_gather_objects(sorted(self.bad_samples))))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's counts a checkpoint keeps (this rank's): skips by reason, and the bad samples' digests."""
+        return {"skipped": dict(self.skipped_total), "bad_samples": sorted(self.bad_samples)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_total.update(state.get("skipped", {}))
+        self.bad_samples.update(state.get("bad_samples", ()))
+
     def total_over_ranks(self) -> Counter[str]:
         """The run's skipped samples by reason (``skipped_total``, resumes included), summed over ranks."""
         summed = NamedSums().reduce({reason: [float(n)] for reason, n in self.skipped_total.items()}, 1)
         return Counter({reason: int(v[0]) for reason, v in sorted(summed.items()) if v[0] > 0})
+
+
+def skip_summary(skipped: Mapping[str, int], bad_samples: int) -> str:
+    """The end-of-training line on skipped samples: the distinct bad samples and the skips (every read of a bad
+    sample is a skip: once per epoch; filtered samples and rank-sync drops are skips, not bad samples)."""
+    reads = dict(sorted(skipped.items()))
+    line = f"{sum(reads.values())} training samples were skipped: {reads}"
+    return f"{line} ({bad_samples} distinct bad samples: one is skipped at every read, e.g. each epoch)" \
+        if bad_samples else line
+
+
+def _digest(name: str) -> int:
+    """A stable 64-bit digest of a sample's name (``file:line (reason)``): the same in every process and run."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 class NonfiniteSteps:

@@ -49,7 +49,8 @@ class ModelKind:
     load_for_inference: Callable[..., dict[str, Any]] | None = None
     """load_for_inference(checkpoint, device, dtype, max_length=None, max_images=None) -> parts: model (eval mode,
     in dtype on device, with its heads), processor, process (raw sample -> item; raises SkipSample), collate
-    (items -> batch) and generate(samples, max_new_tokens) -> answers. What vlmtrain.load_for_inference uses."""
+    (items -> batch) and generate(samples, max_new_tokens, skip=False) -> answers (with skip, a skipped sample's
+    SkipSample in its place). What vlmtrain.load_for_inference uses."""
     record_check: Callable[[Any], Callable[[dict[str, Any]], Any]] | None = None
     """record_check(cfg) -> check(sample): the checks this kind's training makes on one raw sample (texts, images,
     `<image>` placeholders, head labels; raise SkipSample), with the run's limits and heads and never the model's
