@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # CI machine's slow checkpoint write on rank 0 times out rank 1 in the save's own collective: 4 s did once.)
 DDP_TIMEOUT_S = 8
 EVAL_S = 12
+# The final-evaluation test has no evaluation to outwait: a timeout that a loaded 2-core machine never reaches in a
+# healthy run, still short enough that a rank left alone in evaluate() fails the job in seconds.
+FINAL_EVAL_TIMEOUT_S = 30
 
 
 @pytest.mark.slow
@@ -59,7 +62,7 @@ def test_every_rank_decides_the_final_evaluation_alike(tmp_path, async_loss):
     out = tmp_path / "run"
     cfg = json.loads(json.dumps(LM))
     cfg["train"].update(output_dir=str(out), max_steps=2, save_steps=2, per_device_eval_batch_size=4,
-                        ddp_timeout=DDP_TIMEOUT_S, async_eval_command=_evaluator(async_loss))
+                        ddp_timeout=FINAL_EVAL_TIMEOUT_S, async_eval_command=_evaluator(async_loss))
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}

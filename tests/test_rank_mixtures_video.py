@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 import yaml
 from PIL import Image
 
-from tests.test_rank_mixtures_vision import OPTIMIZERS, _config, _problem
+from tests.test_rank_mixtures_vision import OPTIMIZERS, _config, _problem, suffix
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ["qwen3_vl-ddp-lora", "qwen3_vl-fsdp-full"]
@@ -50,17 +49,18 @@ def _samples(tmp: Path, n: int, offset: int, text_from: int | None = None) -> li
     return out
 
 
-@pytest.mark.parametrize("optim", list(OPTIMIZERS))
-def test_video_rank_and_image_or_text_rank_match_one_process(tmp_path, one_thread, optim):
+def test_video_rank_and_image_or_text_rank_match_one_process(tmp_path, one_thread):
     from tests.rank_mixtures_vision_worker import run
     from vlmtrain.models.families import get_family
 
-    text_last = 2 if optim == "adamw" else None  # (step 2: global samples 2-3)
-    for name, samples in (("train", _samples(tmp_path, 4, 0, text_last)), ("eval", _samples(tmp_path, 2, 100))):
-        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(s) + "\n" for s in _samples(tmp_path, 2, 100)))
+    for optim in OPTIMIZERS:
+        text_last = 2 if optim == "adamw" else None  # (step 2: global samples 2-3)
+        (tmp_path / f"train{suffix(optim)}.jsonl").write_text(
+            "".join(json.dumps(s) + "\n" for s in _samples(tmp_path, 4, 0, text_last)))
     checkpoints = {"qwen3_vl": get_family("qwen3_vl").build_tiny(str(tmp_path / "tiny-qwen3_vl"), seed=0)}
 
-    def config(case: str, nproc: int) -> str:
+    def config(case: str, nproc: int, optim: str) -> str:
         """The image test's config, with the clips kept at their 32 x 32 frames (8 video tokens each)."""
         path = _config(tmp_path, case, checkpoints, nproc, optim)
         cfg = yaml.safe_load(path.read_text())
@@ -68,18 +68,19 @@ def test_video_rank_and_image_or_text_rank_match_one_process(tmp_path, one_threa
         path.write_text(yaml.safe_dump(cfg))
         return str(path)
 
-    configs = [config(c, 2) for c in CASES]
+    runs = [(c, optim) for optim in OPTIMIZERS for c in CASES]
+    configs = [config(c, 2, optim) for c, optim in runs]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "rank_mixtures_vision_worker.py"), str(tmp_path), *configs]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     output = done.stdout[-3000:] + done.stderr[-5000:]
-    for case in CASES:
-        run(config(case, 1), str(tmp_path))
-    problems = {case: _problem(tmp_path, case, output, optim) for case in CASES}
+    for case, optim in runs:
+        run(config(case, 1, optim), str(tmp_path))
+    problems = {f"{case} ({optim})": _problem(tmp_path, case, output, optim) for case, optim in runs}
     assert not any(problems.values()), "\n".join(f"{c}: {p}" for c, p in problems.items() if p)
-    for case in CASES:  # every clip trained and was evaluated (none skipped: they were the point)
-        two = torch.load(tmp_path / f"{case}-2.pt", weights_only=False)
+    for case, optim in runs:  # every clip trained and was evaluated (none skipped: they were the point)
+        two = torch.load(tmp_path / f"{case}{suffix(optim)}-2.pt", weights_only=False)
         final = next(r for r in two["logs"] if "train_loss" in r)
         assert not any("skipped" in k for k in final) and not any("skipped" in k for k in two["eval"]), (final,
                                                                                                         two["eval"])

@@ -75,6 +75,11 @@ OPTIMIZERS = {"sgd": {"optim": "sgd", "learning_rate": 0.5, "weight_decay": 0.0}
 # order on small gradients (2e-5 seen); a zero gradient where none belongs moves a weight by its momentum, ~0.7 x
 # lr = 7e-3.
 WEIGHT_TOLERANCE = {"sgd": 1e-6, "adamw": 1e-4}
+
+
+def suffix(optim: str) -> str:
+    """What an optimizer adds to a case's file names (its runs share one launch with the SGD ones)."""
+    return "" if optim == "sgd" else f"-{optim}"
 TOWER = {"qwen3_vl": ("model.visual.blocks.", "model.visual.merger."),
          "idefics3": ("model.vision_model.encoder.", "model.connector."),
          "llava_onevision": ("model.vision_tower.encoder.", "model.multi_modal_projector."),
@@ -132,10 +137,10 @@ def _config(tmp: Path, case: str, checkpoints: dict[str, str], nproc: int, optim
                      "heads": HEADS if heads else None}
     cfg = {
         "model": model_cfg,
-        "data": {"source": "jsonl", "train_file": str(tmp / f"{data}train.jsonl"),
+        "data": {"source": "jsonl", "train_file": str(tmp / f"{data}train{suffix(optim)}.jsonl"),
                  "eval_file": str(tmp / f"{data}eval.jsonl"),
                  "max_length": 128, "max_images": 1},
-        "train": {"output_dir": str(tmp / f"{case}-{nproc}"), "max_steps": 2, **OPTIMIZERS[optim],
+        "train": {"output_dir": str(tmp / f"{case}{suffix(optim)}-{nproc}"), "max_steps": 2, **OPTIMIZERS[optim],
                   "lr_scheduler_type": "constant", "warmup_ratio": 0.0,
                   "per_device_train_batch_size": batch, "per_device_eval_batch_size": batch,
                   "train_sampling_strategy": "sequential", "logging_steps": 1, "eval_strategy": "no",
@@ -144,14 +149,14 @@ def _config(tmp: Path, case: str, checkpoints: dict[str, str], nproc: int, optim
                   **({"predict_with_generate": True, "generation_max_new_tokens": 3}
                      if case.endswith("-generate") else {})},
     }
-    path = tmp / f"{case}-{nproc}.yaml"
+    path = tmp / f"{case}{suffix(optim)}-{nproc}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 def _problem(tmp: Path, case: str, output: str, optim: str = "sgd") -> str | None:
     """What is wrong with a case's 2-rank run against its 1-process one (None: nothing)."""
-    two_path, one_path = tmp / f"{case}-2.pt", tmp / f"{case}-1.pt"
+    two_path, one_path = tmp / f"{case}{suffix(optim)}-2.pt", tmp / f"{case}{suffix(optim)}-1.pt"
     if not two_path.is_file():
         return f"the 2-rank run did not finish:\n{output}"
     two, one = torch.load(two_path, weights_only=False), torch.load(one_path, weights_only=False)
@@ -205,34 +210,36 @@ def _logged_problem(two: dict, one: dict) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("group,optim", [
-    pytest.param(g, o, marks=pytest.mark.slow) if g == "other-families" or (g, o) == ("fsdp-generate", "adamw")
-    else (g, o) for g in GROUPS for o in OPTIMIZERS])
-def test_image_rank_and_text_only_rank_match_one_process(tmp_path, one_thread, group, optim):
-    """The group's cases in one torchrun launch (one process group, each case built and run in turn), the
-    1-process references in this process. With AdamW the second step has no image on any rank: the vision
-    tower and projector get no gradient there (None, as one process without the dummy image leaves them)."""
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) if g == "other-families" else g
+                                   for g in GROUPS])
+def test_image_rank_and_text_only_rank_match_one_process(tmp_path, one_thread, group):
+    """The group's cases, each with SGD and with AdamW, in one torchrun launch (one process group, each run built
+    and run in turn), the 1-process references in this process. With AdamW the second step has no image on any
+    rank: the vision tower and projector get no gradient there (None, as one process without the dummy image
+    leaves them)."""
     from tests.rank_mixtures_vision_worker import run
     from vlmtrain.models.families import get_family
 
     cases = GROUPS[group]
-    text_last = optim == "adamw"  # (step 2: global samples 2-3, or 4-7 with heads)
-    for name, samples in (("train", _samples(tmp_path, 4, 0, 2 if text_last else None)),
-                          ("eval", _samples(tmp_path, 2, 100)),
-                          ("heads-train", _heads_samples(tmp_path, 8, 200, 4 if text_last else None)),
-                          ("heads-eval", _heads_samples(tmp_path, 4, 300))):
+    for name, samples in (("eval", _samples(tmp_path, 2, 100)), ("heads-eval", _heads_samples(tmp_path, 4, 300))):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    for optim in OPTIMIZERS:
+        text_last = optim == "adamw"  # (step 2: global samples 2-3, or 4-7 with heads)
+        for name, samples in (("train", _samples(tmp_path, 4, 0, 2 if text_last else None)),
+                              ("heads-train", _heads_samples(tmp_path, 8, 200, 4 if text_last else None))):
+            (tmp_path / f"{name}{suffix(optim)}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     families = sorted({CASES[c][0] for c in cases} - {"vlm"})
     checkpoints = {f: get_family(f).build_tiny(str(tmp_path / f"tiny-{f}"), seed=0) for f in families}
-    configs = [str(_config(tmp_path, c, checkpoints, 2, optim)) for c in cases]
+    runs = [(c, optim) for optim in OPTIMIZERS for c in cases]
+    configs = [str(_config(tmp_path, c, checkpoints, 2, optim)) for c, optim in runs]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "rank_mixtures_vision_worker.py"), str(tmp_path), *configs]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     output = done.stdout[-3000:] + done.stderr[-5000:]
-    for case in cases:
+    for case, optim in runs:
         run(str(_config(tmp_path, case, checkpoints, 1, optim)), str(tmp_path))
-    problems = {case: _problem(tmp_path, case, output, optim) for case in cases}
+    problems = {f"{case} ({optim})": _problem(tmp_path, case, output, optim) for case, optim in runs}
     assert not any(problems.values()), "\n".join(f"{c}: {p}" for c, p in problems.items() if p)
 
 
