@@ -72,6 +72,14 @@ class DPOObjective(nn.Module):
             self.ref_model.eval()  # the reference stays in evaluation mode (no dropout) while the policy trains
         return self
 
+    def save_pretrained(self, directory: str, state_dict: dict[str, torch.Tensor] | None = None,
+                        **kwargs: Any) -> None:
+        """The policy's files alone (in its own layout: a transformers model, or a peft adapter); the reference
+        is not saved."""
+        if state_dict is not None:
+            state_dict = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
+        self.policy.save_pretrained(directory, state_dict=state_dict, **kwargs)
+
     def _reference_logits(self, **inputs: Any) -> torch.Tensor:
         with torch.no_grad():
             if self.ref_model is not None:
