@@ -110,3 +110,15 @@ def test_dpo_config_refuses_what_is_not_implemented(tmp_path, option, value):
     """One clear error naming the option when the arguments are built, before any model loads."""
     with pytest.raises(vlmtrain.errors.ConfigError, match=option):
         vlmtrain.DPOConfig(str(tmp_path), **{option: value})
+
+
+def test_dpo_resume_is_refused_and_a_path_is_a_model(model_dir, tmp_path):
+    """A model given as a path (its tokenizer loaded from it); resuming a DPO run is one clear error, not a
+    checkpoint loaded wrongly."""
+    args = vlmtrain.DPOConfig(str(tmp_path), max_steps=1, per_device_train_batch_size=2, save_strategy="steps",
+                              save_steps=1, report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+                              disable_tqdm=True)
+    vlmtrain.DPOTrainer(model=str(model_dir), args=args, train_dataset=_pairs(4)).train()
+    trainer = vlmtrain.DPOTrainer(model=str(model_dir), args=args, train_dataset=_pairs(4))
+    with pytest.raises(vlmtrain.errors.ConfigError, match="resume_from_checkpoint"):
+        trainer.train(resume_from_checkpoint=True)

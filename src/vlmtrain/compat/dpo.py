@@ -115,13 +115,14 @@ class DPOTrainer(Trainer):
                  data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, compute_metrics: Any = None, callbacks: list | None = None,
                  optimizers: tuple = (None, None), peft_config: Any = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = DPOConfig(f"{str(name).split('/')[-1]}-DPO")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
+        set_seed(args.seed)  # (as TRL: before a peft_config's adapter is initialized)
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
         if ref_model is model:
@@ -155,6 +156,14 @@ class DPOTrainer(Trainer):
                          eval_dataset=_prepare(eval_dataset, processing_class, args),
                          processing_class=processing_class, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train; resuming a DPO run is not supported yet (its checkpoints hold the policy alone)."""
+        if resume_from_checkpoint:
+            raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r}: resuming a DPO run is not "
+                              "supported yet. Start a new DPOTrainer with model=<the checkpoint folder> (its "
+                              "policy) and, for the same reference, ref_model=<the original model>.")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     @property
     def ref_model(self) -> nn.Module | None:
