@@ -3,6 +3,7 @@
 from . import tasks  # noqa: F401 - the synthetic tasks' data sources, by their config `kind:` names
 from .compat.arguments import TrainingArguments
 from .compat.callbacks import EarlyStoppingCallback
+from .compat.dpo import DPOConfig, DPOTrainer
 from .compat.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from .compat.trainer import Trainer
 from .inference import InferenceModel, load_for_inference
@@ -19,7 +20,7 @@ from .trainer import (
 
 __version__ = "0.1.0"
 __all__ = [
-    "EarlyStoppingCallback", "EvalPrediction", "InferenceModel", "PredictionOutput", "Trainer", "TrainerCallback",
+    "DPOConfig", "DPOTrainer", "EarlyStoppingCallback", "EvalPrediction", "InferenceModel", "PredictionOutput", "Trainer", "TrainerCallback",
     "TrainerControl", "TrainerParts", "TrainerState", "TrainOutput", "TrainingArguments", "__version__", "attach_heads",
     "load_for_inference", "Seq2SeqTrainer", "Seq2SeqTrainingArguments",
 ]

@@ -16,11 +16,17 @@ from .distributed import NamedSums, all_gather_objects
 
 
 def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The scalar `loss_<name>` entries of a model output (besides `loss` itself)."""
+    """The scalar `loss_<name>` entries of a model output (besides `loss` itself), and the scalars of its
+    `metrics` mapping under their own names (an objective's logged metrics, e.g. DPO's `rewards/chosen`), each
+    averaged like `loss` over the output's items."""
     found = {}
     for key, value in outputs.items():
         if key.startswith("loss_") and isinstance(value, torch.Tensor) and value.numel() == 1:
             found[key] = value.detach().reshape(())
+    metrics = outputs.get("metrics")
+    if isinstance(metrics, Mapping):
+        found.update({k: v.detach().reshape(()) for k, v in metrics.items()
+                      if isinstance(v, torch.Tensor) and v.numel() == 1})
     return found
 
 

@@ -1,0 +1,176 @@
+"""TRL 1.16's DPOConfig and DPOTrainer on vlmtrain's Trainer, for causal language models: a TRL DPO script runs
+with only its import changed. The pairs are tokenized as TRL tokenizes them and collated chosen-then-rejected
+(data/preference.py); the objective (models/objectives/dpo.py) wraps the policy and its reference and returns the
+loss with TRL's metrics, which the trainer logs as it logs any model's (``eval_`` prefixed in evaluation)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ..data.preference import PAIR_COLUMNS, TRUNCATION_MODES, PreferenceCollator, tokenize_pair
+from ..errors import ConfigError
+from ..models.objectives.dpo import LOSS_TYPES, DPOObjective
+from .arguments import TrainingArguments
+from .trainer import Trainer
+
+
+@dataclass
+class DPOConfig(TrainingArguments):
+    """TrainingArguments with TRL 1.16's DPOConfig options and defaults (TRL's defaults differ from transformers'
+    for learning_rate 1e-6, logging_steps 10, gradient_checkpointing True, and bf16: on unless fp16 is set)."""
+
+    learning_rate: float = 1e-6
+    logging_steps: float = 10
+    gradient_checkpointing: bool | None = True
+    bf16: bool | None = None
+    model_init_kwargs: dict[str, Any] | None = None
+    """Keyword arguments of ``AutoModelForCausalLM.from_pretrained`` when the model is given as a path."""
+    disable_dropout: bool = True
+    """Set every dropout of the policy and the reference to 0."""
+    max_length: int | None = 1024
+    """The most tokens of prompt + answer; longer sequences are cut as ``truncation_mode`` says (None: never)."""
+    truncation_mode: str = "keep_start"
+    """``keep_start`` keeps the first ``max_length`` tokens (a pair whose prompt alone fills them is dropped, as
+    TRL drops it); ``keep_end`` the last ones."""
+    padding_free: bool = False
+    """Not available (as in TRL 1.16, which warns and pads): True warns and pads."""
+    pad_to_multiple_of: int | str | None = "auto"
+    """``auto`` / None: no padding beyond the longest row of the batch (other values are refused)."""
+    precompute_ref_log_probs: bool = False
+    """Not implemented yet: True is refused."""
+    precompute_ref_batch_size: int | None = None
+    loss_type: list[str] | str = field(default_factory=lambda: ["sigmoid"])
+    """One or several of ``sigmoid``, ``ipo``, ``hinge`` (several: summed with ``loss_weights``)."""
+    loss_weights: list[float] | None = None
+    label_smoothing: float = 0.0
+    """As TRL 1.16: used by none of the loss types implemented here (only by robust, exo_pair and aot)."""
+    beta: float = 0.1
+    """The temperature of the DPO loss (IPO: the regularization parameter tau)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_type, str):
+            self.loss_type = [self.loss_type]
+        unknown = [t for t in self.loss_type if t not in LOSS_TYPES]
+        if unknown:
+            raise ConfigError(f"loss_type={unknown}: vlmtrain's DPO has {list(LOSS_TYPES)} (TRL's other loss "
+                              "types are not implemented yet).")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError("`loss_weights` must have the same length as `loss_type` when combining multiple "
+                             f"losses. Got {len(self.loss_weights)} weights for {len(self.loss_type)} loss types.")
+        if self.truncation_mode not in TRUNCATION_MODES:
+            raise ConfigError(f"truncation_mode={self.truncation_mode!r}: expected one of {TRUNCATION_MODES}.")
+        if self.precompute_ref_log_probs:
+            raise ConfigError("precompute_ref_log_probs=True is not implemented in vlmtrain's DPO yet: set "
+                              "precompute_ref_log_probs=False (the reference then runs beside the policy).")
+        if self.pad_to_multiple_of not in ("auto", None):
+            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r}: vlmtrain's DPO pads to the longest "
+                              "row of each batch; set pad_to_multiple_of=None.")
+        self.pad_to_multiple_of = None
+        if self.padding_free:
+            warnings.warn("padding_free=True is not available for DPO yet (nor in TRL 1.16): padding instead.",
+                          stacklevel=2)
+            self.padding_free = False
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        super().__post_init__()
+
+
+def _prepare(dataset: Any, tokenizer: Any, args: DPOConfig) -> Any:
+    """The pairs tokenized as TRL tokenizes them, without those whose prompt alone fills max_length under
+    keep_start (they would have no answer token left)."""
+    if dataset is None:
+        return None
+    if isinstance(dataset, dict):
+        return {name: _prepare(d, tokenizer, args) for name, d in dataset.items()}
+    first = next(iter(dataset))
+    if all(k in first for k in PAIR_COLUMNS):
+        return dataset  # (already tokenized)
+
+    def keep(s: dict) -> bool:
+        return args.max_length is None or args.truncation_mode != "keep_start" or len(s["prompt_ids"]) < args.max_length
+
+    if hasattr(dataset, "map"):  # a datasets.Dataset
+        return dataset.map(tokenize_pair, fn_kwargs={"tokenizer": tokenizer}).filter(keep)
+    rows = [{**s, **tokenize_pair(s, tokenizer)} for s in dataset]
+    return [s for s in rows if keep(s)]
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+class DPOTrainer(Trainer):
+    """TRL's DPOTrainer for a causal language model (an object or a path), on vlmtrain's Trainer: the reference
+    is ``ref_model``, else the policy with its adapters off (a peft model, or ``peft_config``), else a frozen
+    copy of the policy as it is when the trainer is built. ``self.model`` is the :class:`DPOObjective`;
+    ``self.policy`` the model trained."""
+
+    def __init__(self, model: str | nn.Module, ref_model: nn.Module | None = None, args: DPOConfig | None = None,
+                 data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 processing_class: Any = None, compute_metrics: Any = None, callbacks: list | None = None,
+                 optimizers: tuple = (None, None), peft_config: Any = None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = DPOConfig(f"{str(name).split('/')[-1]}-DPO")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required")
+        set_seed(args.seed)  # (as TRL: before a peft_config's adapter is initialized)
+        if isinstance(model, str):
+            model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+        if ref_model is model:
+            raise ValueError("`model` and `ref_model` cannot be the same object. In most cases you should omit "
+                             "`ref_model` and we'll initialize it to a copy of `model` for you.")
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        if getattr(processing_class, "image_processor", None) is not None:
+            raise ConfigError("vlmtrain's DPOTrainer takes causal language models with a tokenizer for now; "
+                              "preference pairs with images are still to come.")
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        model.config.pad_token_id = processing_class.pad_token_id  # (as TRL: the model agrees with the tokenizer)
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        if ref_model is None and not hasattr(model, "disable_adapter"):
+            ref_model = copy.deepcopy(model)
+        if args.disable_dropout:
+            _disable_dropout(model)
+            if ref_model is not None:
+                _disable_dropout(ref_model)
+        self.policy = model
+        objective = DPOObjective(model, ref_model, beta=args.beta, loss_type=args.loss_type,
+                                 loss_weights=args.loss_weights)
+        if data_collator is None:
+            data_collator = PreferenceCollator(processing_class.pad_token_id, args.max_length, args.truncation_mode)
+        super().__init__(model=objective, args=args, data_collator=data_collator,
+                         train_dataset=_prepare(train_dataset, processing_class, args),
+                         eval_dataset=_prepare(eval_dataset, processing_class, args),
+                         processing_class=processing_class, compute_metrics=compute_metrics, callbacks=callbacks,
+                         optimizers=optimizers)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train; resuming a DPO run is not supported yet (its checkpoints hold the policy alone)."""
+        if resume_from_checkpoint:
+            raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r}: resuming a DPO run is not "
+                              "supported yet. Start a new DPOTrainer with model=<the checkpoint folder> (its "
+                              "policy) and, for the same reference, ref_model=<the original model>.")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    @property
+    def ref_model(self) -> nn.Module | None:
+        """The frozen reference (None where the policy's adapters switched off give it)."""
+        return self.model.ref_model
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # the collator reads the tokenized pair, not the objective's forward arguments
+        if self._signature_columns is None:
+            self._signature_columns = list(PAIR_COLUMNS)

@@ -1,0 +1,135 @@
+"""Direct Preference Optimization for causal language models, with TRL 1.16's DPOTrainer's losses and metrics.
+
+:class:`DPOObjective` wraps the policy and its reference. Its forward takes a collated pair batch (the B chosen
+sequences, then the B rejected ones, with a ``completion_mask``: data/preference.py), runs the policy once over
+all 2B rows and the reference without gradients, sums each answer's token log-probs and returns ``loss`` (a mean
+over the pairs), ``num_items`` (the pairs: how the trainer weights micro-batches and ranks) and ``metrics`` under
+TRL's names (``rewards/chosen``, ``logps/rejected``, ...)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...errors import ConfigError
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+def answer_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Per-row sum of the log-probs of the answer tokens (position t's logits predict token t + 1)."""
+    mask = completion_mask[:, 1:].bool()
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    token_logp = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, token_logp, 0.0).sum(dim=1)
+
+
+def dpo_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, completion_mask: torch.Tensor,
+               beta: float, loss_type: str) -> torch.Tensor:
+    """Per-pair loss of one TRL loss type from the policy-over-reference log-ratios of each answer. IPO, as TRL,
+    averages each answer's log-ratio over its tokens before the squared loss."""
+    delta = chosen_scores - rejected_scores
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(beta * delta)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    if loss_type == "ipo":
+        chosen_len, rejected_len = completion_mask.sum(dim=1).clamp(min=1.0).chunk(2)
+        return (chosen_scores / chosen_len - rejected_scores / rejected_len - 1 / (2 * beta)) ** 2
+    raise ConfigError(f"loss_type={loss_type!r}: vlmtrain's DPO has {LOSS_TYPES}.")
+
+
+class DPOObjective(nn.Module):
+    """The DPO objective over a policy and its reference: a frozen ``ref_model``, or (``ref_model=None`` and a
+    peft policy) the policy with its adapters switched off. ``loss_type`` and ``loss_weights`` as TRL's: the
+    loss is the weighted sum of each type's mean over the pairs."""
+
+    def __init__(self, policy: nn.Module, ref_model: nn.Module | None, beta: float = 0.1,
+                 loss_type: Sequence[str] = ("sigmoid",), loss_weights: Sequence[float] | None = None) -> None:
+        super().__init__()
+        if ref_model is None and not hasattr(policy, "disable_adapter"):
+            raise ConfigError("DPO needs a reference: pass ref_model, or a peft model whose adapters switched off "
+                              "give the reference.")
+        self.policy = policy
+        self.ref_model = ref_model
+        if ref_model is not None:
+            ref_model.requires_grad_(False)
+            ref_model.eval()
+        self.beta = beta
+        self.loss_type = list(loss_type)
+        self.loss_weights = list(loss_weights) if loss_weights is not None else [1.0] * len(self.loss_type)
+        for name in self.loss_type:
+            if name not in LOSS_TYPES:
+                raise ConfigError(f"loss_type={name!r}: vlmtrain's DPO has {LOSS_TYPES}.")
+
+    def train(self, mode: bool = True) -> DPOObjective:
+        super().train(mode)
+        if self.ref_model is not None:
+            self.ref_model.eval()  # the reference stays in evaluation mode (no dropout) while the policy trains
+        return self
+
+    def save_pretrained(self, directory: str, state_dict: dict[str, torch.Tensor] | None = None,
+                        **kwargs: Any) -> None:
+        """The policy's files alone (in its own layout: a transformers model, or a peft adapter); the reference
+        is not saved."""
+        if state_dict is not None:
+            state_dict = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
+        self.policy.save_pretrained(directory, state_dict=state_dict, **kwargs)
+
+    def _reference_logits(self, **inputs: Any) -> torch.Tensor:
+        with torch.no_grad():
+            if self.ref_model is not None:
+                return self.ref_model(**inputs).logits
+            with self.policy.disable_adapter():  # (peft: the base model)
+                return self.policy(**inputs).logits
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+                **kwargs: Any) -> dict[str, Any]:
+        kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("loss_only", None)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **kwargs}
+        logits = self.policy(**inputs).logits
+        logps = answer_logps(logits, input_ids, completion_mask)
+        ref_logps = answer_logps(self._reference_logits(**inputs), input_ids, completion_mask)
+        chosen_logps, rejected_logps = logps.chunk(2)
+        chosen_ratio, rejected_ratio = (logps - ref_logps).chunk(2)
+        loss = sum(weight * dpo_losses(chosen_ratio, rejected_ratio, completion_mask, self.beta, name).mean()
+                   for name, weight in zip(self.loss_type, self.loss_weights, strict=True))
+        pairs = chosen_logps.shape[0]
+        return {"loss": loss, "num_items": torch.tensor(float(pairs), device=loss.device),
+                "metrics": self._metrics(logits.detach(), input_ids, completion_mask, chosen_logps.detach(),
+                                         rejected_logps.detach(), chosen_ratio.detach(), rejected_ratio.detach())}
+
+    def _metrics(self, logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor,
+                 chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_ratio: torch.Tensor,
+                 rejected_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
+        """TRL's DPO metrics of this micro-batch: per-pair means, and per-token means over its answer tokens."""
+        mask = completion_mask[:, 1:].bool()
+        shifted = logits[:, :-1].float()
+        logp = torch.log_softmax(shifted, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        chosen_mask, rejected_mask = mask.chunk(2)
+        mean_logits = shifted.mean(-1)
+        chosen_mean_logits, rejected_mean_logits = mean_logits.chunk(2)
+        top1 = (shifted.argmax(-1) == input_ids[:, 1:]).chunk(2)[0]
+        chosen_rewards, rejected_rewards = self.beta * chosen_ratio, self.beta * rejected_ratio
+
+        def token_mean(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return values[m].float().sum() / m.sum().clamp(min=1)
+
+        return {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": chosen_logps.mean(),
+            "logps/rejected": rejected_logps.mean(),
+            "logits/chosen": token_mean(chosen_mean_logits, chosen_mask),
+            "logits/rejected": token_mean(rejected_mean_logits, rejected_mask),
+            "entropy": token_mean(entropy, mask),
+            "mean_token_accuracy": token_mean(top1, chosen_mask),
+        }
