@@ -307,7 +307,8 @@ def test_a_step_without_images_leaves_the_vision_tower_alone(tmp_path, monkeypat
     from vlmtrain.trainer.callbacks import TrainerCallback
 
     monkeypatch.setattr(dummy_vision, "needed", lambda: True)
-    for name, samples in (("train", _samples(tmp_path, 4, 0, text_from=2)), ("eval", _samples(tmp_path, 2, 100))):
+    for name, samples in ((f"train{suffix('adamw')}", _samples(tmp_path, 4, 0, text_from=2)),
+                          ("eval", _samples(tmp_path, 2, 100))):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     checkpoints = {model: get_family(model).build_tiny(str(tmp_path / "tiny"), seed=0)} if model != "vlm" else {}
     trainer = build(load_run_config(_config(tmp_path, "vlm-ddp" if model == "vlm" else "qwen3_vl-ddp-full",
