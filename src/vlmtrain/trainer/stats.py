@@ -268,8 +268,10 @@ def skip_summary(skipped: Mapping[str, int], bad_samples: int) -> str:
     sample is a skip: once per epoch; filtered samples and rank-sync drops are skips, not bad samples)."""
     reads = dict(sorted(skipped.items()))
     line = f"{sum(reads.values())} training samples were skipped: {reads}"
-    return f"{line} ({bad_samples} distinct bad samples: one is skipped at every read, e.g. each epoch)" \
-        if bad_samples else line
+    if not bad_samples or bad_samples == sum(reads.values()):  # (each skip its own sample: nothing to add)
+        return line
+    noun = "sample" if bad_samples == 1 else "samples"
+    return f"{line} ({bad_samples} distinct bad {noun}: one is skipped at every read, e.g. each epoch)"
 
 
 def _digest(name: str) -> int:
