@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Pretrained
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from ..errors import ConfigError
-from .dummy_vision import VisionInput, needed, zero_of
+from .dummy_vision import VISION_INPUT_ATTR, VisionInput, needed, zero_of
 from .lm_loss import lm_loss_sum
 from .projector import PROJECTOR_TYPES, ModalityProjector
 
@@ -126,8 +126,8 @@ class VisionLanguageModel(PreTrainedModel):
                                            config.image_index_embeddings)
         self.post_init()
         self.projector.reset_image_index()  # (post_init's generic init would draw them at random)
-        # (dummy_vision.VISION_INPUT_ATTR) a step without images leaves the tower and projector without gradients
-        self.vlmtrain_vision_input = VisionInput(("vision_encoder", "projector"))
+        # a step without images leaves the tower and projector without gradients
+        setattr(self, VISION_INPUT_ATTR, VisionInput(("vision_encoder", "projector")))
 
     def get_input_embeddings(self) -> nn.Module:
         return self.decoder.get_input_embeddings()
@@ -227,7 +227,7 @@ class VisionLanguageModel(PreTrainedModel):
             if n_images:
                 raise ValueError("pixel_values given but config.image_token_id is not set.")
             return embeds
-        self.vlmtrain_vision_input.record(n_images > 0)
+        getattr(self, VISION_INPUT_ATTR).record(n_images > 0)
         is_image = input_ids == self.config.image_token_id
         n_slots = int(is_image.sum())
         if n_slots != n_images * self.config.image_token_length or image_counts is not None:
