@@ -3,6 +3,7 @@ rewards/logps metrics, the same final weights, and the metrics in evaluation und
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -14,6 +15,7 @@ import vlmtrain
 import vlmtrain.errors
 from tests.optional_extras import requires
 from tests.tiny import tiny_llama
+from vlmtrain.models.objectives.dpo import DPOObjective
 
 WORDS = [f"w{i}" for i in range(40)] + ["user", "assistant"]
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
@@ -57,7 +59,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversational: bool):
+def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversational: bool, precompute: bool = False):
     if framework == "trl":
         import trl
 
@@ -68,7 +70,8 @@ def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversati
                         per_device_eval_batch_size=4, num_train_epochs=1, learning_rate=3e-3, weight_decay=0.1,
                         logging_steps=1, seed=7, bf16=False, gradient_checkpointing=False, report_to="none",
                         save_strategy="no", train_sampling_strategy="sequential", use_cpu=True,
-                        dataloader_num_workers=0, eval_strategy="no", disable_tqdm=True)
+                        dataloader_num_workers=0, eval_strategy="no", disable_tqdm=True,
+                        precompute_ref_log_probs=precompute)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = trainer_class(model=model, args=args, train_dataset=_pairs(40, 0, conversational),
                             eval_dataset=_pairs(8, 1, conversational),
@@ -83,14 +86,18 @@ def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversati
 
 
 @requires("trl", "dev")
-@pytest.mark.parametrize("loss_type,beta,conversational", [("sigmoid", 0.1, False), ("ipo", 0.5, False),
-                                                          ("hinge", 0.3, False), ("sigmoid", 0.1, True)],
-                         ids=["sigmoid", "ipo", "hinge", "sigmoid-conversational"])
-def test_dpo_equals_trl(model_dir, tmp_path, loss_type, beta, conversational):
+@pytest.mark.parametrize("loss_type,beta,conversational,precompute",
+                         [("sigmoid", 0.1, False, False), ("ipo", 0.5, False, False), ("hinge", 0.3, False, False),
+                          ("sigmoid", 0.1, True, False), ("sigmoid", 0.1, False, True)],
+                         ids=["sigmoid", "ipo", "hinge", "sigmoid-conversational", "sigmoid-precompute_ref_log_probs"])
+def test_dpo_equals_trl(model_dir, tmp_path, loss_type, beta, conversational, precompute):
     """Per-step loss and metrics, final weights (ours as save_model wrote them), and the evaluation's metrics
-    after training (eval_ prefixed)."""
-    trl_eval, trl_model, trl_logs = _run("trl", model_dir, tmp_path / "trl", loss_type, beta, conversational)
-    our_eval, our_model, our_logs = _run("ours", model_dir, tmp_path / "ours", loss_type, beta, conversational)
+    after training (eval_ prefixed); with precompute_ref_log_probs the reference's log-probs of the train and eval
+    pairs come from one pass before training (TRL's too)."""
+    trl_eval, trl_model, trl_logs = _run("trl", model_dir, tmp_path / "trl", loss_type, beta, conversational,
+                                         precompute)
+    our_eval, our_model, our_logs = _run("ours", model_dir, tmp_path / "ours", loss_type, beta, conversational,
+                                         precompute)
     assert len(trl_logs) == len(our_logs) == 10
     for step, (theirs, ours) in enumerate(zip(trl_logs, our_logs), 1):
         for key in METRICS:
@@ -104,21 +111,91 @@ def test_dpo_equals_trl(model_dir, tmp_path, loss_type, beta, conversational):
         torch.testing.assert_close(ours, theirs[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("option,value", [("precompute_ref_log_probs", True), ("loss_type", "robust"),
-                                          ("truncation_mode", "keep_middle")])
+@pytest.mark.parametrize("option,value", [("loss_type", "robust"), ("truncation_mode", "keep_middle")])
 def test_dpo_config_refuses_what_is_not_implemented(tmp_path, option, value):
     """One clear error naming the option when the arguments are built, before any model loads."""
     with pytest.raises(vlmtrain.errors.ConfigError, match=option):
         vlmtrain.DPOConfig(str(tmp_path), **{option: value})
 
 
-def test_dpo_resume_is_refused_and_a_path_is_a_model(model_dir, tmp_path):
-    """A model given as a path (its tokenizer loaded from it); resuming a DPO run is one clear error, not a
-    checkpoint loaded wrongly."""
-    args = vlmtrain.DPOConfig(str(tmp_path), max_steps=1, per_device_train_batch_size=2, save_strategy="steps",
-                              save_steps=1, report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+def _resume_run(model_dir, out, scenario: str, resume: str | None = None):
+    """A DPO run on 16 shuffled pairs, batch 2 (8 steps), a checkpoint every 3 steps: ``scenario`` full (a frozen
+    copy as reference), lora (peft_config: LoRA-off) or precompute (precompute_ref_log_probs); resumed from
+    ``resume`` with the original model, as a transformers script resumes. Returns (per-step logs, the trainer,
+    the reference's calls: DPOObjective.reference_logps, counted)."""
+    from peft import LoraConfig
+
+    args = vlmtrain.DPOConfig(str(out), max_length=14, per_device_train_batch_size=2, per_device_eval_batch_size=4,
+                              num_train_epochs=1, learning_rate=3e-3, weight_decay=0.1, logging_steps=1, seed=7,
+                              bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="steps",
+                              save_steps=3, use_cpu=True, disable_tqdm=True,
+                              precompute_ref_log_probs=scenario == "precompute")
+    calls = []
+    original = DPOObjective.reference_logps
+
+    def counted(self, *a, **kw):
+        calls.append(1)
+        return original(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DPOObjective, "reference_logps", counted)
+        trainer = vlmtrain.DPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
+            train_dataset=_pairs(16, 3), eval_dataset=_pairs(4, 4), processing_class=_tokenizer(),
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if scenario == "lora" else None)
+        trainer.train(resume_from_checkpoint=resume)
+    return [e for e in trainer.state.log_history if "loss" in e], trainer, len(calls)
+
+
+@pytest.fixture(scope="module")
+def full_run(model_dir, tmp_path_factory):
+    """The uninterrupted full fine-tune, with its checkpoints (shared by the resume tests)."""
+    return _resume_run(model_dir, tmp_path_factory.mktemp("full"), "full")
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.policy.named_parameters()}
+
+
+@requires("peft", "lora")
+@pytest.mark.parametrize("scenario", ["full", "lora", "precompute"])
+def test_dpo_resume_equals_the_uninterrupted_run(model_dir, tmp_path, full_run, scenario):
+    """Resumed from the run's checkpoint-3 by a new DPOTrainer given the original model: steps 4-8's
+    losses and the final weights are the uninterrupted run's (policy, optimizer, scheduler, RNG and data position
+    from the checkpoint; the reference rebuilt as at the start, or its precomputed log-probs read from the
+    checkpoint, not recomputed: the reference never runs after the pass before training). The checkpoint's model
+    files are the policy alone."""
+    logs, trainer, first_calls = full_run if scenario == "full" else _resume_run(model_dir, tmp_path / "run", scenario)
+    assert len(logs) == 8
+    checkpoint = trainer.args.output_dir + "/checkpoint-3"
+    resumed_logs, resumed, calls = _resume_run(model_dir, tmp_path / "resumed", scenario, resume=checkpoint)
+    assert [e["step"] for e in resumed_logs] == list(range(1, 9))  # (steps 1-3 from the checkpoint's state)
+    for theirs, ours in zip(logs[3:], resumed_logs[3:]):
+        for key in ("loss", "rewards/margins", "logps/chosen"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-7), (ours["step"], key)
+    expected = _weights(trainer)
+    for name, value in _weights(resumed).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    if scenario == "lora":
+        assert "model.safetensors" not in os.listdir(checkpoint)  # the adapter alone, in peft's layout
+        assert os.path.isfile(os.path.join(checkpoint, "adapter_model.safetensors"))
+    else:  # the policy alone, loadable with from_pretrained
+        saved = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        assert saved.state_dict().keys() == full_run[1].policy.state_dict().keys()
+    if scenario == "precompute":  # one pass before training (8 batches of train pairs, 1 of eval pairs), then none
+        assert first_calls == 8 + 1 and "ref_chosen_logps" in trainer.train_dataset.column_names
+        assert calls == 0  # read from checkpoint-3: the reference did not run again
+        assert trainer.ref_model is None and resumed.ref_model is None  # (a full fine-tune keeps no second copy)
+        for theirs, ours in zip(full_run[0], logs):  # equal to the run whose reference runs beside the policy
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5), ours["step"]
+        for name, value in _weights(trainer).items():
+            torch.testing.assert_close(value, _weights(full_run[1])[name], rtol=1e-5, atol=1e-6)
+
+
+def test_dpo_model_as_a_path(model_dir, tmp_path):
+    """A model given as a path (its tokenizer loaded from it)."""
+    args = vlmtrain.DPOConfig(str(tmp_path), max_steps=1, per_device_train_batch_size=2, save_strategy="no",
+                              report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
                               disable_tqdm=True)
-    vlmtrain.DPOTrainer(model=str(model_dir), args=args, train_dataset=_pairs(4)).train()
     trainer = vlmtrain.DPOTrainer(model=str(model_dir), args=args, train_dataset=_pairs(4))
-    with pytest.raises(vlmtrain.errors.ConfigError, match="resume_from_checkpoint"):
-        trainer.train(resume_from_checkpoint=True)
+    assert trainer.train().global_step == 1

@@ -6,16 +6,34 @@ loss with TRL's metrics, which the trainer logs as it logs any model's (``eval_`
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from ..data.preference import PAIR_COLUMNS, TRUNCATION_MODES, PreferenceCollator, tokenize_pair
+from ..data.preference import (
+    PAIR_COLUMNS,
+    REF_LOGPS_COLUMNS,
+    TRUNCATION_MODES,
+    PreferenceCollator,
+    tokenize_pair,
+)
 from ..errors import ConfigError
 from ..models.objectives.dpo import LOSS_TYPES, DPOObjective
+from ..trainer import checkpoint as ckpt
 from .arguments import TrainingArguments
+from .dpo_reference import (
+    REF_LOGPS_FILE,
+    PolicyFiles,
+    compute_ref_logps,
+    has_ref_logps,
+    refuse_unindexable,
+    saved_ref_logps,
+    with_ref_logps,
+)
 from .trainer import Trainer
 
 
@@ -42,8 +60,12 @@ class DPOConfig(TrainingArguments):
     pad_to_multiple_of: int | str | None = "auto"
     """``auto`` / None: no padding beyond the longest row of the batch (other values are refused)."""
     precompute_ref_log_probs: bool = False
-    """Not implemented yet: True is refused."""
+    """Compute the reference's log-probs of every train and eval pair in one pass before training (kept in the
+    checkpoints); the reference then does not run while training, and a full fine-tune without ``ref_model``
+    keeps no copy of the model for it."""
     precompute_ref_batch_size: int | None = None
+    """Pairs per batch of that pass (None: ``per_device_train_batch_size``, for eval pairs
+    ``per_device_eval_batch_size``)."""
     loss_type: list[str] | str = field(default_factory=lambda: ["sigmoid"])
     """One or several of ``sigmoid``, ``ipo``, ``hinge`` (several: summed with ``loss_weights``)."""
     loss_weights: list[float] | None = None
@@ -64,9 +86,6 @@ class DPOConfig(TrainingArguments):
                              f"losses. Got {len(self.loss_weights)} weights for {len(self.loss_type)} loss types.")
         if self.truncation_mode not in TRUNCATION_MODES:
             raise ConfigError(f"truncation_mode={self.truncation_mode!r}: expected one of {TRUNCATION_MODES}.")
-        if self.precompute_ref_log_probs:
-            raise ConfigError("precompute_ref_log_probs=True is not implemented in vlmtrain's DPO yet: set "
-                              "precompute_ref_log_probs=False (the reference then runs beside the policy).")
         if self.pad_to_multiple_of not in ("auto", None):
             raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r}: vlmtrain's DPO pads to the longest "
                               "row of each batch; set pad_to_multiple_of=None.")
@@ -108,8 +127,11 @@ def _disable_dropout(model: nn.Module) -> None:
 class DPOTrainer(Trainer):
     """TRL's DPOTrainer for a causal language model (an object or a path), on vlmtrain's Trainer: the reference
     is ``ref_model``, else the policy with its adapters off (a peft model, or ``peft_config``), else a frozen
-    copy of the policy as it is when the trainer is built. ``self.model`` is the :class:`DPOObjective`;
-    ``self.policy`` the model trained."""
+    copy of the policy as it is when the trainer is built (with ``precompute_ref_log_probs``, that policy
+    before it trains, run once). ``self.model`` is the :class:`DPOObjective`; ``self.policy`` the model trained,
+    and the model files of its checkpoints."""
+
+    parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files))
 
     def __init__(self, model: str | nn.Module, ref_model: nn.Module | None = None, args: DPOConfig | None = None,
                  data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
@@ -122,6 +144,9 @@ class DPOTrainer(Trainer):
             args = DPOConfig(f"{str(name).split('/')[-1]}-DPO")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
+        if args.precompute_ref_log_probs:  # (before the model loads)
+            refuse_unindexable(train_dataset, "train_dataset")
+            refuse_unindexable(eval_dataset, "eval_dataset")
         set_seed(args.seed)  # (as TRL: before a peft_config's adapter is initialized)
         if isinstance(model, str):
             model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
@@ -140,15 +165,16 @@ class DPOTrainer(Trainer):
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
-        if ref_model is None and not hasattr(model, "disable_adapter"):
-            ref_model = copy.deepcopy(model)
+        if ref_model is None and not hasattr(model, "disable_adapter") and not args.precompute_ref_log_probs:
+            ref_model = copy.deepcopy(model)  # (precomputed: the policy is the reference before it trains)
         if args.disable_dropout:
             _disable_dropout(model)
             if ref_model is not None:
                 _disable_dropout(ref_model)
         self.policy = model
         objective = DPOObjective(model, ref_model, beta=args.beta, loss_type=args.loss_type,
-                                 loss_weights=args.loss_weights)
+                                 loss_weights=args.loss_weights, precomputed=args.precompute_ref_log_probs)
+        self._ref_logps: dict[str, dict] = {}  # precompute_ref_log_probs: per dataset name, saved in checkpoints
         if data_collator is None:
             data_collator = PreferenceCollator(processing_class.pad_token_id, args.max_length, args.truncation_mode)
         super().__init__(model=objective, args=args, data_collator=data_collator,
@@ -158,12 +184,71 @@ class DPOTrainer(Trainer):
                          optimizers=optimizers)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """Trainer.train; resuming a DPO run is not supported yet (its checkpoints hold the policy alone)."""
-        if resume_from_checkpoint:
-            raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r}: resuming a DPO run is not "
-                              "supported yet. Start a new DPOTrainer with model=<the checkpoint folder> (its "
-                              "policy) and, for the same reference, ref_model=<the original model>.")
+        """Trainer.train. A resumed run is built as the first was (``model`` the original model: the reference
+        is rebuilt from it) and takes the policy, optimizer, scheduler, RNG and data position from the checkpoint;
+        with precompute_ref_log_probs the reference's log-probs come from the checkpoint too, else from one pass
+        here, before the policy trains."""
+        if self.args.precompute_ref_log_probs:
+            requested = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
+            self._precompute(self._checkpoint_path(requested))
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Trainer.evaluate; with precompute_ref_log_probs a dataset without the reference's log-probs gets them
+        first (TRL's rule: not after training has started when the policy itself was the reference)."""
+        if self.args.precompute_ref_log_probs and not isinstance(eval_dataset, Mapping | str):
+            if eval_dataset is None:
+                self._precompute(None, splits=("eval",))
+            elif not has_ref_logps(eval_dataset := _prepare(eval_dataset, self.processing_class, self.args)):
+                eval_dataset = self._with_ref_logps(eval_dataset, metric_key_prefix, store=False)
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _checkpoint_path(self, resume: str | bool | None) -> str | None:
+        if not ckpt.resume_requested(resume):
+            return None
+        if resume is True or str(resume).lower() in ("true", "latest"):
+            return ckpt.latest_checkpoint(self.args.output_dir)
+        return str(resume)
+
+    def _precompute(self, checkpoint: str | None, splits: tuple[str, ...] = ("train", "eval")) -> None:
+        """The reference's log-probs of the train and eval pairs: from ``checkpoint`` where it holds them, else
+        computed (once: a second train() reuses them)."""
+        saved = saved_ref_logps(checkpoint)
+        if "train" in splits:
+            self.train_dataset = self._with_ref_logps(self.train_dataset, "train", saved=saved)
+        if "eval" in splits and isinstance(self.eval_dataset, Mapping):
+            self.eval_dataset = {name: self._with_ref_logps(ds, f"eval_{name}", saved=saved)
+                                 for name, ds in self.eval_dataset.items()}
+        elif "eval" in splits and self.eval_dataset is not None:
+            self.eval_dataset = self._with_ref_logps(self.eval_dataset, "eval", saved=saved)
+
+    def _with_ref_logps(self, dataset: Any, name: str, saved: Mapping[str, dict] | None = None,
+                        store: bool = True) -> Any:
+        if has_ref_logps(dataset):
+            return dataset
+        logps = (saved or {}).get(name)
+        if logps is None or len(logps["chosen"]) != len(dataset):
+            if (self.state.global_step > 0 and self.model.ref_model is None
+                    and not hasattr(self.policy, "disable_adapter")):
+                raise ConfigError(f"precompute_ref_log_probs: the {name} pairs have no reference log-probs and the "
+                                  "policy, their reference before training, has trained: pass this dataset as "
+                                  "eval_dataset when building the trainer, pass ref_model, or set "
+                                  "precompute_ref_log_probs=False.")
+            train = name == "train"
+            size = self.args.precompute_ref_batch_size or (self.args.per_device_train_batch_size if train
+                                                           else self.args.per_device_eval_batch_size)
+            logps = compute_ref_logps(self.model, dataset, self.data_collator, size, name,
+                                      disable_bar=self.args.disable_tqdm or self.rank != 0)
+        if store:
+            self._ref_logps[name] = logps
+        return with_ref_logps(dataset, logps)
+
+    def _checkpoint_files(self, sharded: bool) -> dict[str, Any]:
+        files = super()._checkpoint_files(sharded)
+        if self.rank == 0 and self._ref_logps:  # resume reads them instead of running the reference again
+            files[REF_LOGPS_FILE] = self._ref_logps
+        return files
 
     @property
     def ref_model(self) -> nn.Module | None:
@@ -173,4 +258,4 @@ class DPOTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         # the collator reads the tokenized pair, not the objective's forward arguments
         if self._signature_columns is None:
-            self._signature_columns = list(PAIR_COLUMNS)
+            self._signature_columns = [*PAIR_COLUMNS, *REF_LOGPS_COLUMNS]

@@ -15,6 +15,7 @@ import torch
 from ..errors import ConfigError
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+REF_LOGPS_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # precompute_ref_log_probs: the reference's, per pair
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
@@ -67,7 +68,8 @@ def tokenize_pair(sample: Mapping[str, Any], tokenizer: Any) -> dict[str, list[i
 class PreferenceCollator:
     """A batch of tokenized pairs as one forward: ``input_ids`` / ``attention_mask`` / ``completion_mask`` with
     the B chosen rows first, then the B rejected rows (prompt + answer each, cut to ``max_length`` as
-    ``truncation_mode`` says, right-padded with ``pad_token_id``); ``completion_mask`` marks the answer tokens."""
+    ``truncation_mode`` says, right-padded with ``pad_token_id``); ``completion_mask`` marks the answer tokens.
+    The pairs' precomputed ``ref_chosen_logps`` / ``ref_rejected_logps``, where they have them, come along."""
 
     pad_token_id: int
     max_length: int | None = None
@@ -94,4 +96,8 @@ class PreferenceCollator:
             input_ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
             attention_mask[i, :len(r)] = 1
             completion_mask[i, :len(m)] = torch.tensor(m, dtype=torch.long)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
+        for key in REF_LOGPS_COLUMNS:  # (precompute_ref_log_probs: the reference's, one per pair)
+            if key in samples[0]:
+                batch[key] = torch.tensor([float(s[key]) for s in samples], dtype=torch.float32)
+        return batch

@@ -46,14 +46,19 @@ def dpo_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, compl
 class DPOObjective(nn.Module):
     """The DPO objective over a policy and its reference: a frozen ``ref_model``, or (``ref_model=None`` and a
     peft policy) the policy with its adapters switched off. ``loss_type`` and ``loss_weights`` as TRL's: the
-    loss is the weighted sum of each type's mean over the pairs."""
+    loss is the weighted sum of each type's mean over the pairs. With ``precomputed`` every batch brings the
+    reference's answer log-probs (``ref_chosen_logps`` / ``ref_rejected_logps``, from :meth:`reference_logps`
+    run once before training) and the reference does not run in forward; without ``ref_model`` or adapters the
+    policy itself, before it trains, is then the reference."""
 
     def __init__(self, policy: nn.Module, ref_model: nn.Module | None, beta: float = 0.1,
-                 loss_type: Sequence[str] = ("sigmoid",), loss_weights: Sequence[float] | None = None) -> None:
+                 loss_type: Sequence[str] = ("sigmoid",), loss_weights: Sequence[float] | None = None,
+                 precomputed: bool = False) -> None:
         super().__init__()
-        if ref_model is None and not hasattr(policy, "disable_adapter"):
+        if ref_model is None and not hasattr(policy, "disable_adapter") and not precomputed:
             raise ConfigError("DPO needs a reference: pass ref_model, or a peft model whose adapters switched off "
-                              "give the reference.")
+                              "give the reference, or precompute its log-probs (precomputed=True).")
+        self.precomputed = precomputed
         self.policy = policy
         self.ref_model = ref_model
         if ref_model is not None:
@@ -84,17 +89,33 @@ class DPOObjective(nn.Module):
         with torch.no_grad():
             if self.ref_model is not None:
                 return self.ref_model(**inputs).logits
+            if not hasattr(self.policy, "disable_adapter"):  # (precomputing: the policy has not trained yet)
+                return self.policy(**inputs).logits
             with self.policy.disable_adapter():  # (peft: the base model)
                 return self.policy(**inputs).logits
+
+    def reference_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+                        **kwargs: Any) -> torch.Tensor:
+        """The reference's summed answer log-probs of each row of a collated pair batch (chosen rows, then
+        rejected), without gradients."""
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **kwargs}
+        return answer_logps(self._reference_logits(**inputs), input_ids, completion_mask)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                 **kwargs: Any) -> dict[str, Any]:
         kwargs.pop("num_items_in_batch", None)
         kwargs.pop("loss_only", None)
+        ref_chosen, ref_rejected = kwargs.pop("ref_chosen_logps", None), kwargs.pop("ref_rejected_logps", None)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **kwargs}
         logits = self.policy(**inputs).logits
         logps = answer_logps(logits, input_ids, completion_mask)
-        ref_logps = answer_logps(self._reference_logits(**inputs), input_ids, completion_mask)
+        if self.precomputed:
+            if ref_chosen is None or ref_rejected is None:
+                raise ConfigError("precompute_ref_log_probs: this batch has no ref_chosen_logps / "
+                                  "ref_rejected_logps (its dataset was not precomputed).")
+            ref_logps = torch.cat([ref_chosen, ref_rejected]).to(logps)
+        else:
+            ref_logps = self.reference_logps(input_ids, attention_mask, completion_mask, **kwargs)
         chosen_logps, rejected_logps = logps.chunk(2)
         chosen_ratio, rejected_ratio = (logps - ref_logps).chunk(2)
         loss = sum(weight * dpo_losses(chosen_ratio, rejected_ratio, completion_mask, self.beta, name).mean()
