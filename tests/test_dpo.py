@@ -199,3 +199,85 @@ def test_dpo_model_as_a_path(model_dir, tmp_path):
                               disable_tqdm=True)
     trainer = vlmtrain.DPOTrainer(model=str(model_dir), args=args, train_dataset=_pairs(4))
     assert trainer.train().global_step == 1
+
+
+def _trainer(model_dir, out, train_dataset, **config):
+    args = vlmtrain.DPOConfig(str(out), per_device_train_batch_size=2, report_to="none", use_cpu=True, bf16=False,
+                              gradient_checkpointing=False, disable_tqdm=True, save_strategy="no", **config)
+    return vlmtrain.DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
+                               train_dataset=train_dataset, processing_class=_tokenizer())
+
+
+def test_dpo_a_pair_without_an_answer_is_an_error_naming_it(model_dir, tmp_path):
+    """Which pair (its index and id) and the keys it has, before training."""
+    from datasets import Dataset
+
+    rows = [{"id": f"p{i}", "prompt": "w1 w2", "chosen": " w3", "rejected": " w4"} for i in range(4)]
+    rows[2]["rejected"] = None
+    with pytest.raises(vlmtrain.errors.ConfigError,
+                       match=r"pair 2 \(id 'p2'\) has no 'rejected' \(its keys: \['chosen', 'id', 'prompt'\]\)"):
+        _trainer(model_dir, tmp_path, Dataset.from_list(rows))
+    del rows[1]["chosen"]
+    with pytest.raises(vlmtrain.errors.ConfigError, match=r"pair 1 \(id 'p1'\) has no 'chosen'"):
+        _trainer(model_dir, tmp_path, rows)  # (a list of dicts too)
+
+
+@pytest.mark.parametrize("truncation_mode,kept", [("keep_start", 3), ("keep_end", 5)])
+def test_dpo_pairs_that_cannot_train_are_skipped_counted(model_dir, tmp_path, truncation_mode, kept):
+    """Identical chosen and rejected (also when max_length cuts them to the same tokens) and, under keep_start, a
+    prompt that fills max_length: skipped, counted in one warning. keep_end keeps the long prompt's pair: its
+    answer is the end of the row, so it keeps answer tokens."""
+    long_prompt = " ".join(["w1"] * 12)
+    rows = [{"prompt": "w1 w2", "chosen": " w3 w4", "rejected": " w5"},
+            {"prompt": "w1 w2", "chosen": " w3", "rejected": " w3"},  # identical
+            {"prompt": "w1 w2 w3 w4 w5 w6 w7", "chosen": " w8 w9", "rejected": " w8 w5"},  # the same within 8 tokens
+            {"prompt": long_prompt, "chosen": " w2", "rejected": " w3"},  # 12 prompt tokens
+            {"prompt": "w6", "chosen": " w7", "rejected": " w8 w9"},
+            {"prompt": "w6 w7", "chosen": " w7", "rejected": " w9"}]
+    with pytest.warns(UserWarning, match=r"DPO: \d of 6 train pairs skipped") as caught:
+        trainer = _trainer(model_dir, tmp_path, rows, max_length=8, truncation_mode=truncation_mode)
+    message = str(next(w.message for w in caught if "DPO:" in str(w.message)))
+    assert len(trainer.train_dataset) == kept
+    if truncation_mode == "keep_start":
+        assert "3 of 6" in message and "2 whose chosen and rejected are the same" in message
+        assert "1 whose prompt fills max_length=8" in message
+    else:  # keep_end cuts the start: row 2's answers differ in what is kept; the long prompt (now row 2) keeps
+        # its answer
+        assert "1 of 6" in message and "fills" not in message
+        batch = trainer.data_collator([trainer.train_dataset[2]])
+        assert batch["completion_mask"].sum(dim=1).tolist() == [2, 2]  # (" w2" + "</s>", " w3" + "</s>")
+
+
+def test_dpo_precompute_refuses_a_stream_before_the_model_loads(tmp_path):
+    """A stream has no pairs to attach the log-probs to: one error, before the model (a path that does not exist)
+    would load."""
+    args = vlmtrain.DPOConfig(str(tmp_path), precompute_ref_log_probs=True, report_to="none", use_cpu=True)
+    with pytest.raises(vlmtrain.errors.ConfigError, match="precompute_ref_log_probs=True is not supported with an "
+                                                          "IterableDataset"):
+        vlmtrain.DPOTrainer(model=str(tmp_path / "no-model"), args=args,
+                            train_dataset=_pairs(4).to_iterable_dataset())
+
+
+@requires("trl", "dev")
+@requires("peft", "lora")
+def test_dpo_ref_model_with_peft_config_is_the_reference_as_in_trl(model_dir, tmp_path):
+    """ref_model given together with peft_config: TRL 1.16 takes ref_model as the reference (no warning), not
+    the LoRA-off base; so does vlmtrain. Evaluated before training the rewards are then the policy's (= the
+    base's) log-ratio to that other model: nonzero, and equal to TRL's."""
+    import trl
+    from peft import LoraConfig
+
+    metrics = {}
+    for name, (config_class, trainer_class) in {"trl": (trl.DPOConfig, trl.DPOTrainer),
+                                                "ours": (vlmtrain.DPOConfig, vlmtrain.DPOTrainer)}.items():
+        args = config_class(str(tmp_path / name), per_device_eval_batch_size=4, bf16=False, report_to="none",
+                            use_cpu=True, gradient_checkpointing=False, disable_tqdm=True, max_length=14)
+        ref_model = tiny_llama(seed=5, vocab_size=len(SPECIALS) + len(WORDS), pad_token_id=0, eos_token_id=3)
+        trainer = trainer_class(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                ref_model=ref_model, args=args, train_dataset=_pairs(4), eval_dataset=_pairs(8, 1),
+                                processing_class=_tokenizer(), peft_config=LoraConfig(r=4, target_modules=["q_proj"]))
+        assert trainer.ref_model is ref_model
+        metrics[name] = trainer.evaluate()
+    assert abs(metrics["ours"]["eval_rewards/chosen"]) > 1e-3  # (LoRA-off as the reference: exactly 0)
+    for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "loss"):
+        assert metrics["ours"][f"eval_{key}"] == pytest.approx(metrics["trl"][f"eval_{key}"], rel=1e-4), key

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from ..data.preference import (
     REF_LOGPS_COLUMNS,
     TRUNCATION_MODES,
     PreferenceCollator,
+    pair_row,
     tokenize_pair,
 )
 from ..errors import ConfigError
@@ -98,24 +100,72 @@ class DPOConfig(TrainingArguments):
         super().__post_init__()
 
 
-def _prepare(dataset: Any, tokenizer: Any, args: DPOConfig) -> Any:
-    """The pairs tokenized as TRL tokenizes them, without those whose prompt alone fills max_length under
-    keep_start (they would have no answer token left)."""
+PAIR_KEYS = ("prompt", "chosen", "rejected")
+
+
+def _tokenize(sample: dict, index: int, tokenizer: Any) -> dict[str, list[int]]:
+    missing = [k for k in PAIR_KEYS if sample.get(k) is None]
+    if missing:
+        which = f"pair {index}" + (f" (id {sample['id']!r})" if sample.get("id") is not None else "")
+        keys = sorted(k for k, v in sample.items() if v is not None)
+        raise ConfigError(f"preference {which} has no {' and no '.join(map(repr, missing))} (its keys: {keys}): "
+                          "each pair needs 'prompt', 'chosen' and 'rejected'; fix or remove it.")
+    return tokenize_pair(sample, tokenizer)
+
+
+def _drop_reason(prompt: list[int], chosen: list[int], rejected: list[int], args: DPOConfig) -> str | None:
+    """Why a tokenized pair cannot train (None: it can). The same tokens on both sides carry no preference: every
+    loss type then gives a constant and a zero gradient, which only dilutes the batch's mean loss and accuracy."""
+    if args.max_length is not None and args.truncation_mode == "keep_start" and len(prompt) >= args.max_length:
+        return (f"whose prompt fills max_length={args.max_length} before any answer token (truncation_mode="
+                "'keep_start' would leave no answer; TRL drops them too)")
+    if (pair_row(prompt, chosen, args.max_length, args.truncation_mode)
+            == pair_row(prompt, rejected, args.max_length, args.truncation_mode)):
+        return "whose chosen and rejected are the same tokens (within max_length): no preference to learn"
+    return None
+
+
+def _prepare(dataset: Any, tokenizer: Any, args: DPOConfig, name: str = "train") -> Any:
+    """The pairs tokenized as TRL tokenizes them, without those that cannot train (:func:`_drop_reason`),
+    counted and warned once per dataset. A pair without chosen or rejected is an error naming it."""
     if dataset is None:
         return None
     if isinstance(dataset, dict):
-        return {name: _prepare(d, tokenizer, args) for name, d in dataset.items()}
+        return {key: _prepare(d, tokenizer, args, f"{name} {key!r}") for key, d in dataset.items()}
     first = next(iter(dataset))
     if all(k in first for k in PAIR_COLUMNS):
         return dataset  # (already tokenized)
+    if hasattr(dataset, "map"):  # a datasets.Dataset / IterableDataset
+        tokenized = dataset.map(_tokenize, with_indices=True, fn_kwargs={"tokenizer": tokenizer})
+    else:
+        tokenized = [{**s, **_tokenize(s, i, tokenizer)} for i, s in enumerate(dataset)]
+    if not hasattr(tokenized, "__len__"):  # a stream: each reason warned at its first pair (no count up front)
+        return tokenized.filter(_StreamDrops(args, name))
+    columns = [tokenized[c] for c in PAIR_COLUMNS] if hasattr(tokenized, "column_names") else (
+        [[s[c] for s in tokenized] for c in PAIR_COLUMNS])
+    reasons = [_drop_reason(p, c, r, args) for p, c, r in zip(*columns, strict=True)]
+    dropped = Counter(r for r in reasons if r is not None)
+    if not dropped:
+        return tokenized
+    warnings.warn(f"DPO: {sum(dropped.values())} of {len(reasons)} {name} pairs skipped: " +
+                  "; ".join(f"{n} {reason}" for reason, n in dropped.items()) + ".", stacklevel=3)
+    kept = [i for i, r in enumerate(reasons) if r is None]
+    return tokenized.select(kept) if hasattr(tokenized, "select") else [tokenized[i] for i in kept]
 
-    def keep(s: dict) -> bool:
-        return args.max_length is None or args.truncation_mode != "keep_start" or len(s["prompt_ids"]) < args.max_length
 
-    if hasattr(dataset, "map"):  # a datasets.Dataset
-        return dataset.map(tokenize_pair, fn_kwargs={"tokenizer": tokenizer}).filter(keep)
-    rows = [{**s, **tokenize_pair(s, tokenizer)} for s in dataset]
-    return [s for s in rows if keep(s)]
+class _StreamDrops:
+    """The filter of a streamed dataset's pairs: False for a pair that cannot train, warned once per reason."""
+
+    def __init__(self, args: DPOConfig, name: str) -> None:
+        self.args, self.name, self.seen = args, name, set()
+
+    def __call__(self, s: dict) -> bool:
+        reason = _drop_reason(s["prompt_ids"], s["chosen_ids"], s["rejected_ids"], self.args)
+        if reason is not None and reason not in self.seen:
+            self.seen.add(reason)
+            warnings.warn(f"DPO: skipping the {self.name} pairs {reason} (a stream: not warned again).",
+                          stacklevel=2)
+        return reason is None
 
 
 def _disable_dropout(model: nn.Module) -> None:
@@ -179,7 +229,7 @@ class DPOTrainer(Trainer):
             data_collator = PreferenceCollator(processing_class.pad_token_id, args.max_length, args.truncation_mode)
         super().__init__(model=objective, args=args, data_collator=data_collator,
                          train_dataset=_prepare(train_dataset, processing_class, args),
-                         eval_dataset=_prepare(eval_dataset, processing_class, args),
+                         eval_dataset=_prepare(eval_dataset, processing_class, args, "eval"),
                          processing_class=processing_class, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers)
 
@@ -200,7 +250,7 @@ class DPOTrainer(Trainer):
         if self.args.precompute_ref_log_probs and not isinstance(eval_dataset, Mapping | str):
             if eval_dataset is None:
                 self._precompute(None, splits=("eval",))
-            elif not has_ref_logps(eval_dataset := _prepare(eval_dataset, self.processing_class, self.args)):
+            elif not has_ref_logps(eval_dataset := _prepare(eval_dataset, self.processing_class, self.args, "eval")):
                 eval_dataset = self._with_ref_logps(eval_dataset, metric_key_prefix, store=False)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 

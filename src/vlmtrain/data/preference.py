@@ -64,6 +64,17 @@ def tokenize_pair(sample: Mapping[str, Any], tokenizer: Any) -> dict[str, list[i
             "rejected_ids": with_rejected[start:]}
 
 
+def pair_row(prompt_ids: Sequence[int], answer_ids: Sequence[int], max_length: int | None,
+             truncation_mode: str = "keep_start") -> tuple[list[int], list[int]]:
+    """Prompt + answer as the model reads it, and its completion mask (1 on answer tokens), cut to
+    ``max_length`` as ``truncation_mode`` says: ``keep_start`` keeps the first tokens, ``keep_end`` the last."""
+    row, mask = list(prompt_ids) + list(answer_ids), [0] * len(prompt_ids) + [1] * len(answer_ids)
+    if max_length is not None:
+        cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+        row, mask = row[cut], mask[cut]
+    return row, mask
+
+
 @dataclass
 class PreferenceCollator:
     """A batch of tokenized pairs as one forward: ``input_ids`` / ``attention_mask`` / ``completion_mask`` with
@@ -83,11 +94,9 @@ class PreferenceCollator:
         rows, masks = [], []
         for side in ("chosen_ids", "rejected_ids"):
             for s in samples:
-                rows.append(list(s["prompt_ids"]) + list(s[side]))
-                masks.append([0] * len(s["prompt_ids"]) + [1] * len(s[side]))
-        if self.max_length is not None:
-            cut = slice(None, self.max_length) if self.truncation_mode == "keep_start" else slice(-self.max_length, None)
-            rows, masks = [r[cut] for r in rows], [m[cut] for m in masks]
+                row, mask = pair_row(s["prompt_ids"], s[side], self.max_length, self.truncation_mode)
+                rows.append(row)
+                masks.append(mask)
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
