@@ -1,5 +1,7 @@
 """vlmtrain's DPOTrainer / DPOConfig against TRL 1.16's on a tiny causal LM: the same per-step loss and
-rewards/logps metrics, the same final weights, and the metrics in evaluation under TRL's names."""
+rewards/logps metrics, the same final weights, and the metrics in evaluation under TRL's names (also with
+precomputed reference log-probs); a resumed DPO run equals the uninterrupted one; bad pairs are errors or
+counted skips."""
 
 from __future__ import annotations
 
@@ -281,3 +283,16 @@ def test_dpo_ref_model_with_peft_config_is_the_reference_as_in_trl(model_dir, tm
     assert abs(metrics["ours"]["eval_rewards/chosen"]) > 1e-3  # (LoRA-off as the reference: exactly 0)
     for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "loss"):
         assert metrics["ours"][f"eval_{key}"] == pytest.approx(metrics["trl"][f"eval_{key}"], rel=1e-4), key
+
+
+def test_dpo_precompute_evaluates_a_new_dataset_only_while_the_policy_is_its_reference(model_dir, tmp_path):
+    """precompute_ref_log_probs on a full fine-tune without ref_model: a dataset given to evaluate() gets its
+    reference log-probs from the policy before training (rewards exactly 0: the policy is its own reference);
+    after a step the policy no longer is the reference: one clear error, as TRL's."""
+    trainer = _trainer(model_dir, tmp_path, _pairs(4), precompute_ref_log_probs=True, max_steps=1,
+                       learning_rate=1e-2)
+    assert trainer.evaluate(_pairs(4, 5))["eval_rewards/margins"] == 0.0
+    trainer.train()
+    with pytest.raises(vlmtrain.errors.ConfigError, match="precompute_ref_log_probs: the eval pairs have no "
+                                                          "reference log-probs"):
+        trainer.evaluate(_pairs(4, 5))
