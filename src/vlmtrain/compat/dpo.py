@@ -302,7 +302,8 @@ class DPOTrainer(Trainer):
 
     @property
     def ref_model(self) -> nn.Module | None:
-        """The frozen reference (None where the policy's adapters switched off give it)."""
+        """The frozen reference (None where the policy's adapters switched off give it, or where the policy
+        itself gave the precomputed log-probs before training)."""
         return self.model.ref_model
 
     def _set_signature_columns_if_needed(self) -> None:
