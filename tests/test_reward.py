@@ -113,3 +113,10 @@ def test_reward_trainer_refuses_a_model_with_several_outputs(model_dir, tmp_path
     with pytest.raises(ValueError, match="num_labels"):
         vlmtrain.RewardTrainer(model=model, args=args, train_dataset=_pairs(4, 0, "implicit"),
                                processing_class=_tokenizer())
+
+
+@pytest.mark.parametrize("option,value", [("pad_to_multiple_of", 8), ("activation_offloading", True)])
+def test_reward_config_refuses_what_is_not_available(tmp_path, option, value):
+    """One clear error naming the option when the arguments are built, before any model loads."""
+    with pytest.raises(vlmtrain.errors.ConfigError, match=option):
+        vlmtrain.RewardConfig(str(tmp_path), **{option: value})
