@@ -127,3 +127,59 @@ def test_reward_head_scores_one_answer(tiny_hub, tmp_path):
     data.write_text(json.dumps({**sample, "images": ["red.png"]}) + "\n")
     assert cli.main(["predict", "--checkpoint", str(ckpt), "--data", str(data), "--output", str(out)]) == 0
     assert json.loads(out.read_text().splitlines()[0])["reward"] == pytest.approx(row["reward"], abs=1e-5)
+
+
+def _color_pairs():
+    """TRL's layout with images: a prompt with an image part, chosen the image's colour, rejected another."""
+    from datasets import Dataset
+    from PIL import Image
+
+    colors = {"red": (200, 40, 40), "green": (40, 160, 40), "blue": (40, 40, 200)}
+    rows = []
+    for i, (name, rgb) in enumerate(list(colors.items()) * 2):
+        wrong = next(n for n in colors if n != name)
+        rows.append({"images": [Image.new("RGB", (32, 32), rgb)],
+                     "prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}],
+                     "chosen": [{"role": "assistant", "content": [{"type": "text", "text": name}]}],
+                     "rejected": [{"role": "assistant", "content": [{"type": "text", "text": wrong}]}],
+                     "margin": 0.5 * (i % 2)})
+    return Dataset.from_list(rows)
+
+
+def test_reward_trainer_on_a_vlm_trains_a_reward_head(tiny_hub, tmp_path):
+    """RewardTrainer given a Hub VLM and its processor (TRL's takes none): pairs with images as pair batches for
+    a reward head; the loss is the Bradley-Terry loss of the head's rewards (margin, centring); the saved
+    checkpoint scores one answer."""
+    from transformers import AutoModelForImageTextToText
+
+    _, tiny, processor = tiny_hub("qwen3_vl")
+    pairs = _color_pairs()
+    args = vlmtrain.RewardConfig(str(tmp_path / "rm"), center_rewards_coefficient=0.01, per_device_train_batch_size=2,
+                                 per_device_eval_batch_size=2, max_steps=2, logging_steps=1, learning_rate=1e-2,
+                                 weight_decay=0.1, bf16=False, gradient_checkpointing=False, report_to="none",
+                                 use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = vlmtrain.RewardTrainer(model=AutoModelForImageTextToText.from_pretrained(tiny), args=args,
+                                     train_dataset=pairs, eval_dataset=pairs, processing_class=processor)
+    batch = trainer.data_collator([pairs[0], pairs[1]])
+    inputs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    assert inputs["labels_reward"].tolist() == [0.0, 0.5] and inputs["input_ids"].shape[0] == 4
+    texts = processor.tokenizer.batch_decode(inputs["input_ids"], skip_special_tokens=True)
+    assert [t.split()[-1] for t in texts] == ["red", "green", "green", "red"]  # (chosen rows, then rejected)
+    model = trainer.model
+    out = model(**dict(inputs))
+    base_inputs = {k: v for k, v in inputs.items() if k != "labels_reward"}
+    with torch.no_grad():
+        hidden = model.base(**base_inputs, output_hidden_states=True).hidden_states[-1]
+        rewards = model.heads.layer("reward")(pool_last_token(hidden, base_inputs["attention_mask"]))[:, 0]
+    chosen, rejected = rewards[:2], rewards[2:]
+    want = (-F.logsigmoid(chosen - rejected - torch.tensor([0.0, 0.5])) + 0.01 * (chosen + rejected) ** 2).mean()
+    assert out["loss_reward"].item() == pytest.approx(want.item(), rel=1e-6)
+    assert out["loss"].item() == pytest.approx(want.item(), rel=1e-6)  # (no LM loss: the head's alone)
+    trainer.train()
+    assert [e["step"] for e in trainer.state.log_history if "loss_reward" in e] == [1, 2]
+    metrics = trainer.evaluate()
+    assert {"eval_loss_reward", "eval_reward_accuracy", "eval_reward_margin", "eval_num_tokens"} <= set(metrics)
+    trainer.save_model(str(tmp_path / "final"))
+    [row] = vlmtrain.load_for_inference(str(tmp_path / "final"), device="cpu").score(
+        [{"images": [pairs[0]["images"][0]], "texts": [{"user": "Colour?", "assistant": "red"}]}])
+    assert set(row) == {"reward"} and math.isfinite(row["reward"])

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..models.objectives.reward import RewardObjective
 from ..trainer import distributed as dist
 from .arguments import TrainingArguments
+from .reward_vision import is_hub_vlm, vision_reward_setup
 from .trainer import Trainer
 
 
@@ -130,7 +131,11 @@ class RewardTrainer(Trainer):
     """TRL's RewardTrainer for a sequence-classification model with one output (an object, a peft model, or a
     path loaded with ``num_labels=1``), on vlmtrain's Trainer. ``self.model`` is the :class:`RewardObjective`;
     ``self.reward_model`` the model trained. Logs TRL's ``accuracy``, ``margin``, ``min_reward``,
-    ``mean_reward``, ``max_reward`` and ``num_tokens`` in training and evaluation."""
+    ``mean_reward``, ``max_reward`` and ``num_tokens`` in training and evaluation.
+
+    A Hub VLM (a family vlmtrain knows; an object or a path) with its processor gets a ``reward`` score head
+    instead, and pairs with images (compat/reward_vision.py): ``self.model`` is then the VLM with its head
+    (``loss_reward``, ``eval_reward_accuracy``, ``eval_reward_margin``), saved as a checkpoint with heads."""
 
     def __init__(self, model: str | nn.Module, args: RewardConfig | None = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
@@ -148,42 +153,49 @@ class RewardTrainer(Trainer):
             raise ConfigError("quantization_config and optimizer_cls_and_kwargs are not available in vlmtrain's "
                               "RewardTrainer: pass a loaded model, and optimizers=(optimizer, scheduler).")
         set_seed(args.seed)  # (as TRL: before a score head or an adapter is initialized)
-        if isinstance(model, str):
-            model = _load(model, args)
-        elif getattr(model.config, "num_labels", None) != 1:
-            raise ValueError(f"The model has `num_labels={model.config.num_labels}`, but reward models require "
-                             "`num_labels=1` to output a single scalar reward per sequence. Load it with "
-                             "num_labels=1, or pass its path.")
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
-                                                             trust_remote_code=args.trust_remote_code)
-        if getattr(processing_class, "image_processor", None) is not None:
-            raise ConfigError("vlmtrain's RewardTrainer takes text models with a tokenizer; for a VLM, train a "
-                              "`reward` score head (model.heads: {reward: {type: reward}}).")
-        _set_tokens(processing_class, model, args)
-        if peft_config is not None:
-            from peft import get_peft_model
+        self._vision = is_hub_vlm(model)
+        if self._vision:  # a reward head on the VLM, pairs processed by its family (compat/reward_vision.py)
+            model, processing_class, collator = vision_reward_setup(model, processing_class, args, peft_config)
+            _set_tokens(processing_class.tokenizer, model.base, args)
+            trained = model
+        else:
+            if isinstance(model, str):
+                model = _load(model, args)
+            elif getattr(model.config, "num_labels", None) != 1:
+                raise ValueError(f"The model has `num_labels={model.config.num_labels}`, but reward models require "
+                                 "`num_labels=1` to output a single scalar reward per sequence. Load it with "
+                                 "num_labels=1, or pass its path.")
+            if processing_class is None:
+                processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path,
+                                                                 trust_remote_code=args.trust_remote_code)
+            _set_tokens(processing_class, model, args)
+            if peft_config is not None:
+                from peft import get_peft_model
 
-            model = get_peft_model(model, peft_config)
+                model = get_peft_model(model, peft_config)
+            collator = RewardCollator(processing_class.pad_token_id)
+            trained = RewardObjective(model, args.center_rewards_coefficient)
         if args.disable_dropout:
             for module in model.modules():
                 if isinstance(module, nn.Dropout):
                     module.p = 0.0
         self.reward_model = model
         self._total_train_tokens = 0
-        if data_collator is None:
-            data_collator = RewardCollator(processing_class.pad_token_id)
-        super().__init__(model=RewardObjective(model, args.center_rewards_coefficient), args=args,
-                         data_collator=data_collator, train_dataset=_prepare(train_dataset, processing_class, args),
-                         eval_dataset=_prepare(eval_dataset, processing_class, args),
+        super().__init__(model=trained, args=args, data_collator=data_collator or collator,
+                         train_dataset=self._prepare(train_dataset, processing_class, args),
+                         eval_dataset=self._prepare(eval_dataset, processing_class, args),
                          processing_class=processing_class, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+
+    def _prepare(self, dataset: Any, processing_class: Any, args: RewardConfig) -> Any:
+        # (a VLM's pairs stay raw: its collator processes them, images included)
+        return dataset if self._vision else _prepare(dataset, processing_class, args)
 
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Trainer.evaluate; a dataset given here is tokenized as the trainer's own are."""
         if eval_dataset is not None and not isinstance(eval_dataset, str):
-            eval_dataset = _prepare(eval_dataset, self.processing_class, self.args)
+            eval_dataset = self._prepare(eval_dataset, self.processing_class, self.args)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
