@@ -115,7 +115,8 @@ def test_reward_trainer_refuses_a_model_with_several_outputs(model_dir, tmp_path
                                processing_class=_tokenizer())
 
 
-@pytest.mark.parametrize("option,value", [("pad_to_multiple_of", 8), ("activation_offloading", True)])
+@pytest.mark.parametrize("option,value", [("pad_to_multiple_of", 8), ("activation_offloading", True),
+                                          ("chat_template_path", "Qwen/Qwen3-0.6B")])
 def test_reward_config_refuses_what_is_not_available(tmp_path, option, value):
     """One clear error naming the option when the arguments are built, before any model loads."""
     with pytest.raises(vlmtrain.errors.ConfigError, match=option):

@@ -5,7 +5,6 @@ the Bradley-Terry loss with TRL's metrics, which the trainer logs as it logs any
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +60,9 @@ class RewardConfig(TrainingArguments):
             raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r}: vlmtrain's RewardTrainer pads to the "
                               "longest row of each batch; set pad_to_multiple_of=None.")
         self.pad_to_multiple_of = None
+        if self.chat_template_path is not None and not self.chat_template_path.endswith((".jinja", ".j2")):
+            raise ConfigError(f"chat_template_path={self.chat_template_path!r}: vlmtrain's RewardTrainer takes a "
+                              "Jinja file (.jinja / .j2); set the tokenizer's chat_template yourself instead.")
         if self.activation_offloading:
             raise ConfigError("activation_offloading=True is not available in vlmtrain's RewardTrainer: set "
                               "activation_offloading=False (gradient_checkpointing saves memory instead).")
@@ -85,11 +87,11 @@ def _prepare(dataset: Any, tokenizer: Any, args: RewardConfig) -> Any:
 
     first = next(iter(dataset))
     tokenized = "chosen_ids" in first and "rejected_ids" in first
-    if hasattr(dataset, "map"):  # a datasets.Dataset
+    if hasattr(dataset, "map"):  # a datasets.Dataset or IterableDataset (whose map takes no num_proc)
+        procs = {"num_proc": args.dataset_num_proc} if hasattr(dataset, "__len__") else {}
         if not tokenized:
-            dataset = dataset.map(tokenize_reward_pair, fn_kwargs={"tokenizer": tokenizer},
-                                  num_proc=args.dataset_num_proc)
-        return dataset.filter(keep)
+            dataset = dataset.map(tokenize_reward_pair, fn_kwargs={"tokenizer": tokenizer}, **procs)
+        return dataset.filter(keep, **procs)
     rows = list(dataset) if tokenized else [{**s, **tokenize_reward_pair(s, tokenizer)} for s in dataset]
     return [s for s in rows if keep(s)]
 
@@ -115,9 +117,6 @@ def _set_tokens(processing_class: Any, model: nn.Module, args: RewardConfig) -> 
         processing_class.eos_token = args.eos_token
         model.config.get_text_config().eos_token_id = processing_class.eos_token_id
     if args.chat_template_path is not None:
-        if not (os.path.isfile(args.chat_template_path) and args.chat_template_path.endswith((".jinja", ".j2"))):
-            raise ConfigError(f"chat_template_path={args.chat_template_path!r}: vlmtrain's RewardTrainer takes a "
-                              "Jinja file (.jinja / .j2); set the tokenizer's chat_template yourself instead.")
         with open(args.chat_template_path, encoding="utf-8") as f:
             processing_class.chat_template = f.read()
     pad_token = args.pad_token or processing_class.pad_token or processing_class.eos_token
