@@ -14,13 +14,24 @@ import torch
 import torch.nn.functional as F
 
 import vlmtrain
+import vlmtrain.errors
 from tests.optional_extras import requires
 from tests.tiny import tiny_llama
 from vlmtrain import cli
 from vlmtrain.data.reward_pairs import RewardCollator
-from vlmtrain.models.heads import WithHeads, compute_head_metrics, pool_last_token
+from vlmtrain.models.heads import WithHeads, compute_head_metrics, parse_heads, pool_last_token
 
 HEADS = {"reward": {"type": "reward", "center_rewards_coefficient": 0.01}, "quality": {"type": "regression"}}
+
+
+@pytest.mark.parametrize("spec,key", [({"type": "reward", "num_outputs": 2}, "num_outputs"),
+                                      ({"type": "regression", "center_rewards_coefficient": 0.1},
+                                       "center_rewards_coefficient"),
+                                      ({"type": "reward", "center_rewards_coefficient": "high"},
+                                       "center_rewards_coefficient")])
+def test_reward_head_config_errors_name_the_key(spec, key):
+    with pytest.raises(vlmtrain.errors.ConfigError, match=f"model.heads.score.{key}"):
+        parse_heads({"score": spec})
 
 
 def _pair_batch() -> dict[str, torch.Tensor]:
