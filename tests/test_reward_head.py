@@ -19,7 +19,13 @@ from tests.optional_extras import requires
 from tests.tiny import tiny_llama
 from vlmtrain import cli
 from vlmtrain.data.reward_pairs import RewardCollator
-from vlmtrain.models.heads import WithHeads, compute_head_metrics, parse_heads, pool_last_token
+from vlmtrain.models.heads import (
+    WithHeads,
+    compute_head_metrics,
+    pair_margin_tensors,
+    parse_heads,
+    pool_last_token,
+)
 
 HEADS = {"reward": {"type": "reward", "center_rewards_coefficient": 0.01}, "quality": {"type": "regression"}}
 
@@ -85,7 +91,7 @@ class _EasyPairs(torch.utils.data.Dataset):
 
 def _collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     batch = RewardCollator(pad_token_id=0)(samples)
-    batch["labels_reward"] = torch.zeros(len(samples))  # (a margin of 0 per pair)
+    batch.update(pair_margin_tensors(parse_heads(HEADS), [None] * len(samples)))  # (a margin of 0 per pair)
     batch["labels_quality"] = torch.cat([torch.ones(len(samples)), torch.zeros(len(samples))])
     return batch
 
