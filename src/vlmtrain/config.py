@@ -58,8 +58,9 @@ class ModelConfig:
     CUDA, torch >= 2.10, bfloat16; one sdpa call per document elsewhere), for packed rows, and a Qwen-VL vision
     tower's attention over all images in one call (not one per image); see docs/hub-vlms.md."""
     heads: dict[str, dict[str, Any]] | None = None
-    """(hub_vlm) Score heads on the last non-pad token: {name: {type: classification|regression,
-    num_outputs, loss: ce|bce|mse|huber, weight}}; labels come from each sample's `labels: {name: value}`."""
+    """(hub_vlm) Score heads on the last non-pad token: {name: {type: classification|regression|reward,
+    num_outputs, loss: ce|bce|mse|huber, weight, center_rewards_coefficient (reward)}}; labels come from each
+    sample's `labels: {name: value}` (a reward head's: its pair's margin)."""
     lora: dict[str, Any] | None = None
     """(hub_vlm) LoRA adapters through peft: {r, alpha, dropout, target_modules}; target_modules default:
     the language model's linear layers. Checkpoints then hold the adapter and heads only."""

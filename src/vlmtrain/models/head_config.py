@@ -11,8 +11,8 @@ from typing import Any
 
 from ..errors import ConfigError
 
-HEAD_TYPES = ("classification", "regression")
-HEAD_LOSSES = {"classification": ("ce", "bce"), "regression": ("mse", "huber")}
+HEAD_TYPES = ("classification", "regression", "reward")
+HEAD_LOSSES = {"classification": ("ce", "bce"), "regression": ("mse", "huber"), "reward": ("bradley_terry",)}
 
 
 @dataclass
@@ -20,13 +20,17 @@ class HeadConfig:
     """One score head: a linear layer on the pooled last-token hidden state."""
 
     type: str = "classification"
-    """`classification` (labels: a class index for `ce`, a 0/1 list of num_outputs for `bce`) or `regression`."""
+    """`classification` (labels: a class index for `ce`, a 0/1 list of num_outputs for `bce`), `regression`, or
+    `reward` (one output, trained on pairs with the Bradley-Terry loss; its label is the pair's margin)."""
     num_outputs: int = 1
     """Classes (ce), independent labels (bce) or regressed values."""
     loss: str = ""
-    """ce | bce (classification), mse | huber (regression); empty: ce / mse."""
+    """ce | bce (classification), mse | huber (regression), bradley_terry (reward); empty: the first one."""
     weight: float = 1.0
     """Factor of this head's loss in the total `loss`."""
+    center_rewards_coefficient: float | None = None
+    """reward heads: adds ``coefficient * mean((r_chosen + r_rejected)^2)`` to the loss (TRL's name; 0.01 is the
+    value TRL recommends), for rewards centred on 0."""
 
 
 def parse_heads(spec: Mapping[str, Any] | None) -> dict[str, HeadConfig]:
@@ -56,14 +60,27 @@ def parse_heads(spec: Mapping[str, Any] | None) -> dict[str, HeadConfig]:
         if loss not in HEAD_LOSSES[kind]:
             raise ConfigError(f"{where}.loss: {loss!r} is not a loss for a {kind} head; expected one of "
                               f"{list(HEAD_LOSSES[kind])}")
-        default_outputs = 1 if kind == "regression" else None
+        default_outputs = None if kind == "classification" else 1
         num = options.get("num_outputs", default_outputs)
         if num is None:
             raise ConfigError(f"{where}.num_outputs: a classification head needs its number of classes")
         if isinstance(num, bool) or not isinstance(num, int) or num < 1 or (loss == "ce" and num < 2):
             raise ConfigError(f"{where}.num_outputs: expected an integer >= {2 if loss == 'ce' else 1}, got {num!r}")
-        weight = options.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ConfigError(f"{where}.weight: expected a finite number, got {weight!r}")
-        heads[name] = HeadConfig(type=kind, num_outputs=num, loss=loss, weight=float(weight))
+        if kind == "reward" and num != 1:
+            raise ConfigError(f"{where}.num_outputs: a reward head has one output (the reward), got {num!r}")
+        weight = _finite(options.get("weight", 1.0), f"{where}.weight")
+        center = options.get("center_rewards_coefficient")
+        if center is not None:
+            if kind != "reward":
+                raise ConfigError(f"{where}.center_rewards_coefficient: only reward heads have it (this one is "
+                                  f"{kind}); remove it.")
+            center = _finite(center, f"{where}.center_rewards_coefficient")
+        heads[name] = HeadConfig(type=kind, num_outputs=num, loss=loss, weight=weight,
+                                 center_rewards_coefficient=center)
     return heads
+
+
+def _finite(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+    return float(value)

@@ -1,5 +1,5 @@
 """Evaluation metrics of score heads with no user code (numpy only): accuracy and macro F1 per classification
-head, MAE, RMSE, Pearson and Spearman per regression head. Samples without a head's label are left out."""
+head, accuracy and mean margin per reward head, MAE, RMSE, Pearson and Spearman per regression head. Samples without a head's label are left out."""
 
 from __future__ import annotations
 
@@ -50,15 +50,30 @@ def _binary_f1(truth: np.ndarray, pred: np.ndarray) -> float:
     return float(2 * tp / (2 * tp + fp + fn)) if tp + fp + fn else 0.0
 
 
+def _reward_metrics(name: str, rewards: Any, margins: Any) -> dict[str, float]:
+    """A reward head's `<name>_accuracy` (chosen scored above rejected) and `<name>_margin` (mean chosen -
+    rejected) over the pairs that have a margin; rewards [N, 2] (chosen, rejected) per pair."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    valid = np.isfinite(np.asarray(margins, dtype=np.float64).reshape(-1))
+    if rewards.ndim != 2 or rewards.shape[-1] != 2 or not valid.any():
+        return {}
+    delta = rewards[valid, 0] - rewards[valid, 1]
+    return {f"{name}_accuracy": float(np.mean(delta > 0)), f"{name}_margin": float(np.mean(delta))}
+
+
 def compute_head_metrics(head_configs: Mapping[str, HeadConfig], predictions: Mapping[str, Any],
                          labels: Mapping[str, Any]) -> dict[str, float]:
     """`<name>_accuracy` and `<name>_f1` (macro; for bce heads the mean over outputs of binary F1) per
-    classification head, `<name>_mae`, `_rmse`, `_pearson`, `_spearman` per regression head (multi-output:
+    classification head, `<name>_accuracy` and `<name>_margin` per reward head (over pairs), `<name>_mae`,
+    `_rmse`, `_pearson`, `_spearman` per regression head (multi-output:
     over all values). `predictions[name]`: the head's logits [N, num_outputs]; `labels[name]`: as built by
     head_label_tensors (missing: -100 or NaN). A head without predictions, labels or labelled samples is left out."""
     out: dict[str, float] = {}
     for name, c in head_configs.items():
         if predictions.get(name) is None or labels.get(name) is None:
+            continue
+        if c.type == "reward":
+            out.update(_reward_metrics(name, predictions[name], labels[name]))
             continue
         logits = np.asarray(predictions[name], dtype=np.float64).reshape(-1, c.num_outputs)
         if c.loss == "ce":

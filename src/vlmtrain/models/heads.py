@@ -26,9 +26,10 @@ from ..errors import ConfigError
 from .head_config import HeadConfig, parse_heads
 from .head_metrics import compute_head_metrics, head_metrics
 from .lm_loss import decoder_and_head, lm_loss_sum
+from .objectives.reward import bradley_terry
 
 __all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_mask",
-           "head_label_tensors", "head_metrics", "parse_heads", "pool_last_token"]
+           "head_label_tensors", "head_metrics", "pair_margin_tensors", "pair_rewards", "parse_heads", "pool_last_token"]
 
 def pool_last_token(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """[B, L, H] -> [B, H]: each row's last position whose attention mask is 1 (left or right padding alike;
@@ -76,10 +77,24 @@ def head_label_mask(config: HeadConfig, labels: torch.Tensor) -> torch.Tensor:
     return ~torch.isnan(labels.float().reshape(labels.shape[0], -1)).any(dim=-1)
 
 
+def pair_rewards(logits: torch.Tensor, margins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reward head's (chosen, rejected) rewards [B] of a pair batch: B chosen rows, then B rejected rows."""
+    if logits.shape[0] != 2 * margins.shape[0]:
+        raise ValueError(f"a reward head's labels are one margin per pair of rows (B chosen rows, then B rejected "
+                         f"rows): got {margins.shape[0]} for {logits.shape[0]} rows")
+    chosen, rejected = logits[:, 0].chunk(2)
+    return chosen, rejected
+
+
 def head_loss_sum(config: HeadConfig, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed loss over the samples that have a label, their count): 0 and 0 without any, still in the graph."""
+    """(summed loss over the samples that have a label, their count): 0 and 0 without any, still in the graph.
+    A reward head's samples are pairs, its labels their margins (models/objectives/reward.py's loss)."""
     valid = head_label_mask(config, labels.to(logits.device))
-    if config.loss == "ce":
+    if config.type == "reward":
+        margins = labels.to(logits.device).float().reshape(-1)
+        chosen, rejected = pair_rewards(logits, margins)
+        total = bradley_terry(chosen, rejected, torch.where(valid, margins, 0.0), config.center_rewards_coefficient)
+    elif config.loss == "ce":
         labels = labels.to(logits.device).long().reshape(-1)
         total = F.cross_entropy(logits, labels.masked_fill(~valid, 0), reduction="none")
     else:
@@ -215,13 +230,15 @@ class WithHeads(nn.Module):
         if lm_labels is not None:
             num_items = torch.where(n_lm > 0, n_lm, num_items)
         for name, logits in self.heads(pooled).items():
-            result[f"logits_{name}"] = logits
             if name in head_labels:
                 config = self.head_configs[name]
                 total, count = head_loss_sum(config, logits, head_labels[name])
                 value = total / count.clamp(min=1)
                 result[f"loss_{name}"], result[f"num_items_{name}"] = value, count.float()
                 loss = loss + config.weight * (value if totals is None else total / _total(totals, name, count))
+                if config.type == "reward":  # one row per pair, beside its margin: [B, 2] (chosen, rejected)
+                    logits = torch.stack(pair_rewards(logits, head_labels[name]), dim=-1)
+            result[f"logits_{name}"] = logits
         result.update(loss=loss, num_items=num_items)
         return result
 
@@ -279,6 +296,8 @@ def head_label_tensors(head_configs: Mapping[str, HeadConfig],
     Values are assumed checked by :func:`check_head_labels`."""
     out = {}
     for name, c in head_configs.items():
+        if c.type == "reward":  # (its label is a pair's margin: pair_margin_tensors, on pair batches only)
+            continue
         values = [(r or {}).get(name) for r in raw]
         if c.loss == "ce":
             out[f"labels_{name}"] = torch.tensor([-100 if v is None else int(v) for v in values], dtype=torch.long)
@@ -292,6 +311,15 @@ def head_label_tensors(head_configs: Mapping[str, HeadConfig],
         t = torch.tensor(rows, dtype=torch.float32).reshape(len(raw), c.num_outputs)
         out[f"labels_{name}"] = t[:, 0] if c.type == "regression" and c.num_outputs == 1 else t
     return out
+
+
+def pair_margin_tensors(head_configs: Mapping[str, HeadConfig],
+                        raw: list[Mapping[str, Any] | None]) -> dict[str, torch.Tensor]:
+    """`labels_<name>` of each reward head for a batch of pairs, from each pair's `labels: {<name>: margin}`:
+    float [B], 0 where a pair has no margin. Their presence is what makes a reward head compute its loss on the
+    batch (rows: the B chosen, then the B rejected)."""
+    return {f"labels_{name}": torch.tensor([float((r or {}).get(name) or 0.0) for r in raw], dtype=torch.float32)
+            for name, c in head_configs.items() if c.type == "reward"}
 
 
 def _number(v: Any) -> bool:
@@ -313,7 +341,10 @@ def check_head_labels(head_configs: Mapping[str, HeadConfig], raw: Mapping[str, 
         if v is None:
             continue
         bad = f"labels.{name}={v!r}"
-        if c.loss == "ce":
+        if c.type == "reward":
+            if not _number(v) or not math.isfinite(v):
+                raise SkipSample("bad_head_label", f"{bad}: expected a pair's margin, a finite number")
+        elif c.loss == "ce":
             if not _number(v) or not float(v).is_integer() or not 0 <= v < c.num_outputs:
                 raise SkipSample("bad_head_label", f"{bad}: expected a class index in 0..{c.num_outputs - 1}")
         elif c.loss == "bce":
