@@ -72,6 +72,15 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     return parts
 
 
+def pairs(cfg: Any, tokenizer: Any = None) -> Any:
+    """The pair collator of train.objective dpo (text pairs: data/pairs.py); tokenizer None: the run's."""
+    from vlmtrain.data.pairs import PairCollator, TextPairProcessor
+
+    tokenizer = tokenizer if tokenizer is not None else _tokenizer(cfg, None)
+    processor = TextPairProcessor(tokenizer, cfg.data.max_length, cfg.train.truncation_mode)
+    return PairCollator(processor.process, tokenizer.pad_token_id, cfg.data.max_length, cfg.train.truncation_mode)
+
+
 def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
     """Load the checkpoint once; the returned answer(prompt, images, max_new_tokens) generates greedily."""
     import torch
@@ -103,4 +112,5 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     return load_generator(checkpoint)(prompt, None, max_new_tokens)
 
 
-KIND = ModelKind("causal_lm", build=build, validate=validate, generate=generate, load_generator=load_generator)
+KIND = ModelKind("causal_lm", build=build, validate=validate, generate=generate, load_generator=load_generator,
+                 pairs=pairs)
