@@ -89,11 +89,12 @@ def _config(tmp_path, model_dir, data: dict, steps: int = 5, **train) -> str:
     return str(path)
 
 
-def _dpo_trainer(model_dir, out, train_rows, eval_rows, **settings):
+def _dpo_trainer(model_dir, out, train_rows, eval_rows, peft_config, **settings):
     args = vlmtrain.DPOConfig(str(out), max_length=14, bf16=False, gradient_checkpointing=False,
                               save_strategy="no", use_cpu=True, **TRAIN, **settings)
     trainer = vlmtrain.DPOTrainer(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
-                                  train_dataset=train_rows, eval_dataset=eval_rows, processing_class=_tokenizer())
+                                  train_dataset=train_rows, eval_dataset=eval_rows, processing_class=_tokenizer(),
+                                  peft_config=peft_config)
     trainer.train()
     return trainer, [e for e in trainer.state.log_history if "loss" in e], trainer.evaluate()
 
@@ -106,12 +107,14 @@ def _hf_dir(tmp_path, rows: list[dict]) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("layout,loss_type,batch,steps", [("own", "sigmoid", 4, 5), ("trl", "ipo", 4, 5),
-                                                          ("trl_hf", "sigmoid", 20, 3)])
-def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layout, loss_type, batch, steps):
+@pytest.mark.parametrize("layout,loss_type,batch,steps,lora", [
+    ("own", "sigmoid", 4, 5, False), ("trl", "ipo", 4, 5, False), ("trl_hf", "sigmoid", 20, 3, False),
+    ("own", "sigmoid", 4, 5, True)], ids=["own", "trl-ipo", "trl-hf", "own-lora"])
+def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layout, loss_type, batch, steps, lora):
     """`vlmtrain train` with train.objective dpo: per-step loss and rewards/logps equal vlmtrain.DPOTrainer's on the
     same pairs (rel 1e-5), TRL's metric names in metrics.jsonl (eval_ prefixed in evaluation), the checkpoint holds
-    the policy alone with DPOTrainer's final weights, and `vlmtrain generate` answers from it. (The HF dataset is
+    the policy alone with DPOTrainer's final weights (with model.lora: the adapter alone, the reference being the
+model with its adapters off, as DPOTrainer's peft_config), and `vlmtrain generate` answers from it. (The HF dataset is
     read as a stream, in its own order: a batch of all 20 pairs makes each step's loss independent of it.)"""
     rows = _own_pairs(20, 0) if layout == "own" else _trl_pairs(20, 0)
     eval_rows = _own_pairs(8, 1) if layout == "own" else _trl_pairs(8, 1)
@@ -121,14 +124,26 @@ def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layou
                 "eval_file": str(eval_file)}
     else:
         data = {"source": "jsonl", "train_file": str(train_file), "eval_file": str(eval_file)}
-    assert cli.main(["train", "--config", _config(tmp_path, model_dir, data, steps, loss_type=loss_type,
-                                                  per_device_train_batch_size=batch)]) == 0
+    config = _config(tmp_path, model_dir, data, steps, loss_type=loss_type, per_device_train_batch_size=batch)
+    if lora:
+        with open(config) as f:
+            settings = yaml.safe_load(f)
+        settings["model"]["lora"] = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+        with open(config, "w") as f:
+            yaml.safe_dump(settings, f)
+    assert cli.main(["train", "--config", config]) == 0
 
     tok = _tokenizer()
     theirs_rows = [_own_tokens(r, tok) for r in rows] if layout == "own" else rows
     theirs_eval = [_own_tokens(r, tok) for r in eval_rows] if layout == "own" else eval_rows
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     trainer, logs, evaluation = _dpo_trainer(model_dir, tmp_path / "dpo_trainer", theirs_rows, theirs_eval,
-                                             loss_type=loss_type, per_device_train_batch_size=batch, max_steps=steps)
+                                             peft_config, loss_type=loss_type, per_device_train_batch_size=batch,
+                                             max_steps=steps)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     ours = [r for r in lines if "loss" in r]
     assert len(ours) == len(logs) == steps
@@ -141,9 +156,16 @@ def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layou
         assert final_eval[f"eval_{key}"] == pytest.approx(evaluation[f"eval_{key}"], rel=1e-5, abs=1e-7), key
 
     checkpoint = tmp_path / "run" / f"checkpoint-{steps}"
-    policy = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    expected = dict(trainer.policy.named_parameters())
-    for name, weight in policy.named_parameters():
+    if lora:  # the adapter alone, as DPOTrainer's policy holds it
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        saved, expected = load_file(checkpoint / "adapter_model.safetensors"), get_peft_model_state_dict(trainer.policy)
+        assert not (checkpoint / "model.safetensors").exists() and saved and saved.keys() == expected.keys()
+    else:
+        saved = dict(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).named_parameters())
+        expected = dict(trainer.policy.named_parameters())
+    for name, weight in saved.items():
         torch.testing.assert_close(weight, expected[name], rtol=1e-4, atol=1e-5)  # (as tests/test_dpo.py)
     assert cli.main(["generate", "--checkpoint", str(checkpoint), "--prompt", "w1 w2",
                      "--max-new-tokens", "2"]) == 0

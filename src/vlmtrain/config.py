@@ -61,8 +61,8 @@ class ModelConfig:
     """(hub_vlm) Score heads on the last non-pad token: {name: {type: classification|regression,
     num_outputs, loss: ce|bce|mse|huber, weight}}; labels come from each sample's `labels: {name: value}`."""
     lora: dict[str, Any] | None = None
-    """(hub_vlm) LoRA adapters through peft: {r, alpha, dropout, target_modules}; target_modules default:
-    the language model's linear layers. Checkpoints then hold the adapter and heads only."""
+    """(hub_vlm, causal_lm) LoRA adapters through peft: {r, alpha, dropout, target_modules}; target_modules
+    default: the language model's linear layers. Checkpoints then hold the adapter and heads only."""
     config: dict[str, Any] = field(default_factory=dict)
     """(causal_lm) transformers config kwargs incl. model_type (e.g. {model_type: llama, hidden_size: 64}); used
     when pretrained is None, otherwise its entries override the pretrained config."""

@@ -65,6 +65,11 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
         parts["model"] = build_causal_lm(config=cfg.model.config or None, pretrained=cfg.model.pretrained,
                                          tokenizer=tokenizer, seed=cfg.train.seed, dtype=dtype)
     enable_lm_loss(parts["model"])  # the LM head only at the targets, chunked (for the types it knows)
+    if cfg.model.lora:
+        from vlmtrain.models.lora import apply_lora
+
+        torch.manual_seed(cfg.train.seed)  # a reproducible adapter init (as TRL's trainers: after set_seed)
+        parts["model"] = apply_lora(parts["model"], cfg.model.lora, text_module="")
     default_length = 64 if "tokenizer" in source else cfg.data.max_length  # (tokenized: short samples)
     parts["data_collator"] = choose_collator(cfg, parts["model"], len(tokenizer), padded, parts.pop("packed"),
                                              default_length)
