@@ -218,3 +218,19 @@ def test_bad_pairs_are_counted_skips(dpo_yaml):
     batch = keep_end([long_prompt])
     assert batch["skipped"] == {} and batch["input_ids"].shape == (2, 14)
     assert batch["completion_mask"][:, -2:].tolist() == [[1, 1], [1, 1]]
+
+
+def test_data_inspect_shows_a_pairs_tokens(dpo_yaml, tmp_path, capsys):
+    """`vlmtrain data inspect` on a pair file: with a DPO run's config, each pair's prompt / chosen / rejected tokens
+    as its training tokenizes them; without one, pairs are checked as pairs (an own-schema pair's last turn holds
+    the question alone) and a bad pair is counted by its reason."""
+    rows = [{"texts": [{"user": "w1 w2"}], "chosen": "w3", "rejected": "w4 w5"},
+            {"prompt": "w6", "chosen": " w7", "rejected": " w7"}]
+    path, _ = _write(tmp_path, rows, [], name="inspect")
+    assert cli.main(["data", "inspect", str(path)]) == 0
+    plain = capsys.readouterr().out
+    assert "bad samples: {'identical_answers': 1}" in plain and "malformed" not in plain
+    assert cli.main(["data", "inspect", str(path), "--config", dpo_yaml]) == 0
+    out = capsys.readouterr().out
+    assert "bad samples: {'identical_answers': 1}" in out
+    assert "prompt (3): <s> w1 w2" in out and "chosen (2): w3 </s>" in out and "rejected (3): w4 w5 </s>" in out

@@ -93,8 +93,8 @@ class PairCollator:
     keeps_columns = True
 
     def __init__(self, process: Callable[[Any], dict[str, Any]], pad_token_id: int, max_length: int | None,
-                 truncation_mode: str = "keep_start") -> None:
-        self.process = process
+                 truncation_mode: str = "keep_start", tokenizer: Any = None) -> None:
+        self.process, self.tokenizer = process, tokenizer  # (the tokenizer names the tokens pair_check shows)
         self.layout = PreferenceCollator(pad_token_id, max_length, truncation_mode)
         self.skipped: Counter[str] = Counter()
 
@@ -105,3 +105,14 @@ class PairCollator:
                  if it is not None]
         bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys}
         return {**self.layout(items), **bookkeeping} if items else bookkeeping
+
+
+def pair_check(collator: PairCollator) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """What `vlmtrain data inspect --config` runs on each sample of a DPO run: the pair's processing (SkipSample
+    for a bad one), its token ids and, under ``tokens``, the prompt's, chosen's and rejected's tokens."""
+    def check(sample: Mapping[str, Any]) -> dict[str, Any]:
+        item = collator.process(sample)
+        names = collator.tokenizer.convert_ids_to_tokens
+        return {**item, "tokens": {side: names(item[f"{side}_ids"]) for side in ("prompt", *ANSWERS)}}
+
+    return check
