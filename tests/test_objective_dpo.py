@@ -14,8 +14,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import vlmtrain
-from tests.test_dpo import SPECIALS, WORDS, _tokenizer
-from tests.tiny import tiny_llama
+from tests.test_dpo import WORDS, _tokenizer, model_dir  # noqa: F401 (model_dir: the tiny Llama, a fixture)
 from vlmtrain import cli
 from vlmtrain.config import load_run_config
 from vlmtrain.errors import ConfigError
@@ -60,14 +59,6 @@ def _own_tokens(row: dict, tok) -> dict:
             "rejected_ids": enc(row["rejected"]) + [tok.eos_token_id]}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama_dpo")
-    tiny_llama(vocab_size=len(SPECIALS) + len(WORDS), pad_token_id=0, eos_token_id=3).save_pretrained(path)
-    _tokenizer().save_pretrained(path)
-    return path
-
-
 TRAIN = {"beta": 0.2, "per_device_eval_batch_size": 4, "learning_rate": 3e-3, "weight_decay": 0.1, "logging_steps": 1, "seed": 7, "report_to": "none",
          "dataloader_num_workers": 0, "disable_tqdm": True}
 
@@ -79,8 +70,8 @@ def _write(tmp_path, rows: list[dict], eval_rows: list[dict], name: str = "pairs
     return train, evals
 
 
-def _config(tmp_path, model_dir, data: dict, steps: int = 5, **train) -> str:
-    cfg = {"model": {"kind": "causal_lm", "pretrained": str(model_dir)},
+def _config(tmp_path, model_path, data: dict, steps: int = 5, **train) -> str:
+    cfg = {"model": {"kind": "causal_lm", "pretrained": str(model_path)},
            "data": {"max_length": 14, **data},
            "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo", "save_strategy": "steps",
                      "max_steps": steps, "save_steps": steps, "per_device_train_batch_size": 4, **TRAIN, **train}}
@@ -89,10 +80,10 @@ def _config(tmp_path, model_dir, data: dict, steps: int = 5, **train) -> str:
     return str(path)
 
 
-def _dpo_trainer(model_dir, out, train_rows, eval_rows, peft_config, **settings):
+def _dpo_trainer(model_path, out, train_rows, eval_rows, peft_config, **settings):
     args = vlmtrain.DPOConfig(str(out), max_length=14, bf16=False, gradient_checkpointing=False,
                               save_strategy="no", use_cpu=True, **TRAIN, **settings)
-    trainer = vlmtrain.DPOTrainer(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
+    trainer = vlmtrain.DPOTrainer(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), args=args,
                                   train_dataset=train_rows, eval_dataset=eval_rows, processing_class=_tokenizer(),
                                   peft_config=peft_config)
     trainer.train()
@@ -110,7 +101,7 @@ def _hf_dir(tmp_path, rows: list[dict]) -> str:
 @pytest.mark.parametrize("layout,loss_type,batch,steps,lora", [
     ("own", "sigmoid", 4, 5, False), ("trl", "ipo", 4, 5, False), ("trl_hf", "sigmoid", 20, 3, False),
     ("own", "sigmoid", 4, 5, True)], ids=["own", "trl-ipo", "trl-hf", "own-lora"])
-def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layout, loss_type, batch, steps, lora):
+def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layout, loss_type, batch, steps, lora):  # noqa: F811 (the fixture)
     """`vlmtrain train` with train.objective dpo: per-step loss and rewards/logps equal vlmtrain.DPOTrainer's on the
     same pairs (rel 1e-5), TRL's metric names in metrics.jsonl (eval_ prefixed in evaluation), the checkpoint holds
     the policy alone with DPOTrainer's final weights (with model.lora: the adapter alone, the reference being the
@@ -172,7 +163,7 @@ model with its adapters off, as DPOTrainer's peft_config), and `vlmtrain generat
 
 
 @pytest.fixture
-def dpo_yaml(tmp_path, model_dir):
+def dpo_yaml(tmp_path, model_dir):  # noqa: F811
     train_file, eval_file = _write(tmp_path, _trl_pairs(4, 0), _trl_pairs(2, 1))
     return _config(tmp_path, model_dir, {"source": "jsonl", "train_file": str(train_file),
                                          "eval_file": str(eval_file)})
@@ -223,7 +214,8 @@ def test_bad_pairs_are_counted_skips(dpo_yaml):
 def test_data_inspect_shows_a_pairs_tokens(dpo_yaml, tmp_path, capsys):
     """`vlmtrain data inspect` on a pair file: with a DPO run's config, each pair's prompt / chosen / rejected tokens
     as its training tokenizes them; without one, pairs are checked as pairs (an own-schema pair's last turn holds
-    the question alone) and a bad pair is counted by its reason."""
+    the question alone) and a bad pair is counted by its reason. The pairs written as WebDataset shards read the
+    same."""
     rows = [{"texts": [{"user": "w1 w2"}], "chosen": "w3", "rejected": "w4 w5"},
             {"prompt": "w6", "chosen": " w7", "rejected": " w7"}]
     path, _ = _write(tmp_path, rows, [], name="inspect")
@@ -234,3 +226,7 @@ def test_data_inspect_shows_a_pairs_tokens(dpo_yaml, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bad samples: {'identical_answers': 1}" in out
     assert "prompt (3): <s> w1 w2" in out and "chosen (2): w3 </s>" in out and "rejected (3): w4 w5 </s>" in out
+    assert cli.main(["data", "to-wds", str(path), str(tmp_path / "shards")]) == 0
+    assert cli.main(["data", "inspect", str(tmp_path / "shards" / "shard-000000.tar"), "--config", dpo_yaml]) == 0
+    shards = capsys.readouterr().out
+    assert "bad samples: {'identical_answers': 1}" in shards and "rejected (3): w4 w5 </s>" in shards
