@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import vlmtrain
 from tests.test_dpo import WORDS, _tokenizer, model_dir  # noqa: F401 (model_dir: the tiny Llama, a fixture)
-from vlmtrain import cli
+from vlmtrain import cli, run
 from vlmtrain.config import load_run_config
 from vlmtrain.errors import ConfigError
 
@@ -105,8 +105,9 @@ def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layou
     """`vlmtrain train` with train.objective dpo: per-step loss and rewards/logps equal vlmtrain.DPOTrainer's on the
     same pairs (rel 1e-5), TRL's metric names in metrics.jsonl (eval_ prefixed in evaluation), the checkpoint holds
     the policy alone with DPOTrainer's final weights (with model.lora: the adapter alone, the reference being the
-model with its adapters off, as DPOTrainer's peft_config), and `vlmtrain generate` answers from it. (The HF dataset is
-    read as a stream, in its own order: a batch of all 20 pairs makes each step's loss independent of it.)"""
+    model with its adapters off, as DPOTrainer's peft_config), `vlmtrain generate` answers from it and `vlmtrain
+    eval` of it gives the run's final evaluation again. (The HF dataset is read as a stream, in its own order: a
+    batch of all 20 pairs makes each step's loss independent of it.)"""
     rows = _own_pairs(20, 0) if layout == "own" else _trl_pairs(20, 0)
     eval_rows = _own_pairs(8, 1) if layout == "own" else _trl_pairs(8, 1)
     train_file, eval_file = _write(tmp_path, rows, eval_rows)
@@ -160,6 +161,10 @@ model with its adapters off, as DPOTrainer's peft_config), and `vlmtrain generat
         torch.testing.assert_close(weight, expected[name], rtol=1e-4, atol=1e-5)  # (as tests/test_dpo.py)
     assert cli.main(["generate", "--checkpoint", str(checkpoint), "--prompt", "w1 w2",
                      "--max-new-tokens", "2"]) == 0
+    if layout == "own":  # `vlmtrain eval` of the checkpoint: its policy against the reference as configured
+        again = run.evaluate(load_run_config(config, {"train.output_dir": str(tmp_path / "eval")}), str(checkpoint))
+        for key in ("loss", *DPO_KEYS):
+            assert again[f"eval_{key}"] == pytest.approx(final_eval[f"eval_{key}"], rel=1e-5, abs=1e-7), key
 
 
 @pytest.fixture
