@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from vlmtrain.compat.arguments import ImplementedArguments, describe
+from vlmtrain.compat.arguments import ImplementedArguments, TrainingArguments, describe
 from vlmtrain.compat.arguments_fields import TransformersOnlyArguments
 from vlmtrain.config import SECTIONS
 
@@ -47,7 +47,8 @@ train: {output_dir: runs/score, max_steps: 2000, learning_rate: 2.0e-5, bf16: tr
 ```
 
 In Python, `train` is `vlmtrain.TrainingArguments` (the same names and defaults as transformers'
-TrainingArguments where transformers has them); `model` and `data` are `vlmtrain.config.ModelConfig` and
+TrainingArguments where transformers has them; `objective` and its options are the config's own, in Python
+`vlmtrain.DPOConfig`'s); `model` and `data` are `vlmtrain.config.ModelConfig` and
 `vlmtrain.config.DataConfig`. Defaults below are written as YAML values (`null` is Python's None).
 """
 
@@ -122,6 +123,9 @@ def table(rows: list[tuple[dataclasses.Field, str | None]], describe_missing: bo
     return "\n".join(lines)
 
 
+_ARGUMENTS = {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
 def render() -> str:
     """The whole page."""
     model, data, train = SECTIONS["model"], SECTIONS["data"], SECTIONS["train"]
@@ -141,6 +145,11 @@ def render() -> str:
         table(_documented(train, ImplementedArguments)),
         "\nInvalid combinations fail when the arguments are built, with a message that says what to change (for "
         "example\n`load_best_model_at_end=True needs save_steps (500) to be a multiple of eval_steps (300)`).\n",
+        "### `objective` and its options\n",
+        "The training objective; the options of `objective: dpo` have TRL 1.16's DPOConfig names and defaults "
+        "(a key marked (dpo)\nis an error with another objective). See [Preference training](preference.md).\n",
+        table([(f, doc) for f, doc in _documented(train) if f.name not in _ARGUMENTS]),
+        "",
         "### transformers' other TrainingArguments names\n",
         "A script written for transformers' Trainer passes them unchanged. A value vlmtrain cannot honour is an "
         "error that\nsays what to do instead; a few are accepted at any value because vlmtrain always behaves one "

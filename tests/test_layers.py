@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
     # what a run is made of, below the orchestrator that runs them
     "vlmtrain.config_checks": 6,
     "vlmtrain.config": 6,
+    "vlmtrain.config_objective": 6,
     "vlmtrain.compose": 6,
     "vlmtrain.inference": 6,
     "vlmtrain.prediction": 6,

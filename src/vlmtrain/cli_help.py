@@ -59,7 +59,7 @@ COMMON_KEYS = (
     "train.lr_scheduler_type", "train.warmup_ratio", "train.logging_steps", "train.eval_strategy",
     "train.eval_steps", "train.save_strategy", "train.save_steps", "train.save_total_limit", "train.bf16",
     "train.activation_checkpointing", "train.fsdp", "train.dataloader_num_workers",
-    "train.resume_from_checkpoint", "train.seed", "train.report_to",
+    "train.resume_from_checkpoint", "train.seed", "train.report_to", "train.objective",
 )
 HELP_ALL = "--help-all"
 

@@ -23,6 +23,7 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     from vlmtrain.data.registry import get_source
     from vlmtrain.models.kinds import get_kind
     from vlmtrain.models.local_paths import check_local_model
+    from vlmtrain.models.objectives.parts import objective_parts
 
     if cfg.model.pretrained:  # a missing local directory names the key, not transformers' "Repo id must be"
         check_local_model(cfg.model.pretrained, "model.pretrained")
@@ -32,6 +33,7 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     data = get_source(cfg.data.source).build(cfg)
     with _model_init(cfg, checkpoint) as sharded_build:
         parts = kind.build(cfg, data, checkpoint)
+    parts = objective_parts(cfg, kind, parts)  # (dpo: the policy and its reference, the pair collator)
     if sharded_build:  # FSDP: only rank 0 built the weights; every rank gets its shard of them
         from vlmtrain.models.sharding import shard_from_rank0
         from vlmtrain.parallel import fsdp
@@ -42,7 +44,8 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     if cfg.data.pack_window and getattr(parts["data_collator"], "pack_length", None):
         _window_packing(cfg, parts)
     if checkpoint is not None:
-        Trainer.parts.model_files.load_model_weights(parts["model"], checkpoint)
+        # (dpo: into the policy; the reference stays the model as configured)
+        Trainer.parts.model_files.load_model_weights(parts.get("policy", parts["model"]), checkpoint)
 
     # The kinds' and sources' metrics score generated answers (exact match). Without generation evaluation
     # keeps only the losses (and head outputs): never the B x L x vocab logits of the whole eval set.

@@ -16,7 +16,6 @@ from typing import Any, Literal
 import yaml
 
 import vlmtrain.tasks  # noqa: F401 - the tasks register their data sources, which SourceName lists
-from vlmtrain.compat.arguments import TrainingArguments
 from vlmtrain.config_checks import (
     allows_none,
     check_argv,
@@ -26,6 +25,7 @@ from vlmtrain.config_checks import (
     translate_error,
     type_name,
 )
+from vlmtrain.config_objective import TrainConfig, check_objective
 from vlmtrain.data.registry import SOURCES, all_sources
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.kinds import KINDS, get_kind
@@ -62,8 +62,8 @@ class ModelConfig:
     num_outputs, loss: ce|bce|mse|huber, weight, center_rewards_coefficient (reward)}}; labels come from each
     sample's `labels: {name: value}` (a reward head's: its pair's margin)."""
     lora: dict[str, Any] | None = None
-    """(hub_vlm) LoRA adapters through peft: {r, alpha, dropout, target_modules}; target_modules default:
-    the language model's linear layers. Checkpoints then hold the adapter and heads only."""
+    """(hub_vlm, causal_lm) LoRA adapters through peft: {r, alpha, dropout, target_modules}; target_modules
+    default: the language model's linear layers. Checkpoints then hold the adapter and heads only."""
     config: dict[str, Any] = field(default_factory=dict)
     """(causal_lm) transformers config kwargs incl. model_type (e.g. {model_type: llama, hidden_size: 64}); used
     when pretrained is None, otherwise its entries override the pretrained config."""
@@ -125,7 +125,8 @@ class DataCore:
     """(jsonl, stream) A custom filter 'package.module:function': called with each raw sample, it returns
     True/False to keep/drop it, or a changed sample."""
     max_length: int = 512
-    """(vlm) Samples longer than this many tokens (image tokens included) are skipped and counted, never cut."""
+    """(vlm) Samples longer than this many tokens (image tokens included) are skipped and counted, never cut.
+    (train.objective dpo: TRL's max_length, a pair's prompt + answer cut as train.truncation_mode says.)"""
     max_images: int = 4
     """(vlm) Samples with more images than this are skipped and counted."""
     max_pixels: int | None = None
@@ -241,11 +242,11 @@ class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
 
 @dataclass
 class RunConfig:
-    """A whole run: the model, the data, and TrainingArguments (the `train` section)."""
+    """A whole run: the model, the data, and TrainingArguments plus the objective (the `train` section)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    train: TrainingArguments = field(default_factory=TrainingArguments)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
         # Cross-section checks (the source's, then the kind's), so a mismatch fails before anything is built.
@@ -262,13 +263,14 @@ class RunConfig:
             raise ConfigError(f"data.max_patches_per_pack pads a Hub VLM's (Qwen-VL) vision tower; model.kind is "
                               f"{self.model.kind!r}. Remove data.max_patches_per_pack (data.max_images_per_pack "
                               f"caps a packed row's images).")
+        check_objective(self)
         kind = get_kind(self.model.kind)
         if kind.check is not None:
             kind.check(self)
 
 
 DEFAULT_RUN_DIR = "runs/default"
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainingArguments}
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
 
 
 # -- parsing -------------------------------------------------------------------------------------------

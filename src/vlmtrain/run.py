@@ -213,12 +213,21 @@ def inspect_checks(config: str | None, model: str | None) -> tuple[Any, Any]:
             model, key = cfg.model.pretrained, "model.pretrained"
         kind = get_kind(cfg.model.kind)
         check = kind.record_check(cfg) if kind.record_check is not None else None
+        if cfg.train.objective != "sft":  # (a pair's processing, with its tokens to show)
+            from vlmtrain.data.pairs import pair_check
+
+            check = pair_check(kind.pairs(cfg))
     settings = VideoSettings.from_data(cfg.data if cfg is not None else DataConfig())
     if model is None:
         return check, settings
     from vlmtrain.models.families import family_of
 
-    family = family_of(model, key=key)
+    try:
+        family = family_of(model, key=key)
+    except ConfigError:
+        if key == "model.pretrained":  # (the config's model is no Hub VLM, e.g. a causal LM: no video planning)
+            return check, settings
+        raise
     if family.video is None:
         raise ConfigError(f"--model {model}: the {family.name} family has no video support in vlmtrain "
                           f"(video: Qwen3-VL, Qwen2.5-VL).")

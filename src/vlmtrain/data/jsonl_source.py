@@ -72,4 +72,4 @@ def check(cfg: Any) -> None:
         raise ConfigError("data.source='jsonl' needs data.train_file (a the_cauldron-schema JSONL file).")
 
 
-SOURCE = DataSource("jsonl", kinds=("vlm", "hub_vlm", "causal_lm"), build=build, check=check)
+SOURCE = DataSource("jsonl", kinds=("vlm", "hub_vlm", "causal_lm"), build=build, check=check, pairs=True)

@@ -64,6 +64,8 @@ class DataSource:
     build: Callable[[Any], dict[str, Any]]
     options: type | None = None
     """A dataclass of this source's own `data.*` keys (merged into DataConfig), or None."""
+    pairs: bool = False
+    """Whether its samples may be preference pairs (raw samples, for `train.objective: dpo`)."""
     check_options: Callable[[Any], None] | None = None
     """check_options(data_config): validate this source's own keys (run on every config)."""
     check: Callable[[Any], None] | None = None

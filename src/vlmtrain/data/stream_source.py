@@ -32,4 +32,4 @@ def check(cfg: Any) -> None:
             raise ConfigError(f"data.sources[{i}] needs kind: one of {list(STREAM_KINDS)}, got {spec!r}.")
 
 
-SOURCE = DataSource("stream", kinds=("vlm", "hub_vlm", "causal_lm"), build=build, check=check)
+SOURCE = DataSource("stream", kinds=("vlm", "hub_vlm", "causal_lm"), build=build, check=check, pairs=True)

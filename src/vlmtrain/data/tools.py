@@ -140,23 +140,31 @@ def inspect_source(spec: str, processor: Any = None, limit: int | None = None,
     default: the default settings).
     """
     from vlmtrain.data.hub_messages import check_record
+    from vlmtrain.data.pairs import check_pair, is_pair
     from vlmtrain.data.processing import SkipSample, sample_name
 
-    check = check or check_record
     source = open_source(spec)
     records = (sample for shard in range(len(source.shards)) for _, sample in source.read(shard, {}))
     images, lengths, bad, problems = Counter(), [], Counter(), []
     videos: list[dict[str, Any]] = []
+    pairs: list[dict[str, Any]] = []
     samples = 0
     for sample in progress(records, "inspect"):
         if limit is not None and samples >= limit:
             break
         samples += 1
         try:
-            check(sample)
+            result = (check or (check_pair if is_pair(sample) else check_record))(sample)
             videos += describe_videos(sample, video)
-            if processor is not None:
+            if isinstance(result, dict) and "tokens" in result:  # a pair as a DPO run tokenizes it (pair_check)
+                tokens = result["tokens"]
+                pairs += [{"sample": sample_name(sample), **tokens}] if len(pairs) < examples else []
+                lengths.append(len(tokens["prompt"]) + max(len(tokens["chosen"]), len(tokens["rejected"])))
+            elif processor is not None:
                 lengths.append(len(processor.process(sample)["input_ids"]))
+            elif is_pair(sample):
+                lengths.append(len(str(sample.get("prompt") or sample.get("texts")))
+                               + max(len(str(sample["chosen"])), len(str(sample["rejected"]))))
             else:
                 lengths.append(sum(len(t.get("user") or "") + len(t.get("assistant") or "")
                                    for t in sample.get("texts") or [] if isinstance(t, dict)))
@@ -167,7 +175,7 @@ def inspect_source(spec: str, processor: Any = None, limit: int | None = None,
                 problems.append(f"{sample_name(sample)} ({err})")
     return {"source": spec, "shards": len(source.shards), "samples": samples, "bad": dict(bad),
             "problems": problems, "images_per_sample": dict(sorted(images.items())), "lengths": _histogram(lengths),
-            "videos": videos}
+            "videos": videos, "pairs": pairs}
 
 
 def describe_videos(sample: dict[str, Any], video: Any = None) -> list[dict[str, Any]]:
@@ -211,9 +219,12 @@ def format_report(report: dict[str, Any]) -> str:
                > 0 else []),
              "  images per sample: " + ", ".join(f"{k}: {v}" for k, v in report["images_per_sample"].items())]
     total = max(1, sum(report["lengths"].values()))
-    lines.append("  text length (characters):")
+    lines.append(f"  text length ({'tokens: prompt + longer answer' if report.get('pairs') else 'characters'}):")
     for label, n in report["lengths"].items():
         lines.append(f"    {label:>12} {n:>7} {'#' * round(40 * n / total)}")
+    for pair in report.get("pairs") or []:  # (a DPO run's config: each pair's tokens, the first `examples`)
+        lines.append(f"  pair {pair['sample']}:")
+        lines += [f"    {side} ({len(pair[side])}): {' '.join(pair[side])}" for side in ("prompt", "chosen", "rejected")]
     videos = report.get("videos") or []
     if videos:
         lines.append(f"  videos: {len(videos)} (frames chosen, their timestamps in seconds, video tokens)")

@@ -51,6 +51,12 @@ class ModelKind:
     in dtype on device, with its heads), processor, process (raw sample -> item; raises SkipSample), collate
     (items -> batch) and generate(samples, max_new_tokens, skip=False) -> answers (with skip, a skipped sample's
     SkipSample in its place). What vlmtrain.load_for_inference uses."""
+    pairs: Callable[[Any, Any], Any] | None = None
+    """pairs(cfg, processing_class=None) -> the pair collator of `train.objective: dpo` (None: the kind has no pair
+    processing yet, a ConfigError before any work): called with a raw preference pair (docs/data.md), its
+    ``process`` returns ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (raises SkipSample), and the collator
+    lays a batch out as the objective takes it (data/preference.py: B chosen rows, then B rejected ones).
+    processing_class: what build returned as the tokenizer; None: loaded from cfg (e.g. for data inspect)."""
     record_check: Callable[[Any], Callable[[dict[str, Any]], Any]] | None = None
     """record_check(cfg) -> check(sample): the checks this kind's training makes on one raw sample (texts, images,
     `<image>` placeholders, head labels; raise SkipSample), with the run's limits and heads and never the model's

@@ -65,11 +65,26 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
         parts["model"] = build_causal_lm(config=cfg.model.config or None, pretrained=cfg.model.pretrained,
                                          tokenizer=tokenizer, seed=cfg.train.seed, dtype=dtype)
     enable_lm_loss(parts["model"])  # the LM head only at the targets, chunked (for the types it knows)
+    if cfg.model.lora:
+        from vlmtrain.models.lora import apply_lora
+
+        torch.manual_seed(cfg.train.seed)  # a reproducible adapter init (as TRL's trainers: after set_seed)
+        parts["model"] = apply_lora(parts["model"], cfg.model.lora, text_module="")
     default_length = 64 if "tokenizer" in source else cfg.data.max_length  # (tokenized: short samples)
     parts["data_collator"] = choose_collator(cfg, parts["model"], len(tokenizer), padded, parts.pop("packed"),
                                              default_length)
     parts["padded_collator"] = padded
     return parts
+
+
+def pairs(cfg: Any, tokenizer: Any = None) -> Any:
+    """The pair collator of train.objective dpo (text pairs: data/pairs.py); tokenizer None: the run's."""
+    from vlmtrain.data.pairs import PairCollator, TextPairProcessor
+
+    tokenizer = tokenizer if tokenizer is not None else _tokenizer(cfg, None)
+    processor = TextPairProcessor(tokenizer, cfg.data.max_length, cfg.train.truncation_mode)
+    return PairCollator(processor.process, tokenizer.pad_token_id, cfg.data.max_length, cfg.train.truncation_mode,
+                        tokenizer)
 
 
 def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:
@@ -103,4 +118,5 @@ def generate(checkpoint: str, prompt: str, images: list[str] | None = None, max_
     return load_generator(checkpoint)(prompt, None, max_new_tokens)
 
 
-KIND = ModelKind("causal_lm", build=build, validate=validate, generate=generate, load_generator=load_generator)
+KIND = ModelKind("causal_lm", build=build, validate=validate, generate=generate, load_generator=load_generator,
+                 pairs=pairs)

@@ -1,0 +1,98 @@
+"""The `train` section of a run config: vlmtrain.TrainingArguments plus the training objective
+(`train.objective`) and its options under TRL 1.16's DPOConfig names. vlmtrain.TrainingArguments itself (what a
+transformers script builds) stays free of them; this subclass is what the YAML config and the CLI parse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from vlmtrain.compat.arguments import TrainingArguments
+from vlmtrain.errors import ConfigError
+from vlmtrain.models.objectives.dpo import LOSS_TYPES
+
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+@dataclass
+class TrainConfig(TrainingArguments):
+    """TrainingArguments (transformers' names) with `objective` and, for `objective: dpo`, TRL 1.16's DPO options
+    and defaults (docs/preference.md)."""
+
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: the language-model loss on the answers. dpo: Direct Preference Optimization on preference pairs
+    (docs/data.md#preference-pairs) against a reference model: with model.lora the model with its adapters
+    switched off, else a frozen copy of the model as training starts. The checkpoints hold the trained model
+    alone (loadable as an SFT run's)."""
+    beta: float = 0.1
+    """(dpo) Temperature of the DPO loss (ipo: its regularization parameter tau)."""
+    loss_type: list[str] | str = field(default_factory=lambda: ["sigmoid"])
+    """(dpo) One or several of sigmoid, ipo, hinge (several: summed, weighted by loss_weights)."""
+    loss_weights: list[float] | None = None
+    """(dpo) One weight per loss_type; null: 1 each."""
+    label_smoothing: float = 0.0
+    """(dpo) As TRL 1.16: used by none of the loss types above (only by TRL's robust, exo_pair and aot)."""
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    """(dpo) A pair's prompt + answer longer than data.max_length tokens is cut: keep_start keeps its first
+    tokens (a pair whose prompt alone fills them is skipped and counted, as TRL drops it), keep_end its last."""
+    precompute_ref_log_probs: bool = False
+    """(dpo) Not implemented yet: true is refused (the reference runs beside the policy)."""
+    disable_dropout: bool = True
+    """(dpo) Set every dropout of the model and its reference to 0."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss_type, str):
+            self.loss_type = [self.loss_type]
+        if self.objective != "dpo":
+            given = [f.name for f in fields(TrainConfig) if f.name in DPO_OPTIONS
+                     and getattr(self, f.name) != _default(f)]
+            if given:
+                raise ConfigError(f"train.{given[0]} is an option of train.objective: dpo, but train.objective is "
+                                  f"{self.objective!r}: remove train.{given[0]}, or set train.objective: dpo.")
+        unknown = [t for t in self.loss_type if t not in LOSS_TYPES]
+        if unknown:
+            raise ConfigError(f"train.loss_type={unknown}: vlmtrain's DPO has {list(LOSS_TYPES)} (TRL's other loss "
+                              "types are not implemented yet).")
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ConfigError(f"train.loss_weights has {len(self.loss_weights)} weights for "
+                              f"{len(self.loss_type)} train.loss_type entries: give one weight per loss type.")
+        if self.precompute_ref_log_probs:
+            raise ConfigError("train.precompute_ref_log_probs=true is not implemented in vlmtrain's DPO yet: set it "
+                              "to false (the reference then runs beside the policy).")
+        super().__post_init__()
+
+
+DPO_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "truncation_mode", "precompute_ref_log_probs",
+               "disable_dropout")
+
+
+def _default(f: Any) -> Any:
+    return f.default_factory() if callable(f.default_factory) else f.default
+
+
+def check_objective(cfg: Any) -> None:
+    """Cross-section checks of train.objective (before any model or data is built): the model kind must have pair
+    processing, the data source must give raw samples, and what DPO does not do yet is refused."""
+    if cfg.train.objective == "sft":
+        return
+    from vlmtrain.data.registry import get_source
+    from vlmtrain.models.kinds import get_kind
+
+    objective = f"train.objective={cfg.train.objective}"
+    if get_kind(cfg.model.kind).pairs is None:
+        raise ConfigError(f"{objective} is not supported for model.kind={cfg.model.kind} yet (in Python: "
+                          f"vlmtrain.DPOTrainer).")
+    if not get_source(cfg.data.source).pairs:
+        raise ConfigError(f"{objective} trains on preference pairs: data.source={cfg.data.source!r} has none; use "
+                          "data.source jsonl or stream (docs/data.md#preference-pairs).")
+    resume = str(cfg.train.resume_from_checkpoint or "").lower() not in ("", "false", "none", "no")
+    refused = {"data.packing": (cfg.data.packing, "set data.packing: false (pairs are padded)"),
+               "data.pack_window": (cfg.data.pack_window, "remove data.pack_window"),
+               "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a DPO evaluation "
+                                               "reports TRL's rewards/* and logps/*)"),
+               "train.fsdp": (cfg.train.fsdp, "remove train.fsdp (train with one process or DDP)"),
+               "train.resume_from_checkpoint": (resume, "start a new run with model.pretrained: <the checkpoint> "
+                                                "(its policy; the reference is then that model)")}
+    for key, (value, instead) in refused.items():
+        if value:
+            raise ConfigError(f"{key} is not available with {objective} yet: {instead}.")

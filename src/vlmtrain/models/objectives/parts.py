@@ -1,0 +1,35 @@
+"""A run's parts under its `train.objective`: sft leaves what the model kind built; dpo wraps the kind's model
+(the policy) and its reference in :class:`~vlmtrain.models.objectives.dpo.DPOObjective` and takes the kind's pair
+collator. What compose.build calls, whatever the kind."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from vlmtrain.errors import ConfigError
+from vlmtrain.models.objectives.dpo import DPOObjective
+
+
+def objective_parts(cfg: Any, kind: Any, parts: dict[str, Any]) -> dict[str, Any]:
+    """``parts`` for cfg.train.objective: with dpo, ``model`` is the DPOObjective (the reference: the policy with
+    its LoRA adapters switched off, else a frozen copy of the policy as built), ``policy`` the model trained,
+    ``data_collator`` the kind's pair collator (``process`` its per-pair processing) and no generation metrics."""
+    t = cfg.train
+    if t.objective == "sft":
+        return parts
+    if kind.pairs is None:  # (RunConfig refuses it first; here for configs built in Python)
+        raise ConfigError(f"train.objective={t.objective} is not supported for model.kind={kind.name} yet.")
+    policy = parts["model"]
+    reference = None if hasattr(policy, "disable_adapter") else copy.deepcopy(policy)
+    if t.disable_dropout:
+        for model in (policy, reference):
+            for module in model.modules() if model is not None else ():
+                if isinstance(module, nn.Dropout):
+                    module.p = 0.0
+    collator = kind.pairs(cfg, parts["tokenizer"])
+    objective = DPOObjective(policy, reference, beta=t.beta, loss_type=t.loss_type, loss_weights=t.loss_weights)
+    return {**parts, "model": objective, "policy": policy, "data_collator": collator, "padded_collator": collator,
+            "process": collator.process, "compute_metrics": None}
