@@ -145,11 +145,12 @@ def _mixed_batch_pairs() -> list[dict]:
     return [_pair(rng, 1), _pair(rng, 0), _pair(rng, 2)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "idefics3"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision"])
 def test_one_vision_pass_logps_equal_the_plain_forward(tiny_hub, family):
     """The answers' log-probs of the 2B rows with each pair's images encoded once equal those of the plain
     forward of the same rows, each with its own copy of its images (the processor over the 2B rows), in fp32.
-    Idefics3 cuts an image into crops: the features are picked per image token, not per image."""
+    Idefics3 cuts an image into crops and LLaVA-OneVision into tiles: the features are picked per image token,
+    not per image; Gemma 3's come as one [images, tokens, hidden] tensor."""
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.data.preference_vision import VisionPreferenceCollator, render_pair

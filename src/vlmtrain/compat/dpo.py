@@ -157,7 +157,8 @@ class DPOTrainer(Trainer):
                                  loss_weights=args.loss_weights)
         self._vision_pairs = vision
         if data_collator is None and vision:
-            data_collator = VisionPreferenceCollator(processing_class, args.max_length)
+            data_collator = VisionPreferenceCollator(processing_class, args.max_length,
+                                                     getattr(model.config, "image_token_id", None))
         elif data_collator is None:
             data_collator = PreferenceCollator(tokenizer.pad_token_id, args.max_length, args.truncation_mode)
         super().__init__(model=objective, args=args, data_collator=data_collator,

@@ -97,8 +97,11 @@ def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, st
 
 
 def image_token_id(processor: Any) -> int:
-    """The id of the processor's image placeholder token (the one its features replace)."""
-    token_id = getattr(processor, "image_token_id", None)
+    """The id of the token the image features replace: the tokenizer's image token where it names one (Gemma 3's
+    processor's own ``image_token`` is the start-of-image marker), else the processor's."""
+    token_id = getattr(processor.tokenizer, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(processor, "image_token_id", None)
     if token_id is None:
         token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
     return int(token_id)
@@ -108,10 +111,13 @@ def image_token_id(processor: Any) -> int:
 class VisionPreferenceCollator:
     """A batch of pairs with images as one forward of 2B rows (B chosen, then B rejected) whose images are each
     given once (see the module docstring). ``max_length`` cuts rows at the end (``keep_start``, the only mode
-    TRL allows with images); a cut through a prompt's image placeholder tokens is an error naming it."""
+    TRL allows with images); a cut through a prompt's image placeholder tokens is an error naming it.
+    ``image_token_id``: the token the model's image features replace (its config's; default
+    :func:`image_token_id`)."""
 
     processor: Any
     max_length: int | None = None
+    image_token_id: int | None = None
 
     def __call__(self, samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         tokenizer = self.processor.tokenizer
@@ -152,7 +158,7 @@ class VisionPreferenceCollator:
         inputs once under ``vision_*``, and the per-image keys the rows read (repeated per row image)."""
         if not any(counts):
             return
-        image_id = image_token_id(self.processor)
+        image_id = self.image_token_id if self.image_token_id is not None else image_token_id(self.processor)
         per_prompt = [sum(t == image_id for t in ids) for ids in prompt_ids]
         starts = torch.tensor([0, *per_prompt]).cumsum(0).tolist()
         b = len(prompt_ids)

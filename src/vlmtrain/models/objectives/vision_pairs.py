@@ -34,10 +34,12 @@ def _flat(features: Any) -> torch.Tensor:
 
 
 def _pick(features: Any, index: torch.Tensor) -> Any:
-    """The rows' feature tokens, in the container type the forward reads (a sequence it concatenates, or a
-    tensor it scatters as is)."""
+    """The rows' feature tokens, in the container the forward reads: a sequence it concatenates, or a tensor of
+    the same rank (Gemma 3 counts [images, tokens, hidden] features as images x tokens)."""
     picked = _flat(features).index_select(0, index)
-    return picked if isinstance(features, torch.Tensor) else (picked,)
+    if not isinstance(features, torch.Tensor):
+        return (picked,)
+    return picked.reshape((1,) * (features.dim() - 2) + tuple(picked.shape))
 
 
 def with_pair_images(model: nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
