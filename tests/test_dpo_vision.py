@@ -185,3 +185,31 @@ def test_one_vision_pass_logps_equal_the_plain_forward(tiny_hub, family):
         scale = grad.abs().max().item()
         # (1e-8: for gradients that are 0 in exact arithmetic, e.g. an attention key's bias)
         assert (our_grads[name] - grad).abs().max().item() <= 1e-5 * scale + 1e-8, name
+
+
+@requires("peft", "lora")
+def test_lora_reference_encodes_each_pairs_images_once(qwen3_vl, tmp_path):
+    """With LoRA (the vision tower's attention adapted too) the reference is the policy with its adapters off: per
+    step the tower runs once with them on and once off, each time over each pair's images once."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForImageTextToText
+
+    path, processor = qwen3_vl
+    pairs = [_pair(random.Random(i), n) for i, n in enumerate([1, 2, 0, 1])]
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    args = vlmtrain.DPOConfig(str(tmp_path), max_length=None, per_device_train_batch_size=2, max_steps=2,
+                              learning_rate=1e-2, logging_steps=1, seed=7, bf16=False, gradient_checkpointing=False,
+                              report_to="none", save_strategy="no", train_sampling_strategy="sequential",
+                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "q_proj", "v_proj"])
+    trainer = vlmtrain.DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                                  processing_class=processor, peft_config=lora)
+    assert trainer.ref_model is None  # (no copy: the adapters switched off give the reference)
+    counter = TowerCounter(model.model.visual)
+    trainer.train()
+    assert counter.calls == 2 * 2  # 2 steps x (policy, reference)
+    assert counter.images == 2 * sum(len(p["images"]) for p in pairs)
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # (policy = reference before any step)
+    assert logs[1]["rewards/margins"] != pytest.approx(0.0, abs=1e-6)  # (the adapters moved the policy)
