@@ -11,8 +11,9 @@ the forward reads (Qwen3-VL's deepstack features likewise). The language model s
 
 Several processes: a rank whose batch has no image makes no call here and the model's forward runs its dummy
 image (models/dummy_vision.py); a rank with images makes this one call, and its forward, which sees
-``mm_encoder_outputs``, runs none. Every rank thus makes one vision tower call per forward, as the dummy path
-requires.
+``mm_encoder_outputs`` as its own images, runs no dummy image (a family with a dummy video runs that one on
+every rank alike). Every rank thus makes the same vision tower calls in the same order (the images' first,
+then the text model's), for the policy and for the reference.
 """
 
 from __future__ import annotations
