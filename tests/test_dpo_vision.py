@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 import vlmtrain
+import vlmtrain.errors
 from tests.optional_extras import requires
 from vlmtrain.models.objectives.dpo import answer_logps
 
@@ -213,3 +214,31 @@ def test_lora_reference_encodes_each_pairs_images_once(qwen3_vl, tmp_path):
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # (policy = reference before any step)
     assert logs[1]["rewards/margins"] != pytest.approx(0.0, abs=1e-6)  # (the adapters moved the policy)
+
+
+def test_a_vlm_path_brings_its_processor(qwen3_vl, tmp_path):
+    """A VLM given as a path loads in its config's architecture, with the family's processor when none is given,
+    and trains on pairs with images."""
+    from datasets import Dataset
+
+    path, _ = qwen3_vl
+    args = vlmtrain.DPOConfig(str(tmp_path), max_steps=1, logging_steps=1, per_device_train_batch_size=2, bf16=False,
+                              gradient_checkpointing=False, report_to="none", save_strategy="no", use_cpu=True,
+                              disable_tqdm=True)
+    trainer = vlmtrain.DPOTrainer(model=str(path), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))
+    assert type(trainer.policy).__name__ == "Qwen3VLForConditionalGeneration"
+    assert trainer.processing_class.image_processor is not None
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(0.6931472, rel=1e-5)  # (log 2: policy = reference)
+
+
+@pytest.mark.parametrize("option,value", [("truncation_mode", "keep_end"), ("precompute_ref_log_probs", True)])
+def test_vision_pairs_refuse_what_trl_refuses(tmp_path, option, value):
+    """Settings TRL 1.16 refuses with images are one error naming them, before the model loads (the path does
+    not exist)."""
+    from datasets import Dataset
+
+    args = vlmtrain.DPOConfig(str(tmp_path), use_cpu=True, report_to="none")
+    setattr(args, option, value)  # (set after the config's own checks, which refuse precompute for every dataset)
+    with pytest.raises(vlmtrain.errors.ConfigError, match=option):
+        vlmtrain.DPOTrainer(model=str(tmp_path / "no-model"), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))

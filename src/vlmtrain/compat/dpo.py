@@ -123,6 +123,9 @@ class DPOTrainer(Trainer):
             args = DPOConfig(f"{str(name).split('/')[-1]}-DPO")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
+        vision = is_vision_pairs(next(iter(train_dataset)))
+        if vision:
+            _check_vision_args(args)  # (before the model loads)
         set_seed(args.seed)  # (as TRL: before a peft_config's adapter is initialized)
         if isinstance(model, str):
             model = _load_model(model, args.model_init_kwargs or {})
@@ -133,9 +136,9 @@ class DPOTrainer(Trainer):
             processing_class = _load_processing_class(model)
         vlm = getattr(processing_class, "image_processor", None) is not None
         tokenizer = processing_class.tokenizer if vlm else processing_class
-        vision = is_vision_pairs(next(iter(train_dataset)))
-        if vision:
-            _check_vision_pairs(vlm, args)
+        if vision and not vlm:
+            raise ConfigError("the dataset's pairs have images ('images' or 'image' column) but processing_class is "
+                              "a tokenizer: pass the vision-language model's processor as processing_class.")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # (as TRL: model agrees with tokenizer)
@@ -213,11 +216,8 @@ def _load_processing_class(model: nn.Module) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _check_vision_pairs(vlm: bool, args: DPOConfig) -> None:
-    """What TRL 1.16 refuses for pairs with images, refused the same way, before training."""
-    if not vlm:
-        raise ConfigError("the dataset's pairs have images ('images' or 'image' column) but processing_class is "
-                          "a tokenizer: pass the vision-language model's processor as processing_class.")
+def _check_vision_args(args: DPOConfig) -> None:
+    """The settings TRL 1.16 refuses for pairs with images, refused the same way, before the model loads."""
     if args.max_length is not None and args.truncation_mode == "keep_end":
         raise ConfigError("truncation_mode='keep_end' with pairs with images would cut their image tokens off: "
                           "use truncation_mode='keep_start' (the default) or max_length=None.")
