@@ -1,6 +1,6 @@
-"""TRL 1.16's DPOConfig and DPOTrainer on vlmtrain's Trainer, for causal language models: a TRL DPO script runs
-with only its import changed. The pairs are tokenized as TRL tokenizes them and collated chosen-then-rejected
-(data/preference.py); the objective (models/objectives/dpo.py) wraps the policy and its reference and returns the
+"""TRL 1.16's DPOConfig and DPOTrainer on vlmtrain's Trainer, for causal language models and VLMs: a TRL DPO script
+runs with only its import changed. The pairs are tokenized as TRL tokenizes them and collated chosen-then-rejected
+(data/preference.py; pairs with images: data/preference_vision.py, each pair's images once); the objective (models/objectives/dpo.py) wraps the policy and its reference and returns the
 loss with TRL's metrics, which the trainer logs as it logs any model's (``eval_`` prefixed in evaluation)."""
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def _disable_dropout(model: nn.Module) -> None:
 
 
 class DPOTrainer(Trainer):
-    """TRL's DPOTrainer for a causal language model (an object or a path), on vlmtrain's Trainer: the reference
+    """TRL's DPOTrainer for a causal language model or a VLM with its processor (an object or a path), on
+    vlmtrain's Trainer: the reference
     is ``ref_model``, else the policy with its adapters off (a peft model, or ``peft_config``), else a frozen
     copy of the policy as it is when the trainer is built. ``self.model`` is the :class:`DPOObjective`;
     ``self.policy`` the model trained."""
