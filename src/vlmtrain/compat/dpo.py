@@ -1,6 +1,6 @@
-"""TRL 1.16's DPOConfig and DPOTrainer on vlmtrain's Trainer, for causal language models: a TRL DPO script runs
-with only its import changed. The pairs are tokenized as TRL tokenizes them and collated chosen-then-rejected
-(data/preference.py); the objective (models/objectives/dpo.py) wraps the policy and its reference and returns the
+"""TRL 1.16's DPOConfig and DPOTrainer on vlmtrain's Trainer, for causal language models and VLMs: a TRL DPO script
+runs with only its import changed. The pairs are tokenized as TRL tokenizes them and collated chosen-then-rejected
+(data/preference.py; pairs with images: data/preference_vision.py, each pair's images once); the objective (models/objectives/dpo.py) wraps the policy and its reference and returns the
 loss with TRL's metrics, which the trainer logs as it logs any model's (``eval_`` prefixed in evaluation)."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..data.preference import (
     pair_row,
     tokenize_pair,
 )
+from ..data.preference_vision import VisionPreferenceCollator, is_vision_pairs
 from ..errors import ConfigError
 from ..models.objectives.dpo import LOSS_TYPES, DPOObjective
 from ..trainer import checkpoint as ckpt
@@ -133,6 +134,8 @@ def _prepare(dataset: Any, tokenizer: Any, args: DPOConfig, name: str = "train")
     if isinstance(dataset, dict):
         return {key: _prepare(d, tokenizer, args, f"{name} {key!r}") for key, d in dataset.items()}
     first = next(iter(dataset))
+    if is_vision_pairs(first):
+        return dataset  # (pairs with images are processed per batch by their collator)
     if all(k in first for k in PAIR_COLUMNS):
         return dataset  # (already tokenized)
     if hasattr(dataset, "map"):  # a datasets.Dataset / IterableDataset
@@ -175,7 +178,8 @@ def _disable_dropout(model: nn.Module) -> None:
 
 
 class DPOTrainer(Trainer):
-    """TRL's DPOTrainer for a causal language model (an object or a path), on vlmtrain's Trainer: the reference
+    """TRL's DPOTrainer for a causal language model or a VLM with its processor (an object or a path), on
+    vlmtrain's Trainer: the reference
     is ``ref_model``, else the policy with its adapters off (a peft model, or ``peft_config``), else a frozen
     copy of the policy as it is when the trainer is built (with ``precompute_ref_log_probs``, that policy
     before it trains, run once). ``self.model`` is the :class:`DPOObjective`; ``self.policy`` the model trained,
@@ -187,30 +191,38 @@ class DPOTrainer(Trainer):
                  data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  processing_class: Any = None, compute_metrics: Any = None, callbacks: list | None = None,
                  optimizers: tuple = (None, None), peft_config: Any = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+        from transformers import set_seed
 
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = DPOConfig(f"{str(name).split('/')[-1]}-DPO")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
+        vision = is_vision_pairs(next(iter(train_dataset)))
+        if vision:
+            _check_vision_args(args)  # (before the model loads)
         if args.precompute_ref_log_probs:  # (before the model loads)
             refuse_unindexable(train_dataset, "train_dataset")
             refuse_unindexable(eval_dataset, "eval_dataset")
         set_seed(args.seed)  # (as TRL: before a peft_config's adapter is initialized)
         if isinstance(model, str):
-            model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+            model = _load_model(model, args.model_init_kwargs or {})
         if ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object. In most cases you should omit "
                              "`ref_model` and we'll initialize it to a copy of `model` for you.")
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
-        if getattr(processing_class, "image_processor", None) is not None:
-            raise ConfigError("vlmtrain's DPOTrainer takes causal language models with a tokenizer for now; "
-                              "preference pairs with images are still to come.")
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
-        model.config.pad_token_id = processing_class.pad_token_id  # (as TRL: the model agrees with the tokenizer)
+            processing_class = _load_processing_class(model)
+        vlm = getattr(processing_class, "image_processor", None) is not None
+        tokenizer = processing_class.tokenizer if vlm else processing_class
+        if vision and not vlm:
+            raise ConfigError("the dataset's pairs have images ('images' or 'image' column) but processing_class is "
+                              "a tokenizer: pass the vision-language model's processor as processing_class.")
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # (as TRL: model agrees with tokenizer)
+        if vlm:
+            for m in (model, ref_model):
+                _enable_dummy_vision(m)  # (before the reference is copied from the policy)
         if peft_config is not None:
             from peft import get_peft_model
 
@@ -225,8 +237,12 @@ class DPOTrainer(Trainer):
         objective = DPOObjective(model, ref_model, beta=args.beta, loss_type=args.loss_type,
                                  loss_weights=args.loss_weights, precomputed=args.precompute_ref_log_probs)
         self._ref_logps: dict[str, dict] = {}  # precompute_ref_log_probs: per dataset name, saved in checkpoints
-        if data_collator is None:
-            data_collator = PreferenceCollator(processing_class.pad_token_id, args.max_length, args.truncation_mode)
+        self._vision_pairs = vision
+        if data_collator is None and vision:
+            data_collator = VisionPreferenceCollator(processing_class, args.max_length,
+                                                     getattr(model.config, "image_token_id", None))
+        elif data_collator is None:
+            data_collator = PreferenceCollator(tokenizer.pad_token_id, args.max_length, args.truncation_mode)
         super().__init__(model=objective, args=args, data_collator=data_collator,
                          train_dataset=_prepare(train_dataset, processing_class, args),
                          eval_dataset=_prepare(eval_dataset, processing_class, args, "eval"),
@@ -309,4 +325,51 @@ class DPOTrainer(Trainer):
     def _set_signature_columns_if_needed(self) -> None:
         # the collator reads the tokenized pair, not the objective's forward arguments
         if self._signature_columns is None:
-            self._signature_columns = [*PAIR_COLUMNS, *REF_LOGPS_COLUMNS]
+            self._signature_columns = list(VISION_COLUMNS) if self._vision_pairs else [*PAIR_COLUMNS, *REF_LOGPS_COLUMNS]
+
+
+VISION_COLUMNS = ("prompt", "chosen", "rejected", "image", "images")
+"""The columns a pair with images is read from (its collator processes them per batch)."""
+
+
+def _load_model(path: str, init_kwargs: dict[str, Any]) -> nn.Module:
+    """The model of a path in the architecture its config names (a VLM's conditional-generation class, a causal
+    LM's), as TRL loads it; a causal LM where the config names none transformers has."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    names = getattr(config, "architectures", None) or []
+    architecture = getattr(transformers, names[0], None) if names else None
+    return (architecture or transformers.AutoModelForCausalLM).from_pretrained(path, **init_kwargs)
+
+
+def _load_processing_class(model: nn.Module) -> Any:
+    """The processor of a Hub VLM family's model (vlmtrain's image-only one), else the model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from ..models.families import REGISTRY, get_family
+
+    path = model.config._name_or_path
+    if model.config.model_type in REGISTRY:
+        return get_family(model.config.model_type).load_processor(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _check_vision_args(args: DPOConfig) -> None:
+    """The settings TRL 1.16 refuses for pairs with images, refused the same way, before the model loads."""
+    if args.max_length is not None and args.truncation_mode == "keep_end":
+        raise ConfigError("truncation_mode='keep_end' with pairs with images would cut their image tokens off: "
+                          "use truncation_mode='keep_start' (the default) or max_length=None.")
+    if args.precompute_ref_log_probs:
+        raise ConfigError("precompute_ref_log_probs=True is not available for pairs with images (nor in TRL "
+                          "1.16): set precompute_ref_log_probs=False (the reference then runs beside the policy).")
+
+
+def _enable_dummy_vision(model: nn.Module | None) -> None:
+    """Under several processes, a Hub VLM family's model runs its vision tower on a dummy image in a forward
+    without images (models/dummy_vision.py), as when vlmtrain loads it; a model that has it keeps it."""
+    from ..models.families import REGISTRY, get_family
+    from ..models.hub_loading import enable_family_dummy_vision
+
+    if model is not None and getattr(model.config, "model_type", None) in REGISTRY:
+        enable_family_dummy_vision(model, get_family(model.config.model_type))

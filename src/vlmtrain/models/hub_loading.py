@@ -71,6 +71,16 @@ def _attach_flop_info(model: Any, family: Any) -> None:
         setattr(model, MATMUL_PARAMETERS_ATTR, family.matmul_parameters)
 
 
+def enable_family_dummy_vision(model: Any, family: Any) -> None:
+    """The family's dummy image path (below) on a transformers VLM loaded elsewhere (e.g. given to DPOTrainer as
+    an object); a model that has it already is left as it is."""
+    from vlmtrain.models.dummy_vision import VISION_INPUT_ATTR
+
+    inner = getattr(model, model.base_model_prefix, None)
+    if inner is None or not hasattr(inner, VISION_INPUT_ATTR):
+        _dummy_vision(model, family)
+
+
 def _dummy_vision(model: Any, family: Any) -> None:
     """Under several processes, a forward without images runs the vision tower on the family's dummy image, with
     a zero contribution (models/dummy_vision.py), so every rank runs the same collectives."""

@@ -4,7 +4,8 @@
 sequences, then the B rejected ones, with a ``completion_mask``: data/preference.py), runs the policy once over
 all 2B rows and the reference without gradients, sums each answer's token log-probs and returns ``loss`` (a mean
 over the pairs), ``num_items`` (the pairs: how the trainer weights micro-batches and ranks) and ``metrics`` under
-TRL's names (``rewards/chosen``, ``logps/rejected``, ...)."""
+TRL's names (``rewards/chosen``, ``logps/rejected``, ...). A pair batch with images (data/preference_vision.py)
+has each pair's images encoded once, by the policy and once by the reference (vision_pairs.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ConfigError
+from .vision_pairs import with_pair_images
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
@@ -41,6 +43,11 @@ def dpo_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, compl
         chosen_len, rejected_len = completion_mask.sum(dim=1).clamp(min=1.0).chunk(2)
         return (chosen_scores / chosen_len - rejected_scores / rejected_len - 1 / (2 * beta)) ** 2
     raise ConfigError(f"loss_type={loss_type!r}: vlmtrain's DPO has {LOSS_TYPES}.")
+
+
+def _logits(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """``model``'s logits over the 2B rows; a pair batch with images encodes them once (vision_pairs.py)."""
+    return model(**with_pair_images(model, inputs)).logits
 
 
 class DPOObjective(nn.Module):
@@ -88,11 +95,11 @@ class DPOObjective(nn.Module):
     def _reference_logits(self, **inputs: Any) -> torch.Tensor:
         with torch.no_grad():
             if self.ref_model is not None:
-                return self.ref_model(**inputs).logits
+                return _logits(self.ref_model, inputs)
             if not hasattr(self.policy, "disable_adapter"):  # (precomputing: the policy has not trained yet)
-                return self.policy(**inputs).logits
+                return _logits(self.policy, inputs)
             with self.policy.disable_adapter():  # (peft: the base model)
-                return self.policy(**inputs).logits
+                return _logits(self.policy, inputs)
 
     def reference_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                         **kwargs: Any) -> torch.Tensor:
@@ -107,7 +114,7 @@ class DPOObjective(nn.Module):
         kwargs.pop("loss_only", None)
         ref_chosen, ref_rejected = kwargs.pop("ref_chosen_logps", None), kwargs.pop("ref_rejected_logps", None)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **kwargs}
-        logits = self.policy(**inputs).logits
+        logits = _logits(self.policy, inputs)
         logps = answer_logps(logits, input_ids, completion_mask)
         if self.precomputed:
             if ref_chosen is None or ref_rejected is None:

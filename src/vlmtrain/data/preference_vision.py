@@ -1,0 +1,182 @@
+"""Preference pairs with images, as TRL 1.16's DPOTrainer reads them, batched so that each pair's images are
+encoded once.
+
+A sample is ``prompt`` / ``chosen`` / ``rejected`` (message lists whose user turns hold ``{"type": "image"}``
+parts, or plain strings that already hold the processor's image placeholder) and ``images`` (or one ``image``).
+:class:`VisionPreferenceCollator` renders each pair with the processor's chat template (the answer is what
+prompt + answer renders beyond the prompt, as TRL splits it), runs the processor over the B prompts with their
+images (one processor call: pixel inputs in the processor's own layout) and the tokenizer over the answers, and
+lays the batch out as one forward of 2B rows: the B chosen rows, then the B rejected rows, each prompt + answer
+(the prompt's image placeholder tokens included), right-padded. The pixel inputs are the B prompts' images,
+once, under ``vision_<key>`` (``vision_pixel_values``, ``vision_image_grid_thw``, ...: what
+``get_image_features`` takes); ``image_token_index`` says, for each image placeholder token of the 2B rows in
+order, which token of the prompts' concatenated image features it shows, so that the model side
+(models/objectives/vision_pairs.py) encodes the images once and gives each row its prompt's features.
+Per-image processor outputs the language model reads for the rows' own positions (Qwen's ``image_grid_thw``,
+for its multimodal rotary positions) come once per row image under their own name.
+
+Packing will reuse this layout unchanged: a packed row concatenates the rows of several pairs, and
+``image_token_index`` already names each placeholder token's source feature independently of how rows are
+laid out, so the packed collator only reorders rows (and their ``image_grid_thw``) and leaves the vision inputs
+as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .preference import is_conversational
+
+VISION_PREFIX = "vision_"
+"""The B prompts' pixel inputs (each image once) are batch keys ``vision_<processor key>``."""
+ROW_IMAGE_KEYS = ("image_grid_thw",)
+"""Per-image processor outputs the language model reads for each row's images besides their features."""
+ROW_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
+"""Per-token processor outputs of a prompt that extend over the rows (0 on answer tokens)."""
+
+
+def is_vision_pairs(sample: Mapping[str, Any]) -> bool:
+    """Whether a pair carries images (an ``images`` or ``image`` column), as TRL decides a dataset is visual."""
+    return "images" in sample or "image" in sample
+
+
+def _images_of(sample: Mapping[str, Any]) -> list[Any]:
+    if "image" in sample and "images" not in sample:
+        return [] if sample["image"] is None else [sample["image"]]
+    return list(sample.get("images") or [])
+
+
+def _parts(content: Any) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def _with_image_parts(messages: Sequence[Mapping[str, Any]], n_images: int) -> list[dict[str, Any]]:
+    """Messages with list content; where no message has an image part, ``n_images`` image parts go first in the
+    first user turn (TRL's convention for string content)."""
+    out = [{**m, "content": _parts(m.get("content") or "")} for m in messages]
+    has_parts = any(p.get("type") == "image" for m in out for p in m["content"])
+    if n_images and not has_parts:
+        first_user = next(i for i, m in enumerate(out) if m["role"] == "user")
+        out[first_user]["content"] = [{"type": "image"}] * n_images + out[first_user]["content"]
+    return out
+
+
+def _common_prefix(a: str, b: str) -> str:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return a[:n]
+
+
+def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, str]:
+    """The prompt, chosen and rejected texts of a pair. A conversation is rendered by the processor's chat template
+    (the prompt with the generation prompt, or continuing a final assistant turn); the prompt is then cut to what
+    prompt + chosen and prompt + rejected start with, and each answer is the rest of its rendering."""
+    for key in ("prompt", "chosen", "rejected"):
+        if sample.get(key) is None:
+            raise ConfigError(f"a preference pair without {key!r} (it has {sorted(sample)}): each pair needs "
+                              "'prompt', 'chosen' and 'rejected'.")
+    if not is_conversational(sample):
+        return sample["prompt"], sample["chosen"], sample["rejected"]
+    prompt = _with_image_parts(sample["prompt"], len(_images_of(sample)))
+    chosen, rejected = _with_image_parts(sample["chosen"], 0), _with_image_parts(sample["rejected"], 0)
+    ends_with_answer = prompt[-1]["role"] == "assistant"
+    prompt_text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not ends_with_answer,
+                                                continue_final_message=ends_with_answer)
+    with_chosen = processor.apply_chat_template(prompt + chosen, tokenize=False)
+    with_rejected = processor.apply_chat_template(prompt + rejected, tokenize=False)
+    prompt_text = _common_prefix(_common_prefix(prompt_text, with_chosen), with_rejected)
+    return prompt_text, with_chosen[len(prompt_text):], with_rejected[len(prompt_text):]
+
+
+def image_token_id(processor: Any) -> int:
+    """The id of the token the image features replace: the tokenizer's image token where it names one (Gemma 3's
+    processor's own ``image_token`` is the start-of-image marker), else the processor's."""
+    token_id = getattr(processor.tokenizer, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(processor, "image_token_id", None)
+    if token_id is None:
+        token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return int(token_id)
+
+
+@dataclass
+class VisionPreferenceCollator:
+    """A batch of pairs with images as one forward of 2B rows (B chosen, then B rejected) whose images are each
+    given once (see the module docstring). ``max_length`` cuts rows at the end (``keep_start``, the only mode
+    TRL allows with images); a cut through a prompt's image placeholder tokens is an error naming it.
+    ``image_token_id``: the token the model's image features replace (its config's; default
+    :func:`image_token_id`)."""
+
+    processor: Any
+    max_length: int | None = None
+    image_token_id: int | None = None
+
+    def __call__(self, samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        tokenizer = self.processor.tokenizer
+        texts = [render_pair(s, self.processor) for s in samples]
+        images = [_images_of(s) for s in samples]
+        prompts = self.processor(text=[t[0] for t in texts], images=images if any(images) else None,
+                                 padding=True, return_tensors="pt", add_special_tokens=False)
+        answers = {side: tokenizer([t[i] for t in texts], add_special_tokens=False)["input_ids"]
+                   for i, side in ((1, "chosen"), (2, "rejected"))}
+        keep = prompts["attention_mask"].bool()
+        prompt_ids = [row[m].tolist() for row, m in zip(prompts["input_ids"], keep)]
+        token_keys = [k for k in ROW_TOKEN_KEYS if k in prompts]
+        prompt_extra = {k: [row[m].tolist() for row, m in zip(prompts[k], keep)] for k in token_keys}
+        rows = [(i, side) for side in ("chosen", "rejected") for i in range(len(samples))]
+        width = max(len(prompt_ids[i]) + len(answers[side][i]) for i, side in rows)
+        if self.max_length is not None:
+            width = min(width, self.max_length)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        batch = {"input_ids": torch.full((len(rows), width), pad, dtype=torch.long),
+                 "attention_mask": torch.zeros((len(rows), width), dtype=torch.long),
+                 "completion_mask": torch.zeros((len(rows), width), dtype=torch.long),
+                 **{k: torch.zeros((len(rows), width), dtype=prompts[k].dtype) for k in token_keys}}
+        for r, (i, side) in enumerate(rows):
+            ids = (prompt_ids[i] + answers[side][i])[:width]
+            n = len(ids)
+            batch["input_ids"][r, :n] = torch.tensor(ids)
+            batch["attention_mask"][r, :n] = 1
+            batch["completion_mask"][r, len(prompt_ids[i]):n] = 1
+            for k in token_keys:
+                extra = prompt_extra[k][i][:n]
+                batch[k][r, :len(extra)] = torch.tensor(extra)
+        self._index_images(batch, prompt_ids, [len(im) for im in images], prompts)
+        return batch
+
+    def _index_images(self, batch: dict[str, torch.Tensor], prompt_ids: list[list[int]], counts: list[int],
+                      prompts: Mapping[str, Any]) -> None:
+        """``image_token_index`` (each row placeholder token -> its prompt's feature token), the prompts' pixel
+        inputs once under ``vision_*``, and the per-image keys the rows read (repeated per row image)."""
+        if not any(counts):
+            return
+        image_id = self.image_token_id if self.image_token_id is not None else image_token_id(self.processor)
+        per_prompt = [sum(t == image_id for t in ids) for ids in prompt_ids]
+        starts = torch.tensor([0, *per_prompt]).cumsum(0).tolist()
+        b = len(prompt_ids)
+        token_index = []
+        for r in range(2 * b):
+            i = r % b
+            shown = int((batch["input_ids"][r] == image_id).sum())
+            if shown != per_prompt[i]:
+                raise ConfigError(f"max_length={self.max_length} cuts through the image tokens of a pair's prompt "
+                                  f"({per_prompt[i]} image tokens, {shown} kept): raise max_length (or set it to "
+                                  "None), or give that pair smaller or fewer images.")
+            token_index += range(starts[i], starts[i] + per_prompt[i])
+        batch["image_token_index"] = torch.tensor(token_index, dtype=torch.long)
+        image_starts = torch.tensor([0, *counts]).cumsum(0).tolist()
+        image_index = [k for r in range(2 * b) for k in range(image_starts[r % b], image_starts[r % b + 1])]
+        for key, value in prompts.items():
+            if key in ("input_ids", "attention_mask", *ROW_TOKEN_KEYS):
+                continue
+            batch[VISION_PREFIX + key] = value
+            if key in ROW_IMAGE_KEYS:
+                batch[key] = value[torch.tensor(image_index, dtype=torch.long)]

@@ -1,0 +1,244 @@
+"""vlmtrain's DPOTrainer on VLMs with TRL 1.16's vision DPO dataset layout: equal to TRL's DPOTrainer on a tiny
+Qwen3-VL, each pair's images encoded once (the log-probs of that path equal the plain forward of the 2B rows with
+the images repeated per row), and one vision tower pass per forward where TRL's encodes every image twice."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from PIL import Image
+
+import vlmtrain
+import vlmtrain.errors
+from tests.optional_extras import requires
+from vlmtrain.models.objectives.dpo import answer_logps
+
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
+WORDS = ["red", "blue", "green", "square", "circle", "two", "three", "a", "the", "big"]
+
+
+def _image(rng: random.Random) -> Image.Image:
+    size = rng.choice([(32, 32), (48, 32), (32, 48)])
+    return Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
+
+
+def _pair(rng: random.Random, n_images: int) -> dict:
+    """One pair in TRL's vision layout: message lists with image parts in the user turn, and ``images``."""
+    def words(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    return {"images": [_image(rng) for _ in range(n_images)],
+            "prompt": [{"role": "user", "content": [{"type": "image"}] * n_images
+                        + [{"type": "text", "text": words(1, 4)}]}],
+            "chosen": [{"role": "assistant", "content": [{"type": "text", "text": words(1, 3)}]}],
+            "rejected": [{"role": "assistant", "content": [{"type": "text", "text": words(1, 3)}]}]}
+
+
+def _pairs(n: int, seed: int) -> list[dict]:
+    """Pairs with 0, 1 and 2 images of different sizes, in every mix per batch."""
+    rng = random.Random(seed)
+    return [_pair(rng, rng.choice([0, 1, 1, 2])) for _ in range(n)]
+
+
+class TowerCounter:
+    """Counts the vision tower's calls and the images they encode (the rows of ``grid_thw``)."""
+
+    def __init__(self, tower: torch.nn.Module) -> None:
+        self.calls = self.images = 0
+        tower.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self.calls += 1
+        self.images += int(kwargs.get("grid_thw", args[1] if len(args) > 1 else None).shape[0])
+
+
+def _run(framework: str, path: str, processor, out, steps: int, with_eval: bool = True):
+    from datasets import Dataset
+    from transformers import AutoModelForImageTextToText
+
+    if framework == "trl":
+        import trl
+
+        config_class, trainer_class = trl.DPOConfig, trl.DPOTrainer
+    else:
+        config_class, trainer_class = vlmtrain.DPOConfig, vlmtrain.DPOTrainer
+    args = config_class(str(out), max_length=None, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                        max_steps=steps, learning_rate=3e-3, weight_decay=0.1, logging_steps=1, seed=7, bf16=False,
+                        gradient_checkpointing=False, report_to="none", save_strategy="no",
+                        train_sampling_strategy="sequential", use_cpu=True, dataloader_num_workers=0,
+                        eval_strategy="no", disable_tqdm=True)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    initial_vision = model.model.visual.blocks[0].attn.qkv.weight.detach().clone()
+    trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(_pairs(2 * steps, 0)),
+                            eval_dataset=Dataset.from_list(_pairs(4, 1)), processing_class=processor)
+    ref = trainer.ref_model if trainer.ref_model is not None else trainer.model
+    counters = {"policy": TowerCounter(model.model.visual), "ref": TowerCounter(ref.model.visual)}
+    trainer.train()
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    metrics = trainer.evaluate() if with_eval else None
+    return {"eval": metrics, "model": model, "logs": logs, "counters": counters, "initial_vision": initial_vision}
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tiny_hub):
+    _, path, processor = tiny_hub("qwen3_vl")
+    return path, processor
+
+
+@pytest.fixture(scope="module")
+def trl_and_ours(qwen3_vl, tmp_path_factory):
+    """TRL's DPOTrainer and vlmtrain's, 10 steps each on the same tiny Qwen3-VL and pairs."""
+    path, processor = qwen3_vl
+    out = tmp_path_factory.mktemp("dpo_vision")
+    return {name: _run(name, path, processor, out / name, 10) for name in ("trl", "ours")}
+
+
+@pytest.mark.slow
+@requires("trl", "dev")
+def test_vision_dpo_equals_trl(trl_and_ours):
+    """Per-step loss and metrics, final weights, and evaluation metrics (eval_ prefixed) as TRL's, over 10 steps
+    of AdamW with weight decay on pairs with 0, 1 and 2 images."""
+    theirs, ours = trl_and_ours["trl"], trl_and_ours["ours"]
+    assert len(theirs["logs"]) == len(ours["logs"]) == 10
+    for step, (t, o) in enumerate(zip(theirs["logs"], ours["logs"]), 1):
+        for key in METRICS:
+            assert o[key] == pytest.approx(t[key], rel=1e-4, abs=1e-6), (step, key)
+    assert theirs["logs"][-1]["rewards/margins"] != pytest.approx(0.0, abs=1e-4)  # (the policy moved)
+    for key in METRICS:
+        assert ours["eval"][f"eval_{key}"] == pytest.approx(theirs["eval"][f"eval_{key}"], rel=1e-4, abs=1e-6), key
+    # atol 5e-5: the gradients agree to float error (test_one_vision_pass_logps_equal_the_plain_forward), but a
+    # chosen and a rejected row's gradients meet before the vision tower here and after it in TRL, and AdamW's
+    # m / sqrt(v) turns that summation-order noise on a near-zero gradient element into a step of its own (one
+    # element of the projector ends 3e-5 apart; every other within 1e-5)
+    trl_weights = dict(theirs["model"].named_parameters())
+    for name, param in ours["model"].named_parameters():
+        torch.testing.assert_close(param, trl_weights[name], rtol=1e-4, atol=5e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    name = "model.visual.blocks.0.attn.qkv.weight"  # (the vision tower trained: gradients reach it)
+    assert not torch.equal(dict(ours["model"].named_parameters())[name], ours["initial_vision"])
+
+
+@pytest.mark.slow
+@requires("trl", "dev")
+def test_one_vision_pass_per_pair(trl_and_ours):
+    """vlmtrain's policy and reference each make one vision tower call per forward, encoding each pair's images
+    once; TRL's encodes every image twice (once in the chosen row, once in the rejected row)."""
+    theirs, ours = trl_and_ours["trl"]["counters"], trl_and_ours["ours"]["counters"]
+    pairs = _pairs(20, 0)
+    images = sum(len(p["images"]) for p in pairs)
+    forwards = 10 + 2  # 10 training steps and 2 evaluation batches (every batch here has an image)
+    image_batches = sum(any(p["images"] for p in pairs[i:i + 2]) for i in range(0, 20, 2))
+    eval_pairs = _pairs(4, 1)
+    eval_images = sum(len(p["images"]) for p in eval_pairs)
+    image_batches += sum(any(p["images"] for p in eval_pairs[i:i + 2]) for i in range(0, 4, 2))
+    for who in ("policy", "ref"):
+        assert ours[who].calls == image_batches <= forwards, who
+        assert ours[who].images == images + eval_images, who
+        assert theirs[who].images == 2 * (images + eval_images), who
+
+
+def _mixed_batch_pairs() -> list[dict]:
+    """Pairs with 1 and 2 images and a text-only pair, in one batch."""
+    rng = random.Random(3)
+    return [_pair(rng, 1), _pair(rng, 0), _pair(rng, 2)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision"])
+def test_one_vision_pass_logps_equal_the_plain_forward(tiny_hub, family):
+    """The answers' log-probs of the 2B rows with each pair's images encoded once equal those of the plain
+    forward of the same rows, each with its own copy of its images (the processor over the 2B rows), in fp32.
+    Idefics3 cuts an image into crops and LLaVA-OneVision into tiles: the features are picked per image token,
+    not per image; Gemma 3's come as one [images, tokens, hidden] tensor."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmtrain.data.preference_vision import VisionPreferenceCollator, render_pair
+    from vlmtrain.models.objectives.vision_pairs import with_pair_images
+
+    _, path, processor = tiny_hub(family)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    pairs = _mixed_batch_pairs()
+    batch = VisionPreferenceCollator(processor)(pairs)
+    texts = [render_pair(p, processor) for p in pairs]
+    rows = [t[0] + t[1] for t in texts] + [t[0] + t[2] for t in texts]
+    plain = processor(text=rows, images=[p["images"] for p in pairs] * 2, padding=True, return_tensors="pt",
+                      add_special_tokens=False)
+    width = batch["input_ids"].shape[1]
+    assert torch.equal(plain["input_ids"][:, :width], batch["input_ids"])  # (the same rows, right-padded)
+    assert "pixel_values" not in batch and batch["vision_pixel_values"].shape[0] < plain["pixel_values"].shape[0]
+    weights = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3, 1.0])  # (a gradient through every row)
+
+    def logps_and_grads(inputs: dict) -> tuple[torch.Tensor, dict]:
+        model.zero_grad()
+        logps = answer_logps(model(**inputs, use_cache=False).logits[:, :width], batch["input_ids"],
+                             batch["completion_mask"])
+        (logps * weights).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ours, our_grads = logps_and_grads(with_pair_images(model, batch))
+    theirs, their_grads = logps_and_grads(dict(plain))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert ours.abs().min() > 1.0  # (every row has answer tokens)
+    assert our_grads.keys() == their_grads.keys() and any(".visual" in n or "vision" in n for n in our_grads)
+    for name, grad in their_grads.items():  # (the chosen and rejected rows' gradients meet in one encoding)
+        scale = grad.abs().max().item()
+        # (1e-8: for gradients that are 0 in exact arithmetic, e.g. an attention key's bias)
+        assert (our_grads[name] - grad).abs().max().item() <= 1e-5 * scale + 1e-8, name
+
+
+@requires("peft", "lora")
+def test_lora_reference_encodes_each_pairs_images_once(qwen3_vl, tmp_path):
+    """With LoRA (the vision tower's attention adapted too) the reference is the policy with its adapters off: per
+    step the tower runs once with them on and once off, each time over each pair's images once."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForImageTextToText
+
+    path, processor = qwen3_vl
+    pairs = [_pair(random.Random(i), n) for i, n in enumerate([1, 2, 0, 1])]
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    args = vlmtrain.DPOConfig(str(tmp_path), max_length=None, per_device_train_batch_size=2, max_steps=2,
+                              learning_rate=1e-2, logging_steps=1, seed=7, bf16=False, gradient_checkpointing=False,
+                              report_to="none", save_strategy="no", train_sampling_strategy="sequential",
+                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "q_proj", "v_proj"])
+    trainer = vlmtrain.DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                                  processing_class=processor, peft_config=lora)
+    assert trainer.ref_model is None  # (no copy: the adapters switched off give the reference)
+    counter = TowerCounter(model.model.visual)
+    trainer.train()
+    assert counter.calls == 2 * 2  # 2 steps x (policy, reference)
+    assert counter.images == 2 * sum(len(p["images"]) for p in pairs)
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    assert logs[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # (policy = reference before any step)
+    assert logs[1]["rewards/margins"] != pytest.approx(0.0, abs=1e-6)  # (the adapters moved the policy)
+
+
+def test_a_vlm_path_brings_its_processor(qwen3_vl, tmp_path):
+    """A VLM given as a path loads in its config's architecture, with the family's processor when none is given,
+    and trains on pairs with images."""
+    from datasets import Dataset
+
+    path, _ = qwen3_vl
+    args = vlmtrain.DPOConfig(str(tmp_path), max_steps=1, logging_steps=1, per_device_train_batch_size=2, bf16=False,
+                              gradient_checkpointing=False, report_to="none", save_strategy="no", use_cpu=True,
+                              disable_tqdm=True)
+    trainer = vlmtrain.DPOTrainer(model=str(path), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))
+    assert type(trainer.policy).__name__ == "Qwen3VLForConditionalGeneration"
+    assert trainer.processing_class.image_processor is not None
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(0.6931472, rel=1e-5)  # (log 2: policy = reference)
+
+
+@pytest.mark.parametrize("option,value", [("truncation_mode", "keep_end"), ("precompute_ref_log_probs", True)])
+def test_vision_pairs_refuse_what_trl_refuses(tmp_path, option, value):
+    """Settings TRL 1.16 refuses with images are one error naming them, before the model loads (the path does
+    not exist)."""
+    from datasets import Dataset
+
+    args = vlmtrain.DPOConfig(str(tmp_path), use_cpu=True, report_to="none")
+    setattr(args, option, value)  # (set after the config's own checks, which refuse precompute for every dataset)
+    with pytest.raises(vlmtrain.errors.ConfigError, match=option):
+        vlmtrain.DPOTrainer(model=str(tmp_path / "no-model"), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))
