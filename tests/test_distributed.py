@@ -263,13 +263,14 @@ def test_fsdp_with_bfloat16_parameters_shards_and_trains_in_bfloat16(tmp_path):
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
 
-def test_evaluation_is_sharded_over_ranks_and_gathered_in_order(tmp_path):
+def test_evaluation_is_sharded_over_ranks_and_gathered_in_order(tmp_path, shared_run):
     """Under DDP each rank evaluates every other sample (9 samples: 5 + 4); the gathered loss, exact match,
     sample count and the predicted texts (in dataset order) equal a single process's."""
     cfg = json.loads(json.dumps(LM))
     cfg["data"]["num_eval"] = 9
     cfg["train"]["per_device_eval_batch_size"] = 2
-    run = _run(tmp_path, cfg, "run", nproc=1, batch=4)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))  # (what is evaluated: any checkpoint of the LM does)
+    run = shared_run("lm", 1, 4)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vlmtrain"]
     single = [sys.executable, "-m", "vlmtrain"]
