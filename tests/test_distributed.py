@@ -54,6 +54,23 @@ def _run(tmp_path: Path, cfg: dict, out: str, nproc: int, batch: int, *extra: st
     return tmp_path / out
 
 
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """(kind 'lm' / 'vlm', nproc, batch, *extra) -> the output directory of that run of LM / _vlm(), trained on
+    first use and read by every test of this module that needs it (runs are deterministic: a test that trained
+    its own copy got the same files). Tests only read these directories (export and eval write elsewhere)."""
+    runs: dict[tuple, Path] = {}
+
+    def get(kind: str, nproc: int, batch: int, *extra: str) -> Path:
+        key = (kind, nproc, batch, *extra)
+        if key not in runs:
+            runs[key] = _run(tmp_path_factory.mktemp(f"shared-{kind}"), LM if kind == "lm" else _vlm(), "run",
+                             nproc, batch, *extra)
+        return runs[key]
+
+    return get
+
+
 def _losses(run: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     return {r["step"]: r["loss"] for r in rows if "loss" in r and "train_runtime" not in r}
@@ -64,10 +81,10 @@ def _weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["lm", "vlm"])
-def test_two_processes_match_one_process_with_the_global_batch(tmp_path, kind):
+def test_two_processes_match_one_process_with_the_global_batch(tmp_path, shared_run, kind):
     cfg = LM if kind == "lm" else _vlm()
     steps = cfg["train"]["max_steps"]
-    one = _run(tmp_path, cfg, "one", nproc=1, batch=4)
+    one = shared_run(kind, 1, 4)
     two = _run(tmp_path, cfg, "two", nproc=2, batch=2)
     a, b = _losses(one), _losses(two)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
@@ -175,12 +192,12 @@ def test_a_full_disk_on_one_rank_fails_every_rank_at_once_and_keeps_older_checkp
     assert all(torch.equal(wr[k], ws[k]) for k in ws)
 
 
-def test_fsdp_two_processes_match_one_process_resume_and_export(tmp_path):
+def test_fsdp_two_processes_match_one_process_resume_and_export(tmp_path, shared_run):
     """train.fsdp: 2 sharded processes x batch 2 == 1 process x batch 4 (losses, grad norms, exported weights);
     checkpoints are DCP shards that resume exactly, evaluate directly and export to one model.safetensors."""
     steps = LM["train"]["max_steps"]
-    one = _run(tmp_path, LM, "one", nproc=1, batch=4)
-    two = _run(tmp_path, LM, "fsdp", 2, 2, "--train.fsdp", "true")
+    one = shared_run("lm", 1, 4)
+    two = shared_run("lm", 2, 2, "--train.fsdp", "true")
     a, b = _losses(one), _losses(two)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     assert all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
@@ -190,7 +207,7 @@ def test_fsdp_two_processes_match_one_process_resume_and_export(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     cli = [sys.executable, "-m", "vlmtrain"]
-    cfg_path = tmp_path / "fsdp.yaml"  # written by _run
+    cfg_path = two.parent / "run.yaml"  # written by _run
     done = subprocess.run([*cli, "eval", "--config", str(cfg_path), "--checkpoint", str(ckpt),
                            "--train.output_dir", str(tmp_path / "eval")], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "eval_loss" in done.stdout, done.stderr[-3000:]
@@ -216,9 +233,9 @@ def test_fsdp_two_processes_match_one_process_resume_and_export(tmp_path):
     assert all(torch.equal(again[k], exported[k]) for k in exported)
 
 
-def test_fsdp_with_bf16_mixed_precision_trains(tmp_path):
+def test_fsdp_with_bf16_mixed_precision_trains(tmp_path, shared_run):
     """bf16 under FSDP: blocks compute in bfloat16 from float32 master weights; losses track the fp32 run."""
-    fp32 = _losses(_run(tmp_path, LM, "fp32", 2, 2, "--train.fsdp", "true"))
+    fp32 = _losses(shared_run("lm", 2, 2, "--train.fsdp", "true"))
     bf16 = _losses(_run(tmp_path, LM, "bf16", 2, 2, "--train.fsdp", "true", "--train.bf16", "true"))
     assert sorted(bf16) == sorted(fp32)
     assert all(abs(bf16[s] - fp32[s]) < 0.05 * fp32[s] for s in fp32), (fp32, bf16)
@@ -246,13 +263,14 @@ def test_fsdp_with_bfloat16_parameters_shards_and_trains_in_bfloat16(tmp_path):
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
 
-def test_evaluation_is_sharded_over_ranks_and_gathered_in_order(tmp_path):
+def test_evaluation_is_sharded_over_ranks_and_gathered_in_order(tmp_path, shared_run):
     """Under DDP each rank evaluates every other sample (9 samples: 5 + 4); the gathered loss, exact match,
     sample count and the predicted texts (in dataset order) equal a single process's."""
     cfg = json.loads(json.dumps(LM))
     cfg["data"]["num_eval"] = 9
     cfg["train"]["per_device_eval_batch_size"] = 2
-    run = _run(tmp_path, cfg, "run", nproc=1, batch=4)
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))  # (what is evaluated: any checkpoint of the LM does)
+    run = shared_run("lm", 1, 4)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vlmtrain"]
     single = [sys.executable, "-m", "vlmtrain"]
@@ -310,7 +328,7 @@ def _answering(src: Path, dst: Path, answer: str) -> None:
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
 
 
-def test_fsdp_trains_evaluates_and_exports_the_vlm(tmp_path):
+def test_fsdp_trains_evaluates_and_exports_the_vlm(tmp_path, shared_run):
     """The tiny VLM (vision tower, projector, decoder) under FSDP: same losses as 1 process x batch 4, generation
     -based evaluation on the sharded model, and an export that VisionLanguageModel.from_pretrained loads."""
     from vlmtrain.models.vlm import VisionLanguageModel
@@ -318,7 +336,9 @@ def test_fsdp_trains_evaluates_and_exports_the_vlm(tmp_path):
     cfg = _vlm()
     cfg["train"].update(eval_strategy="steps", eval_steps=cfg["train"]["max_steps"])
     steps = cfg["train"]["max_steps"]
-    a = _losses(_run(tmp_path, cfg, "one", nproc=1, batch=4))
+    # (the reference: the shared 1-process run, which does not evaluate; evaluating after the last step leaves the
+    # training losses as they are)
+    a = _losses(shared_run("vlm", 1, 4))
     run = _run(tmp_path, cfg, "fsdp", 2, 2, "--train.fsdp", "true")
     b = _losses(run)
     assert sorted(a) == sorted(b) and all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)

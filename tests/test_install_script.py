@@ -96,6 +96,22 @@ def test_demo_installs_the_core_and_tests_the_dev_extra(tmp_path):
     proc, calls = _run(tmp_path, "test.sh", torch="2.13.0")
     assert proc.returncode == 0 and _pip(calls) == [["-e", ".[dev]"], ["--no-deps", "lmms-eval==0.7.3"]]
     assert calls[-1][:2] == ["-m", "pytest"]
+    assert calls[-1][calls[-1].index("--dist") + 1] == "worksteal"  # (conftest.py's longest-first order holds)
+
+
+def test_the_suite_starts_with_its_longest_tests_longest_first():
+    """tests/conftest.py moves conftest.LONGEST_FIRST to the front in its order (the rest keep theirs), and each
+    name there is a test of the suite (a renamed one would silently start late again)."""
+    from types import SimpleNamespace
+
+    from conftest import LONGEST_FIRST, pytest_collection_modifyitems
+
+    names = ["test_a", *reversed(LONGEST_FIRST), "test_b", "test_c[x]"]
+    items = [SimpleNamespace(name=n, get_closest_marker=lambda _: None) for n in names]
+    pytest_collection_modifyitems(None, items)
+    assert [i.name for i in items] == [*LONGEST_FIRST, "test_a", "test_b", "test_c[x]"]
+    defined = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    assert len(LONGEST_FIRST) >= 4 and all(f"def {n}(" in defined for n in LONGEST_FIRST)
 
 
 def test_an_externally_managed_python_gets_told_to_use_a_venv(tmp_path):

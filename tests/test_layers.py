@@ -254,3 +254,19 @@ def test_no_cycle_between_modules():
             "  " + " -> ".join([path[0].importer] + [edge.imported for edge in path])
             + (f"  (a circle of {len(group)} modules: {', '.join(group)})" if len(group) > len(path) else "")
             + "".join(f"\n      {edge}" for edge in path) for path, group in found), pytrace=False)
+
+
+def test_importing_the_package_and_its_cli_loads_no_peft():
+    """`import vlmtrain` (every torchrun rank and CLI process does) leaves peft unimported: transformers'
+    trainer_utils imports it (about 1 s of CPU per process, a run without LoRA never needs it), so the package
+    imports trainer_utils only where it is used."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, vlmtrain, vlmtrain.cli; print(sorted(m for m in ('peft', 'transformers.trainer_utils') " \
+           "if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(PACKAGE_DIR.parent)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"

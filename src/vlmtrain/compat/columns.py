@@ -14,7 +14,6 @@ import inspect
 import logging
 from typing import Any
 
-from transformers.trainer_utils import RemoveColumnsCollator
 from transformers.utils import find_labels
 
 from ..models.heads import WithHeads
@@ -91,6 +90,10 @@ class TransformersColumns:
         forward takes."""
         if not self.args.remove_unused_columns:
             return data_collator
+        # (imported here: transformers.trainer_utils imports peft, ~1 s of CPU for every process that imports
+        # vlmtrain, e.g. each torchrun rank, while only this hook of a subclass needs it)
+        from transformers.trainer_utils import RemoveColumnsCollator
+
         self._set_signature_columns_if_needed()
         return RemoveColumnsCollator(data_collator=data_collator, signature_columns=self._signature_columns,
                                      logger=logger, description=description, model_name=type(self.model).__name__)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,11 @@ from ...errors import ConfigError
 MAX_FRAME_TOKENS, MIN_FRAME_TOKENS = 768, 128
 """Published per-frame bounds in (patch x merge)^2 pixel units: qwen-vl-utils' VIDEO_MAX_PIXELS = 768 x 28^2
 (Qwen2.5-VL) / VIDEO_MAX_TOKEN_NUM = 768 (Qwen3-VL), VIDEO_MIN_PIXELS = 128 x 28^2 / VIDEO_MIN_TOKEN_NUM = 128."""
+
+# Token counts of Qwen3-VL's timestamp texts per tokenizer, shared by every QwenVideo of a processor: a plan tries
+# each frame count and tokenizes each count's timestamps, which dominated QwenVideos built per setting (2,000 in
+# the caps property test: 150-210 s, then 5 s).
+_TEXT_TOKENS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,7 @@ class QwenVideo:
         self.kind = kind
         image_processor = processor.image_processor
         self.tokenizer = getattr(processor, "tokenizer", None)
-        self._text_tokens: dict[str, int] = {}
+        self._text_tokens: dict[str, int] = {} if self.tokenizer is None else _TEXT_TOKENS.setdefault(self.tokenizer, {})
         self.patch_size = int(image_processor.patch_size)
         self.merge_size = int(image_processor.merge_size)
         self.temporal_patch_size = int(getattr(image_processor, "temporal_patch_size", 2) or 2)
