@@ -36,7 +36,11 @@ class TrainConfig(TrainingArguments):
     """(dpo) A pair's prompt + answer longer than data.max_length tokens is cut: keep_start keeps its first
     tokens (a pair whose prompt alone fills them is skipped and counted, as TRL drops it), keep_end its last."""
     precompute_ref_log_probs: bool = False
-    """(dpo) Not implemented yet: true is refused (the reference runs beside the policy)."""
+    """(dpo) Run the reference once, when training starts, over every train and eval pair (jsonl pairs), and keep
+    its log-probs (in the checkpoints too: a resumed run reads them): no reference forward in each step."""
+    precompute_ref_batch_size: int | None = None
+    """(dpo) The batch size of that pass; null: per_device_train_batch_size (train pairs), per_device_eval_batch_size
+    (eval pairs)."""
     disable_dropout: bool = True
     """(dpo) Set every dropout of the model and its reference to 0."""
 
@@ -56,14 +60,11 @@ class TrainConfig(TrainingArguments):
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ConfigError(f"train.loss_weights has {len(self.loss_weights)} weights for "
                               f"{len(self.loss_type)} train.loss_type entries: give one weight per loss type.")
-        if self.precompute_ref_log_probs:
-            raise ConfigError("train.precompute_ref_log_probs=true is not implemented in vlmtrain's DPO yet: set it "
-                              "to false (the reference then runs beside the policy).")
         super().__post_init__()
 
 
 DPO_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "truncation_mode", "precompute_ref_log_probs",
-               "disable_dropout")
+               "precompute_ref_batch_size", "disable_dropout")
 
 
 def _default(f: Any) -> Any:
@@ -85,14 +86,15 @@ def check_objective(cfg: Any) -> None:
     if not get_source(cfg.data.source).pairs:
         raise ConfigError(f"{objective} trains on preference pairs: data.source={cfg.data.source!r} has none; use "
                           "data.source jsonl or stream (docs/data.md#preference-pairs).")
-    resume = str(cfg.train.resume_from_checkpoint or "").lower() not in ("", "false", "none", "no")
     refused = {"data.packing": (cfg.data.packing, "set data.packing: false (pairs are padded)"),
                "data.pack_window": (cfg.data.pack_window, "remove data.pack_window"),
                "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a DPO evaluation "
                                                "reports TRL's rewards/* and logps/*)"),
                "train.fsdp": (cfg.train.fsdp, "remove train.fsdp (train with one process or DDP)"),
-               "train.resume_from_checkpoint": (resume, "start a new run with model.pretrained: <the checkpoint> "
-                                                "(its policy; the reference is then that model)")}
+               "train.precompute_ref_log_probs": (cfg.train.precompute_ref_log_probs and cfg.data.source != "jsonl",
+                                                  f"the pairs of data.source={cfg.data.source!r} are streamed, with "
+                                                  "no place to keep a value per pair: use data.source jsonl, or set "
+                                                  "it to false")}
     for key, (value, instead) in refused.items():
         if value:
             raise ConfigError(f"{key} is not available with {objective} yet: {instead}.")

@@ -30,6 +30,7 @@ def objective_parts(cfg: Any, kind: Any, parts: dict[str, Any]) -> dict[str, Any
                 if isinstance(module, nn.Dropout):
                     module.p = 0.0
     collator = kind.pairs(cfg, parts["tokenizer"])
-    objective = DPOObjective(policy, reference, beta=t.beta, loss_type=t.loss_type, loss_weights=t.loss_weights)
+    objective = DPOObjective(policy, reference, beta=t.beta, loss_type=t.loss_type, loss_weights=t.loss_weights,
+                             precomputed=t.precompute_ref_log_probs)
     return {**parts, "model": objective, "policy": policy, "data_collator": collator, "padded_collator": collator,
             "process": collator.process, "compute_metrics": None}
