@@ -19,11 +19,13 @@ class TrainConfig(TrainingArguments):
     """TrainingArguments (transformers' names) with `objective` and, for `objective: dpo`, TRL 1.16's DPO options
     and defaults (docs/preference.md)."""
 
-    objective: Literal["sft", "dpo"] = "sft"
+    objective: Literal["sft", "dpo", "reward"] = "sft"
     """sft: the language-model loss on the answers. dpo: Direct Preference Optimization on preference pairs
     (docs/data.md#preference-pairs) against a reference model: with model.lora the model with its adapters
     switched off, else a frozen copy of the model as training starts. The checkpoints hold the trained model
-    alone (loadable as an SFT run's)."""
+    alone (loadable as an SFT run's). reward (model.kind hub_vlm): the model's `reward` score heads
+    (model.heads) learn from preference pairs, Bradley-Terry on each pair's chosen and rejected sample, without
+    the language-model loss."""
     beta: float = 0.1
     """(dpo) Temperature of the DPO loss (ipo: its regularization parameter tau)."""
     loss_type: list[str] | str = field(default_factory=lambda: ["sigmoid"])
@@ -80,7 +82,9 @@ def check_objective(cfg: Any) -> None:
     from vlmtrain.models.kinds import get_kind
 
     objective = f"train.objective={cfg.train.objective}"
-    if get_kind(cfg.model.kind).pairs is None:
+    if cfg.train.objective == "reward":
+        _check_reward(cfg)
+    elif get_kind(cfg.model.kind).pairs is None:
         raise ConfigError(f"{objective} is not supported for model.kind={cfg.model.kind} yet (in Python: "
                           f"vlmtrain.DPOTrainer).")
     if not get_source(cfg.data.source).pairs:
@@ -98,3 +102,15 @@ def check_objective(cfg: Any) -> None:
     for key, (value, instead) in refused.items():
         if value:
             raise ConfigError(f"{key} is not available with {objective} yet: {instead}.")
+
+
+def _check_reward(cfg: Any) -> None:
+    from vlmtrain.models.head_config import parse_heads
+    from vlmtrain.models.kinds import get_kind
+
+    if get_kind(cfg.model.kind).reward_pairs is None:
+        raise ConfigError(f"train.objective=reward is not supported for model.kind={cfg.model.kind} (model.kind "
+                          "hub_vlm with a reward head; in Python: vlmtrain.RewardTrainer).")
+    if not any(c.type == "reward" for c in parse_heads(cfg.model.heads).values()):
+        raise ConfigError("train.objective=reward trains the model's reward score heads, but model.heads has none: "
+                          "add one, e.g. model.heads: {reward: {type: reward}}.")
