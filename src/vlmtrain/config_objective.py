@@ -90,6 +90,7 @@ def check_objective(cfg: Any) -> None:
     if not get_source(cfg.data.source).pairs:
         raise ConfigError(f"{objective} trains on preference pairs: data.source={cfg.data.source!r} has none; use "
                           "data.source jsonl or stream (docs/data.md#preference-pairs).")
+    vision = cfg.model.kind == "hub_vlm"
     refused = {"data.packing": (cfg.data.packing, "set data.packing: false (pairs are padded)"),
                "data.pack_window": (cfg.data.pack_window, "remove data.pack_window"),
                "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a DPO evaluation "
@@ -98,7 +99,12 @@ def check_objective(cfg: Any) -> None:
                "train.precompute_ref_log_probs": (cfg.train.precompute_ref_log_probs and cfg.data.source != "jsonl",
                                                   f"the pairs of data.source={cfg.data.source!r} are streamed, with "
                                                   "no place to keep a value per pair: use data.source jsonl, or set "
-                                                  "it to false")}
+                                                  "it to false"),
+               # (pairs with images, as TRL and vlmtrain.DPOTrainer: image tokens are never cut off the front)
+               "train.truncation_mode=keep_end": (vision and cfg.train.truncation_mode == "keep_end",
+                                                  "set train.truncation_mode: keep_start with model.kind hub_vlm"),
+               "train.precompute_ref_log_probs=true": (vision and cfg.train.precompute_ref_log_probs,
+                                                       "set it to false with model.kind hub_vlm (as TRL)")}
     for key, (value, instead) in refused.items():
         if value:
             raise ConfigError(f"{key} is not available with {objective} yet: {instead}.")

@@ -115,6 +115,8 @@ def pair_check(collator: PairCollator) -> Callable[[Mapping[str, Any]], dict[str
     for a bad one), its token ids and, under ``tokens``, the prompt's, chosen's and rejected's tokens."""
     def check(sample: Mapping[str, Any]) -> dict[str, Any]:
         item = collator.process(sample)
+        if hasattr(collator, "token_ids"):  # (pairs with images: the ids their batch row holds)
+            item = {**item, **collator.token_ids(item)}
         names = collator.tokenizer.convert_ids_to_tokens
         return {**item, "tokens": {side: names(item[f"{side}_ids"]) for side in ("prompt", *ANSWERS)}}
 

@@ -254,6 +254,21 @@ def record_check(cfg: Any) -> Any:
     return _hub_processor(cfg, processor, family, parse_heads(cfg.model.heads)).process
 
 
+def pairs(cfg: Any, processor: Any = None) -> Any:
+    """The pair collator of train.objective dpo (data/hub_pairs.py): pairs with images in TRL's vision layout,
+    laid out as vlmtrain.DPOTrainer lays them out; processor None: the checkpoint's, with the run's image size."""
+    from vlmtrain.data.hub_pairs import HubPairCollator
+
+    if processor is None:
+        from vlmtrain.data.hub_processing import apply_image_size
+        from vlmtrain.models.families import family_of
+
+        family = family_of(cfg.model.pretrained, key="model.pretrained")
+        processor = family.load_processor(cfg.model.pretrained)
+        apply_image_size(processor, family, cfg.data)
+    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images)
+
+
 def reward_pairs(cfg: Any, processor: Any) -> Any:
     """The pair collator of train.objective reward: each pair (vlmtrain's own layout or TRL's, with images) as
     its chosen and rejected sample through the run's HubVLMProcessor, each reward head's label the pair's margin
@@ -275,4 +290,4 @@ def reward_pairs(cfg: Any, processor: Any) -> Any:
 
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
                  generate=generate, load_generator=load_generator, load_for_inference=load_for_inference,
-                 record_check=record_check, reward_pairs=reward_pairs)
+                 record_check=record_check, pairs=pairs, reward_pairs=reward_pairs)
