@@ -327,3 +327,33 @@ def test_dpo_from_yaml_on_a_hub_vlm_equals_dpo_trainer(qwen3_vl, tmp_path, one_t
         assert cli.main(["data", "inspect", str(tmp_path / "one.jsonl"), "--config", str(config)]) == 0
         shown = capsys.readouterr().out
         assert "<|image_pad|>" in shown and "chosen (" in shown and "rejected (" in shown, shown
+
+
+def test_yaml_vlm_pairs_whose_prompt_fills_max_length_are_counted_skips(qwen3_vl, tmp_path):
+    """hub_vlm DPO pairs: a pair whose prompt fills data.max_length (its image tokens cut, or no answer token left)
+    is skipped and counted as prompt_fills_max_length, the rest of its batch trains; more images than
+    data.max_images is too_many_images."""
+    import yaml
+
+    from vlmtrain.config import load_run_config
+    from vlmtrain.models.kinds import get_kind
+
+    path, processor = qwen3_vl
+    rows, _ = _file_pairs(tmp_path, 4, 3)
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "x.jsonl"), "max_length": 40, "max_images": 1},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo"}}
+    (tmp_path / "x.jsonl").write_text("")
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
+    collate = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
+    short = {"texts": [{"user": "a"}], "chosen": "red", "rejected": "blue"}
+    long_text = {"texts": [{"user": "the big red square " * 4}], "chosen": "red", "rejected": "blue"}
+    with_image = {**rows[0], "images": rows[0]["images"][:1] or [str(tmp_path / "3-1-0.png")]}
+    two_images = {**short, "images": [with_image["images"][0]] * 2}
+    batch = collate([short, long_text, two_images])
+    assert batch["skipped"] == {"prompt_fills_max_length": 1, "too_many_images": 1}
+    assert batch["input_ids"].shape[0] == 2  # (the short pair's chosen and rejected rows)
+    tight = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml"), {"data.max_length": 8}),
+                                      processor)
+    batch = tight([with_image])  # (8 tokens cut through its image tokens: a skip, not the collator's error)
+    assert batch["skipped"] == {"prompt_fills_max_length": 1} and "input_ids" not in batch

@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ConfigError
 from .pairs import ANSWERS, check_pair
 from .preference_vision import VisionPreferenceCollator
 from .processing import SkipSample, load_image, process_or_skip
@@ -37,7 +38,8 @@ def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
 
 class HubPairCollator:
     """Raw pairs with images -> one pair batch of VisionPreferenceCollator's layout (B chosen rows, then B rejected
-    rows; cut at ``max_length``, keep_start); a bad pair skipped and counted by reason."""
+    rows; cut at ``max_length``, keep_start); a bad pair skipped and counted by reason (a prompt that fills
+    ``max_length``: ``prompt_fills_max_length``)."""
 
     keeps_columns = True  # (it reads the raw pairs: the Trainer keeps every column)
 
@@ -54,8 +56,31 @@ class HubPairCollator:
         keys: list[str] = []
         items = [it for it in (process_or_skip(self.process, s, self.skipped, skipped, keys) for s in samples)
                  if it is not None]
+        batch = self._laid_out(items, skipped) if items else None
         bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys}
-        return {**self.layout(items), **bookkeeping} if items else bookkeeping
+        return {**batch, **bookkeeping} if batch is not None else bookkeeping
+
+    def _laid_out(self, items: list[dict[str, Any]], skipped: Counter[str]) -> dict[str, Any] | None:
+        """The batch of ``items`` less the pairs whose prompt fills ``max_length`` (no answer token left, or its
+        image tokens cut: skipped, counted as ``prompt_fills_max_length``, as TRL drops them); those are found
+        pair by pair only in a batch that has one."""
+        try:
+            batch = self.layout(items)
+            if self.layout.max_length is None or batch["completion_mask"].sum(dim=1).all():
+                return batch
+        except ConfigError:  # (a cut through a prompt's image tokens)
+            pass
+        kept = [it for it in items if self._fits(it)]
+        for _ in range(len(items) - len(kept)):
+            self.skipped["prompt_fills_max_length"] += 1
+            skipped["prompt_fills_max_length"] += 1
+        return self.layout(kept) if kept else None
+
+    def _fits(self, item: dict[str, Any]) -> bool:
+        try:
+            return bool(self.layout([item])["completion_mask"].sum(dim=1).all())
+        except ConfigError:
+            return False
 
     def token_ids(self, item: Mapping[str, Any]) -> dict[str, list[int]]:
         """A processed pair's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` as its batch row lays them out
