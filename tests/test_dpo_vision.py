@@ -242,3 +242,118 @@ def test_vision_pairs_refuse_what_trl_refuses(tmp_path, option, value):
     setattr(args, option, value)  # (set after the config's own checks, which refuse precompute for every dataset)
     with pytest.raises(vlmtrain.errors.ConfigError, match=option):
         vlmtrain.DPOTrainer(model=str(tmp_path / "no-model"), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))
+
+
+def _file_pairs(tmp_path, n: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Pairs with images saved as PNG files, as a JSONL holds them (every other pair in vlmtrain's own layout), and
+    the same pairs in TRL's vision layout with the images loaded, as vlmtrain.DPOTrainer takes them."""
+    rows, theirs = [], []
+    for i, pair in enumerate(_pairs(n, seed)):
+        paths = []
+        for k, image in enumerate(pair["images"]):
+            paths.append(str(tmp_path / f"{seed}-{i}-{k}.png"))
+            image.save(paths[-1])
+        question = pair["prompt"][0]["content"][-1]["text"]
+        chosen, rejected = (pair[s][0]["content"][0]["text"] for s in ("chosen", "rejected"))
+        if i % 2:
+            rows.append({"images": paths, "texts": [{"user": question}], "chosen": chosen, "rejected": rejected})
+        else:
+            rows.append({**pair, "images": paths})
+        theirs.append({**pair, "images": [Image.open(p).convert("RGB") for p in paths],
+                       "prompt": [{"role": "user", "content": question}],
+                       "chosen": [{"role": "assistant", "content": chosen}],
+                       "rejected": [{"role": "assistant", "content": rejected}]})
+    return rows, theirs
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_dpo_from_yaml_on_a_hub_vlm_equals_dpo_trainer(qwen3_vl, tmp_path, one_thread, lora, capsys):
+    """`vlmtrain train` with train.objective dpo on model.kind hub_vlm, pairs with images from a JSONL (both
+    layouts): per-step loss and metrics equal vlmtrain.DPOTrainer's on the same model and pairs (rel 1e-5), eval_
+    metrics too; with model.lora the reference is the model with its adapters off, as DPOTrainer's peft_config.
+    `vlmtrain data inspect --config` shows a pair's tokens, the prompt's image tokens expanded."""
+    import json
+
+    import yaml
+
+    from vlmtrain import cli
+    from vlmtrain.models.hub_loading import load_model
+
+    path, processor = qwen3_vl
+    rows, theirs = _file_pairs(tmp_path, 8, 0)
+    eval_rows, theirs_eval = _file_pairs(tmp_path, 4, 1)
+    for name, data in (("train", rows), ("eval", eval_rows)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    train = {"learning_rate": 3e-3, "weight_decay": 0.1, "logging_steps": 1, "seed": 7, "report_to": "none",
+             "dataloader_num_workers": 0, "disable_tqdm": True, "per_device_train_batch_size": 2,
+             "per_device_eval_batch_size": 2, "max_steps": 3}
+    lora_spec = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path), "torch_dtype": "float32",
+                     **({"lora": lora_spec} if lora else {})},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "train.jsonl"),
+                    "eval_file": str(tmp_path / "eval.jsonl"), "max_length": 512},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo", "save_strategy": "no", **train}}
+    config = tmp_path / "dpo.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    assert cli.main(["train", "--config", str(config)]) == 0
+
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    args = vlmtrain.DPOConfig(str(tmp_path / "dpo_trainer"), max_length=512, bf16=False, gradient_checkpointing=False,
+                              save_strategy="no", use_cpu=True, **train)
+    # (the model as model.kind hub_vlm loads it: its patch embedding as the equal matmul differs from
+    # from_pretrained's Conv3d by float rounding, 5e-5 relative after a step)
+    trainer = vlmtrain.DPOTrainer(load_model(str(path), "float32"), args=args, train_dataset=theirs, eval_dataset=theirs_eval, processing_class=processor,
+                                  peft_config=peft_config)
+    trainer.train()
+    logs, evaluation = [e for e in trainer.state.log_history if "loss" in e], trainer.evaluate()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    ours = [r for r in lines if "loss" in r]
+    assert len(ours) == len(logs) == 3
+    for mine, expected in zip(ours, logs):
+        for key in METRICS[:7]:
+            assert mine[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (mine["step"], key)
+    assert ours[-1]["rewards/margins"] != pytest.approx(0.0, abs=1e-5)  # (the policy moved off its reference)
+    final = [r for r in lines if "eval_loss" in r][-1]
+    for key in METRICS[:7]:
+        assert final[f"eval_{key}"] == pytest.approx(evaluation[f"eval_{key}"], rel=1e-5, abs=1e-7), key
+    if not lora:
+        one = next(r for r in rows if "texts" in r and r["images"])
+        (tmp_path / "one.jsonl").write_text(json.dumps(one) + "\n")
+        capsys.readouterr()
+        assert cli.main(["data", "inspect", str(tmp_path / "one.jsonl"), "--config", str(config)]) == 0
+        shown = capsys.readouterr().out
+        assert "<|image_pad|>" in shown and "chosen (" in shown and "rejected (" in shown, shown
+
+
+def test_yaml_vlm_pairs_whose_prompt_fills_max_length_are_counted_skips(qwen3_vl, tmp_path):
+    """hub_vlm DPO pairs: a pair whose prompt fills data.max_length (its image tokens cut, or no answer token left)
+    is skipped and counted as prompt_fills_max_length, the rest of its batch trains; more images than
+    data.max_images is too_many_images."""
+    import yaml
+
+    from vlmtrain.config import load_run_config
+    from vlmtrain.models.kinds import get_kind
+
+    path, processor = qwen3_vl
+    rows, _ = _file_pairs(tmp_path, 4, 3)
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "x.jsonl"), "max_length": 40, "max_images": 1},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo"}}
+    (tmp_path / "x.jsonl").write_text("")
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
+    collate = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
+    short = {"texts": [{"user": "a"}], "chosen": "red", "rejected": "blue"}
+    long_text = {"texts": [{"user": "the big red square " * 4}], "chosen": "red", "rejected": "blue"}
+    with_image = {**rows[0], "images": rows[0]["images"][:1] or [str(tmp_path / "3-1-0.png")]}
+    two_images = {**short, "images": [with_image["images"][0]] * 2}
+    batch = collate([short, long_text, two_images])
+    assert batch["skipped"] == {"prompt_fills_max_length": 1, "too_many_images": 1}
+    assert batch["input_ids"].shape[0] == 2  # (the short pair's chosen and rejected rows)
+    tight = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml"), {"data.max_length": 8}),
+                                      processor)
+    batch = tight([with_image])  # (8 tokens cut through its image tokens: a skip, not the collator's error)
+    assert batch["skipped"] == {"prompt_fills_max_length": 1} and "input_ids" not in batch

@@ -179,11 +179,11 @@ def dpo_yaml(tmp_path, model_dir):  # noqa: F811
     ({"train.objective": "sft"}, "train.beta is an option of train.objective: dpo"),
     ({"train.loss_type": "robust"}, r"train.loss_type=\['robust'\]"),
     ({"train.loss_type": ["sigmoid", "ipo"], "train.loss_weights": [1.0]}, "train.loss_weights has 1 weights"),
-    ({"train.precompute_ref_log_probs": True}, "train.precompute_ref_log_probs=true is not implemented"),
+    ({"train.precompute_ref_log_probs": True, "data.source": "stream", "data.sources": [{"kind": "jsonl", "path": "x.jsonl"}]},
+     "train.precompute_ref_log_probs is not available"),
     ({"model.kind": "vlm"}, "train.objective=dpo is not supported for model.kind=vlm yet"),
     ({"data.source": "addition"}, "data.source='addition' has none"),
     ({"data.packing": True}, "data.packing is not available with train.objective=dpo"),
-    ({"train.resume_from_checkpoint": "latest"}, "train.resume_from_checkpoint is not available"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_bad_dpo_settings_fail_before_any_work_naming_the_key(dpo_yaml, overrides, message):
     """One ConfigError when the config is read (no model, no data yet), naming the key. (The config sets
@@ -235,3 +235,40 @@ def test_data_inspect_shows_a_pairs_tokens(dpo_yaml, tmp_path, capsys):
     assert cli.main(["data", "inspect", str(tmp_path / "shards" / "shard-000000.tar"), "--config", dpo_yaml]) == 0
     shards = capsys.readouterr().out
     assert "bad samples: {'identical_answers': 1}" in shards and "rejected (3): w4 w5 </s>" in shards
+
+
+def test_dpo_yaml_precompute_and_resume_equal_the_plain_run(model_dir, tmp_path, one_thread):  # noqa: F811
+    """train.precompute_ref_log_probs gives the per-step losses and metrics of the run whose reference runs beside
+    the policy (rel 1e-6); a run stopped at step 2 and resumed with --train.resume_from_checkpoint gives the
+    uninterrupted run's steps 3-4 and final weights, with and without precomputed log-probs (the resumed one reads
+    them from the checkpoint's ref_logps.pt)."""
+    train_file, eval_file = _write(tmp_path, _own_pairs(16, 0), _own_pairs(4, 1))
+    data = {"source": "jsonl", "train_file": str(train_file), "eval_file": str(eval_file)}
+    config = _config(tmp_path, model_dir, data, steps=4, save_steps=2)
+
+    def losses(out) -> list[dict]:
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in lines if "loss" in r]
+
+    runs = {}
+    for precompute in (False, True):
+        out = tmp_path / f"run-{precompute}"
+        settings = ["--train.output_dir", str(out), "--train.precompute_ref_log_probs", str(precompute).lower()]
+        assert cli.main(["train", "--config", config, *settings]) == 0
+        resumed = tmp_path / f"resumed-{precompute}"
+        assert cli.main(["train", "--config", config, *settings, "--train.output_dir", str(resumed),
+                         "--train.resume_from_checkpoint", str(out / "checkpoint-2")]) == 0
+        runs[precompute] = losses(out)
+        assert len(runs[precompute]) == 4
+        assert [r["step"] for r in losses(resumed)] == [3, 4]
+        for mine, theirs in zip(losses(resumed), runs[precompute][2:]):
+            for key in ("loss", *DPO_KEYS):
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-8), (mine["step"], key)
+        final = AutoModelForCausalLM.from_pretrained(out / "checkpoint-4", dtype=torch.float32).state_dict()
+        again = AutoModelForCausalLM.from_pretrained(resumed / "checkpoint-4", dtype=torch.float32).state_dict()
+        for name, weight in final.items():
+            torch.testing.assert_close(again[name], weight, rtol=1e-6, atol=1e-7)
+        assert (out / "checkpoint-2" / "ref_logps.pt").exists() == precompute
+    for mine, theirs in zip(runs[True], runs[False]):
+        for key in ("loss", *DPO_KEYS):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-8), (mine["step"], key)

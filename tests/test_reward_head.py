@@ -200,3 +200,57 @@ def test_reward_trainer_on_a_vlm_trains_a_reward_head(tiny_hub, tmp_path):
     [row] = vlmtrain.load_for_inference(str(tmp_path / "final"), device="cpu").score(
         [{"images": [pairs[0]["images"][0]], "texts": [{"user": "Colour?", "assistant": "red"}]}])
     assert set(row) == {"reward"} and math.isfinite(row["reward"])
+
+
+def _reward_yaml(tmp_path, pretrained: str) -> str:
+    """A hub_vlm run with a reward head on pairs with images from a JSONL: vlmtrain's own layout (a margin as
+    `labels: {reward: m}`) and TRL's (a `margin` column) mixed; the chosen answer names the image's colour."""
+    import yaml
+    from PIL import Image
+
+    colours = {"red": (220, 40, 40), "green": (40, 160, 40)}
+    rows = []
+    for i in range(8):
+        right, wrong = ("red", "green") if i % 2 else ("green", "red")
+        Image.new("RGB", (32, 32), colours[right]).save(tmp_path / f"{i}.png")
+        if i % 4 < 2:
+            rows.append({"images": [f"{i}.png"], "texts": [{"user": "Which colour?"}], "chosen": right,
+                         "rejected": wrong, "labels": {"reward": 0.5}})
+        else:
+            rows.append({"images": [f"{i}.png"], "prompt": [{"role": "user", "content": "Which colour?"}],
+                         "chosen": [{"role": "assistant", "content": right}],
+                         "rejected": [{"role": "assistant", "content": wrong}], "margin": 0.5})
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": pretrained, "heads": {"reward": {"type": "reward"}}},
+           "data": {"source": "jsonl", "train_file": str(data), "eval_file": str(data), "max_length": 128},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "reward", "max_steps": 2,
+                     "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "logging_steps": 1,
+                     "save_steps": 2, "learning_rate": 1e-3, "weight_decay": 0.1, "disable_tqdm": True,
+                     "report_to": "none", "dataloader_num_workers": 0}}
+    path = tmp_path / "reward.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_reward_head_trains_from_yaml_pairs(tiny_hub, tmp_path, one_thread):
+    """train.objective reward: a Hub VLM's reward head learns from pairs with images in a JSONL (both layouts):
+    each step's loss is the head's Bradley-Terry loss alone (no language-model loss), evaluation logs
+    eval_reward_accuracy / eval_reward_margin; a setting it cannot train is one ConfigError naming it."""
+    from vlmtrain.config import load_run_config
+
+    config = _reward_yaml(tmp_path, tiny_hub("qwen3_vl")[1])
+    with pytest.raises(vlmtrain.errors.ConfigError, match="model.heads has none"):
+        load_run_config(config, {"model.heads": {"q": {"type": "regression"}}})
+    with pytest.raises(vlmtrain.errors.ConfigError, match="train.objective=reward is not supported for "
+                                                          "model.kind=causal_lm"):
+        load_run_config(config, {"model.kind": "causal_lm", "model.heads": None})
+    assert cli.main(["train", "--config", config]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "loss" in r]
+    assert len(train) == 2 and all("loss_lm" not in r for r in train)
+    for r in train:
+        assert r["loss"] == pytest.approx(r["loss_reward"], rel=1e-5) and r["loss"] > 0
+    final = [r for r in rows if "eval_reward_accuracy" in r][-1]
+    assert 0.0 <= final["eval_reward_accuracy"] <= 1.0 and math.isfinite(final["eval_reward_margin"])
+    assert (tmp_path / "run" / "checkpoint-2" / "heads.safetensors").is_file()

@@ -50,6 +50,8 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     # The kinds' and sources' metrics score generated answers (exact match). Without generation evaluation
     # keeps only the losses (and head outputs): never the B x L x vocab logits of the whole eval set.
     metrics = parts["compute_metrics"] if cfg.train.predict_with_generate else None
+    if "policy" in parts:  # dpo: checkpoints hold the policy (and precomputed reference log-probs)
+        from vlmtrain.compat.dpo_reference import PolicyTrainer as Trainer
     return Trainer(parts["model"], cfg.train, data_collator=parts["data_collator"],
                    train_dataset=parts["train_dataset"],
                    eval_dataset=parts["eval_dataset"] if cfg.data.num_eval > 0 else None,

@@ -19,11 +19,13 @@ class TrainConfig(TrainingArguments):
     """TrainingArguments (transformers' names) with `objective` and, for `objective: dpo`, TRL 1.16's DPO options
     and defaults (docs/preference.md)."""
 
-    objective: Literal["sft", "dpo"] = "sft"
+    objective: Literal["sft", "dpo", "reward"] = "sft"
     """sft: the language-model loss on the answers. dpo: Direct Preference Optimization on preference pairs
     (docs/data.md#preference-pairs) against a reference model: with model.lora the model with its adapters
     switched off, else a frozen copy of the model as training starts. The checkpoints hold the trained model
-    alone (loadable as an SFT run's)."""
+    alone (loadable as an SFT run's). reward (model.kind hub_vlm): the model's `reward` score heads
+    (model.heads) learn from preference pairs, Bradley-Terry on each pair's chosen and rejected sample, without
+    the language-model loss."""
     beta: float = 0.1
     """(dpo) Temperature of the DPO loss (ipo: its regularization parameter tau)."""
     loss_type: list[str] | str = field(default_factory=lambda: ["sigmoid"])
@@ -36,7 +38,11 @@ class TrainConfig(TrainingArguments):
     """(dpo) A pair's prompt + answer longer than data.max_length tokens is cut: keep_start keeps its first
     tokens (a pair whose prompt alone fills them is skipped and counted, as TRL drops it), keep_end its last."""
     precompute_ref_log_probs: bool = False
-    """(dpo) Not implemented yet: true is refused (the reference runs beside the policy)."""
+    """(dpo) Run the reference once, when training starts, over every train and eval pair (jsonl pairs), and keep
+    its log-probs (in the checkpoints too: a resumed run reads them): no reference forward in each step."""
+    precompute_ref_batch_size: int | None = None
+    """(dpo) The batch size of that pass; null: per_device_train_batch_size (train pairs), per_device_eval_batch_size
+    (eval pairs)."""
     disable_dropout: bool = True
     """(dpo) Set every dropout of the model and its reference to 0."""
 
@@ -56,14 +62,11 @@ class TrainConfig(TrainingArguments):
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
             raise ConfigError(f"train.loss_weights has {len(self.loss_weights)} weights for "
                               f"{len(self.loss_type)} train.loss_type entries: give one weight per loss type.")
-        if self.precompute_ref_log_probs:
-            raise ConfigError("train.precompute_ref_log_probs=true is not implemented in vlmtrain's DPO yet: set it "
-                              "to false (the reference then runs beside the policy).")
         super().__post_init__()
 
 
 DPO_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "truncation_mode", "precompute_ref_log_probs",
-               "disable_dropout")
+               "precompute_ref_batch_size", "disable_dropout")
 
 
 def _default(f: Any) -> Any:
@@ -79,20 +82,41 @@ def check_objective(cfg: Any) -> None:
     from vlmtrain.models.kinds import get_kind
 
     objective = f"train.objective={cfg.train.objective}"
-    if get_kind(cfg.model.kind).pairs is None:
+    if cfg.train.objective == "reward":
+        _check_reward(cfg)
+    elif get_kind(cfg.model.kind).pairs is None:
         raise ConfigError(f"{objective} is not supported for model.kind={cfg.model.kind} yet (in Python: "
                           f"vlmtrain.DPOTrainer).")
     if not get_source(cfg.data.source).pairs:
         raise ConfigError(f"{objective} trains on preference pairs: data.source={cfg.data.source!r} has none; use "
                           "data.source jsonl or stream (docs/data.md#preference-pairs).")
-    resume = str(cfg.train.resume_from_checkpoint or "").lower() not in ("", "false", "none", "no")
+    vision = cfg.model.kind == "hub_vlm"
     refused = {"data.packing": (cfg.data.packing, "set data.packing: false (pairs are padded)"),
                "data.pack_window": (cfg.data.pack_window, "remove data.pack_window"),
                "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a DPO evaluation "
                                                "reports TRL's rewards/* and logps/*)"),
                "train.fsdp": (cfg.train.fsdp, "remove train.fsdp (train with one process or DDP)"),
-               "train.resume_from_checkpoint": (resume, "start a new run with model.pretrained: <the checkpoint> "
-                                                "(its policy; the reference is then that model)")}
+               "train.precompute_ref_log_probs": (cfg.train.precompute_ref_log_probs and cfg.data.source != "jsonl",
+                                                  f"the pairs of data.source={cfg.data.source!r} are streamed, with "
+                                                  "no place to keep a value per pair: use data.source jsonl, or set "
+                                                  "it to false"),
+               # (pairs with images, as TRL and vlmtrain.DPOTrainer: image tokens are never cut off the front)
+               "train.truncation_mode=keep_end": (vision and cfg.train.truncation_mode == "keep_end",
+                                                  "set train.truncation_mode: keep_start with model.kind hub_vlm"),
+               "train.precompute_ref_log_probs=true": (vision and cfg.train.precompute_ref_log_probs,
+                                                       "set it to false with model.kind hub_vlm (as TRL)")}
     for key, (value, instead) in refused.items():
         if value:
             raise ConfigError(f"{key} is not available with {objective} yet: {instead}.")
+
+
+def _check_reward(cfg: Any) -> None:
+    from vlmtrain.models.head_config import parse_heads
+    from vlmtrain.models.kinds import get_kind
+
+    if get_kind(cfg.model.kind).reward_pairs is None:
+        raise ConfigError(f"train.objective=reward is not supported for model.kind={cfg.model.kind} (model.kind "
+                          "hub_vlm with a reward head; in Python: vlmtrain.RewardTrainer).")
+    if not any(c.type == "reward" for c in parse_heads(cfg.model.heads).values()):
+        raise ConfigError("train.objective=reward trains the model's reward score heads, but model.heads has none: "
+                          "add one, e.g. model.heads: {reward: {type: reward}}.")

@@ -6,7 +6,6 @@ loss with TRL's metrics, which the trainer logs as it logs any model's (``eval_`
 from __future__ import annotations
 
 import copy
-import dataclasses
 import warnings
 from collections import Counter
 from collections.abc import Mapping
@@ -26,18 +25,8 @@ from ..data.preference import (
 from ..data.preference_vision import VisionPreferenceCollator, is_vision_pairs
 from ..errors import ConfigError
 from ..models.objectives.dpo import LOSS_TYPES, DPOObjective
-from ..trainer import checkpoint as ckpt
 from .arguments import TrainingArguments
-from .dpo_reference import (
-    REF_LOGPS_FILE,
-    PolicyFiles,
-    compute_ref_logps,
-    has_ref_logps,
-    refuse_unindexable,
-    saved_ref_logps,
-    with_ref_logps,
-)
-from .trainer import Trainer
+from .dpo_reference import PolicyTrainer, has_ref_logps, refuse_unindexable
 
 
 @dataclass
@@ -177,15 +166,13 @@ def _disable_dropout(model: nn.Module) -> None:
             module.p = 0.0
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(PolicyTrainer):
     """TRL's DPOTrainer for a causal language model or a VLM with its processor (an object or a path), on
     vlmtrain's Trainer: the reference
     is ``ref_model``, else the policy with its adapters off (a peft model, or ``peft_config``), else a frozen
     copy of the policy as it is when the trainer is built (with ``precompute_ref_log_probs``, that policy
     before it trains, run once). ``self.model`` is the :class:`DPOObjective`; ``self.policy`` the model trained,
     and the model files of its checkpoints."""
-
-    parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files))
 
     def __init__(self, model: str | nn.Module, ref_model: nn.Module | None = None, args: DPOConfig | None = None,
                  data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
@@ -233,10 +220,8 @@ class DPOTrainer(Trainer):
             _disable_dropout(model)
             if ref_model is not None:
                 _disable_dropout(ref_model)
-        self.policy = model
         objective = DPOObjective(model, ref_model, beta=args.beta, loss_type=args.loss_type,
                                  loss_weights=args.loss_weights, precomputed=args.precompute_ref_log_probs)
-        self._ref_logps: dict[str, dict] = {}  # precompute_ref_log_probs: per dataset name, saved in checkpoints
         self._vision_pairs = vision
         if data_collator is None and vision:
             data_collator = VisionPreferenceCollator(processing_class, args.max_length,
@@ -249,78 +234,16 @@ class DPOTrainer(Trainer):
                          processing_class=processing_class, compute_metrics=compute_metrics, callbacks=callbacks,
                          optimizers=optimizers)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """Trainer.train. A resumed run is built as the first was (``model`` the original model: the reference
-        is rebuilt from it) and takes the policy, optimizer, scheduler, RNG and data position from the checkpoint;
-        with precompute_ref_log_probs the reference's log-probs come from the checkpoint too, else from one pass
-        here, before the policy trains."""
-        if self.args.precompute_ref_log_probs:
-            requested = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-            self._precompute(self._checkpoint_path(requested))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
-
     def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Trainer.evaluate; with precompute_ref_log_probs a dataset without the reference's log-probs gets them
         first (TRL's rule: not after training has started when the policy itself was the reference)."""
-        if self.args.precompute_ref_log_probs and not isinstance(eval_dataset, Mapping | str):
-            if eval_dataset is None:
-                self._precompute(None, splits=("eval",))
-            elif not has_ref_logps(eval_dataset := _prepare(eval_dataset, self.processing_class, self.args, "eval")):
-                eval_dataset = self._with_ref_logps(eval_dataset, metric_key_prefix, store=False)
+        if (self.args.precompute_ref_log_probs and eval_dataset is not None
+                and not isinstance(eval_dataset, Mapping | str)
+                and not has_ref_logps(eval_dataset := _prepare(eval_dataset, self.processing_class, self.args,
+                                                               "eval"))):
+            eval_dataset = self._with_ref_logps(eval_dataset, metric_key_prefix, store=False)
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-
-    def _checkpoint_path(self, resume: str | bool | None) -> str | None:
-        if not ckpt.resume_requested(resume):
-            return None
-        if resume is True or str(resume).lower() in ("true", "latest"):
-            return ckpt.latest_checkpoint(self.args.output_dir)
-        return str(resume)
-
-    def _precompute(self, checkpoint: str | None, splits: tuple[str, ...] = ("train", "eval")) -> None:
-        """The reference's log-probs of the train and eval pairs: from ``checkpoint`` where it holds them, else
-        computed (once: a second train() reuses them)."""
-        saved = saved_ref_logps(checkpoint)
-        if "train" in splits:
-            self.train_dataset = self._with_ref_logps(self.train_dataset, "train", saved=saved)
-        if "eval" in splits and isinstance(self.eval_dataset, Mapping):
-            self.eval_dataset = {name: self._with_ref_logps(ds, f"eval_{name}", saved=saved)
-                                 for name, ds in self.eval_dataset.items()}
-        elif "eval" in splits and self.eval_dataset is not None:
-            self.eval_dataset = self._with_ref_logps(self.eval_dataset, "eval", saved=saved)
-
-    def _with_ref_logps(self, dataset: Any, name: str, saved: Mapping[str, dict] | None = None,
-                        store: bool = True) -> Any:
-        if has_ref_logps(dataset):
-            return dataset
-        logps = (saved or {}).get(name)
-        if logps is None or len(logps["chosen"]) != len(dataset):
-            if (self.state.global_step > 0 and self.model.ref_model is None
-                    and not hasattr(self.policy, "disable_adapter")):
-                raise ConfigError(f"precompute_ref_log_probs: the {name} pairs have no reference log-probs and the "
-                                  "policy, their reference before training, has trained: pass this dataset as "
-                                  "eval_dataset when building the trainer, pass ref_model, or set "
-                                  "precompute_ref_log_probs=False.")
-            train = name == "train"
-            size = self.args.precompute_ref_batch_size or (self.args.per_device_train_batch_size if train
-                                                           else self.args.per_device_eval_batch_size)
-            logps = compute_ref_logps(self.model, dataset, self.data_collator, size, name,
-                                      disable_bar=self.args.disable_tqdm or self.rank != 0)
-        if store:
-            self._ref_logps[name] = logps
-        return with_ref_logps(dataset, logps)
-
-    def _checkpoint_files(self, sharded: bool) -> dict[str, Any]:
-        files = super()._checkpoint_files(sharded)
-        if self.rank == 0 and self._ref_logps:  # resume reads them instead of running the reference again
-            files[REF_LOGPS_FILE] = self._ref_logps
-        return files
-
-    @property
-    def ref_model(self) -> nn.Module | None:
-        """The frozen reference (None where the policy's adapters switched off give it, or where the policy
-        itself gave the precomputed log-probs before training)."""
-        return self.model.ref_model
 
     def _set_signature_columns_if_needed(self) -> None:
         # the collator reads the tokenized pair, not the objective's forward arguments

@@ -1,10 +1,14 @@
-"""The DPOTrainer's reference log-probs computed once (``precompute_ref_log_probs``) and how a DPO checkpoint
-holds its state: the model files are the policy's alone (:class:`PolicyFiles`), the precomputed log-probs
-``ref_logps.pt`` beside them, so that a resumed run reads them instead of running the reference again."""
+"""The DPO reference's log-probs computed once (``precompute_ref_log_probs``) and how a DPO checkpoint holds its
+state: the model files are the policy's alone (:class:`PolicyFiles`), the precomputed log-probs ``ref_logps.pt``
+beside them, so that a resumed run reads them instead of running the reference again. :class:`PolicyTrainer`
+does both for vlmtrain.DPOTrainer and for a YAML config's `train.objective: dpo` alike."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,9 +18,15 @@ from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset as TorchIterableDataset
 from tqdm.auto import tqdm
 
+from ..data.pairs import PairCollator
 from ..data.preference import REF_LOGPS_COLUMNS
+from ..data.processing import SkipSample
 from ..errors import ConfigError
 from ..models.objectives.dpo import DPOObjective
+from ..trainer import checkpoint as ckpt
+from .trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 REF_LOGPS_FILE = "ref_logps.pt"  # in checkpoint-<step>/: {dataset name: {"chosen": tensor, "rejected": tensor}}
 
@@ -48,7 +58,8 @@ def compute_ref_logps(objective: DPOObjective, dataset: Any, collator: Any, batc
     chosen, rejected = [], []
     try:
         for batch in tqdm(loader, desc=f"Computing reference log probs for {name} dataset", disable=disable_bar):
-            batch = {k: v.to(device) for k, v in batch.items() if k not in REF_LOGPS_COLUMNS}
+            batch = {k: v.to(device) for k, v in batch.items()  # (not a pair collator's skip counts)
+                     if isinstance(v, torch.Tensor) and k not in REF_LOGPS_COLUMNS}
             c, r = objective.reference_logps(**batch).float().cpu().chunk(2)
             chosen.append(c)
             rejected.append(r)
@@ -106,3 +117,109 @@ class PolicyFiles:
 
 def _policy(model: nn.Module) -> nn.Module:
     return model.policy if isinstance(model, DPOObjective) else model
+
+
+class PolicyTrainer(Trainer):
+    """A Trainer of a :class:`DPOObjective`: checkpoints hold the policy alone (:class:`PolicyFiles`) and, with
+    ``args.precompute_ref_log_probs``, the reference's log-probs of the train and eval pairs, computed once when
+    ``train()`` starts (or read from the checkpoint it resumes) and given to the objective as the pairs'
+    ``ref_chosen_logps`` / ``ref_rejected_logps``. vlmtrain.DPOTrainer's base, and the Trainer of a YAML config's
+    `train.objective: dpo`."""
+
+    parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._ref_logps: dict[str, dict] = {}  # precompute_ref_log_probs: per dataset name, saved in checkpoints
+        super().__init__(*args, **kwargs)
+
+    @property
+    def policy(self) -> nn.Module:
+        """The model trained (the objective's policy)."""
+        return self.model.policy
+
+    @property
+    def ref_model(self) -> nn.Module | None:
+        """The frozen reference (None where the policy's adapters switched off give it, or where the policy
+        itself gave the precomputed log-probs before training)."""
+        return self.model.ref_model
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.train. A resumed run is built as the first was (``model`` the original model: the reference
+        is rebuilt from it) and takes the policy, optimizer, scheduler, RNG and data position from the checkpoint;
+        with precompute_ref_log_probs the reference's log-probs come from the checkpoint too, else from one pass
+        here, before the policy trains."""
+        if self.args.precompute_ref_log_probs:
+            requested = self.args.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
+            self._precompute(self._checkpoint_path(requested))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Trainer.evaluate; with precompute_ref_log_probs the eval pairs get the reference's log-probs first."""
+        if self.args.precompute_ref_log_probs and eval_dataset is None:
+            self._precompute(None, splits=("eval",))
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _checkpoint_path(self, resume: str | bool | None) -> str | None:
+        if not ckpt.resume_requested(resume):
+            return None
+        if resume is True or str(resume).lower() in ("true", "latest"):
+            return ckpt.latest_checkpoint(self.args.output_dir)
+        return str(resume)
+
+    def _precompute(self, checkpoint: str | None, splits: tuple[str, ...] = ("train", "eval")) -> None:
+        """The reference's log-probs of the train and eval pairs: from ``checkpoint`` where it holds them, else
+        computed (once: a second train() reuses them)."""
+        saved = saved_ref_logps(checkpoint)
+        if "train" in splits:
+            self.train_dataset = self._with_ref_logps(self.train_dataset, "train", saved=saved)
+        if "eval" in splits and isinstance(self.eval_dataset, Mapping):
+            self.eval_dataset = {name: self._with_ref_logps(ds, f"eval_{name}", saved=saved)
+                                 for name, ds in self.eval_dataset.items()}
+        elif "eval" in splits and self.eval_dataset is not None:
+            self.eval_dataset = self._with_ref_logps(self.eval_dataset, "eval", saved=saved)
+
+    def _with_ref_logps(self, dataset: Any, name: str, saved: Mapping[str, dict] | None = None,
+                        store: bool = True) -> Any:
+        if has_ref_logps(dataset):
+            return dataset
+        dataset = self._trainable_pairs(dataset, name)
+        logps = (saved or {}).get(name)
+        if logps is None or len(logps["chosen"]) != len(dataset):
+            if (self.state.global_step > 0 and self.model.ref_model is None
+                    and not hasattr(self.policy, "disable_adapter")):
+                raise ConfigError(f"precompute_ref_log_probs: the {name} pairs have no reference log-probs and the "
+                                  "policy, their reference before training, has trained: pass this dataset as "
+                                  "eval_dataset when building the trainer, pass ref_model, or set "
+                                  "precompute_ref_log_probs=False.")
+            train = name == "train"
+            size = self.args.precompute_ref_batch_size or (self.args.per_device_train_batch_size if train
+                                                           else self.args.per_device_eval_batch_size)
+            logps = compute_ref_logps(self.model, dataset, self.data_collator, size, name,
+                                      disable_bar=self.args.disable_tqdm or self.rank != 0)
+        if store:
+            self._ref_logps[name] = logps
+        return with_ref_logps(dataset, logps)
+
+    def _trainable_pairs(self, dataset: Any, name: str) -> Any:
+        """Raw pairs (a YAML run's collator processes them per batch) that its processing would skip are left
+        out first, counted in one warning, so that each pair kept gets its own reference log-probs."""
+        if not isinstance(self.data_collator, PairCollator):
+            return dataset
+        kept, skipped = [], Counter[str]()
+        for sample in dataset:
+            try:
+                self.data_collator.process(sample)
+                kept.append(sample)
+            except SkipSample as err:
+                skipped[err.reason] += 1
+        if skipped:
+            logger.warning("DPO: %d of %d %s pairs skipped: %s", sum(skipped.values()), len(dataset), name,
+                           dict(skipped))
+        return kept
+
+    def _checkpoint_files(self, sharded: bool) -> dict[str, Any]:
+        files = super()._checkpoint_files(sharded)
+        if self.rank == 0 and self._ref_logps:  # resume reads them instead of running the reference again
+            files[REF_LOGPS_FILE] = self._ref_logps
+        return files

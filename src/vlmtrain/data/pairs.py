@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vlmtrain.data.preference import PreferenceCollator, tokenize_pair
+from vlmtrain.data.preference import REF_LOGPS_COLUMNS, PreferenceCollator, tokenize_pair
 from vlmtrain.data.processing import SkipSample, process_or_skip
 
 ANSWERS = ("chosen", "rejected")
@@ -101,8 +101,11 @@ class PairCollator:
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         skipped: Counter[str] = Counter()
         keys: list[str] = []
-        items = [it for it in (process_or_skip(self.process, s, self.skipped, skipped, keys) for s in samples)
-                 if it is not None]
+        items = []
+        for sample in samples:
+            item = process_or_skip(self.process, sample, self.skipped, skipped, keys)
+            if item is not None:  # (precompute_ref_log_probs: the reference's log-probs travel with the pair)
+                items.append({**item, **{k: sample[k] for k in REF_LOGPS_COLUMNS if k in sample}})
         bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys}
         return {**self.layout(items), **bookkeeping} if items else bookkeeping
 
@@ -112,6 +115,8 @@ def pair_check(collator: PairCollator) -> Callable[[Mapping[str, Any]], dict[str
     for a bad one), its token ids and, under ``tokens``, the prompt's, chosen's and rejected's tokens."""
     def check(sample: Mapping[str, Any]) -> dict[str, Any]:
         item = collator.process(sample)
+        if hasattr(collator, "token_ids"):  # (pairs with images: the ids their batch row holds)
+            item = {**item, **collator.token_ids(item)}
         names = collator.tokenizer.convert_ids_to_tokens
         return {**item, "tokens": {side: names(item[f"{side}_ids"]) for side in ("prompt", *ANSWERS)}}
 

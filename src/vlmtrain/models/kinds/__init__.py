@@ -57,6 +57,10 @@ class ModelKind:
     ``process`` returns ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` (raises SkipSample), and the collator
     lays a batch out as the objective takes it (data/preference.py: B chosen rows, then B rejected ones).
     processing_class: what build returned as the tokenizer; None: loaded from cfg (e.g. for data inspect)."""
+    reward_pairs: Callable[[Any, Any], Any] | None = None
+    """reward_pairs(cfg, processing_class) -> the pair collator of `train.objective: reward` (None: refused before
+    any work): a batch of raw preference pairs as one pair batch (the B chosen samples, then the B rejected ones)
+    with each reward head's ``labels_<name>`` (one margin per pair) and no language-model targets."""
     record_check: Callable[[Any], Callable[[dict[str, Any]], Any]] | None = None
     """record_check(cfg) -> check(sample): the checks this kind's training makes on one raw sample (texts, images,
     `<image>` placeholders, head labels; raise SkipSample), with the run's limits and heads and never the model's

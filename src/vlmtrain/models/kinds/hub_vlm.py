@@ -254,6 +254,40 @@ def record_check(cfg: Any) -> Any:
     return _hub_processor(cfg, processor, family, parse_heads(cfg.model.heads)).process
 
 
+def pairs(cfg: Any, processor: Any = None) -> Any:
+    """The pair collator of train.objective dpo (data/hub_pairs.py): pairs with images in TRL's vision layout,
+    laid out as vlmtrain.DPOTrainer lays them out; processor None: the checkpoint's, with the run's image size."""
+    from vlmtrain.data.hub_pairs import HubPairCollator
+
+    if processor is None:
+        from vlmtrain.data.hub_processing import apply_image_size
+        from vlmtrain.models.families import family_of
+
+        family = family_of(cfg.model.pretrained, key="model.pretrained")
+        processor = family.load_processor(cfg.model.pretrained)
+        apply_image_size(processor, family, cfg.data)
+    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images)
+
+
+def reward_pairs(cfg: Any, processor: Any) -> Any:
+    """The pair collator of train.objective reward: each pair (vlmtrain's own layout or TRL's, with images) as
+    its chosen and rejected sample through the run's HubVLMProcessor, each reward head's label the pair's margin
+    (``labels: {<head>: margin}``, or TRL's ``margin``; 0 without)."""
+    from vlmtrain.data.vision_reward_pairs import VisionPairCollator
+    from vlmtrain.models.families import family_of
+    from vlmtrain.models.head_config import parse_heads
+    from vlmtrain.models.heads import pair_margin_tensors
+
+    heads = parse_heads(cfg.model.heads)
+    rewards = [name for name, c in heads.items() if c.type == "reward"]
+
+    def margins(pairs: list[Any]) -> dict[str, Any]:
+        return pair_margin_tensors(heads, [p.get("labels") or ({n: p["margin"] for n in rewards} if "margin" in p
+                                                               else None) for p in pairs])
+
+    return VisionPairCollator(_hub_processor(cfg, processor, family_of(cfg.model.pretrained), heads), margins)
+
+
 KIND = ModelKind("hub_vlm", build=build, check=check, validate=validate, owns_checkpoint=owns_checkpoint,
                  generate=generate, load_generator=load_generator, load_for_inference=load_for_inference,
-                 record_check=record_check)
+                 record_check=record_check, pairs=pairs, reward_pairs=reward_pairs)

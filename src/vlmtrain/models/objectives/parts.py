@@ -16,10 +16,14 @@ from vlmtrain.models.objectives.dpo import DPOObjective
 def objective_parts(cfg: Any, kind: Any, parts: dict[str, Any]) -> dict[str, Any]:
     """``parts`` for cfg.train.objective: with dpo, ``model`` is the DPOObjective (the reference: the policy with
     its LoRA adapters switched off, else a frozen copy of the policy as built), ``policy`` the model trained,
-    ``data_collator`` the kind's pair collator (``process`` its per-pair processing) and no generation metrics."""
+    ``data_collator`` the kind's pair collator (``process`` its per-pair processing) and no generation metrics;
+    with reward, the kind's model and the kind's reward pair collator."""
     t = cfg.train
     if t.objective == "sft":
         return parts
+    if t.objective == "reward":  # (the model as built, its reward heads' loss alone: no LM targets in the batch)
+        collator = kind.reward_pairs(cfg, parts["tokenizer"])
+        return {**parts, "data_collator": collator, "padded_collator": collator, "compute_metrics": None}
     if kind.pairs is None:  # (RunConfig refuses it first; here for configs built in Python)
         raise ConfigError(f"train.objective={t.objective} is not supported for model.kind={kind.name} yet.")
     policy = parts["model"]
@@ -30,6 +34,7 @@ def objective_parts(cfg: Any, kind: Any, parts: dict[str, Any]) -> dict[str, Any
                 if isinstance(module, nn.Dropout):
                     module.p = 0.0
     collator = kind.pairs(cfg, parts["tokenizer"])
-    objective = DPOObjective(policy, reference, beta=t.beta, loss_type=t.loss_type, loss_weights=t.loss_weights)
+    objective = DPOObjective(policy, reference, beta=t.beta, loss_type=t.loss_type, loss_weights=t.loss_weights,
+                             precomputed=t.precompute_ref_log_probs)
     return {**parts, "model": objective, "policy": policy, "data_collator": collator, "padded_collator": collator,
             "process": collator.process, "compute_metrics": None}

@@ -1,0 +1,94 @@
+"""Preference pairs with images for a Hub VLM's `train.objective: dpo` (YAML config): each pair, in vlmtrain's
+own layout or TRL's (data/pairs.py), is checked and turned into TRL 1.16's vision DPO layout (message lists,
+the pair's images loaded once, first in the first user turn), and a batch is laid out by the same
+:class:`~vlmtrain.data.preference_vision.VisionPreferenceCollator` as vlmtrain.DPOTrainer's: one processor call
+over the B prompts with their images, each pair's images once (the objective's one vision pass per pair)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError
+from .pairs import ANSWERS, check_pair
+from .preference_vision import VisionPreferenceCollator
+from .processing import SkipSample, load_image, process_or_skip
+
+
+def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
+    """A raw pair as TRL's vision layout with its images loaded (SkipSample for a bad pair, an unreadable image,
+    or more than ``max_images`` images)."""
+    check_pair(sample)
+    images = sample.get("images") or ([sample["image"]] if sample.get("image") is not None else [])
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    if len(images) > max_images:
+        raise SkipSample("too_many_images", f"{len(images)} images > data.max_images={max_images}")
+    loaded = [load_image(im) for im in images]
+    if "prompt" in sample:
+        return {**{k: sample[k] for k in ("prompt", *ANSWERS)}, "images": loaded}
+    turns = sample["texts"]
+    prompt = []
+    for turn in turns[:-1]:
+        prompt += [{"role": "user", "content": turn["user"]}, {"role": "assistant", "content": turn["assistant"]}]
+    prompt.append({"role": "user", "content": turns[-1]["user"]})
+    return {"prompt": prompt, **{k: [{"role": "assistant", "content": sample[k]}] for k in ANSWERS},
+            "images": loaded}
+
+
+class HubPairCollator:
+    """Raw pairs with images -> one pair batch of VisionPreferenceCollator's layout (B chosen rows, then B rejected
+    rows; cut at ``max_length``, keep_start); a bad pair skipped and counted by reason (a prompt that fills
+    ``max_length``: ``prompt_fills_max_length``)."""
+
+    keeps_columns = True  # (it reads the raw pairs: the Trainer keeps every column)
+
+    def __init__(self, processor: Any, max_length: int | None, max_images: int) -> None:
+        self.processor, self.tokenizer, self.max_images = processor, processor.tokenizer, max_images
+        self.layout = VisionPreferenceCollator(processor, max_length)
+        self.skipped: Counter[str] = Counter()
+
+    def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        return vision_pair(sample, self.max_images)
+
+    def __call__(self, samples: list[Any]) -> dict[str, Any]:
+        skipped: Counter[str] = Counter()
+        keys: list[str] = []
+        items = [it for it in (process_or_skip(self.process, s, self.skipped, skipped, keys) for s in samples)
+                 if it is not None]
+        batch = self._laid_out(items, skipped) if items else None
+        bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys}
+        return {**batch, **bookkeeping} if batch is not None else bookkeeping
+
+    def _laid_out(self, items: list[dict[str, Any]], skipped: Counter[str]) -> dict[str, Any] | None:
+        """The batch of ``items`` less the pairs whose prompt fills ``max_length`` (no answer token left, or its
+        image tokens cut: skipped, counted as ``prompt_fills_max_length``, as TRL drops them); those are found
+        pair by pair only in a batch that has one."""
+        try:
+            batch = self.layout(items)
+            if self.layout.max_length is None or batch["completion_mask"].sum(dim=1).all():
+                return batch
+        except ConfigError:  # (a cut through a prompt's image tokens)
+            pass
+        kept = [it for it in items if self._fits(it)]
+        for _ in range(len(items) - len(kept)):
+            self.skipped["prompt_fills_max_length"] += 1
+            skipped["prompt_fills_max_length"] += 1
+        return self.layout(kept) if kept else None
+
+    def _fits(self, item: dict[str, Any]) -> bool:
+        try:
+            return bool(self.layout([item])["completion_mask"].sum(dim=1).all())
+        except ConfigError:
+            return False
+
+    def token_ids(self, item: Mapping[str, Any]) -> dict[str, list[int]]:
+        """A processed pair's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` as its batch row lays them out
+        (the prompt's image tokens expanded): what `vlmtrain data inspect --config` shows."""
+        batch = self.layout([dict(item)])
+        rows = {}
+        for r, side in enumerate(ANSWERS):
+            ids, kept, answer = (batch[k][r] for k in ("input_ids", "attention_mask", "completion_mask"))
+            rows[f"{side}_ids"] = ids[answer.bool()].tolist()
+            rows["prompt_ids"] = ids[kept.bool() & ~answer.bool()].tolist()
+        return rows

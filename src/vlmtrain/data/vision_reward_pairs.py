@@ -1,0 +1,104 @@
+"""Reward pairs with images for a Hub VLM with a ``reward`` score head (models/heads.py): each pair becomes its
+chosen and its rejected sample (:func:`pair_samples`), processed and laid out by the family's own processing
+(data/hub_processing.py, data/hub_collate.py) as a pair batch: the B chosen samples, then the B rejected ones, with
+one margin per pair as the head's label. What vlmtrain.RewardTrainer's VLM path and a YAML config's
+`train.objective: reward` read."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .processing import SkipSample
+
+HEAD = "reward"
+"""RewardTrainer's head name."""
+
+
+def _text(content: Any) -> str:
+    """A message's text: the string, or its text parts joined (image parts: the sample's images)."""
+    if isinstance(content, str):
+        return content
+    return " ".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
+
+
+def _turns(messages: list[Mapping[str, Any]]) -> list[dict[str, str]]:
+    turns: list[dict[str, str]] = []
+    for m in messages:
+        if m.get("role") == "user":
+            turns.append({"user": _text(m.get("content", ""))})
+        elif m.get("role") == "assistant" and turns and "assistant" not in turns[-1]:
+            turns[-1]["assistant"] = _text(m.get("content", ""))
+        else:
+            raise ConfigError(f"a VLM reward pair's prompt has a {m.get('role')!r} message where vlmtrain's samples "
+                              "take alternating user / assistant turns (no system turn yet).")
+    return turns
+
+
+def pair_samples(pair: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A pair as two vlmtrain samples (the chosen, then the rejected answer to the same prompt and images): TRL's
+    layout (the images go first in the first user turn) or vlmtrain's own (the_cauldron ``texts`` whose last turn
+    is the question alone: each answer becomes its assistant text)."""
+    chosen, rejected, prompt = pair.get("chosen"), pair.get("rejected"), pair.get("prompt")
+    if chosen is None or rejected is None:
+        raise ConfigError(f"a reward pair without 'chosen' or 'rejected' (it has {sorted(pair)}).")
+    if prompt is None and isinstance(pair.get("texts"), list):  # vlmtrain's own pair layout (data/pairs.py)
+        turns = pair["texts"]
+        return tuple({**{k: v for k, v in pair.items() if k in ("images", "id")},  # type: ignore[return-value]
+                      "texts": [*turns[:-1], {"user": turns[-1]["user"], "assistant": a}]} for a in (chosen, rejected))
+    if prompt is None:
+        if not isinstance(chosen, list):
+            raise ConfigError("a VLM reward pair of plain strings needs a 'prompt' column (the answer's start "
+                              "cannot be told from the prompt's).")
+        prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
+    turns = _turns(prompt) if isinstance(prompt, list) else [{"user": prompt}]
+    answers = [_text(a[-1]["content"]) if isinstance(a, list) else a for a in (chosen, rejected)]
+    images = pair.get("images") or []
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    return tuple({"images": images, "texts": [*turns[:-1], {**turns[-1], "assistant": a}]}  # type: ignore[return-value]
+                 for a in answers)
+
+
+class VisionPairCollator:
+    """Reward pairs with images as one pair batch for a Hub VLM with a ``reward`` head: the B chosen samples,
+    then the B rejected ones, as the family's collator lays samples out, no LM targets, and ``labels_reward``
+    (each pair's margin, 0 without). A pair whose chosen or rejected sample the processing skips (too long, a
+    bad image, ...) is skipped whole and counted in ``skipped``."""
+
+    keeps_columns = True  # (it reads images and texts: the Trainer keeps every column)
+
+    def __init__(self, hub_processor: Any, label_collate: Callable[[list[Any]], dict[str, Any]] | None = None
+                 ) -> None:
+        from .hub_collate import HubVLMCollator
+
+        self.processor = hub_processor
+        self.collate = HubVLMCollator(hub_processor)
+        self.label_collate = label_collate or _margins
+        self.skipped: Counter[str] = Counter()
+
+    def __call__(self, pairs: list[Mapping[str, Any]]) -> dict[str, Any]:
+        chosen, rejected, kept = [], [], []
+        for pair in pairs:
+            try:
+                c, r = (self.processor.process(s) for s in pair_samples(pair))
+            except SkipSample as err:
+                self.skipped[err.reason] += 1
+                continue
+            chosen.append(c)
+            rejected.append(r)
+            kept.append(pair)
+        if not chosen:
+            raise ConfigError(f"every reward pair of a batch was skipped ({dict(self.skipped)}): check the pairs' "
+                              "images and lengths (max_length).")
+        batch = self.collate(chosen + rejected)
+        batch.pop("labels", None)  # the reward head's loss alone: no LM targets
+        return {**batch, **self.label_collate(kept)}
+
+
+def _margins(pairs: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """RewardTrainer's head label: each pair's TRL ``margin`` (0 without)."""
+    return {f"labels_{HEAD}": torch.tensor([float(p.get("margin") or 0.0) for p in pairs], dtype=torch.float32)}
