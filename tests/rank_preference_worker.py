@@ -1,6 +1,6 @@
 """Run by tests/test_rank_preference.py, alone or under torchrun: `python rank_preference_worker.py OUT VLM_DIR
 REWARD_DIR CASE...`. Per case (tests/test_rank_preference.py's CASES): vlmtrain's DPOTrainer (a tiny Qwen3-VL,
-pairs with and without images) or RewardTrainer (a tiny Llama), trained 2 steps with AdamW; the policy's
+pairs with and without images) or RewardTrainer (a tiny Llama), trained 2 steps with AdamW (DPO: then evaluated); the policy's
 parameters gathered whole (FSDP shards included) and written by rank 0 with the logged rows to
 OUT/<case>-<world size>.pt. One process group serves every case."""
 
@@ -83,6 +83,7 @@ def run(case: str, vlm_dir: str, reward_dir: str, out: str) -> None:
             peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["qkv", "q_proj", "v_proj"])
         trainer = vlmtrain.DPOTrainer(model=model, args=vlmtrain.DPOConfig(output_dir, max_length=None, **options),
                                       train_dataset=Dataset.from_list(vision_pairs()),
+                                      eval_dataset=Dataset.from_list(vision_pairs()[:4]),
                                       processing_class=get_family("qwen3_vl").load_processor(vlm_dir),
                                       peft_config=peft_config)
         policy = trainer.policy
@@ -99,14 +100,21 @@ def run(case: str, vlm_dir: str, reward_dir: str, out: str) -> None:
                                          processing_class=_tokenizer())
         policy = model
     initial = _policy_weights(policy)
-    result = trainer.train()
-    weights = _policy_weights(policy)
     ref = getattr(trainer, "ref_model", None)  # (DPO's frozen copy; None: the adapters off)
+    gathered: list[str] = []  # the reference's parameters still gathered after a DPO forward (before backward)
+    if ref is not None:
+        trainer.model.register_forward_hook(lambda *_: gathered.extend(
+            n for n, p in ref.named_parameters() if not hasattr(p, "full_tensor")))
+    result = trainer.train()
+    evaluation = trainer.evaluate() if kind == "dpo" else {}
+    weights = _policy_weights(policy)
     reference = None if ref is None else {
-        "sharded": all(hasattr(p, "full_tensor") for p in ref.parameters()), "weights": _policy_weights(ref)}
+        "sharded": all(hasattr(p, "full_tensor") for p in ref.parameters()), "weights": _policy_weights(ref),
+        "gathered": sorted(set(gathered))}
     if trainer.rank == 0:
         torch.save({"initial": initial, "weights": weights, "global_step": result.global_step,
-                    "logs": trainer.state.log_history, "reference": reference},
+                    "logs": trainer.state.log_history, "reference": reference,
+                    "eval": evaluation},
                    os.path.join(out, f"{case}-{world}.pt"))
 
 

@@ -6,7 +6,7 @@ micro-batch with images on one rank only, and gradient accumulation in one case;
 Llama under DDP. Every case runs in one torchrun launch; the 1-process references in the test's process.
 
 Compared: the final weights of the policy (AdamW with weight decay) and the logged loss and per-pair metrics
-(TRL's names) of every step."""
+(TRL's names) of every step, and DPO's evaluation after training."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def _problem(tmp: Path, case: str, output: str) -> str | None:
     if two["reference"] is not None:
         if fsdp and not two["reference"]["sharded"]:
             return "under FSDP the reference's parameters are not sharded"
+        if fsdp and two["reference"]["gathered"]:  # (gathered for its forward alone, not through the backward)
+            return f"the reference's parameters stay gathered after the forward: {two['reference']['gathered']}"
         moved = [k for k, w in two["reference"]["weights"].items() if not torch.equal(w, two["initial"][k])]
         if moved:
             return f"the reference is not the frozen initial policy: {moved[:5]}"
@@ -63,6 +65,9 @@ def _problem(tmp: Path, case: str, output: str) -> str | None:
         for key in LOGGED[kind]:
             if key not in a or abs(a[key] - b[key]) > 1e-5 * max(1.0, abs(b[key])):
                 return f"step {step} {key}: {a.get(key)} (2 ranks) vs {b[key]} (1 process)"
+    for key in (f"eval_{k}" for k in LOGGED[kind] if kind == "dpo"):
+        if abs(two["eval"][key] - one["eval"][key]) > 1e-5 * max(1.0, abs(one["eval"][key])):
+            return f"{key}: {two['eval'][key]} (2 ranks) vs {one['eval'][key]} (1 process)"
     return None
 
 
