@@ -34,17 +34,17 @@ LOGGED = {"dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/accurac
 
 def _problem(tmp: Path, case: str, output: str) -> str | None:
     """What is wrong with a case's 2-rank run against its 1-process one (None: nothing)."""
-    two_path, one_path = tmp / f"{case}-2.pt", tmp / f"{case}-1.pt"
-    if not two_path.is_file():
+    runs = {n: tmp / f"{case}-{n}.pt" for n in (2, 1)}
+    if not runs[2].is_file():
         return f"the 2-rank run did not finish:\n{output}"
-    two, one = torch.load(two_path, weights_only=False), torch.load(one_path, weights_only=False)
-    if not two["global_step"] == one["global_step"] == 2:
-        return f"steps {two['global_step']} (2 ranks) vs {one['global_step']} (1 process)"
-    if sorted(two["weights"]) != sorted(one["weights"]):
+    two, one = (torch.load(runs[n], weights_only=False) for n in (2, 1))
+    if (two["global_step"], one["global_step"]) != (2, 2):
+        return f"steps: {two['global_step']} on 2 ranks, {one['global_step']} in 1 process"
+    if two["weights"].keys() != one["weights"].keys():
         return "not the same parameters"
-    worst = max((float((two["weights"][k] - one["weights"][k]).abs().max()), k) for k in one["weights"])
-    if worst[0] >= WEIGHT_TOLERANCE:
-        return f"weights differ from one process's: {worst}"
+    gaps = {k: float((w - one["weights"][k]).abs().max()) for k, w in two["weights"].items()}
+    if max(gaps.values()) >= WEIGHT_TOLERANCE:
+        return f"weights differ from one process's: {max(gaps.items(), key=lambda kv: kv[1])}"
     if all(torch.equal(two["weights"][k], two["initial"][k]) for k in two["weights"]):
         return "nothing trained"
     kind, _, _, fsdp, lora = CASES[case]
