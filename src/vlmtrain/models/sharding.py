@@ -4,8 +4,9 @@ built with weights (the others hold a meta-device skeleton: models/meta.py's sha
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +22,36 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     # A block nested in another block is sharded with its parent.
     nested = {id(c) for b in blocks for c in b.modules() if c is not b}
     return [b for b in blocks if id(b) not in nested]
+
+
+FROZEN_MODELS_ATTR = "frozen_models"
+"""A model holding whole frozen models beside the one it trains (DPO's reference: models/objectives/dpo.py)
+names them with a ``frozen_models()`` method; FSDP shards each as a unit of its own (parallel/fsdp.py)."""
+
+
+def frozen_models(model: nn.Module) -> list[nn.Module]:
+    """The frozen models ``model`` holds (its ``frozen_models()``; none by default). Left to the root unit, their
+    embeddings, LM head and vision stem would be gathered with the trained model's for the whole step; as units
+    of their own they are gathered only while they run."""
+    found = getattr(model, FROZEN_MODELS_ATTR, None)
+    return [m for m in found() if m is not None] if callable(found) else []
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """While active, ``model``'s own FSDP unit (a frozen model's: :func:`frozen_models`) is gathered, for what it
+    runs outside its forward (a VLM's get_image_features before it: objectives/vision_pairs.py), and sharded again
+    after. Every rank gathers it once whatever its batch holds, so the collectives match. A model that is not an
+    FSDP unit: nothing happens."""
+    unshard, reshard = getattr(model, "unshard", None), getattr(model, "reshard", None)
+    if unshard is None or reshard is None:
+        yield
+        return
+    unshard()
+    try:
+        yield
+    finally:
+        reshard()
 
 
 def meta_skeleton(model: nn.Module) -> nn.Module:

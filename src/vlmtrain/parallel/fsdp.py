@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vlmtrain.models.model_files import MODEL_FILES
-from vlmtrain.models.sharding import transformer_blocks
+from vlmtrain.models.sharding import frozen_models, transformer_blocks
 from vlmtrain.trainer import checkpoint as ckpt
 from vlmtrain.trainer.model_files import DCP_DIR, CheckpointError, has_sharded_weights
 from vlmtrain.trainer.sharding import keyed_by_name
@@ -41,13 +41,17 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard_model(model: nn.Module, bf16: bool = False) -> nn.Module:
-    """fully_shard each of the model's blocks (every transformer block: models/sharding.py), then the root, in place over the default process group."""
+    """fully_shard each of the model's blocks (every transformer block: models/sharding.py), then each frozen
+    model it holds (DPO's reference: models/sharding.py's frozen_models), then the root, in place over the
+    default process group."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
     for block in transformer_blocks(model):
         fully_shard(block, mp_policy=policy)
+    for frozen in frozen_models(model):
+        fully_shard(frozen, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ConfigError
+from ..sharding import gathered
 from .vision_pairs import with_pair_images
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -84,6 +85,10 @@ class DPOObjective(nn.Module):
             self.ref_model.eval()  # the reference stays in evaluation mode (no dropout) while the policy trains
         return self
 
+    def frozen_models(self) -> list[nn.Module]:
+        """The reference, if it is a model of its own: FSDP shards it as a unit of its own (models/sharding.py)."""
+        return [self.ref_model] if self.ref_model is not None else []
+
     def save_pretrained(self, directory: str, state_dict: dict[str, torch.Tensor] | None = None,
                         **kwargs: Any) -> None:
         """The policy's files alone (in its own layout: a transformers model, or a peft adapter); the reference
@@ -95,7 +100,8 @@ class DPOObjective(nn.Module):
     def _reference_logits(self, **inputs: Any) -> torch.Tensor:
         with torch.no_grad():
             if self.ref_model is not None:
-                return _logits(self.ref_model, inputs)
+                with gathered(self.ref_model):  # (FSDP: its own unit, gathered once on every rank)
+                    return _logits(self.ref_model, inputs)
             if not hasattr(self.policy, "disable_adapter"):  # (precomputing: the policy has not trained yet)
                 return _logits(self.policy, inputs)
             with self.policy.disable_adapter():  # (peft: the base model)
