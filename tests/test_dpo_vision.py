@@ -232,13 +232,18 @@ def test_padding_free_training_equals_padded(qwen3_vl, tmp_path):
 
 def test_padding_free_refused_for_a_family_that_cannot_pack(tiny_hub, tmp_path):
     """Gemma 3 cannot pack (its image tokens' bidirectional blocks): padding_free=True is one error naming it,
-    before the model loads (given as a path)."""
+    before the model loads (the path holds the config alone: loading its weights would fail otherwise)."""
+    import shutil
+
     from datasets import Dataset
 
     _, path, _ = tiny_hub("gemma3")
-    args = vlmtrain.DPOConfig(str(tmp_path), padding_free=True, use_cpu=True, report_to="none")
+    config_only = tmp_path / "gemma3-config"
+    config_only.mkdir()
+    shutil.copy(f"{path}/config.json", config_only / "config.json")
+    args = vlmtrain.DPOConfig(str(tmp_path / "out"), padding_free=True, use_cpu=True, report_to="none")
     with pytest.raises(vlmtrain.errors.ConfigError, match="padding_free=True: the gemma3 family cannot pack"):
-        vlmtrain.DPOTrainer(model=str(path), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))
+        vlmtrain.DPOTrainer(model=str(config_only), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))
 
 
 @requires("peft", "lora")

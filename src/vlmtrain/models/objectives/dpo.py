@@ -5,7 +5,9 @@ sequences, then the B rejected ones, with a ``completion_mask``: data/preference
 all 2B rows and the reference without gradients, sums each answer's token log-probs and returns ``loss`` (a mean
 over the pairs), ``num_items`` (the pairs: how the trainer weights micro-batches and ranks) and ``metrics`` under
 TRL's names (``rewards/chosen``, ``logps/rejected``, ...). A pair batch with images (data/preference_vision.py)
-has each pair's images encoded once, by the policy and once by the reference (vision_pairs.py)."""
+has each pair's images encoded once, by the policy and once by the reference (vision_pairs.py). A padding-free
+batch (DPOConfig's ``padding_free``: the 2B sequences packed into one row with ``sequence_index``,
+data/pair_packing.py) computes the logits only at the answer positions and sums each answer's log-probs by it."""
 
 from __future__ import annotations
 
