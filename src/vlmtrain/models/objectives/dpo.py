@@ -129,8 +129,8 @@ class DPOObjective(nn.Module):
             state_dict = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
         self.policy.save_pretrained(directory, state_dict=state_dict, **kwargs)
 
-    def reference_logps(self, input_ids: torch.Tensor, completion_mask: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None, sequence_index: torch.Tensor | None = None,
+    def reference_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        completion_mask: torch.Tensor | None = None, sequence_index: torch.Tensor | None = None,
                         **kwargs: Any) -> torch.Tensor:
         """The reference's summed answer log-probs of each row of a collated pair batch (chosen rows, then
         rejected; padded, or padding-free with ``sequence_index``), without gradients."""
@@ -144,9 +144,11 @@ class DPOObjective(nn.Module):
             with self.policy.disable_adapter():  # (peft: the base model)
                 return pair_logps(self.policy, batch)
 
-    def forward(self, input_ids: torch.Tensor, completion_mask: torch.Tensor,
-                attention_mask: torch.Tensor | None = None, sequence_index: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                completion_mask: torch.Tensor | None = None, sequence_index: torch.Tensor | None = None,
                 **kwargs: Any) -> dict[str, Any]:
+        if completion_mask is None:
+            raise ValueError("DPOObjective needs a pair batch's completion_mask (the answer tokens).")
         kwargs.pop("num_items_in_batch", None)
         kwargs.pop("loss_only", None)
         ref_chosen, ref_rejected = kwargs.pop("ref_chosen_logps", None), kwargs.pop("ref_rejected_logps", None)
@@ -160,7 +162,7 @@ class DPOObjective(nn.Module):
                                   "ref_rejected_logps (its dataset was not precomputed).")
             ref_logps = torch.cat([ref_chosen, ref_rejected]).to(logps)
         else:
-            ref_logps = self.reference_logps(input_ids, completion_mask, attention_mask, sequence_index, **kwargs)
+            ref_logps = self.reference_logps(input_ids, attention_mask, completion_mask, sequence_index, **kwargs)
         chosen_logps, rejected_logps = logps.chunk(2)
         chosen_ratio, rejected_ratio = (logps - ref_logps).chunk(2)
         lengths = torch.bincount(rows, minlength=n_rows).float()
