@@ -61,7 +61,8 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversational: bool, precompute: bool = False):
+def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversational: bool, precompute: bool = False,
+         padding_free: bool = False):
     if framework == "trl":
         import trl
 
@@ -73,11 +74,13 @@ def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversati
                         logging_steps=1, seed=7, bf16=False, gradient_checkpointing=False, report_to="none",
                         save_strategy="no", train_sampling_strategy="sequential", use_cpu=True,
                         dataloader_num_workers=0, eval_strategy="no", disable_tqdm=True,
-                        precompute_ref_log_probs=precompute)
+                        precompute_ref_log_probs=precompute, padding_free=padding_free)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = trainer_class(model=model, args=args, train_dataset=_pairs(40, 0, conversational),
                             eval_dataset=_pairs(8, 1, conversational),
                             processing_class=_tokenizer())
+    if framework == "ours" and padding_free:  # (TRL 1.16 warns and pads; ours packs each batch into one row)
+        assert trainer.data_collator([trainer.train_dataset[i] for i in range(4)])["input_ids"].shape[0] == 1
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     metrics = trainer.evaluate()
@@ -88,18 +91,21 @@ def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversati
 
 
 @requires("trl", "dev")
-@pytest.mark.parametrize("loss_type,beta,conversational,precompute",
-                         [("sigmoid", 0.1, False, False), ("ipo", 0.5, False, False), ("hinge", 0.3, False, False),
-                          ("sigmoid", 0.1, True, False), ("sigmoid", 0.1, False, True)],
-                         ids=["sigmoid", "ipo", "hinge", "sigmoid-conversational", "sigmoid-precompute_ref_log_probs"])
-def test_dpo_equals_trl(model_dir, tmp_path, loss_type, beta, conversational, precompute):
+@pytest.mark.parametrize("loss_type,beta,conversational,precompute,padding_free",
+                         [("sigmoid", 0.1, False, False, False), ("ipo", 0.5, False, False, False),
+                          ("hinge", 0.3, False, False, False), ("sigmoid", 0.1, True, False, False),
+                          ("sigmoid", 0.1, False, True, False), ("ipo", 0.5, True, True, True)],
+                         ids=["sigmoid", "ipo", "hinge", "sigmoid-conversational", "sigmoid-precompute_ref_log_probs",
+                              "ipo-conversational-precompute-padding_free"])
+def test_dpo_equals_trl(model_dir, tmp_path, loss_type, beta, conversational, precompute, padding_free):
     """Per-step loss and metrics, final weights (ours as save_model wrote them), and the evaluation's metrics
     after training (eval_ prefixed); with precompute_ref_log_probs the reference's log-probs of the train and eval
-    pairs come from one pass before training (TRL's too)."""
+    pairs come from one pass before training (TRL's too); with padding_free ours packs each batch's sequences
+    into one row (TRL 1.16 pads)."""
     trl_eval, trl_model, trl_logs = _run("trl", model_dir, tmp_path / "trl", loss_type, beta, conversational,
-                                         precompute)
+                                         precompute, padding_free)
     our_eval, our_model, our_logs = _run("ours", model_dir, tmp_path / "ours", loss_type, beta, conversational,
-                                         precompute)
+                                         precompute, padding_free)
     assert len(trl_logs) == len(our_logs) == 10
     for step, (theirs, ours) in enumerate(zip(trl_logs, our_logs), 1):
         for key in METRICS:

@@ -55,7 +55,7 @@ class TowerCounter:
         self.images += int(kwargs.get("grid_thw", args[1] if len(args) > 1 else None).shape[0])
 
 
-def _run(framework: str, path: str, processor, out, steps: int, with_eval: bool = True):
+def _run(framework: str, path: str, processor, out, steps: int, with_eval: bool = True, padding_free: bool = False):
     from datasets import Dataset
     from transformers import AutoModelForImageTextToText
 
@@ -69,7 +69,7 @@ def _run(framework: str, path: str, processor, out, steps: int, with_eval: bool 
                         max_steps=steps, learning_rate=3e-3, weight_decay=0.1, logging_steps=1, seed=7, bf16=False,
                         gradient_checkpointing=False, report_to="none", save_strategy="no",
                         train_sampling_strategy="sequential", use_cpu=True, dataloader_num_workers=0,
-                        eval_strategy="no", disable_tqdm=True)
+                        eval_strategy="no", disable_tqdm=True, padding_free=padding_free)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     initial_vision = model.model.visual.blocks[0].attn.qkv.weight.detach().clone()
     trainer = trainer_class(model=model, args=args, train_dataset=Dataset.from_list(_pairs(2 * steps, 0)),
@@ -79,7 +79,8 @@ def _run(framework: str, path: str, processor, out, steps: int, with_eval: bool 
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
     metrics = trainer.evaluate() if with_eval else None
-    return {"eval": metrics, "model": model, "logs": logs, "counters": counters, "initial_vision": initial_vision}
+    return {"eval": metrics, "model": model, "logs": logs, "counters": counters, "initial_vision": initial_vision,
+            "collator": trainer.data_collator}
 
 
 @pytest.fixture(scope="module")
@@ -146,21 +147,32 @@ def _mixed_batch_pairs() -> list[dict]:
     return [_pair(rng, 1), _pair(rng, 0), _pair(rng, 2)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision"])
-def test_one_vision_pass_logps_equal_the_plain_forward(tiny_hub, family):
+@pytest.mark.parametrize("family,padding_free",
+                         [("qwen3_vl", False), ("qwen2_5_vl", False), ("idefics3", False), ("gemma3", False),
+                          ("llava_onevision", False), ("qwen3_vl", True), ("qwen2_5_vl", True), ("idefics3", True)],
+                         ids=["qwen3_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision",
+                              "qwen3_vl-padding_free", "qwen2_5_vl-padding_free", "idefics3-padding_free"])
+def test_one_vision_pass_logps_equal_the_plain_forward(tiny_hub, family, padding_free):
     """The answers' log-probs of the 2B rows with each pair's images encoded once equal those of the plain
     forward of the same rows, each with its own copy of its images (the processor over the 2B rows), in fp32.
     Idefics3 cuts an image into crops and LLaVA-OneVision into tiles: the features are picked per image token,
-    not per image; Gemma 3's come as one [images, tokens, hidden] tensor."""
+    not per image; Gemma 3's come as one [images, tokens, hidden] tensor. With ``padding_free`` the 2B rows are
+    one packed row (each sequence its own positions, Qwen's multimodal rotary ones too, and attention kept within
+    it), logits computed only at the answer positions, and the images still encoded in one vision call."""
+    import functools
+
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.data.preference_vision import VisionPreferenceCollator, render_pair
-    from vlmtrain.models.objectives.vision_pairs import with_pair_images
+    from vlmtrain.models.objectives.dpo import pair_logps
 
-    _, path, processor = tiny_hub(family)
+    fam, path, processor = tiny_hub(family)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     pairs = _mixed_batch_pairs()
     batch = VisionPreferenceCollator(processor)(pairs)
+    rope = functools.partial(fam.rope_positions, model.config) if fam.rope_positions is not None else None
+    ours_batch = VisionPreferenceCollator(processor, padding_free=True, rope_positions=rope)(pairs) \
+        if padding_free else batch
     texts = [render_pair(p, processor) for p in pairs]
     rows = [t[0] + t[1] for t in texts] + [t[0] + t[2] for t in texts]
     plain = processor(text=rows, images=[p["images"] for p in pairs] * 2, padding=True, return_tensors="pt",
@@ -168,17 +180,25 @@ def test_one_vision_pass_logps_equal_the_plain_forward(tiny_hub, family):
     width = batch["input_ids"].shape[1]
     assert torch.equal(plain["input_ids"][:, :width], batch["input_ids"])  # (the same rows, right-padded)
     assert "pixel_values" not in batch and batch["vision_pixel_values"].shape[0] < plain["pixel_values"].shape[0]
+    if padding_free:  # (one row of the 2B sequences, no padding)
+        assert ours_batch["input_ids"].shape == (1, int(batch["attention_mask"].sum()))
+        assert "attention_mask" not in ours_batch
     weights = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3, 1.0])  # (a gradient through every row)
+    tower = getattr(model.model, "visual", None)
+    calls = []
+    if tower is not None:
+        tower.register_forward_pre_hook(lambda *_: calls.append(1))
 
-    def logps_and_grads(inputs: dict) -> tuple[torch.Tensor, dict]:
+    def logps_and_grads(compute) -> tuple[torch.Tensor, dict]:
         model.zero_grad()
-        logps = answer_logps(model(**inputs, use_cache=False).logits[:, :width], batch["input_ids"],
-                             batch["completion_mask"])
+        logps = compute()
         (logps * weights).sum().backward()
         return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    ours, our_grads = logps_and_grads(with_pair_images(model, batch))
-    theirs, their_grads = logps_and_grads(dict(plain))
+    ours, our_grads = logps_and_grads(lambda: pair_logps(model, ours_batch))
+    assert len(calls) == (1 if tower is not None else 0)  # (one vision tower call for the batch's images)
+    theirs, their_grads = logps_and_grads(lambda: answer_logps(model(**plain, use_cache=False).logits[:, :width],
+                                                               batch["input_ids"], batch["completion_mask"]))
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert ours.abs().min() > 1.0  # (every row has answer tokens)
     assert our_grads.keys() == their_grads.keys() and any(".visual" in n or "vision" in n for n in our_grads)
@@ -186,6 +206,44 @@ def test_one_vision_pass_logps_equal_the_plain_forward(tiny_hub, family):
         scale = grad.abs().max().item()
         # (1e-8: for gradients that are 0 in exact arithmetic, e.g. an attention key's bias)
         assert (our_grads[name] - grad).abs().max().item() <= 1e-5 * scale + 1e-8, name
+
+
+def test_padding_free_training_equals_padded(qwen3_vl, tmp_path):
+    """DPOConfig(padding_free=True) on a Qwen3-VL: each batch's 2B sequences packed into one row trains as the
+    padded batches do (per-step loss and metrics, final weights; AdamW with weight decay), with one vision tower
+    call per batch for the policy and one for the reference."""
+    path, processor = qwen3_vl
+    runs = {pf: _run("ours", path, processor, tmp_path / str(pf), 3, with_eval=False, padding_free=pf)
+            for pf in (False, True)}
+    padded, packed = runs[False], runs[True]
+    assert packed["collator"](_pairs(2, 0))["input_ids"].shape[0] == 1  # (the 4 sequences in one row)
+    assert len(padded["logs"]) == len(packed["logs"]) == 3
+    for step, (p, q) in enumerate(zip(padded["logs"], packed["logs"]), 1):
+        for key in METRICS:
+            assert q[key] == pytest.approx(p[key], rel=1e-5, abs=1e-6), (step, key)
+    assert padded["logs"][-1]["rewards/margins"] != pytest.approx(0.0, abs=1e-6)  # (the policy moved)
+    weights = dict(padded["model"].named_parameters())
+    for name, param in packed["model"].named_parameters():
+        torch.testing.assert_close(param, weights[name], rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
+    image_batches = sum(any(p["images"] for p in _pairs(6, 0)[i:i + 2]) for i in range(0, 6, 2))
+    for who in ("policy", "ref"):
+        assert packed["counters"][who].calls == padded["counters"][who].calls == image_batches, who
+
+
+def test_padding_free_refused_for_a_family_that_cannot_pack(tiny_hub, tmp_path):
+    """Gemma 3 cannot pack (its image tokens' bidirectional blocks): padding_free=True is one error naming it,
+    before the model loads (the path holds the config alone: loading its weights would fail otherwise)."""
+    import shutil
+
+    from datasets import Dataset
+
+    _, path, _ = tiny_hub("gemma3")
+    config_only = tmp_path / "gemma3-config"
+    config_only.mkdir()
+    shutil.copy(f"{path}/config.json", config_only / "config.json")
+    args = vlmtrain.DPOConfig(str(tmp_path / "out"), padding_free=True, use_cpu=True, report_to="none")
+    with pytest.raises(vlmtrain.errors.ConfigError, match="padding_free=True: the gemma3 family cannot pack"):
+        vlmtrain.DPOTrainer(model=str(config_only), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))
 
 
 @requires("peft", "lora")

@@ -6,6 +6,7 @@ loss with TRL's metrics, which the trainer logs as it logs any model's (``eval_`
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections import Counter
 from collections.abc import Mapping
@@ -48,7 +49,8 @@ class DPOConfig(TrainingArguments):
     """``keep_start`` keeps the first ``max_length`` tokens (a pair whose prompt alone fills them is dropped, as
     TRL drops it); ``keep_end`` the last ones."""
     padding_free: bool = False
-    """Not available (as in TRL 1.16, which warns and pads): True warns and pads."""
+    """Pack each batch's 2B sequences into one row without padding, each with its own positions and attention
+    kept within it (TRL 1.16 warns and pads instead); the log-probs equal the padded batch's."""
     pad_to_multiple_of: int | str | None = "auto"
     """``auto`` / None: no padding beyond the longest row of the batch (other values are refused)."""
     precompute_ref_log_probs: bool = False
@@ -82,10 +84,6 @@ class DPOConfig(TrainingArguments):
             raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r}: vlmtrain's DPO pads to the longest "
                               "row of each batch; set pad_to_multiple_of=None.")
         self.pad_to_multiple_of = None
-        if self.padding_free:
-            warnings.warn("padding_free=True is not available for DPO yet (nor in TRL 1.16): padding instead.",
-                          stacklevel=2)
-            self.padding_free = False
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
         super().__post_init__()
 
@@ -192,6 +190,8 @@ class DPOTrainer(PolicyTrainer):
             refuse_unindexable(train_dataset, "train_dataset")
             refuse_unindexable(eval_dataset, "eval_dataset")
         set_seed(args.seed)  # (as TRL: before a peft_config's adapter is initialized)
+        if args.padding_free:  # (before the model loads where it is a path)
+            _check_padding_free(model)
         if isinstance(model, str):
             model = _load_model(model, args.model_init_kwargs or {})
         if ref_model is model:
@@ -225,9 +225,11 @@ class DPOTrainer(PolicyTrainer):
         self._vision_pairs = vision
         if data_collator is None and vision:
             data_collator = VisionPreferenceCollator(processing_class, args.max_length,
-                                                     getattr(model.config, "image_token_id", None))
+                                                     getattr(model.config, "image_token_id", None),
+                                                     args.padding_free, _rope_positions(model))
         elif data_collator is None:
-            data_collator = PreferenceCollator(tokenizer.pad_token_id, args.max_length, args.truncation_mode)
+            data_collator = PreferenceCollator(tokenizer.pad_token_id, args.max_length, args.truncation_mode,
+                                               args.padding_free)
         super().__init__(model=objective, args=args, data_collator=data_collator,
                          train_dataset=_prepare(train_dataset, processing_class, args),
                          eval_dataset=_prepare(eval_dataset, processing_class, args, "eval"),
@@ -286,6 +288,34 @@ def _check_vision_args(args: DPOConfig) -> None:
     if args.precompute_ref_log_probs:
         raise ConfigError("precompute_ref_log_probs=True is not available for pairs with images (nor in TRL "
                           "1.16): set precompute_ref_log_probs=False (the reference then runs beside the policy).")
+
+
+def _family(model: str | nn.Module) -> Any:
+    """The Hub VLM family of a model (an object, or a path whose config is read), None for another model."""
+    from ..models.families import REGISTRY, get_family
+
+    if isinstance(model, str):
+        import transformers
+
+        model_type = getattr(transformers.AutoConfig.from_pretrained(model), "model_type", None)
+    else:
+        model_type = getattr(model.config, "model_type", None)
+    return get_family(model_type) if model_type in REGISTRY else None
+
+
+def _check_padding_free(model: str | nn.Module) -> None:
+    family = _family(model)
+    if family is not None and family.packing_unsupported:
+        raise ConfigError(f"padding_free=True: the {family.name} family cannot pack sequences: "
+                          f"{family.packing_unsupported} Set padding_free=False.")
+
+
+def _rope_positions(model: nn.Module) -> Any:
+    """One sequence -> its multimodal rotary positions, for a family that has them (Qwen-VL), else None."""
+    family = _family(model)
+    if family is None or family.rope_positions is None:
+        return None
+    return functools.partial(family.rope_positions, model.config)
 
 
 def _enable_dummy_vision(model: nn.Module | None) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .pair_packing import pack_pair_rows
 
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REF_LOGPS_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # precompute_ref_log_probs: the reference's, per pair
@@ -80,11 +81,13 @@ class PreferenceCollator:
     """A batch of tokenized pairs as one forward: ``input_ids`` / ``attention_mask`` / ``completion_mask`` with
     the B chosen rows first, then the B rejected rows (prompt + answer each, cut to ``max_length`` as
     ``truncation_mode`` says, right-padded with ``pad_token_id``); ``completion_mask`` marks the answer tokens.
-    The pairs' precomputed ``ref_chosen_logps`` / ``ref_rejected_logps``, where they have them, come along."""
+    The pairs' precomputed ``ref_chosen_logps`` / ``ref_rejected_logps``, where they have them, come along.
+    ``padding_free``: the 2B rows packed into one, each with its own positions (data/pair_packing.py)."""
 
     pad_token_id: int
     max_length: int | None = None
     truncation_mode: str = "keep_start"
+    padding_free: bool = False
 
     def __post_init__(self) -> None:
         if self.truncation_mode not in TRUNCATION_MODES:
@@ -109,4 +112,4 @@ class PreferenceCollator:
         for key in REF_LOGPS_COLUMNS:  # (precompute_ref_log_probs: the reference's, one per pair)
             if key in samples[0]:
                 batch[key] = torch.tensor([float(s[key]) for s in samples], dtype=torch.float32)
-        return batch
+        return pack_pair_rows(batch) if self.padding_free else batch

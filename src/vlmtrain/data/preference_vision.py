@@ -15,21 +15,21 @@ order, which token of the prompts' concatenated image features it shows, so that
 Per-image processor outputs the language model reads for the rows' own positions (Qwen's ``image_grid_thw``,
 for its multimodal rotary positions) come once per row image under their own name.
 
-Packing will reuse this layout unchanged: a packed row concatenates the rows of several pairs, and
-``image_token_index`` already names each placeholder token's source feature independently of how rows are
-laid out, so the packed collator only reorders rows (and their ``image_grid_thw``) and leaves the vision inputs
-as they are.
+With ``padding_free`` the 2B rows are packed into one in the same order (data/pair_packing.py): as
+``image_token_index`` names each placeholder token's source feature in row order, the vision inputs stay as
+they are, and each sequence gets its own positions (Qwen's multimodal rotary positions from ``rope_positions``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from .pair_packing import pack_pair_rows
 from .preference import is_conversational
 
 VISION_PREFIX = "vision_"
@@ -113,11 +113,14 @@ class VisionPreferenceCollator:
     given once (see the module docstring). ``max_length`` cuts rows at the end (``keep_start``, the only mode
     TRL allows with images); a cut through a prompt's image placeholder tokens is an error naming it.
     ``image_token_id``: the token the model's image features replace (its config's; default
-    :func:`image_token_id`)."""
+    :func:`image_token_id`). ``padding_free``: the rows packed into one (``rope_positions``: one sequence -> its
+    [3, n] multimodal rotary positions, for a family that has them)."""
 
     processor: Any
     max_length: int | None = None
     image_token_id: int | None = None
+    padding_free: bool = False
+    rope_positions: Callable[[dict[str, Any]], torch.Tensor] | None = None
 
     def __call__(self, samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         tokenizer = self.processor.tokenizer
@@ -149,7 +152,10 @@ class VisionPreferenceCollator:
             for k in token_keys:
                 extra = prompt_extra[k][i][:n]
                 batch[k][r, :len(extra)] = torch.tensor(extra)
-        self._index_images(batch, prompt_ids, [len(im) for im in images], prompts)
+        counts = [len(im) for im in images]
+        self._index_images(batch, prompt_ids, counts, prompts)
+        if self.padding_free:
+            return pack_pair_rows(batch, token_keys, self.rope_positions, counts * 2)
         return batch
 
     def _index_images(self, batch: dict[str, torch.Tensor], prompt_ids: list[list[int]], counts: list[int],

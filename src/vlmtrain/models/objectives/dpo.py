@@ -5,7 +5,9 @@ sequences, then the B rejected ones, with a ``completion_mask``: data/preference
 all 2B rows and the reference without gradients, sums each answer's token log-probs and returns ``loss`` (a mean
 over the pairs), ``num_items`` (the pairs: how the trainer weights micro-batches and ranks) and ``metrics`` under
 TRL's names (``rewards/chosen``, ``logps/rejected``, ...). A pair batch with images (data/preference_vision.py)
-has each pair's images encoded once, by the policy and once by the reference (vision_pairs.py)."""
+has each pair's images encoded once, by the policy and once by the reference (vision_pairs.py). A padding-free
+batch (DPOConfig's ``padding_free``: the 2B sequences packed into one row with ``sequence_index``,
+data/pair_packing.py) computes the logits only at the answer positions and sums each answer's log-probs by it."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from ..sharding import gathered
 from .vision_pairs import with_pair_images
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 def answer_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -31,17 +34,18 @@ def answer_logps(logits: torch.Tensor, input_ids: torch.Tensor, completion_mask:
     return torch.where(mask, token_logp, 0.0).sum(dim=1)
 
 
-def dpo_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, completion_mask: torch.Tensor,
+def dpo_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, answer_lengths: torch.Tensor,
                beta: float, loss_type: str) -> torch.Tensor:
     """Per-pair loss of one TRL loss type from the policy-over-reference log-ratios of each answer. IPO, as TRL,
-    averages each answer's log-ratio over its tokens before the squared loss."""
+    averages each answer's log-ratio over its tokens (``answer_lengths``: the 2B rows' answer token counts)
+    before the squared loss."""
     delta = chosen_scores - rejected_scores
     if loss_type == "sigmoid":
         return -F.logsigmoid(beta * delta)
     if loss_type == "hinge":
         return torch.relu(1 - beta * delta)
     if loss_type == "ipo":
-        chosen_len, rejected_len = completion_mask.sum(dim=1).clamp(min=1.0).chunk(2)
+        chosen_len, rejected_len = answer_lengths.clamp(min=1.0).chunk(2)
         return (chosen_scores / chosen_len - rejected_scores / rejected_len - 1 / (2 * beta)) ** 2
     raise ConfigError(f"loss_type={loss_type!r}: vlmtrain's DPO has {LOSS_TYPES}.")
 
@@ -49,6 +53,39 @@ def dpo_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, compl
 def _logits(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
     """``model``'s logits over the 2B rows; a pair batch with images encodes them once (vision_pairs.py)."""
     return model(**with_pair_images(model, inputs)).logits
+
+
+def _answer_tokens(model: nn.Module, inputs: dict[str, Any], completion_mask: torch.Tensor,
+                   sequence_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits that predict the answer tokens [K, V], those tokens [K] and their rows (0..2B-1) [K]. A
+    padding-free batch (one packed row with ``sequence_index``: data/pair_packing.py) computes logits only at
+    these positions (``logits_to_keep``); a padded batch computes all and picks them."""
+    input_ids = inputs["input_ids"]
+    if sequence_index is None:
+        mask = completion_mask[:, 1:].bool()
+        rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
+        return _logits(model, inputs)[:, :-1][mask], input_ids[:, 1:][mask], rows[mask]
+    keep = completion_mask[0, 1:].nonzero().squeeze(-1)  # (position p predicts token p + 1)
+    logits = _logits(model, {**inputs, "logits_to_keep": keep})[0]
+    return logits, input_ids[0, keep + 1], sequence_index[0, keep + 1]
+
+
+def pair_logps(model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    """The summed answer log-probs [2B] of a collated pair batch's rows (chosen, then rejected) under ``model``:
+    padded or padding-free, each pair's images encoded once."""
+    inputs = {k: v for k, v in batch.items() if k not in ("completion_mask", "sequence_index", *REF_KEYS)}
+    sequence_index = batch.get("sequence_index")
+    logits, targets, rows = _answer_tokens(model, {"use_cache": False, **inputs}, batch["completion_mask"],
+                                           sequence_index)
+    return _row_sums(_token_logps(logits, targets), rows, _n_rows(batch["input_ids"], sequence_index))
+
+
+def _row_sums(values: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    return values.new_zeros(n_rows).index_add(0, rows, values)
+
+
+def _n_rows(input_ids: torch.Tensor, sequence_index: torch.Tensor | None) -> int:
+    return input_ids.shape[0] if sequence_index is None else int(sequence_index.max()) + 1
 
 
 class DPOObjective(nn.Module):
@@ -97,64 +134,67 @@ class DPOObjective(nn.Module):
             state_dict = {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")}
         self.policy.save_pretrained(directory, state_dict=state_dict, **kwargs)
 
-    def _reference_logits(self, **inputs: Any) -> torch.Tensor:
+    def reference_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        completion_mask: torch.Tensor | None = None, sequence_index: torch.Tensor | None = None,
+                        **kwargs: Any) -> torch.Tensor:
+        """The reference's summed answer log-probs of each row of a collated pair batch (chosen rows, then
+        rejected; padded, or padding-free with ``sequence_index``), without gradients."""
+        batch = {"input_ids": input_ids, "completion_mask": completion_mask, "attention_mask": attention_mask,
+                 "sequence_index": sequence_index, **kwargs}
         with torch.no_grad():
             if self.ref_model is not None:
                 with gathered(self.ref_model):  # (FSDP: its own unit, gathered once on every rank)
-                    return _logits(self.ref_model, inputs)
+                    return pair_logps(self.ref_model, batch)
             if not hasattr(self.policy, "disable_adapter"):  # (precomputing: the policy has not trained yet)
-                return _logits(self.policy, inputs)
+                return pair_logps(self.policy, batch)
             with self.policy.disable_adapter():  # (peft: the base model)
-                return _logits(self.policy, inputs)
+                return pair_logps(self.policy, batch)
 
-    def reference_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-                        **kwargs: Any) -> torch.Tensor:
-        """The reference's summed answer log-probs of each row of a collated pair batch (chosen rows, then
-        rejected), without gradients."""
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **kwargs}
-        return answer_logps(self._reference_logits(**inputs), input_ids, completion_mask)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                completion_mask: torch.Tensor | None = None, sequence_index: torch.Tensor | None = None,
                 **kwargs: Any) -> dict[str, Any]:
+        if completion_mask is None:
+            raise ValueError("DPOObjective needs a pair batch's completion_mask (the answer tokens).")
         kwargs.pop("num_items_in_batch", None)
         kwargs.pop("loss_only", None)
         ref_chosen, ref_rejected = kwargs.pop("ref_chosen_logps", None), kwargs.pop("ref_rejected_logps", None)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **kwargs}
-        logits = _logits(self.policy, inputs)
-        logps = answer_logps(logits, input_ids, completion_mask)
+        n_rows = _n_rows(input_ids, sequence_index)
+        logits, targets, rows = _answer_tokens(self.policy, inputs, completion_mask, sequence_index)
+        logps = _row_sums(_token_logps(logits, targets), rows, n_rows)
         if self.precomputed:
             if ref_chosen is None or ref_rejected is None:
                 raise ConfigError("precompute_ref_log_probs: this batch has no ref_chosen_logps / "
                                   "ref_rejected_logps (its dataset was not precomputed).")
             ref_logps = torch.cat([ref_chosen, ref_rejected]).to(logps)
         else:
-            ref_logps = self.reference_logps(input_ids, attention_mask, completion_mask, **kwargs)
+            ref_logps = self.reference_logps(input_ids, attention_mask, completion_mask, sequence_index, **kwargs)
         chosen_logps, rejected_logps = logps.chunk(2)
         chosen_ratio, rejected_ratio = (logps - ref_logps).chunk(2)
-        loss = sum(weight * dpo_losses(chosen_ratio, rejected_ratio, completion_mask, self.beta, name).mean()
+        lengths = torch.bincount(rows, minlength=n_rows).float()
+        loss = sum(weight * dpo_losses(chosen_ratio, rejected_ratio, lengths, self.beta, name).mean()
                    for name, weight in zip(self.loss_type, self.loss_weights, strict=True))
         pairs = chosen_logps.shape[0]
         return {"loss": loss, "num_items": torch.tensor(float(pairs), device=loss.device),
-                "metrics": self._metrics(logits.detach(), input_ids, completion_mask, chosen_logps.detach(),
+                "metrics": self._metrics(logits.detach(), targets, rows < pairs, chosen_logps.detach(),
                                          rejected_logps.detach(), chosen_ratio.detach(), rejected_ratio.detach())}
 
-    def _metrics(self, logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor,
+    def _metrics(self, logits: torch.Tensor, targets: torch.Tensor, chosen: torch.Tensor,
                  chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_ratio: torch.Tensor,
                  rejected_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
-        """TRL's DPO metrics of this micro-batch: per-pair means, and per-token means over its answer tokens."""
-        mask = completion_mask[:, 1:].bool()
-        shifted = logits[:, :-1].float()
-        logp = torch.log_softmax(shifted, dim=-1)
+        """TRL's DPO metrics of this micro-batch: per-pair means, and per-token means over its answer tokens
+        (``logits`` [K, V] predict the answer tokens ``targets``; ``chosen``: which are the chosen answers')."""
+        logits = logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
-        chosen_mask, rejected_mask = mask.chunk(2)
-        mean_logits = shifted.mean(-1)
-        chosen_mean_logits, rejected_mean_logits = mean_logits.chunk(2)
-        top1 = (shifted.argmax(-1) == input_ids[:, 1:]).chunk(2)[0]
+        mean_logits = logits.mean(-1)
+        top1 = logits.argmax(-1) == targets
         chosen_rewards, rejected_rewards = self.beta * chosen_ratio, self.beta * rejected_ratio
 
         def token_mean(values: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
             return values[m].float().sum() / m.sum().clamp(min=1)
 
+        everything = torch.ones_like(chosen)
         return {
             "rewards/chosen": chosen_rewards.mean(),
             "rewards/rejected": rejected_rewards.mean(),
@@ -162,8 +202,13 @@ class DPOObjective(nn.Module):
             "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
             "logps/chosen": chosen_logps.mean(),
             "logps/rejected": rejected_logps.mean(),
-            "logits/chosen": token_mean(chosen_mean_logits, chosen_mask),
-            "logits/rejected": token_mean(rejected_mean_logits, rejected_mask),
-            "entropy": token_mean(entropy, mask),
-            "mean_token_accuracy": token_mean(top1, chosen_mask),
+            "logits/chosen": token_mean(mean_logits, chosen),
+            "logits/rejected": token_mean(mean_logits, ~chosen),
+            "entropy": token_mean(entropy, everything),
+            "mean_token_accuracy": token_mean(top1, chosen),
         }
+
+
+def _token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each answer token's log-prob under its logits ([K, V], [K] -> [K])."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
