@@ -25,6 +25,7 @@ from ..data.preference import (
 )
 from ..data.preference_vision import VisionPreferenceCollator, is_vision_pairs
 from ..errors import ConfigError
+from ..models.objectives import disable_dropout
 from ..models.objectives.dpo import LOSS_TYPES, DPOObjective
 from .arguments import TrainingArguments
 from .dpo_reference import PolicyTrainer, has_ref_logps, refuse_unindexable
@@ -158,12 +159,6 @@ class _StreamDrops:
         return reason is None
 
 
-def _disable_dropout(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-
-
 class DPOTrainer(PolicyTrainer):
     """TRL's DPOTrainer for a causal language model or a VLM with its processor (an object or a path), on
     vlmtrain's Trainer: the reference
@@ -217,9 +212,7 @@ class DPOTrainer(PolicyTrainer):
         if ref_model is None and not hasattr(model, "disable_adapter") and not args.precompute_ref_log_probs:
             ref_model = copy.deepcopy(model)  # (precomputed: the policy is the reference before it trains)
         if args.disable_dropout:
-            _disable_dropout(model)
-            if ref_model is not None:
-                _disable_dropout(ref_model)
+            disable_dropout(model, ref_model)
         objective = DPOObjective(model, ref_model, beta=args.beta, loss_type=args.loss_type,
                                  loss_weights=args.loss_weights, precomputed=args.precompute_ref_log_probs)
         self._vision_pairs = vision

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..data.reward_pairs import REWARD_COLUMNS, RewardCollator, tokenize_reward_pair
 from ..errors import ConfigError
+from ..models.objectives import disable_dropout
 from ..models.objectives.reward import RewardObjective
 from ..trainer import distributed as dist
 from .arguments import TrainingArguments
@@ -175,9 +176,7 @@ class RewardTrainer(Trainer):
             collator = RewardCollator(processing_class.pad_token_id)
             trained = RewardObjective(model, args.center_rewards_coefficient)
         if args.disable_dropout:
-            for module in model.modules():
-                if isinstance(module, nn.Dropout):
-                    module.p = 0.0
+            disable_dropout(model)
         self.reward_model = model
         self._total_train_tokens = 0
         super().__init__(model=trained, args=args, data_collator=data_collator or collator,

@@ -7,9 +7,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from torch import nn
-
 from vlmtrain.errors import ConfigError
+from vlmtrain.models.objectives import disable_dropout
 from vlmtrain.models.objectives.dpo import DPOObjective
 
 
@@ -29,10 +28,7 @@ def objective_parts(cfg: Any, kind: Any, parts: dict[str, Any]) -> dict[str, Any
     policy = parts["model"]
     reference = None if hasattr(policy, "disable_adapter") else copy.deepcopy(policy)
     if t.disable_dropout:
-        for model in (policy, reference):
-            for module in model.modules() if model is not None else ():
-                if isinstance(module, nn.Dropout):
-                    module.p = 0.0
+        disable_dropout(policy, reference)
     collator = kind.pairs(cfg, parts["tokenizer"])
     objective = DPOObjective(policy, reference, beta=t.beta, loss_type=t.loss_type, loss_weights=t.loss_weights,
                              precomputed=t.precompute_ref_log_probs)
