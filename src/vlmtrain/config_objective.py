@@ -87,6 +87,8 @@ def check_objective(cfg: Any) -> None:
     elif get_kind(cfg.model.kind).pairs is None:
         raise ConfigError(f"{objective} is not supported for model.kind={cfg.model.kind} yet (in Python: "
                           f"vlmtrain.DPOTrainer).")
+    if cfg.train.objective == "dpo":
+        _check_dpo_heads(cfg)
     if not get_source(cfg.data.source).pairs:
         raise ConfigError(f"{objective} trains on preference pairs: data.source={cfg.data.source!r} has none; use "
                           "data.source jsonl or stream (docs/data.md#preference-pairs).")
@@ -120,3 +122,14 @@ def _check_reward(cfg: Any) -> None:
     if not any(c.type == "reward" for c in parse_heads(cfg.model.heads).values()):
         raise ConfigError("train.objective=reward trains the model's reward score heads, but model.heads has none: "
                           "add one, e.g. model.heads: {reward: {type: reward}}.")
+
+
+def _check_dpo_heads(cfg: Any) -> None:
+    """Score heads train beside DPO on each pair's chosen sequence; a reward head's label is a pair's margin,
+    which DPO's own loss already uses: refused (train.objective reward trains it)."""
+    from vlmtrain.models.head_config import parse_heads
+
+    for name, c in parse_heads(cfg.model.heads).items():
+        if c.type == "reward":
+            raise ConfigError(f"model.heads.{name} is a reward head, which train.objective: dpo does not train: "
+                              "train it with train.objective: reward, or give DPO regression / classification heads.")

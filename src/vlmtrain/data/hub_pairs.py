@@ -7,7 +7,7 @@ over the B prompts with their images, each pair's images once (the objective's o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
@@ -25,31 +25,45 @@ def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
     if len(images) > max_images:
         raise SkipSample("too_many_images", f"{len(images)} images > data.max_images={max_images}")
     loaded = [load_image(im) for im in images]
+    labels = {"labels": sample["labels"]} if sample.get("labels") is not None else {}  # (score heads' labels)
     if "prompt" in sample:
-        return {**{k: sample[k] for k in ("prompt", *ANSWERS)}, "images": loaded}
+        return {**{k: sample[k] for k in ("prompt", *ANSWERS)}, "images": loaded, **labels}
     turns = sample["texts"]
     prompt = []
     for turn in turns[:-1]:
         prompt += [{"role": "user", "content": turn["user"]}, {"role": "assistant", "content": turn["assistant"]}]
     prompt.append({"role": "user", "content": turns[-1]["user"]})
     return {"prompt": prompt, **{k: [{"role": "assistant", "content": sample[k]}] for k in ANSWERS},
-            "images": loaded}
+            "images": loaded, **labels}
 
 
 class HubPairCollator:
     """Raw pairs with images -> one pair batch of VisionPreferenceCollator's layout (B chosen rows, then B rejected
     rows; cut at ``max_length``, keep_start); a bad pair skipped and counted by reason (a prompt that fills
-    ``max_length``: ``prompt_fills_max_length``)."""
+    ``max_length``: ``prompt_fills_max_length``). Score heads beside DPO: ``label_check`` (a pair's ``labels``
+    -> SkipSample for a bad one) and ``label_collate`` (the pairs' ``labels`` -> ``labels_<head>`` tensors, one
+    row per pair)."""
 
     keeps_columns = True  # (it reads the raw pairs: the Trainer keeps every column)
 
-    def __init__(self, processor: Any, max_length: int | None, max_images: int) -> None:
+    def __init__(self, processor: Any, max_length: int | None, max_images: int,
+                 label_check: Callable[[Any], None] | None = None,
+                 label_collate: Callable[[list[Any]], dict[str, Any]] | None = None) -> None:
         self.processor, self.tokenizer, self.max_images = processor, processor.tokenizer, max_images
+        self.label_check, self.label_collate = label_check, label_collate
         self.layout = VisionPreferenceCollator(processor, max_length)
         self.skipped: Counter[str] = Counter()
 
     def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        if self.label_check is not None:
+            self.label_check(sample.get("labels"))
         return vision_pair(sample, self.max_images)
+
+    def _batch(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.layout(items)
+        if self.label_collate is not None:
+            batch.update(self.label_collate([it.get("labels") for it in items]))
+        return batch
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         skipped: Counter[str] = Counter()
@@ -65,7 +79,7 @@ class HubPairCollator:
         image tokens cut: skipped, counted as ``prompt_fills_max_length``, as TRL drops them); those are found
         pair by pair only in a batch that has one."""
         try:
-            batch = self.layout(items)
+            batch = self._batch(items)
             if self.layout.max_length is None or batch["completion_mask"].sum(dim=1).all():
                 return batch
         except ConfigError:  # (a cut through a prompt's image tokens)
@@ -74,7 +88,7 @@ class HubPairCollator:
         for _ in range(len(items) - len(kept)):
             self.skipped["prompt_fills_max_length"] += 1
             skipped["prompt_fills_max_length"] += 1
-        return self.layout(kept) if kept else None
+        return self._batch(kept) if kept else None
 
     def _fits(self, item: dict[str, Any]) -> bool:
         try:

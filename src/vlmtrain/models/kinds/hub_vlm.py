@@ -258,6 +258,7 @@ def pairs(cfg: Any, processor: Any = None) -> Any:
     """The pair collator of train.objective dpo (data/hub_pairs.py): pairs with images in TRL's vision layout,
     laid out as vlmtrain.DPOTrainer lays them out; processor None: the checkpoint's, with the run's image size."""
     from vlmtrain.data.hub_pairs import HubPairCollator
+    from vlmtrain.models.head_config import parse_heads
 
     if processor is None:
         from vlmtrain.data.hub_processing import apply_image_size
@@ -266,7 +267,13 @@ def pairs(cfg: Any, processor: Any = None) -> Any:
         family = family_of(cfg.model.pretrained, key="model.pretrained")
         processor = family.load_processor(cfg.model.pretrained)
         apply_image_size(processor, family, cfg.data)
-    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images)
+    heads = parse_heads(cfg.model.heads)  # (score heads beside DPO: their labels, one per pair)
+    if not heads:
+        return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images)
+    from vlmtrain.models.heads import check_head_labels, head_label_tensors
+
+    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images,
+                           functools.partial(check_head_labels, heads), functools.partial(head_label_tensors, heads))
 
 
 def reward_pairs(cfg: Any, processor: Any) -> Any:

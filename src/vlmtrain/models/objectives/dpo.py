@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ConfigError
+from ..heads import head_loss_sum, pool_last_token
 from ..sharding import gathered
 from .vision_pairs import with_pair_images
 
@@ -50,21 +51,36 @@ def dpo_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, answe
     raise ConfigError(f"loss_type={loss_type!r}: vlmtrain's DPO has {LOSS_TYPES}.")
 
 
-def _logits(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    """``model``'s logits over the 2B rows; a pair batch with images encodes them once (vision_pairs.py)."""
-    return model(**with_pair_images(model, inputs)).logits
+def language_model(policy: nn.Module) -> nn.Module:
+    """The model whose log-probs DPO takes: the policy, or the base under its score heads (models/heads.py)."""
+    return policy.base if hasattr(policy, "head_configs") else policy
+
+
+def _logits(model: nn.Module, inputs: dict[str, Any], hidden: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """``model``'s logits over the 2B rows; a pair batch with images encodes them once (vision_pairs.py). With
+    ``hidden`` (a list), the final hidden states are appended to it (score heads read them)."""
+    inputs = with_pair_images(model, inputs)
+    if hidden is None:
+        return model(**inputs).logits
+    out = model(**inputs, output_hidden_states=True)
+    hidden.append(out.hidden_states[-1])
+    return out.logits
 
 
 def _answer_tokens(model: nn.Module, inputs: dict[str, Any], completion_mask: torch.Tensor,
-                   sequence_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   sequence_index: torch.Tensor | None, hidden: list[torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The logits that predict the answer tokens [K, V], those tokens [K] and their rows (0..2B-1) [K]. A
     padding-free batch (one packed row with ``sequence_index``: data/pair_packing.py) computes logits only at
-    these positions (``logits_to_keep``); a padded batch computes all and picks them."""
+    these positions (``logits_to_keep``); a padded batch computes all and picks them (``hidden``: see _logits)."""
     input_ids = inputs["input_ids"]
     if sequence_index is None:
         mask = completion_mask[:, 1:].bool()
         rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
-        return _logits(model, inputs)[:, :-1][mask], input_ids[:, 1:][mask], rows[mask]
+        return _logits(model, inputs, hidden)[:, :-1][mask], input_ids[:, 1:][mask], rows[mask]
+    if hidden is not None:
+        raise ConfigError("DPO with score heads takes padded pair batches (a head reads each chosen row's last "
+                          "token): turn padding_free off.")
     keep = completion_mask[0, 1:].nonzero().squeeze(-1)  # (position p predicts token p + 1)
     logits = _logits(model, {**inputs, "logits_to_keep": keep})[0]
     return logits, input_ids[0, keep + 1], sequence_index[0, keep + 1]
@@ -100,11 +116,14 @@ class DPOObjective(nn.Module):
                  loss_type: Sequence[str] = ("sigmoid",), loss_weights: Sequence[float] | None = None,
                  precomputed: bool = False) -> None:
         super().__init__()
-        if ref_model is None and not hasattr(policy, "disable_adapter") and not precomputed:
+        if ref_model is None and not hasattr(language_model(policy), "disable_adapter") and not precomputed:
             raise ConfigError("DPO needs a reference: pass ref_model, or a peft model whose adapters switched off "
                               "give the reference, or precompute its log-probs (precomputed=True).")
         self.precomputed = precomputed
         self.policy = policy
+        self.head_configs = dict(getattr(policy, "head_configs", {}))
+        if self.head_configs:  # (evaluation reports the heads' metrics, as for SFT: trainer/evaluation.py)
+            self.head_metrics = policy.head_metrics
         self.ref_model = ref_model
         if ref_model is not None:
             ref_model.requires_grad_(False)
@@ -145,10 +164,11 @@ class DPOObjective(nn.Module):
             if self.ref_model is not None:
                 with gathered(self.ref_model):  # (FSDP: its own unit, gathered once on every rank)
                     return pair_logps(self.ref_model, batch)
-            if not hasattr(self.policy, "disable_adapter"):  # (precomputing: the policy has not trained yet)
-                return pair_logps(self.policy, batch)
-            with self.policy.disable_adapter():  # (peft: the base model)
-                return pair_logps(self.policy, batch)
+            lm = language_model(self.policy)
+            if not hasattr(lm, "disable_adapter"):  # (precomputing: the policy has not trained yet)
+                return pair_logps(lm, batch)
+            with lm.disable_adapter():  # (peft: the base model)
+                return pair_logps(lm, batch)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 completion_mask: torch.Tensor | None = None, sequence_index: torch.Tensor | None = None,
@@ -158,9 +178,12 @@ class DPOObjective(nn.Module):
         kwargs.pop("num_items_in_batch", None)
         kwargs.pop("loss_only", None)
         ref_chosen, ref_rejected = kwargs.pop("ref_chosen_logps", None), kwargs.pop("ref_rejected_logps", None)
+        head_labels = {name: kwargs.pop(f"labels_{name}") for name in self.head_configs if f"labels_{name}" in kwargs}
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False, **kwargs}
         n_rows = _n_rows(input_ids, sequence_index)
-        logits, targets, rows = _answer_tokens(self.policy, inputs, completion_mask, sequence_index)
+        hidden: list[torch.Tensor] | None = [] if self.head_configs else None
+        logits, targets, rows = _answer_tokens(language_model(self.policy), inputs, completion_mask, sequence_index,
+                                               hidden)
         logps = _row_sums(_token_logps(logits, targets), rows, n_rows)
         if self.precomputed:
             if ref_chosen is None or ref_rejected is None:
@@ -175,9 +198,25 @@ class DPOObjective(nn.Module):
         loss = sum(weight * dpo_losses(chosen_ratio, rejected_ratio, lengths, self.beta, name).mean()
                    for name, weight in zip(self.loss_type, self.loss_weights, strict=True))
         pairs = chosen_logps.shape[0]
-        return {"loss": loss, "num_items": torch.tensor(float(pairs), device=loss.device),
+        heads = self._heads(hidden[0][:pairs], attention_mask[:pairs], head_labels) if hidden else {}
+        loss = loss + sum(self.head_configs[k[len("loss_"):]].weight * v for k, v in heads.items()
+                          if k.startswith("loss_"))
+        return {"loss": loss, "num_items": torch.tensor(float(pairs), device=loss.device), **heads,
                 "metrics": self._metrics(logits.detach(), targets, rows < pairs, chosen_logps.detach(),
                                          rejected_logps.detach(), chosen_ratio.detach(), rejected_ratio.detach())}
+
+    def _heads(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+               labels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The score heads on the B chosen rows' last tokens: ``logits_<name>`` [B, outputs] and, for a head with
+        labels (``labels_<name>``: one per pair, missing ones left out), ``loss_<name>`` (its mean over the pairs
+        that have one, as in SFT) and ``num_items_<name>``."""
+        out: dict[str, torch.Tensor] = {}
+        for name, logits in self.policy.heads(pool_last_token(hidden, attention_mask)).items():
+            out[f"logits_{name}"] = logits
+            if name in labels:
+                total, count = head_loss_sum(self.head_configs[name], logits, labels[name])
+                out[f"loss_{name}"], out[f"num_items_{name}"] = total / count.clamp(min=1), count.float()
+        return out
 
     def _metrics(self, logits: torch.Tensor, targets: torch.Tensor, chosen: torch.Tensor,
                  chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, chosen_ratio: torch.Tensor,

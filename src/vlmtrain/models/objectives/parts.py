@@ -9,7 +9,7 @@ from typing import Any
 
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.objectives import disable_dropout
-from vlmtrain.models.objectives.dpo import DPOObjective
+from vlmtrain.models.objectives.dpo import DPOObjective, language_model
 
 
 def objective_parts(cfg: Any, kind: Any, parts: dict[str, Any]) -> dict[str, Any]:
@@ -26,7 +26,8 @@ def objective_parts(cfg: Any, kind: Any, parts: dict[str, Any]) -> dict[str, Any
     if kind.pairs is None:  # (RunConfig refuses it first; here for configs built in Python)
         raise ConfigError(f"train.objective={t.objective} is not supported for model.kind={kind.name} yet.")
     policy = parts["model"]
-    reference = None if hasattr(policy, "disable_adapter") else copy.deepcopy(policy)
+    lm = language_model(policy)  # (with score heads: the reference is the model under them)
+    reference = None if hasattr(lm, "disable_adapter") else copy.deepcopy(lm)
     if t.disable_dropout:
         disable_dropout(policy, reference)
     collator = kind.pairs(cfg, parts["tokenizer"])
