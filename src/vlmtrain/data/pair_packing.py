@@ -20,15 +20,19 @@ import torch
 
 ROPE_KEYS = ("image_grid_thw",)
 """Per-row-image keys a sequence's multimodal rotary positions read."""
+VIDEO_ROPE_KEYS = ("video_grid_thw", "second_per_grid_ts")
+"""Per-row-video keys they read."""
 
 
 def pack_pair_rows(batch: Mapping[str, Any], token_keys: Sequence[str] = (),
                    rope_positions: Callable[[dict[str, Any]], torch.Tensor] | None = None,
-                   images_per_row: Sequence[int] | None = None) -> dict[str, Any]:
+                   images_per_row: Sequence[int] | None = None, videos_per_row: Sequence[int] | None = None
+                   ) -> dict[str, Any]:
     """The right-padded pair ``batch`` as one packed row (see the module docstring). ``token_keys``: per-token
     keys besides ``input_ids`` / ``completion_mask`` (Qwen's ``mm_token_type_ids``); ``rope_positions``: one
     sequence (``input_ids``, ``mm_token_type_ids``, its images' ``image_grid_thw``) -> its [3, n] positions;
-    ``images_per_row``: each row's image count (which of ``image_grid_thw``'s rows are its images)."""
+    ``images_per_row``: each row's image count (which of ``image_grid_thw``'s rows are its images);
+    ``videos_per_row`` likewise for its videos (``video_grid_thw``, ``second_per_grid_ts``)."""
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     per_token = ("input_ids", "completion_mask", *token_keys)
     out = {k: v for k, v in batch.items() if k not in (*per_token, "attention_mask")}
@@ -42,14 +46,16 @@ def pack_pair_rows(batch: Mapping[str, Any], token_keys: Sequence[str] = (),
         out["position_ids"] = text
         return out
     image_starts = torch.tensor([0, *(images_per_row or [0] * len(lengths))]).cumsum(0).tolist()
+    video_starts = torch.tensor([0, *(videos_per_row or [0] * len(lengths))]).cumsum(0).tolist()
     rope = []
     for r, n in enumerate(lengths):
         ids = batch["input_ids"][r, :n]
         item = {"input_ids": ids, "mm_token_type_ids": (batch["mm_token_type_ids"][r, :n]
                                                         if "mm_token_type_ids" in batch else torch.zeros_like(ids))}
-        for key in ROPE_KEYS:
-            if key in batch and image_starts[r + 1] > image_starts[r]:
-                item[key] = batch[key][image_starts[r]:image_starts[r + 1]]
+        for keys, starts in ((ROPE_KEYS, image_starts), (VIDEO_ROPE_KEYS, video_starts)):
+            for key in keys:
+                if key in batch and starts[r + 1] > starts[r]:
+                    item[key] = batch[key][starts[r]:starts[r + 1]]
         rope.append(torch.as_tensor(rope_positions(item)).reshape(3, n))
     out["position_ids"] = torch.cat([text, torch.cat(rope, dim=1)])[:, None]
     return out

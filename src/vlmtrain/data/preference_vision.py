@@ -29,8 +29,10 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .hub_messages import sample_videos
 from .pair_packing import pack_pair_rows
 from .preference import is_conversational
+from .video import VideoClip, load_planned
 
 VISION_PREFIX = "vision_"
 """The B prompts' pixel inputs (each image once) are batch keys ``vision_<processor key>``."""
@@ -38,11 +40,18 @@ ROW_IMAGE_KEYS = ("image_grid_thw",)
 """Per-image processor outputs the language model reads for each row's images besides their features."""
 ROW_TOKEN_KEYS = ("mm_token_type_ids", "token_type_ids")
 """Per-token processor outputs of a prompt that extend over the rows (0 on answer tokens)."""
+VIDEO_PREFIX = "videos_"
+"""The B prompts' video inputs (each video once) are batch keys ``videos_<processor key>`` (what
+``get_video_features`` takes: :data:`VIDEO_ENCODER_KEYS`)."""
+VIDEO_ENCODER_KEYS = ("pixel_values_videos", "video_grid_thw")
+ROW_VIDEO_KEYS = ("video_grid_thw", "second_per_grid_ts")
+"""Per-video processor outputs the language model reads for each row's videos (Qwen's rotary positions)."""
 
 
 def is_vision_pairs(sample: Mapping[str, Any]) -> bool:
-    """Whether a pair carries images (an ``images`` or ``image`` column), as TRL decides a dataset is visual."""
-    return "images" in sample or "image" in sample
+    """Whether a pair carries images (an ``images`` or ``image`` column, as TRL decides a dataset is visual) or
+    videos (``videos`` or ``video``: vlmtrain's layout, as SFT samples hold them)."""
+    return any(k in sample for k in ("images", "image", "videos", "video"))
 
 
 def _images_of(sample: Mapping[str, Any]) -> list[Any]:
@@ -55,14 +64,17 @@ def _parts(content: Any) -> list[dict[str, Any]]:
     return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
 
 
-def _with_image_parts(messages: Sequence[Mapping[str, Any]], n_images: int) -> list[dict[str, Any]]:
+def _with_image_parts(messages: Sequence[Mapping[str, Any]], n_images: int, n_videos: int = 0
+                      ) -> list[dict[str, Any]]:
     """Messages with list content; where no message has an image part, ``n_images`` image parts go first in the
-    first user turn (TRL's convention for string content)."""
+    first user turn (TRL's convention for string content); so do ``n_videos`` video parts, before the images
+    (as SFT places them)."""
     out = [{**m, "content": _parts(m.get("content") or "")} for m in messages]
-    has_parts = any(p.get("type") == "image" for m in out for p in m["content"])
-    if n_images and not has_parts:
+    missing = [{"type": kind} for kind, n in (("video", n_videos), ("image", n_images))
+               if not any(p.get("type") == kind for m in out for p in m["content"]) for _ in range(n)]
+    if missing:
         first_user = next(i for i, m in enumerate(out) if m["role"] == "user")
-        out[first_user]["content"] = [{"type": "image"}] * n_images + out[first_user]["content"]
+        out[first_user]["content"] = missing + out[first_user]["content"]
     return out
 
 
@@ -85,7 +97,7 @@ def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, st
                               "'prompt', 'chosen' and 'rejected'.")
     if not is_conversational(sample):
         return sample["prompt"], sample["chosen"], sample["rejected"]
-    prompt = _with_image_parts(sample["prompt"], len(_images_of(sample)))
+    prompt = _with_image_parts(sample["prompt"], len(_images_of(sample)), len(sample_videos(sample)))
     chosen, rejected = _with_image_parts(sample["chosen"], 0), _with_image_parts(sample["rejected"], 0)
     ends_with_answer = prompt[-1]["role"] == "assistant"
     prompt_text = processor.apply_chat_template(prompt, tokenize=False, add_generation_prompt=not ends_with_answer,
@@ -94,6 +106,16 @@ def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, st
     with_rejected = processor.apply_chat_template(prompt + rejected, tokenize=False)
     prompt_text = _common_prefix(_common_prefix(prompt_text, with_chosen), with_rejected)
     return prompt_text, with_chosen[len(prompt_text):], with_rejected[len(prompt_text):]
+
+
+def video_token_id(processor: Any) -> int:
+    """The id of the token a video's features replace (the tokenizer's, else the processor's)."""
+    token_id = getattr(processor.tokenizer, "video_token_id", None)
+    if token_id is None:
+        token_id = getattr(processor, "video_token_id", None)
+    if token_id is None:
+        token_id = processor.tokenizer.convert_tokens_to_ids(processor.video_token)
+    return int(token_id)
 
 
 def image_token_id(processor: Any) -> int:
@@ -114,20 +136,30 @@ class VisionPreferenceCollator:
     TRL allows with images); a cut through a prompt's image placeholder tokens is an error naming it.
     ``image_token_id``: the token the model's image features replace (its config's; default
     :func:`image_token_id`). ``padding_free``: the rows packed into one (``rope_positions``: one sequence -> its
-    [3, n] multimodal rotary positions, for a family that has them)."""
+    [3, n] multimodal rotary positions, for a family that has them). ``video``: the family's video support
+    (``Family.video(processor, settings)``) for pairs with ``videos`` (each a file, frames, or a decoded
+    :class:`~vlmtrain.data.video.VideoClip`): each pair's videos decoded and given once, as its images are
+    (``video_token_index``, ``videos_*``)."""
 
     processor: Any
     max_length: int | None = None
     image_token_id: int | None = None
     padding_free: bool = False
     rope_positions: Callable[[dict[str, Any]], torch.Tensor] | None = None
+    video: Any = None
 
     def __call__(self, samples: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         tokenizer = self.processor.tokenizer
         texts = [render_pair(s, self.processor) for s in samples]
         images = [_images_of(s) for s in samples]
-        prompts = self.processor(text=[t[0] for t in texts], images=images if any(images) else None,
-                                 padding=True, return_tensors="pt", add_special_tokens=False)
+        clips = [self._clips(s) for s in samples]
+        processor, videos = self.processor, {}
+        if any(clips):  # (the family's video processor, each clip resized as its plan says; metadata: timestamps)
+            flat = [c for pair in clips for c in pair]
+            processor = self.video.attach(self.processor, [c.size for c in flat])
+            videos = {"videos": [c.frames for c in flat], "video_metadata": [c.metadata() for c in flat]}
+        prompts = processor(text=[t[0] for t in texts], images=images if any(images) else None,
+                            padding=True, return_tensors="pt", add_special_tokens=False, **videos)
         answers = {side: tokenizer([t[i] for t in texts], add_special_tokens=False)["input_ids"]
                    for i, side in ((1, "chosen"), (2, "rejected"))}
         keep = prompts["attention_mask"].bool()
@@ -152,19 +184,54 @@ class VisionPreferenceCollator:
             for k in token_keys:
                 extra = prompt_extra[k][i][:n]
                 batch[k][r, :len(extra)] = torch.tensor(extra)
-        counts = [len(im) for im in images]
-        self._index_images(batch, prompt_ids, counts, prompts)
+        counts, video_counts = [len(im) for im in images], [len(c) for c in clips]
+        self._index_images(batch, prompt_ids, counts, prompts, video_counts)
         if self.padding_free:
-            return pack_pair_rows(batch, token_keys, self.rope_positions, counts * 2)
+            return pack_pair_rows(batch, token_keys, self.rope_positions, counts * 2, video_counts * 2)
         return batch
 
+    def _clips(self, sample: Mapping[str, Any]) -> list[VideoClip]:
+        """A pair's videos decoded to the frames the family's plan keeps (a VideoClip as it is)."""
+        specs = sample_videos(sample)
+        if specs and self.video is None:
+            raise ConfigError("a pair with videos, but no video support was given (the collator's video): pairs "
+                              "with videos train on a Hub VLM family that takes video (Qwen3-VL, Qwen2.5-VL).")
+        clips = []
+        for spec in specs:
+            if not isinstance(spec, VideoClip):
+                spec, plan = load_planned(spec, self.video.settings, self.video.plan)
+                spec.size = (plan.height, plan.width)
+            clips.append(spec)
+        return clips
+
     def _index_images(self, batch: dict[str, torch.Tensor], prompt_ids: list[list[int]], counts: list[int],
-                      prompts: Mapping[str, Any]) -> None:
+                      prompts: Mapping[str, Any], video_counts: Sequence[int] = ()) -> None:
         """``image_token_index`` (each row placeholder token -> its prompt's feature token), the prompts' pixel
-        inputs once under ``vision_*``, and the per-image keys the rows read (repeated per row image)."""
-        if not any(counts):
+        inputs once under ``vision_*``, and the per-image keys the rows read (repeated per row image); the same
+        for videos (``video_token_index``, ``videos_*``, the per-video keys)."""
+        if not any(counts) and not any(video_counts):
             return
-        image_id = self.image_token_id if self.image_token_id is not None else image_token_id(self.processor)
+        if any(counts):
+            image_id = self.image_token_id if self.image_token_id is not None else image_token_id(self.processor)
+            batch["image_token_index"] = self._token_index(batch, prompt_ids, image_id)
+        if any(video_counts):
+            batch["video_token_index"] = self._token_index(batch, prompt_ids, video_token_id(self.processor))
+        for key, value in prompts.items():
+            if key in ("input_ids", "attention_mask", *ROW_TOKEN_KEYS):
+                continue
+            if key in VIDEO_ENCODER_KEYS:
+                batch[VIDEO_PREFIX + key] = value
+            elif key not in ROW_VIDEO_KEYS:
+                batch[VISION_PREFIX + key] = value
+            if key in ROW_IMAGE_KEYS:
+                batch[key] = value[_row_items(counts)]
+            elif key in ROW_VIDEO_KEYS:
+                batch[key] = value[_row_items(video_counts)]
+
+    def _token_index(self, batch: dict[str, torch.Tensor], prompt_ids: list[list[int]], image_id: int
+                     ) -> torch.Tensor:
+        """Each of the 2B rows' ``image_id`` placeholder tokens -> its prompt's feature token (among the B
+        prompts' features in order); an error where ``max_length`` cut through them."""
         per_prompt = [sum(t == image_id for t in ids) for ids in prompt_ids]
         starts = torch.tensor([0, *per_prompt]).cumsum(0).tolist()
         b = len(prompt_ids)
@@ -177,12 +244,11 @@ class VisionPreferenceCollator:
                                   f"({per_prompt[i]} image tokens, {shown} kept): raise max_length (or set it to "
                                   "None), or give that pair smaller or fewer images.")
             token_index += range(starts[i], starts[i] + per_prompt[i])
-        batch["image_token_index"] = torch.tensor(token_index, dtype=torch.long)
-        image_starts = torch.tensor([0, *counts]).cumsum(0).tolist()
-        image_index = [k for r in range(2 * b) for k in range(image_starts[r % b], image_starts[r % b + 1])]
-        for key, value in prompts.items():
-            if key in ("input_ids", "attention_mask", *ROW_TOKEN_KEYS):
-                continue
-            batch[VISION_PREFIX + key] = value
-            if key in ROW_IMAGE_KEYS:
-                batch[key] = value[torch.tensor(image_index, dtype=torch.long)]
+        return torch.tensor(token_index, dtype=torch.long)
+
+
+def _row_items(counts: Sequence[int]) -> torch.Tensor:
+    """The index of each of the 2B rows' items (images or videos; row r shows pair r % B's) among the B pairs'."""
+    b = len(counts)
+    starts = torch.tensor([0, *counts]).cumsum(0).tolist()
+    return torch.tensor([k for r in range(2 * b) for k in range(starts[r % b], starts[r % b + 1])], dtype=torch.long)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...data.preference_vision import VISION_PREFIX
+from ...data.preference_vision import VIDEO_PREFIX, VISION_PREFIX
 
 
 def _flat(features: Any) -> torch.Tensor:
@@ -43,18 +43,27 @@ def _pick(features: Any, index: torch.Tensor) -> Any:
     return picked.reshape((1,) * (features.dim() - 2) + tuple(picked.shape))
 
 
+def _encoded(features: Any, index: torch.Tensor) -> Any:
+    """``features`` (an encoder's output) with the rows' feature tokens picked by ``index``."""
+    features.pooler_output = _pick(features.pooler_output, index)
+    if getattr(features, "deepstack_features", None) is not None:  # (Qwen3-VL: per layer, per image)
+        features.deepstack_features = [_pick(layer, index) for layer in features.deepstack_features]
+    return features
+
+
 def with_pair_images(model: nn.Module, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """``inputs`` for ``model``'s forward over the 2B rows: the ``vision_*`` pixel inputs encoded once by
-    ``model.get_image_features`` and given per row as ``mm_encoder_outputs``; a batch without images as it is
-    (minus the bookkeeping keys)."""
-    out = {k: v for k, v in inputs.items() if not k.startswith(VISION_PREFIX) and k != "image_token_index"}
-    encoder = {k[len(VISION_PREFIX):]: v for k, v in inputs.items() if k.startswith(VISION_PREFIX)}
-    if not encoder:
-        return out
-    index = inputs["image_token_index"]
-    encoded = model.get_image_features(**encoder, return_dict=True)
-    encoded.pooler_output = _pick(encoded.pooler_output, index)
-    if getattr(encoded, "deepstack_features", None) is not None:  # (Qwen3-VL: per layer, per image)
-        encoded.deepstack_features = [_pick(layer, index) for layer in encoded.deepstack_features]
-    out["mm_encoder_outputs"] = {"image": encoded}
+    ``model.get_image_features`` (the ``videos_*`` ones by ``model.get_video_features``) and given per row as
+    ``mm_encoder_outputs``; a batch without images or videos as it is (minus the bookkeeping keys)."""
+    out = {k: v for k, v in inputs.items() if not k.startswith((VISION_PREFIX, VIDEO_PREFIX))
+           and k not in ("image_token_index", "video_token_index")}
+    encoded = {}
+    for kind, prefix, encode in (("image", VISION_PREFIX, "get_image_features"),
+                                 ("video", VIDEO_PREFIX, "get_video_features")):
+        encoder = {k[len(prefix):]: v for k, v in inputs.items() if k.startswith(prefix)}
+        if encoder:
+            features = getattr(model, encode)(**encoder, return_dict=True)
+            encoded[kind] = _encoded(features, inputs[f"{kind}_token_index"])
+    if encoded:
+        out["mm_encoder_outputs"] = encoded
     return out

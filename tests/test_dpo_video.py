@@ -1,0 +1,95 @@
+"""Preference pairs whose prompt carries a video (vlmtrain's own layout: a ``videos`` entry, as SFT samples hold
+them) in vlmtrain.DPOTrainer and `train.objective: dpo`: each pair's videos decoded and encoded once (one vision
+tower call for the batch's videos, one for its images), and the answers' log-probs and every gradient equal the
+plain forward of the 2B rows with the videos repeated per row (fp32), padded and padding-free."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from tests.test_dpo_vision import _pair
+from tests.test_hub_video import frames
+from vlmtrain.data.video import VideoSettings, load_planned
+from vlmtrain.models.objectives.dpo import answer_logps
+
+SETTINGS = VideoSettings(min_pixels=1024, max_tokens=300)
+"""Clips kept at their own small frames (32 x 32), as tests/test_hub_video.py keeps them."""
+
+
+def _video_pairs(video, seed: int = 5) -> list[dict]:
+    """A batch mixing a pair with a video (4 frames), a text-only pair, a pair with an image, and one with a
+    video (6 frames) and an image; the videos decoded as the family's plan keeps them."""
+    rng = random.Random(seed)
+
+    def clip(s: int, count: int):
+        decoded, plan = load_planned(frames(s, count), SETTINGS, video.plan)
+        decoded.size = (plan.height, plan.width)
+        return decoded
+
+    return [{**_pair(rng, 0), "videos": [clip(0, 4)]}, _pair(rng, 0), _pair(rng, 1),
+            {**_pair(rng, 1), "videos": [clip(1, 6)]}]
+
+
+class GridCounter:
+    """The vision tower's calls and the images / videos they encode (the rows of ``grid_thw``)."""
+
+    def __init__(self, tower: torch.nn.Module) -> None:
+        self.calls, self.grids = 0, 0
+        tower.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs) -> None:
+        self.calls += 1
+        self.grids += int(kwargs.get("grid_thw", args[1] if len(args) > 1 else None)[:, 0].sum())
+
+
+@pytest.mark.parametrize("family,padding_free", [("qwen3_vl", False), ("qwen2_5_vl", False), ("qwen3_vl", True)],
+                         ids=["qwen3_vl", "qwen2_5_vl", "qwen3_vl-padding_free"])
+def test_one_video_pass_logps_and_gradients_equal_the_plain_forward(tiny_hub, family, padding_free, one_thread):
+    from transformers import AutoModelForImageTextToText
+
+    from vlmtrain.data.preference_vision import VisionPreferenceCollator, render_pair
+    from vlmtrain.models.objectives.dpo import pair_logps
+
+    fam, path, processor = tiny_hub(family)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    video = fam.video(processor, SETTINGS)
+    pairs = _video_pairs(video)
+    rope = functools.partial(fam.rope_positions, model.config)
+    batch = VisionPreferenceCollator(processor, video=video)(pairs)
+    ours_batch = VisionPreferenceCollator(processor, padding_free=True, rope_positions=rope, video=video)(pairs) \
+        if padding_free else batch
+    texts = [render_pair(p, processor) for p in pairs]
+    rows = [t[0] + t[1] for t in texts] + [t[0] + t[2] for t in texts]
+    clips = [c for p in pairs for c in p.get("videos", [])] * 2  # (each row its own copy of its prompt's videos)
+    plain = video.attach(processor, [c.size for c in clips])(
+        text=rows, images=[p["images"] for p in pairs] * 2, videos=[c.frames for c in clips],
+        video_metadata=[c.metadata() for c in clips], padding=True, return_tensors="pt", add_special_tokens=False)
+    width = batch["input_ids"].shape[1]
+    assert torch.equal(plain["input_ids"][:, :width], batch["input_ids"])  # (the same rows, right-padded)
+    assert batch["videos_pixel_values_videos"].shape[0] * 2 == plain["pixel_values_videos"].shape[0]
+    assert torch.equal(batch["video_grid_thw"], plain["video_grid_thw"])  # (each row's own, for its positions)
+    counter = GridCounter(model.model.visual)
+    weights = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3, 1.0, 0.7, -2.0])  # (a gradient through every row)
+
+    def logps_and_grads(compute) -> tuple[torch.Tensor, dict]:
+        model.zero_grad()
+        logps = compute()
+        (logps * weights).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ours, our_grads = logps_and_grads(lambda: pair_logps(model, ours_batch))
+    ours_encoded = counter.calls, counter.grids
+    counter.calls = counter.grids = 0
+    theirs, their_grads = logps_and_grads(lambda: answer_logps(model(**plain, use_cache=False).logits[:, :width],
+                                                               batch["input_ids"], batch["completion_mask"]))
+    assert ours_encoded == (2, counter.grids // 2)  # (one call for the videos, one for the images: each once)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert ours.abs().min() > 1.0  # (every row has answer tokens)
+    assert our_grads.keys() == their_grads.keys() and any(".visual" in n for n in our_grads)
+    for name, grad in their_grads.items():  # (the chosen and rejected rows' gradients meet in one encoding)
+        scale = grad.abs().max().item()
+        assert (our_grads[name] - grad).abs().max().item() <= 1e-5 * scale + 1e-8, name
