@@ -219,7 +219,8 @@ class DPOTrainer(PolicyTrainer):
         if data_collator is None and vision:
             data_collator = VisionPreferenceCollator(processing_class, args.max_length,
                                                      getattr(model.config, "image_token_id", None),
-                                                     args.padding_free, _rope_positions(model))
+                                                     args.padding_free, _rope_positions(model),
+                                                     _video_support(model, processing_class, args))
         elif data_collator is None:
             data_collator = PreferenceCollator(tokenizer.pad_token_id, args.max_length, args.truncation_mode,
                                                args.padding_free)
@@ -246,8 +247,8 @@ class DPOTrainer(PolicyTrainer):
             self._signature_columns = list(VISION_COLUMNS) if self._vision_pairs else [*PAIR_COLUMNS, *REF_LOGPS_COLUMNS]
 
 
-VISION_COLUMNS = ("prompt", "chosen", "rejected", "image", "images")
-"""The columns a pair with images is read from (its collator processes them per batch)."""
+VISION_COLUMNS = ("prompt", "chosen", "rejected", "image", "images", "video", "videos")
+"""The columns a pair with images or videos is read from (its collator processes them per batch)."""
 
 
 def _load_model(path: str, init_kwargs: dict[str, Any]) -> nn.Module:
@@ -309,6 +310,16 @@ def _rope_positions(model: nn.Module) -> Any:
     if family is None or family.rope_positions is None:
         return None
     return functools.partial(family.rope_positions, model.config)
+
+
+def _video_support(model: nn.Module, processor: Any, args: DPOConfig) -> Any:
+    """A Hub VLM family's video support for pairs with videos (their clips' tokens within ``max_length``), None
+    for a family without it (a pair with videos is then an error naming it)."""
+    from ..data.video import VideoSettings
+
+    family = _family(model)
+    hook = getattr(family, "video", None)
+    return None if hook is None else hook(processor, VideoSettings(max_tokens=args.max_length))
 
 
 def _enable_dummy_vision(model: nn.Module | None) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
+from .hub_messages import sample_videos
 from .pairs import ANSWERS, check_pair
 from .preference_vision import VisionPreferenceCollator
 from .processing import SkipSample, load_image, process_or_skip
@@ -18,23 +19,26 @@ from .processing import SkipSample, load_image, process_or_skip
 
 def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
     """A raw pair as TRL's vision layout with its images loaded (SkipSample for a bad pair, an unreadable image,
-    or more than ``max_images`` images)."""
+    or more than ``max_images`` images); its ``videos`` kept as they are."""
     check_pair(sample)
     images = sample.get("images") or ([sample["image"]] if sample.get("image") is not None else [])
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     if len(images) > max_images:
         raise SkipSample("too_many_images", f"{len(images)} images > data.max_images={max_images}")
     loaded = [load_image(im) for im in images]
-    labels = {"labels": sample["labels"]} if sample.get("labels") is not None else {}  # (score heads' labels)
+    extra = {"labels": sample["labels"]} if sample.get("labels") is not None else {}  # (score heads' labels)
+    videos = sample_videos(sample)
+    if videos:
+        extra["videos"] = videos
     if "prompt" in sample:
-        return {**{k: sample[k] for k in ("prompt", *ANSWERS)}, "images": loaded, **labels}
+        return {**{k: sample[k] for k in ("prompt", *ANSWERS)}, "images": loaded, **extra}
     turns = sample["texts"]
     prompt = []
     for turn in turns[:-1]:
         prompt += [{"role": "user", "content": turn["user"]}, {"role": "assistant", "content": turn["assistant"]}]
     prompt.append({"role": "user", "content": turns[-1]["user"]})
     return {"prompt": prompt, **{k: [{"role": "assistant", "content": sample[k]}] for k in ANSWERS},
-            "images": loaded, **labels}
+            "images": loaded, **extra}
 
 
 class HubPairCollator:
@@ -42,22 +46,28 @@ class HubPairCollator:
     rows; cut at ``max_length``, keep_start); a bad pair skipped and counted by reason (a prompt that fills
     ``max_length``: ``prompt_fills_max_length``). Score heads beside DPO: ``label_check`` (a pair's ``labels``
     -> SkipSample for a bad one) and ``label_collate`` (the pairs' ``labels`` -> ``labels_<head>`` tensors, one
-    row per pair)."""
+    row per pair). ``video``: the family's video support (a pair's videos decoded once, when it is processed; a
+    pair with videos is skipped as ``video_unsupported`` without it)."""
 
     keeps_columns = True  # (it reads the raw pairs: the Trainer keeps every column)
 
     def __init__(self, processor: Any, max_length: int | None, max_images: int,
                  label_check: Callable[[Any], None] | None = None,
-                 label_collate: Callable[[list[Any]], dict[str, Any]] | None = None) -> None:
+                 label_collate: Callable[[list[Any]], dict[str, Any]] | None = None, video: Any = None) -> None:
         self.processor, self.tokenizer, self.max_images = processor, processor.tokenizer, max_images
         self.label_check, self.label_collate = label_check, label_collate
-        self.layout = VisionPreferenceCollator(processor, max_length)
+        self.layout = VisionPreferenceCollator(processor, max_length, video=video)
         self.skipped: Counter[str] = Counter()
 
     def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
         if self.label_check is not None:
             self.label_check(sample.get("labels"))
-        return vision_pair(sample, self.max_images)
+        pair = vision_pair(sample, self.max_images)
+        if "videos" in pair and self.layout.video is None:
+            raise SkipSample("video_unsupported", "a pair with videos, for a family without video support")
+        if "videos" in pair:
+            pair["videos"] = self.layout.clips(pair)  # (decoded here: a bad clip is this pair's skip)
+        return pair
 
     def _batch(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.layout(items)

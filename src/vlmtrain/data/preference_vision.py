@@ -152,7 +152,7 @@ class VisionPreferenceCollator:
         tokenizer = self.processor.tokenizer
         texts = [render_pair(s, self.processor) for s in samples]
         images = [_images_of(s) for s in samples]
-        clips = [self._clips(s) for s in samples]
+        clips = [self.clips(s) for s in samples]
         processor, videos = self.processor, {}
         if any(clips):  # (the family's video processor, each clip resized as its plan says; metadata: timestamps)
             flat = [c for pair in clips for c in pair]
@@ -190,7 +190,7 @@ class VisionPreferenceCollator:
             return pack_pair_rows(batch, token_keys, self.rope_positions, counts * 2, video_counts * 2)
         return batch
 
-    def _clips(self, sample: Mapping[str, Any]) -> list[VideoClip]:
+    def clips(self, sample: Mapping[str, Any]) -> list[VideoClip]:
         """A pair's videos decoded to the frames the family's plan keeps (a VideoClip as it is)."""
         specs = sample_videos(sample)
         if specs and self.video is None:

@@ -258,22 +258,22 @@ def pairs(cfg: Any, processor: Any = None) -> Any:
     """The pair collator of train.objective dpo (data/hub_pairs.py): pairs with images in TRL's vision layout,
     laid out as vlmtrain.DPOTrainer lays them out; processor None: the checkpoint's, with the run's image size."""
     from vlmtrain.data.hub_pairs import HubPairCollator
+    from vlmtrain.data.video import VideoSettings
+    from vlmtrain.models.families import family_of
     from vlmtrain.models.head_config import parse_heads
-
-    if processor is None:
-        from vlmtrain.data.hub_processing import apply_image_size
-        from vlmtrain.models.families import family_of
-
-        family = family_of(cfg.model.pretrained, key="model.pretrained")
-        processor = family.load_processor(cfg.model.pretrained)
-        apply_image_size(processor, family, cfg.data)
-    heads = parse_heads(cfg.model.heads)  # (score heads beside DPO: their labels, one per pair)
-    if not heads:
-        return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images)
     from vlmtrain.models.heads import check_head_labels, head_label_tensors
 
-    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images,
-                           functools.partial(check_head_labels, heads), functools.partial(head_label_tensors, heads))
+    family = family_of(cfg.model.pretrained, key="model.pretrained")
+    if processor is None:
+        from vlmtrain.data.hub_processing import apply_image_size
+
+        processor = family.load_processor(cfg.model.pretrained)
+        apply_image_size(processor, family, cfg.data)
+    video = None if family.video is None else family.video(processor, VideoSettings.from_data(cfg.data))
+    heads = parse_heads(cfg.model.heads)  # (score heads beside DPO: their labels, one per pair)
+    labels = (functools.partial(check_head_labels, heads), functools.partial(head_label_tensors, heads)) if heads \
+        else (None, None)
+    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images, *labels, video=video)
 
 
 def reward_pairs(cfg: Any, processor: Any) -> Any:
