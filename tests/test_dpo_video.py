@@ -176,3 +176,26 @@ def test_yaml_dpo_on_video_pairs(tiny_hub, tmp_path, one_thread):
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in lines if "loss" in r]
     assert len(losses) == 2 and losses[0] == pytest.approx(0.6931472, rel=1e-5)
+
+
+def test_reward_trainer_takes_video_pairs(tiny_hub, tmp_path, one_thread):
+    """vlmtrain.RewardTrainer on a Qwen3-VL: a pair's videos go with each of its chosen and rejected samples
+    (processed as SFT processes a sample with a video), and the reward head trains on them."""
+    from transformers import AutoModelForImageTextToText
+
+    import vlmtrain
+
+    _, path, processor = tiny_hub("qwen3_vl")
+    pairs = [{"prompt": [{"role": "user", "content": f"what moves in clip {s}?"}],
+              "chosen": [{"role": "assistant", "content": "the red square"}],
+              "rejected": [{"role": "assistant", "content": "a blue circle"}], "videos": [frames(s, 4)]}
+             for s in range(2)]
+    args = vlmtrain.RewardConfig(str(tmp_path / "rm"), per_device_train_batch_size=2, max_steps=1, logging_steps=1,
+                                 bf16=False, gradient_checkpointing=False, report_to="none", use_cpu=True,
+                                 save_strategy="no", disable_tqdm=True)
+    trainer = vlmtrain.RewardTrainer(model=AutoModelForImageTextToText.from_pretrained(path), args=args,
+                                     train_dataset=pairs, processing_class=processor)
+    batch = trainer.data_collator(pairs)
+    assert batch["input_ids"].shape[0] == 4 and batch["video_grid_thw"].shape[0] == 4  # (each sample its video)
+    trainer.train()
+    assert [e["step"] for e in trainer.state.log_history if "loss_reward" in e] == [1]

@@ -40,7 +40,7 @@ def _turns(messages: list[Mapping[str, Any]]) -> list[dict[str, str]]:
 
 
 def pair_samples(pair: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A pair as two vlmtrain samples (the chosen, then the rejected answer to the same prompt and images): TRL's
+    """A pair as two vlmtrain samples (the chosen, then the rejected answer to the same prompt, images and videos): TRL's
     layout (the images go first in the first user turn) or vlmtrain's own (the_cauldron ``texts`` whose last turn
     is the question alone: each answer becomes its assistant text)."""
     chosen, rejected, prompt = pair.get("chosen"), pair.get("rejected"), pair.get("prompt")
@@ -48,7 +48,7 @@ def pair_samples(pair: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         raise ConfigError(f"a reward pair without 'chosen' or 'rejected' (it has {sorted(pair)}).")
     if prompt is None and isinstance(pair.get("texts"), list):  # vlmtrain's own pair layout (data/pairs.py)
         turns = pair["texts"]
-        return tuple({**{k: v for k, v in pair.items() if k in ("images", "id")},  # type: ignore[return-value]
+        return tuple({**{k: v for k, v in pair.items() if k in ("images", "videos", "video", "id")},  # type: ignore[return-value]
                       "texts": [*turns[:-1], {"user": turns[-1]["user"], "assistant": a}]} for a in (chosen, rejected))
     if prompt is None:
         if not isinstance(chosen, list):
@@ -59,7 +59,8 @@ def pair_samples(pair: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     answers = [_text(a[-1]["content"]) if isinstance(a, list) else a for a in (chosen, rejected)]
     images = pair.get("images") or []
     images = list(images) if isinstance(images, (list, tuple)) else [images]
-    return tuple({"images": images, "texts": [*turns[:-1], {**turns[-1], "assistant": a}]}  # type: ignore[return-value]
+    videos = {k: pair[k] for k in ("videos", "video") if pair.get(k) is not None}  # (first, before the images)
+    return tuple({"images": images, **videos, "texts": [*turns[:-1], {**turns[-1], "assistant": a}]}  # type: ignore[return-value]
                  for a in answers)
 
 
