@@ -108,25 +108,26 @@ def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, st
     return prompt_text, with_chosen[len(prompt_text):], with_rejected[len(prompt_text):]
 
 
-def video_token_id(processor: Any) -> int:
-    """The id of the token a video's features replace (the tokenizer's, else the processor's)."""
-    token_id = getattr(processor.tokenizer, "video_token_id", None)
+def _placeholder_id(processor: Any, kind: str) -> int:
+    """The id of the ``kind`` (image / video) placeholder token: the tokenizer's where it names one, else the
+    processor's."""
+    token_id = getattr(processor.tokenizer, f"{kind}_token_id", None)
     if token_id is None:
-        token_id = getattr(processor, "video_token_id", None)
+        token_id = getattr(processor, f"{kind}_token_id", None)
     if token_id is None:
-        token_id = processor.tokenizer.convert_tokens_to_ids(processor.video_token)
+        token_id = processor.tokenizer.convert_tokens_to_ids(getattr(processor, f"{kind}_token"))
     return int(token_id)
+
+
+def video_token_id(processor: Any) -> int:
+    """The id of the token a video's features replace."""
+    return _placeholder_id(processor, "video")
 
 
 def image_token_id(processor: Any) -> int:
     """The id of the token the image features replace: the tokenizer's image token where it names one (Gemma 3's
     processor's own ``image_token`` is the start-of-image marker), else the processor's."""
-    token_id = getattr(processor.tokenizer, "image_token_id", None)
-    if token_id is None:
-        token_id = getattr(processor, "image_token_id", None)
-    if token_id is None:
-        token_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
-    return int(token_id)
+    return _placeholder_id(processor, "image")
 
 
 @dataclass
