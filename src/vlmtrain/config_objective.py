@@ -91,8 +91,13 @@ def check_objective(cfg: Any) -> None:
         raise ConfigError(f"{objective} trains on preference pairs: data.source={cfg.data.source!r} has none; use "
                           "data.source jsonl or stream (docs/data.md#preference-pairs).")
     vision = cfg.model.kind == "hub_vlm"
-    refused = {"data.packing": (cfg.data.packing, "set data.packing: false (pairs are padded)"),
-               "data.pack_window": (cfg.data.pack_window, "remove data.pack_window"),
+    # (dpo: data.packing packs each batch's pairs into one row, DPOConfig's padding_free: no token budget)
+    packing_keys = {f"data.{key}": (getattr(cfg.data, key) is not None, f"remove data.{key} (data.packing: true "
+                                    "packs each batch's pairs into one row, without a token budget)")
+                    for key in ("pack_length", "pack_window", "max_images_per_pack", "max_patches_per_pack")}
+    refused = {"data.packing": (cfg.data.packing and cfg.train.objective == "reward", "set data.packing: false "
+                                "(a reward head reads each sequence's last token: pairs are padded)"),
+               **packing_keys,
                "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a DPO evaluation "
                                                "reports TRL's rewards/* and logps/*)"),
                "train.fsdp": (cfg.train.fsdp, "remove train.fsdp (train with one process or DDP)"),

@@ -7,7 +7,7 @@ over the B prompts with their images, each pair's images once (the objective's o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
@@ -39,13 +39,17 @@ def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
 class HubPairCollator:
     """Raw pairs with images -> one pair batch of VisionPreferenceCollator's layout (B chosen rows, then B rejected
     rows; cut at ``max_length``, keep_start); a bad pair skipped and counted by reason (a prompt that fills
-    ``max_length``: ``prompt_fills_max_length``)."""
+    ``max_length``: ``prompt_fills_max_length``). ``padding_free`` (data.packing): the batch packed into one row
+    once its pairs are checked (``rope_positions``: as VisionPreferenceCollator's)."""
 
     keeps_columns = True  # (it reads the raw pairs: the Trainer keeps every column)
 
-    def __init__(self, processor: Any, max_length: int | None, max_images: int) -> None:
+    def __init__(self, processor: Any, max_length: int | None, max_images: int, padding_free: bool = False,
+                 rope_positions: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self.processor, self.tokenizer, self.max_images = processor, processor.tokenizer, max_images
-        self.layout = VisionPreferenceCollator(processor, max_length)
+        # (the layout pads: the checks below read each row; the batch is packed after them)
+        self.layout = VisionPreferenceCollator(processor, max_length, rope_positions=rope_positions)
+        self.padding_free = padding_free
         self.skipped: Counter[str] = Counter()
 
     def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
@@ -67,14 +71,17 @@ class HubPairCollator:
         try:
             batch = self.layout(items)
             if self.layout.max_length is None or batch["completion_mask"].sum(dim=1).all():
-                return batch
+                return self._packed(batch, items)
         except ConfigError:  # (a cut through a prompt's image tokens)
             pass
         kept = [it for it in items if self._fits(it)]
         for _ in range(len(items) - len(kept)):
             self.skipped["prompt_fills_max_length"] += 1
             skipped["prompt_fills_max_length"] += 1
-        return self.layout(kept) if kept else None
+        return self._packed(self.layout(kept), kept) if kept else None
+
+    def _packed(self, batch: dict[str, Any], items: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.layout.pack(batch, items) if self.padding_free else batch
 
     def _fits(self, item: dict[str, Any]) -> bool:
         try:

@@ -154,9 +154,12 @@ class VisionPreferenceCollator:
                 batch[k][r, :len(extra)] = torch.tensor(extra)
         counts = [len(im) for im in images]
         self._index_images(batch, prompt_ids, counts, prompts)
-        if self.padding_free:
-            return pack_pair_rows(batch, token_keys, self.rope_positions, counts * 2)
-        return batch
+        return self.pack(batch, samples) if self.padding_free else batch
+
+    def pack(self, batch: dict[str, torch.Tensor], samples: list[Mapping[str, Any]]) -> dict[str, Any]:
+        """``batch``, this collator's padded layout of ``samples``, packed into one row (data/pair_packing.py)."""
+        token_keys = [k for k in ROW_TOKEN_KEYS if k in batch]
+        return pack_pair_rows(batch, token_keys, self.rope_positions, [len(_images_of(s)) for s in samples] * 2)
 
     def _index_images(self, batch: dict[str, torch.Tensor], prompt_ids: list[list[int]], counts: list[int],
                       prompts: Mapping[str, Any]) -> None:

@@ -258,15 +258,22 @@ def pairs(cfg: Any, processor: Any = None) -> Any:
     """The pair collator of train.objective dpo (data/hub_pairs.py): pairs with images in TRL's vision layout,
     laid out as vlmtrain.DPOTrainer lays them out; processor None: the checkpoint's, with the run's image size."""
     from vlmtrain.data.hub_pairs import HubPairCollator
+    from vlmtrain.models.families import family_of
 
+    family = family_of(cfg.model.pretrained, key="model.pretrained")
     if processor is None:
         from vlmtrain.data.hub_processing import apply_image_size
-        from vlmtrain.models.families import family_of
 
-        family = family_of(cfg.model.pretrained, key="model.pretrained")
         processor = family.load_processor(cfg.model.pretrained)
         apply_image_size(processor, family, cfg.data)
-    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images)
+    rope = None
+    if cfg.data.packing and family.rope_positions is not None:  # (each packed sequence's own rotary positions)
+        import functools
+
+        from transformers import AutoConfig
+
+        rope = functools.partial(family.rope_positions, AutoConfig.from_pretrained(cfg.model.pretrained))
+    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images, bool(cfg.data.packing), rope)
 
 
 def reward_pairs(cfg: Any, processor: Any) -> Any:
