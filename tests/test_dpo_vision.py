@@ -450,3 +450,36 @@ def test_yaml_vlm_pairs_whose_prompt_fills_max_length_are_counted_skips(qwen3_vl
                                       processor)
     batch = tight([with_image])  # (8 tokens cut through its image tokens: a skip, not the collator's error)
     assert batch["skipped"] == {"prompt_fills_max_length": 1} and "input_ids" not in batch
+
+
+def _answer_with_image(pair: dict) -> dict:
+    """A pair whose chosen answer holds an image part (TRL's message lists allow one in any turn)."""
+    chosen = [{"role": "assistant", "content": [{"type": "image"}, *pair["chosen"][0]["content"]]}]
+    return {**pair, "images": [*pair["images"], _image(random.Random(9))], "chosen": chosen}
+
+
+def test_images_in_an_answer_are_refused_or_skipped(qwen3_vl, tmp_path):
+    """A pair with an image in its chosen (or rejected) messages, where the pair's answers would no longer share
+    its prompt's images: vlmtrain.DPOTrainer refuses it when built, naming the pair (before training); a YAML run's
+    collator skips it, counted as placeholder_in_assistant (as SFT counts an image in an answer), and the rest of the batch trains."""
+    import yaml
+    from datasets import Dataset
+
+    from vlmtrain.config import load_run_config
+    from vlmtrain.models.kinds import get_kind
+
+    path, processor = qwen3_vl
+    pairs = _pairs(3, 0)
+    pairs[1] = _answer_with_image(pairs[1])
+    args = vlmtrain.DPOConfig(str(tmp_path / "out"), use_cpu=True, report_to="none", bf16=False)
+    with pytest.raises(vlmtrain.errors.ConfigError, match="train_dataset pair 1: an image in its 'chosen'"):
+        vlmtrain.DPOTrainer(model=str(tmp_path / "no-model"), args=args, train_dataset=Dataset.from_list(pairs),
+                            processing_class=processor)
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "x.jsonl")},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo"}}
+    (tmp_path / "x.jsonl").write_text("")
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
+    collate = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
+    batch = collate(pairs)
+    assert batch["skipped"] == {"placeholder_in_assistant": 1} and batch["input_ids"].shape[0] == 4

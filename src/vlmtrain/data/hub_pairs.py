@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .pairs import ANSWERS, check_pair
-from .preference_vision import VisionPreferenceCollator
+from .preference_vision import ANSWER_IMAGES, VisionPreferenceCollator, answer_has_images
 from .processing import SkipSample, load_image, process_or_skip
 
 
@@ -20,6 +20,8 @@ def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
     """A raw pair as TRL's vision layout with its images loaded (SkipSample for a bad pair, an unreadable image,
     or more than ``max_images`` images)."""
     check_pair(sample)
+    if answer_has_images(sample):
+        raise SkipSample("placeholder_in_assistant", ANSWER_IMAGES)
     images = sample.get("images") or ([sample["image"]] if sample.get("image") is not None else [])
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     if len(images) > max_images:

@@ -75,6 +75,18 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
+def answer_has_images(sample: Mapping[str, Any]) -> bool:
+    """Whether a pair's ``chosen`` or ``rejected`` messages hold an image part (TRL's message lists allow one in any
+    turn): both answers answer one prompt, and the pair's images are that prompt's (encoded once for both)."""
+    return any(isinstance(m, Mapping) and not isinstance(m.get("content"), str)
+               and any(isinstance(p, Mapping) and p.get("type") == "image" for p in m.get("content") or [])
+               for key in ("chosen", "rejected") if isinstance(sample.get(key), list) for m in sample[key])
+
+
+ANSWER_IMAGES = ("an image in its 'chosen' or 'rejected' messages: the images of a pair belong to its prompt, "
+                 "which both answers share; move them to the prompt's user turn")
+
+
 def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, str]:
     """The prompt, chosen and rejected texts of a pair. A conversation is rendered by the processor's chat template
     (the prompt with the generation prompt, or continuing a final assistant turn); the prompt is then cut to what
@@ -85,6 +97,8 @@ def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, st
                               "'prompt', 'chosen' and 'rejected'.")
     if not is_conversational(sample):
         return sample["prompt"], sample["chosen"], sample["rejected"]
+    if answer_has_images(sample):
+        raise ConfigError(f"a preference pair with {ANSWER_IMAGES}.")
     prompt = _with_image_parts(sample["prompt"], len(_images_of(sample)))
     chosen, rejected = _with_image_parts(sample["chosen"], 0), _with_image_parts(sample["rejected"], 0)
     ends_with_answer = prompt[-1]["role"] == "assistant"
