@@ -483,3 +483,44 @@ def test_images_in_an_answer_are_refused_or_skipped(qwen3_vl, tmp_path):
     collate = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
     batch = collate(pairs)
     assert batch["skipped"] == {"placeholder_in_assistant": 1} and batch["input_ids"].shape[0] == 4
+
+
+def test_yaml_vlm_pairs_place_images_at_their_placeholders(qwen3_vl, tmp_path):
+    """vlmtrain's pair layout with `<image>` placeholders in its user texts: each image sits where its placeholder
+    is, as in SFT samples (the batch equals vlmtrain.DPOTrainer's of TRL's layout with the image parts there); a
+    placeholder count other than the image count is skipped as placeholder_mismatch, a placeholder in an answer
+    as placeholder_in_assistant."""
+    import yaml
+
+    from vlmtrain.config import load_run_config
+    from vlmtrain.data.preference_vision import VisionPreferenceCollator
+    from vlmtrain.models.kinds import get_kind
+
+    path, processor = qwen3_vl
+    rng = random.Random(3)
+    paths = []
+    for k in range(2):
+        paths.append(str(tmp_path / f"{k}.png"))
+        _image(rng).save(paths[-1])
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "x.jsonl")},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo"}}
+    (tmp_path / "x.jsonl").write_text("")
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
+    collate = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
+    own = {"images": paths, "texts": [{"user": "red <image> or", "assistant": "two"},
+                                      {"user": "blue <image>?"}], "chosen": "red", "rejected": "blue"}
+    mismatch = {**own, "texts": [{"user": "red <image>?"}]}
+    in_answer = {**own, "chosen": "red <image>"}
+    batch = collate([own, mismatch, in_answer])
+    assert batch["skipped"] == {"placeholder_mismatch": 1, "placeholder_in_assistant": 1}
+    images = [Image.open(p).convert("RGB") for p in paths]
+    text = [{"type": "text", "text": t} for t in ("red ", " or", "blue ", "?")]
+    trl = {"images": images, "prompt": [{"role": "user", "content": [text[0], {"type": "image"}, text[1]]},
+                                        {"role": "assistant", "content": "two"},
+                                        {"role": "user", "content": [text[2], {"type": "image"}, text[3]]}],
+           "chosen": [{"role": "assistant", "content": "red"}], "rejected": [{"role": "assistant", "content": "blue"}]}
+    expected = VisionPreferenceCollator(processor)([trl])
+    assert batch["input_ids"].tolist() == expected["input_ids"].tolist()
+    first = batch["input_ids"][0].tolist().index(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    assert processor.tokenizer.decode(batch["input_ids"][0, :first]).endswith("user\nred <|vision_start|>")

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
+from .hub_messages import build_messages, check_texts
 from .pairs import ANSWERS, check_pair
 from .preference_vision import ANSWER_IMAGES, VisionPreferenceCollator, answer_has_images
 from .processing import SkipSample, load_image, process_or_skip
@@ -29,13 +30,21 @@ def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
     loaded = [load_image(im) for im in images]
     if "prompt" in sample:
         return {**{k: sample[k] for k in ("prompt", *ANSWERS)}, "images": loaded}
-    turns = sample["texts"]
-    prompt = []
-    for turn in turns[:-1]:
-        prompt += [{"role": "user", "content": turn["user"]}, {"role": "assistant", "content": turn["assistant"]}]
-    prompt.append({"role": "user", "content": turns[-1]["user"]})
-    return {"prompt": prompt, **{k: [{"role": "assistant", "content": sample[k]}] for k in ANSWERS},
-            "images": loaded}
+    return {"prompt": _own_prompt(sample, len(loaded)),
+            **{k: [{"role": "assistant", "content": sample[k]}] for k in ANSWERS}, "images": loaded}
+
+
+def _own_prompt(sample: Mapping[str, Any], n_images: int) -> list[dict[str, Any]]:
+    """The messages of an own-layout pair's turns, its images placed as SFT places a sample's
+    (data/hub_messages.py): at their ``<image>`` placeholders, else first in the first user turn; a placeholder
+    count other than ``n_images``, or one in an answer, is a SkipSample."""
+    turns = [(t["user"], t.get("assistant")) for t in sample["texts"]]
+    for key in ANSWERS:  # (each answer checked as the last turn's)
+        check_texts([*turns[:-1], (turns[-1][0], sample[key])], n_images, None)
+    messages = build_messages(turns, [None] * n_images)
+    # (image parts as TRL's: the pair's images are its "images", in order)
+    return [{**m, "content": [{"type": "image"} if b["type"] == "image" else b for b in m["content"]]}
+            for m in messages]
 
 
 class HubPairCollator:
