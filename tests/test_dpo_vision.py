@@ -452,6 +452,21 @@ def test_yaml_vlm_pairs_whose_prompt_fills_max_length_are_counted_skips(qwen3_vl
     assert batch["skipped"] == {"prompt_fills_max_length": 1} and "input_ids" not in batch
 
 
+def _yaml_pair_collator(path, processor, tmp_path):
+    """The pair collator of a YAML `train.objective: dpo` run on the Hub VLM at ``path``."""
+    import yaml
+
+    from vlmtrain.config import load_run_config
+    from vlmtrain.models.kinds import get_kind
+
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "x.jsonl")},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo"}}
+    (tmp_path / "x.jsonl").write_text("")
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
+    return get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
+
+
 def _answer_with_image(pair: dict) -> dict:
     """A pair whose chosen answer holds an image part (TRL's message lists allow one in any turn)."""
     chosen = [{"role": "assistant", "content": [{"type": "image"}, *pair["chosen"][0]["content"]]}]
@@ -461,12 +476,10 @@ def _answer_with_image(pair: dict) -> dict:
 def test_images_in_an_answer_are_refused_or_skipped(qwen3_vl, tmp_path):
     """A pair with an image in its chosen (or rejected) messages, where the pair's answers would no longer share
     its prompt's images: vlmtrain.DPOTrainer refuses it when built, naming the pair (before training); a YAML run's
-    collator skips it, counted as placeholder_in_assistant (as SFT counts an image in an answer), and the rest of the batch trains."""
-    import yaml
+    collator skips it, counted as placeholder_in_assistant (as SFT counts an image in an answer), and the rest of
+    the batch trains."""
     from datasets import Dataset
 
-    from vlmtrain.config import load_run_config
-    from vlmtrain.models.kinds import get_kind
 
     path, processor = qwen3_vl
     pairs = _pairs(3, 0)
@@ -475,12 +488,7 @@ def test_images_in_an_answer_are_refused_or_skipped(qwen3_vl, tmp_path):
     with pytest.raises(vlmtrain.errors.ConfigError, match="train_dataset pair 1: an image in its 'chosen'"):
         vlmtrain.DPOTrainer(model=str(tmp_path / "no-model"), args=args, train_dataset=Dataset.from_list(pairs),
                             processing_class=processor)
-    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
-           "data": {"source": "jsonl", "train_file": str(tmp_path / "x.jsonl")},
-           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo"}}
-    (tmp_path / "x.jsonl").write_text("")
-    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
-    collate = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
+    collate = _yaml_pair_collator(path, processor, tmp_path)
     batch = collate(pairs)
     assert batch["skipped"] == {"placeholder_in_assistant": 1} and batch["input_ids"].shape[0] == 4
 
@@ -490,11 +498,7 @@ def test_yaml_vlm_pairs_place_images_at_their_placeholders(qwen3_vl, tmp_path):
     is, as in SFT samples (the batch equals vlmtrain.DPOTrainer's of TRL's layout with the image parts there); a
     placeholder count other than the image count is skipped as placeholder_mismatch, a placeholder in an answer
     as placeholder_in_assistant."""
-    import yaml
-
-    from vlmtrain.config import load_run_config
     from vlmtrain.data.preference_vision import VisionPreferenceCollator
-    from vlmtrain.models.kinds import get_kind
 
     path, processor = qwen3_vl
     rng = random.Random(3)
@@ -502,12 +506,7 @@ def test_yaml_vlm_pairs_place_images_at_their_placeholders(qwen3_vl, tmp_path):
     for k in range(2):
         paths.append(str(tmp_path / f"{k}.png"))
         _image(rng).save(paths[-1])
-    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
-           "data": {"source": "jsonl", "train_file": str(tmp_path / "x.jsonl")},
-           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo"}}
-    (tmp_path / "x.jsonl").write_text("")
-    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
-    collate = get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
+    collate = _yaml_pair_collator(path, processor, tmp_path)
     own = {"images": paths, "texts": [{"user": "red <image> or", "assistant": "two"},
                                       {"user": "blue <image>?"}], "chosen": "red", "rejected": "blue"}
     mismatch = {**own, "texts": [{"user": "red <image>?"}]}
