@@ -129,3 +129,14 @@ def test_a_reward_head_with_objective_dpo_is_refused_before_anything_loads(tmp_p
     config = _config(tmp_path, tmp_path / "no-model", {"score": {"type": "reward"}}, "run")
     with pytest.raises(ConfigError, match=r"model.heads.score.*train.objective: reward"):
         load_run_config(config)
+
+
+def test_score_heads_with_packed_pairs_are_refused_before_anything_loads(tmp_path):
+    """A head reads each chosen row's last token; a packed pair batch is one row: refused, naming both keys."""
+    from vlmtrain.config import load_run_config
+    from vlmtrain.errors import ConfigError
+
+    config = _config(tmp_path, tmp_path / "no-model", {"quality": {"type": "regression"}}, "run")
+    with pytest.raises(ConfigError, match=r"model.heads with data.packing: true"):
+        load_run_config(config, {"data.packing": True})
+    load_run_config(config)  # (the same heads unpacked: accepted)

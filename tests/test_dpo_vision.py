@@ -302,6 +302,27 @@ def test_vision_pairs_refuse_what_trl_refuses(tmp_path, option, value):
         vlmtrain.DPOTrainer(model=str(tmp_path / "no-model"), args=args, train_dataset=Dataset.from_list(_pairs(2, 0)))
 
 
+def test_yaml_packed_pairs_refused_for_a_family_that_cannot_pack(tiny_hub, tmp_path, capsys):
+    """data.packing: true with train.objective dpo on Gemma 3: one error naming it, before the model loads (the
+    path holds the config and processor alone)."""
+    import shutil
+
+    import yaml
+
+    from vlmtrain import cli
+
+    _, path, _ = tiny_hub("gemma3")
+    no_weights = tmp_path / "gemma3-no-weights"
+    shutil.copytree(path, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+    (tmp_path / "pairs.jsonl").write_text('{"texts": [{"user": "a"}], "chosen": "b", "rejected": "c"}\n')
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(no_weights)},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "pairs.jsonl"), "packing": True},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo", "max_steps": 1}}
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["train", "--config", str(tmp_path / "dpo.yaml")]) != 0
+    assert "error: data.packing=true: the gemma3 family cannot pack" in capsys.readouterr().err
+
+
 def _file_pairs(tmp_path, n: int, seed: int) -> tuple[list[dict], list[dict]]:
     """Pairs with images saved as PNG files, as a JSONL holds them (every other pair in vlmtrain's own layout), and
     the same pairs in TRL's vision layout with the images loaded, as vlmtrain.DPOTrainer takes them."""
@@ -324,11 +345,14 @@ def _file_pairs(tmp_path, n: int, seed: int) -> tuple[list[dict], list[dict]]:
     return rows, theirs
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_dpo_from_yaml_on_a_hub_vlm_equals_dpo_trainer(qwen3_vl, tmp_path, one_thread, lora, capsys):
+@pytest.mark.parametrize("lora,packing", [(False, False), (True, False), (False, True)],
+                         ids=["full", "lora", "packed"])
+def test_dpo_from_yaml_on_a_hub_vlm_equals_dpo_trainer(qwen3_vl, tmp_path, one_thread, lora, packing, capsys):
     """`vlmtrain train` with train.objective dpo on model.kind hub_vlm, pairs with images from a JSONL (both
     layouts): per-step loss and metrics equal vlmtrain.DPOTrainer's on the same model and pairs (rel 1e-5), eval_
-    metrics too; with model.lora the reference is the model with its adapters off, as DPOTrainer's peft_config.
+    metrics too; with model.lora the reference is the model with its adapters off, as DPOTrainer's peft_config;
+    with data.packing: true each batch's sequences are packed into one row (each its own multimodal positions)
+    and train as DPOTrainer's padded batches.
     `vlmtrain data inspect --config` shows a pair's tokens, the prompt's image tokens expanded."""
     import json
 
@@ -349,10 +373,16 @@ def test_dpo_from_yaml_on_a_hub_vlm_equals_dpo_trainer(qwen3_vl, tmp_path, one_t
     cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path), "torch_dtype": "float32",
                      **({"lora": lora_spec} if lora else {})},
            "data": {"source": "jsonl", "train_file": str(tmp_path / "train.jsonl"),
-                    "eval_file": str(tmp_path / "eval.jsonl"), "max_length": 512},
+                    "eval_file": str(tmp_path / "eval.jsonl"), "max_length": 512, "packing": packing},
            "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo", "save_strategy": "no", **train}}
     config = tmp_path / "dpo.yaml"
     config.write_text(yaml.safe_dump(cfg))
+    if packing:
+        from vlmtrain.config import load_run_config
+        from vlmtrain.models.kinds import get_kind
+
+        batch = get_kind("hub_vlm").pairs(load_run_config(str(config)), processor)(rows[:2])
+        assert batch["input_ids"].shape[0] == 1 and batch["position_ids"].shape[0] == 4  # (one row, Qwen's rope)
     assert cli.main(["train", "--config", str(config)]) == 0
 
     peft_config = None
@@ -371,14 +401,19 @@ def test_dpo_from_yaml_on_a_hub_vlm_equals_dpo_trainer(qwen3_vl, tmp_path, one_t
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     ours = [r for r in lines if "loss" in r]
     assert len(ours) == len(logs) == 3
-    for mine, expected in zip(ours, logs):
+
+    def close(mine: dict, expected: dict, prefix: str = "") -> None:
         for key in METRICS[:7]:
-            assert mine[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (mine["step"], key)
+            # (packed: the attention sums in another order; a reward, beta x a difference of log-probs, then
+            # carries the log-probs' rounding, 1e-5 of |logps|, as an absolute error)
+            rounding = 1e-5 * 0.1 * abs(expected[f"{prefix}logps/chosen"]) if packing and "rewards" in key else 1e-7
+            assert mine[prefix + key] == pytest.approx(expected[prefix + key], rel=1e-5, abs=rounding), key
+
+    for mine, expected in zip(ours, logs):
+        close(mine, expected)
     assert ours[-1]["rewards/margins"] != pytest.approx(0.0, abs=1e-5)  # (the policy moved off its reference)
-    final = [r for r in lines if "eval_loss" in r][-1]
-    for key in METRICS[:7]:
-        assert final[f"eval_{key}"] == pytest.approx(evaluation[f"eval_{key}"], rel=1e-5, abs=1e-7), key
-    if not lora:
+    close([r for r in lines if "eval_loss" in r][-1], evaluation, "eval_")
+    if not lora and not packing:
         one = next(r for r in rows if "texts" in r and r["images"])
         (tmp_path / "one.jsonl").write_text(json.dumps(one) + "\n")
         capsys.readouterr()
@@ -415,3 +450,76 @@ def test_yaml_vlm_pairs_whose_prompt_fills_max_length_are_counted_skips(qwen3_vl
                                       processor)
     batch = tight([with_image])  # (8 tokens cut through its image tokens: a skip, not the collator's error)
     assert batch["skipped"] == {"prompt_fills_max_length": 1} and "input_ids" not in batch
+
+
+def _yaml_pair_collator(path, processor, tmp_path):
+    """The pair collator of a YAML `train.objective: dpo` run on the Hub VLM at ``path``."""
+    import yaml
+
+    from vlmtrain.config import load_run_config
+    from vlmtrain.models.kinds import get_kind
+
+    cfg = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
+           "data": {"source": "jsonl", "train_file": str(tmp_path / "x.jsonl")},
+           "train": {"output_dir": str(tmp_path / "run"), "objective": "dpo"}}
+    (tmp_path / "x.jsonl").write_text("")
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
+    return get_kind("hub_vlm").pairs(load_run_config(str(tmp_path / "dpo.yaml")), processor)
+
+
+def _answer_with_image(pair: dict) -> dict:
+    """A pair whose chosen answer holds an image part (TRL's message lists allow one in any turn)."""
+    chosen = [{"role": "assistant", "content": [{"type": "image"}, *pair["chosen"][0]["content"]]}]
+    return {**pair, "images": [*pair["images"], _image(random.Random(9))], "chosen": chosen}
+
+
+def test_images_in_an_answer_are_refused_or_skipped(qwen3_vl, tmp_path):
+    """A pair with an image in its chosen (or rejected) messages, where the pair's answers would no longer share
+    its prompt's images: vlmtrain.DPOTrainer refuses it when built, naming the pair (before training); a YAML run's
+    collator skips it, counted as placeholder_in_assistant (as SFT counts an image in an answer), and the rest of
+    the batch trains."""
+    from datasets import Dataset
+
+
+    path, processor = qwen3_vl
+    pairs = _pairs(3, 0)
+    pairs[1] = _answer_with_image(pairs[1])
+    args = vlmtrain.DPOConfig(str(tmp_path / "out"), use_cpu=True, report_to="none", bf16=False)
+    with pytest.raises(vlmtrain.errors.ConfigError, match="train_dataset pair 1: an image in its 'chosen'"):
+        vlmtrain.DPOTrainer(model=str(tmp_path / "no-model"), args=args, train_dataset=Dataset.from_list(pairs),
+                            processing_class=processor)
+    collate = _yaml_pair_collator(path, processor, tmp_path)
+    batch = collate(pairs)
+    assert batch["skipped"] == {"placeholder_in_assistant": 1} and batch["input_ids"].shape[0] == 4
+
+
+def test_yaml_vlm_pairs_place_images_at_their_placeholders(qwen3_vl, tmp_path):
+    """vlmtrain's pair layout with `<image>` placeholders in its user texts: each image sits where its placeholder
+    is, as in SFT samples (the batch equals vlmtrain.DPOTrainer's of TRL's layout with the image parts there); a
+    placeholder count other than the image count is skipped as placeholder_mismatch, a placeholder in an answer
+    as placeholder_in_assistant."""
+    from vlmtrain.data.preference_vision import VisionPreferenceCollator
+
+    path, processor = qwen3_vl
+    rng = random.Random(3)
+    paths = []
+    for k in range(2):
+        paths.append(str(tmp_path / f"{k}.png"))
+        _image(rng).save(paths[-1])
+    collate = _yaml_pair_collator(path, processor, tmp_path)
+    own = {"images": paths, "texts": [{"user": "red <image> or", "assistant": "two"},
+                                      {"user": "blue <image>?"}], "chosen": "red", "rejected": "blue"}
+    mismatch = {**own, "texts": [{"user": "red <image>?"}]}
+    in_answer = {**own, "chosen": "red <image>"}
+    batch = collate([own, mismatch, in_answer])
+    assert batch["skipped"] == {"placeholder_mismatch": 1, "placeholder_in_assistant": 1}
+    images = [Image.open(p).convert("RGB") for p in paths]
+    text = [{"type": "text", "text": t} for t in ("red ", " or", "blue ", "?")]
+    trl = {"images": images, "prompt": [{"role": "user", "content": [text[0], {"type": "image"}, text[1]]},
+                                        {"role": "assistant", "content": "two"},
+                                        {"role": "user", "content": [text[2], {"type": "image"}, text[3]]}],
+           "chosen": [{"role": "assistant", "content": "red"}], "rejected": [{"role": "assistant", "content": "blue"}]}
+    expected = VisionPreferenceCollator(processor)([trl])
+    assert batch["input_ids"].tolist() == expected["input_ids"].tolist()
+    first = batch["input_ids"][0].tolist().index(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+    assert processor.tokenizer.decode(batch["input_ids"][0, :first]).endswith("user\nred <|vision_start|>")

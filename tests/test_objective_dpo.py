@@ -80,6 +80,16 @@ def _config(tmp_path, model_path, data: dict, steps: int = 5, **train) -> str:
     return str(path)
 
 
+def config_with(path: str, settings: dict) -> None:
+    """Merge ``settings`` (section -> keys) into the YAML config at ``path``."""
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    for section, keys in settings.items():
+        cfg[section] = {**cfg.get(section, {}), **keys}
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+
+
 def _dpo_trainer(model_path, out, train_rows, eval_rows, peft_config, **settings):
     args = vlmtrain.DPOConfig(str(out), max_length=14, bf16=False, gradient_checkpointing=False,
                               save_strategy="no", use_cpu=True, **TRAIN, **settings)
@@ -98,16 +108,19 @@ def _hf_dir(tmp_path, rows: list[dict]) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("layout,loss_type,batch,steps,lora", [
-    ("own", "sigmoid", 4, 5, False), ("trl", "ipo", 4, 5, False), ("trl_hf", "sigmoid", 20, 3, False),
-    ("own", "sigmoid", 4, 5, True)], ids=["own", "trl-ipo", "trl-hf", "own-lora"])
-def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layout, loss_type, batch, steps, lora):  # noqa: F811 (the fixture)
+@pytest.mark.parametrize("layout,loss_type,batch,steps,lora,packing", [
+    ("own", "sigmoid", 4, 5, False, False), ("trl", "ipo", 4, 5, False, False), ("trl_hf", "sigmoid", 20, 3, False, False),
+    ("own", "sigmoid", 4, 5, True, False), ("trl", "sigmoid", 4, 3, False, True)],
+    ids=["own", "trl-ipo", "trl-hf", "own-lora", "trl-packed"])
+def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layout, loss_type, batch, steps, lora,  # noqa: F811 (the fixture)
+                                          packing):
     """`vlmtrain train` with train.objective dpo: per-step loss and rewards/logps equal vlmtrain.DPOTrainer's on the
     same pairs (rel 1e-5), TRL's metric names in metrics.jsonl (eval_ prefixed in evaluation), the checkpoint holds
     the policy alone with DPOTrainer's final weights (with model.lora: the adapter alone, the reference being the
     model with its adapters off, as DPOTrainer's peft_config), `vlmtrain generate` answers from it and `vlmtrain
     eval` of it gives the run's final evaluation again. (The HF dataset is read as a stream, in its own order: a
-    batch of all 20 pairs makes each step's loss independent of it.)"""
+    batch of all 20 pairs makes each step's loss independent of it.) With data.packing: true each batch's pairs are
+    packed into one row (DPOConfig's padding_free) and train as the padded batches of DPOTrainer."""
     rows = _own_pairs(20, 0) if layout == "own" else _trl_pairs(20, 0)
     eval_rows = _own_pairs(8, 1) if layout == "own" else _trl_pairs(8, 1)
     train_file, eval_file = _write(tmp_path, rows, eval_rows)
@@ -117,6 +130,12 @@ def test_dpo_from_yaml_equals_dpo_trainer(model_dir, tmp_path, one_thread, layou
     else:
         data = {"source": "jsonl", "train_file": str(train_file), "eval_file": str(eval_file)}
     config = _config(tmp_path, model_dir, data, steps, loss_type=loss_type, per_device_train_batch_size=batch)
+    if packing:
+        from vlmtrain.models.kinds import get_kind
+
+        packed = get_kind("causal_lm").pairs(load_run_config(config, {"data.packing": True}), _tokenizer())(rows[:4])
+        assert packed["input_ids"].shape[0] == 1 and "sequence_index" in packed  # (the 8 sequences in one row)
+        config_with(config, {"data": {"packing": True}})
     if lora:
         with open(config) as f:
             settings = yaml.safe_load(f)
@@ -183,7 +202,10 @@ def dpo_yaml(tmp_path, model_dir):  # noqa: F811
      "train.precompute_ref_log_probs is not available"),
     ({"model.kind": "vlm"}, "train.objective=dpo is not supported for model.kind=vlm yet"),
     ({"data.source": "addition"}, "data.source='addition' has none"),
-    ({"data.packing": True}, "data.packing is not available with train.objective=dpo"),
+    ({"data.packing": True, "data.pack_length": 64}, "data.pack_length is not available with train.objective=dpo"),
+    ({"train.objective": "reward", "train.beta": 0.1, "model.kind": "hub_vlm", "model.pretrained": "x",
+      "model.heads": {"reward": {"type": "reward"}}, "data.packing": True},
+     "data.packing is not available with train.objective=reward"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_bad_dpo_settings_fail_before_any_work_naming_the_key(dpo_yaml, overrides, message):
     """One ConfigError when the config is read (no model, no data yet), naming the key. (The config sets

@@ -121,3 +121,40 @@ def test_reward_config_refuses_what_is_not_available(tmp_path, option, value):
     """One clear error naming the option when the arguments are built, before any model loads."""
     with pytest.raises(vlmtrain.errors.ConfigError, match=option):
         vlmtrain.RewardConfig(str(tmp_path), **{option: value})
+
+
+@pytest.mark.parametrize("vision", [False, True], ids=["text", "vlm"])
+def test_reward_trainer_resume_equals_the_uninterrupted_run(model_dir, tiny_hub, tmp_path, vision):
+    """trainer.train(resume_from_checkpoint=...) from step 2 of 4, the trainer built as the first was: steps 3-4
+    log the uninterrupted run's metrics (num_tokens too: counted on from the checkpoint) and end at its weights
+    (1e-6; AdamW with weight decay), for a sequence-classification model and a Hub VLM with a reward head."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.test_reward_head import _color_pairs
+
+    def trainer(out):
+        args = vlmtrain.RewardConfig(str(out), per_device_train_batch_size=2, max_steps=4, save_strategy="steps",
+                                     save_steps=2, logging_steps=1, learning_rate=3e-3, weight_decay=0.1, seed=7,
+                                     bf16=False, gradient_checkpointing=False, report_to="none", use_cpu=True,
+                                     dataloader_num_workers=0, disable_tqdm=True)
+        if vision:
+            _, path, processor = tiny_hub("qwen3_vl")
+            model, pairs = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), _color_pairs()
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+            pairs, processor = _pairs(12, 0, "explicit", margin=True), _tokenizer()
+        return vlmtrain.RewardTrainer(model=model, args=args, train_dataset=pairs, processing_class=processor)
+
+    full, resumed = trainer(tmp_path / "full"), trainer(tmp_path / "resumed")
+    full.train()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    logs = {name: [e for e in t.state.log_history if "loss" in e] for name, t in (("full", full),
+                                                                                   ("resumed", resumed))}
+    assert [e["step"] for e in logs["resumed"]] == [1, 2, 3, 4]  # (steps 1-2: the checkpoint's log history)
+    keys = ("loss", "loss_reward", "num_tokens") if vision else METRICS
+    for mine, theirs in zip(logs["resumed"][2:], logs["full"][2:]):
+        for key in keys:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-8), (mine["step"], key)
+    weights = dict(full.model.named_parameters())
+    for name, weight in resumed.model.named_parameters():
+        torch.testing.assert_close(weight, weights[name], rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")

@@ -184,7 +184,10 @@ def test_reward_trainer_on_a_vlm_trains_a_reward_head(tiny_hub, tmp_path):
     assert [t.split()[-1] for t in texts] == ["red", "green", "green", "red"]  # (chosen rows, then rejected)
     model = trainer.model
     out = model(**dict(inputs))
-    base_inputs = {k: v for k, v in inputs.items() if k != "labels_reward"}
+    from vlmtrain.data.vision_reward_pairs import VisionPairCollator
+
+    plain = VisionPairCollator(trainer.data_collator.processor, one_vision_pass=False)([pairs[0], pairs[1]])
+    base_inputs = {k: v for k, v in plain.items() if isinstance(v, torch.Tensor) and k != "labels_reward"}
     with torch.no_grad():
         hidden = model.base(**base_inputs, output_hidden_states=True).hidden_states[-1]
         rewards = model.heads.layer("reward")(pool_last_token(hidden, base_inputs["attention_mask"]))[:, 0]
@@ -254,3 +257,42 @@ def test_reward_head_trains_from_yaml_pairs(tiny_hub, tmp_path, one_thread):
     final = [r for r in rows if "eval_reward_accuracy" in r][-1]
     assert 0.0 <= final["eval_reward_accuracy"] <= 1.0 and math.isfinite(final["eval_reward_margin"])
     assert (tmp_path / "run" / "checkpoint-2" / "heads.safetensors").is_file()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "idefics3"])
+def test_reward_pairs_encode_each_pairs_images_once(tiny_hub, tmp_path, family):
+    """A VLM reward pair batch (RewardTrainer's, the YAML objective's collator) carries each pair's images once: one
+    vision tower call per batch over each pair's images once (the plain batch: each image twice, in the chosen
+    and the rejected row), with the rewards and loss of the plain forward (fp32, 1e-5) and its gradients (1e-4 of
+    each tensor's largest: the plain batch sums two encodings' gradients per image, in another order)."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmtrain.data.vision_reward_pairs import VisionPairCollator
+
+    _, tiny, processor = tiny_hub(family)
+    pairs = _color_pairs()
+    args = vlmtrain.RewardConfig(str(tmp_path / "rm"), bf16=False, report_to="none", use_cpu=True)
+    model = AutoModelForImageTextToText.from_pretrained(tiny, dtype=torch.float32)
+    trainer = vlmtrain.RewardTrainer(model=model, args=args, train_dataset=pairs, processing_class=processor)
+    tower = model.model.visual if family == "qwen3_vl" else model.model.vision_model
+    calls = []
+    tower.register_forward_pre_hook(lambda *a: calls.append(1))
+    three = [pairs[0], pairs[1], pairs[2]]
+    batches = {"once": trainer.data_collator(three),
+               "plain": VisionPairCollator(trainer.data_collator.processor, one_vision_pass=False)(three)}
+    outs, grads = {}, {}
+    for name, batch in batches.items():
+        calls.clear()
+        trainer.model.zero_grad()
+        outs[name] = trainer.model(**{k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
+        outs[name]["loss"].backward()
+        grads[name] = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+        assert len(calls) == 1, name
+    if family == "qwen3_vl":  # (the rows of grid_thw: the images encoded)
+        assert batches["once"]["vision_image_grid_thw"].shape[0] == 3
+        assert batches["plain"]["image_grid_thw"].shape[0] == 6
+    torch.testing.assert_close(outs["once"]["logits_reward"], outs["plain"]["logits_reward"], rtol=1e-5, atol=1e-6)
+    assert outs["once"]["loss"].item() == pytest.approx(outs["plain"]["loss"].item(), rel=1e-5)
+    assert grads["once"].keys() == grads["plain"].keys()
+    for name, grad in grads["plain"].items():  # (the plain batch sums each image's two encodings' gradients)
+        assert (grads["once"][name] - grad).abs().max().item() <= 1e-4 * grad.abs().max().item() + 1e-8, name

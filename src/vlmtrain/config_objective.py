@@ -93,8 +93,13 @@ def check_objective(cfg: Any) -> None:
         raise ConfigError(f"{objective} trains on preference pairs: data.source={cfg.data.source!r} has none; use "
                           "data.source jsonl or stream (docs/data.md#preference-pairs).")
     vision = cfg.model.kind == "hub_vlm"
-    refused = {"data.packing": (cfg.data.packing, "set data.packing: false (pairs are padded)"),
-               "data.pack_window": (cfg.data.pack_window, "remove data.pack_window"),
+    # (dpo: data.packing packs each batch's pairs into one row, DPOConfig's padding_free: no token budget)
+    packing_keys = {f"data.{key}": (getattr(cfg.data, key) is not None, f"remove data.{key} (data.packing: true "
+                                    "packs each batch's pairs into one row, without a token budget)")
+                    for key in ("pack_length", "pack_window", "max_images_per_pack", "max_patches_per_pack")}
+    refused = {"data.packing": (cfg.data.packing and cfg.train.objective == "reward", "set data.packing: false "
+                                "(a reward head reads each sequence's last token: pairs are padded)"),
+               **packing_keys,
                "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a DPO evaluation "
                                                "reports TRL's rewards/* and logps/*)"),
                "train.fsdp": (cfg.train.fsdp, "remove train.fsdp (train with one process or DDP)"),
@@ -133,3 +138,6 @@ def _check_dpo_heads(cfg: Any) -> None:
         if c.type == "reward":
             raise ConfigError(f"model.heads.{name} is a reward head, which train.objective: dpo does not train: "
                               "train it with train.objective: reward, or give DPO regression / classification heads.")
+    if cfg.model.heads and cfg.data.packing:  # (a head reads each chosen row's last token: a packed batch has one row)
+        raise ConfigError("model.heads with data.packing: true under train.objective: dpo: score heads read each "
+                          "chosen sequence's last token of a padded pair batch; set data.packing: false.")

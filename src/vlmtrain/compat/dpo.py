@@ -23,7 +23,12 @@ from ..data.preference import (
     pair_row,
     tokenize_pair,
 )
-from ..data.preference_vision import VisionPreferenceCollator, is_vision_pairs
+from ..data.preference_vision import (
+    ANSWER_IMAGES,
+    VisionPreferenceCollator,
+    answer_has_images,
+    is_vision_pairs,
+)
 from ..errors import ConfigError
 from ..models.objectives import disable_dropout
 from ..models.objectives.dpo import LOSS_TYPES, DPOObjective
@@ -179,8 +184,10 @@ class DPOTrainer(PolicyTrainer):
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
         vision = is_vision_pairs(next(iter(train_dataset)))
-        if vision:
-            _check_vision_args(args)  # (before the model loads)
+        if vision:  # (before the model loads)
+            _check_vision_args(args)
+            _refuse_answer_images(train_dataset, "train_dataset")
+            _refuse_answer_images(eval_dataset, "eval_dataset")
         if args.precompute_ref_log_probs:  # (before the model loads)
             refuse_unindexable(train_dataset, "train_dataset")
             refuse_unindexable(eval_dataset, "eval_dataset")
@@ -282,6 +289,17 @@ def _check_vision_args(args: DPOConfig) -> None:
     if args.precompute_ref_log_probs:
         raise ConfigError("precompute_ref_log_probs=True is not available for pairs with images (nor in TRL "
                           "1.16): set precompute_ref_log_probs=False (the reference then runs beside the policy).")
+
+
+def _refuse_answer_images(dataset: Any, name: str) -> None:
+    """An error naming the first pair with an image in an answer (an indexable dataset's answer columns are read
+    once; a stream's pairs are refused by the collator as they come)."""
+    if dataset is None or isinstance(dataset, Mapping) or not hasattr(dataset, "__len__"):
+        return
+    answers = dataset.select_columns(["chosen", "rejected"]) if hasattr(dataset, "select_columns") else dataset
+    for i, pair in enumerate(answers):
+        if answer_has_images(pair):
+            raise ConfigError(f"{name} pair {i}: {ANSWER_IMAGES}.")
 
 
 def _family(model: str | nn.Module) -> Any:

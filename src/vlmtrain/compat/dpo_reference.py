@@ -23,6 +23,7 @@ from ..data.preference import REF_LOGPS_COLUMNS
 from ..data.processing import SkipSample
 from ..errors import ConfigError
 from ..models.objectives.dpo import DPOObjective
+from ..models.objectives.reward import RewardObjective
 from ..trainer import checkpoint as ckpt
 from .trainer import Trainer
 
@@ -89,9 +90,10 @@ def saved_ref_logps(checkpoint: str | None) -> dict[str, dict[str, torch.Tensor]
 
 
 class PolicyFiles:
-    """A Trainer's ``model_files`` part (trainer/model_files.py) for the DPO objective: the methods that take the
-    model take the objective's policy, so checkpoints hold the policy in its own layout (full weights or a LoRA
-    adapter) and resume loads it back there; the reference is never written. The rest is ``files``'."""
+    """A Trainer's ``model_files`` part (trainer/model_files.py) for an objective around the model it trains
+    (DPO's policy, RewardTrainer's reward model): the methods that take the model take that model, so checkpoints
+    hold it in its own layout (full weights or a LoRA adapter) and resume loads it back there; DPO's reference is
+    never written. The rest is ``files``'."""
 
     def __init__(self, files: Any) -> None:
         self.files = files
@@ -116,6 +118,8 @@ class PolicyFiles:
 
 
 def _policy(model: nn.Module) -> nn.Module:
+    if isinstance(model, RewardObjective):
+        return model.model
     return model.policy if isinstance(model, DPOObjective) else model
 
 

@@ -5,6 +5,8 @@ the Bradley-Terry loss with TRL's metrics, which the trainer logs as it logs any
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +18,11 @@ from ..data.reward_pairs import REWARD_COLUMNS, RewardCollator, tokenize_reward_
 from ..errors import ConfigError
 from ..models.objectives import disable_dropout
 from ..models.objectives.reward import RewardObjective
+from ..trainer import checkpoint as ckpt
 from ..trainer import distributed as dist
+from ..trainer.resume import LOOP_STATE
 from .arguments import TrainingArguments
+from .dpo_reference import PolicyFiles
 from .reward_vision import is_hub_vlm, vision_reward_setup
 from .trainer import Trainer
 
@@ -135,7 +140,13 @@ class RewardTrainer(Trainer):
 
     A Hub VLM (a family vlmtrain knows; an object or a path) with its processor gets a ``reward`` score head
     instead, and pairs with images (compat/reward_vision.py): ``self.model`` is then the VLM with its head
-    (``loss_reward``, ``eval_reward_accuracy``, ``eval_reward_margin``), saved as a checkpoint with heads."""
+    (``loss_reward``, ``eval_reward_accuracy``, ``eval_reward_margin``), saved as a checkpoint with heads.
+
+    ``train(resume_from_checkpoint=...)`` resumes a run built as the first was: the reward model (its weights or
+    adapter), optimizer, scheduler, RNG, data position and ``num_tokens`` come from the checkpoint."""
+
+    # (checkpoints hold the reward model in its own layout, and resume loads it back there)
+    parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files))
 
     def __init__(self, model: str | nn.Module, args: RewardConfig | None = None, data_collator: Any = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
@@ -210,12 +221,12 @@ class RewardTrainer(Trainer):
             logs[f"{prefix}num_tokens"] = self._total_train_tokens
         super().log(logs, start_time)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """Trainer.train; resuming a RewardTrainer run is not supported yet."""
-        if resume_from_checkpoint:
-            raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r}: resuming a RewardTrainer run is "
-                              "not supported yet. Start a new RewardTrainer with model=<the checkpoint folder>.")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+    def _loop_state(self) -> dict:
+        return {**super()._loop_state(), "num_tokens": self._total_train_tokens}  # (TRL's count restarts at 0)
+
+    def _load_checkpoint(self, path: str) -> None:
+        super()._load_checkpoint(path)
+        self._total_train_tokens = ckpt.load_torch(os.path.join(path, f"{LOOP_STATE}_0.pt")).get("num_tokens", 0)
 
     def _set_signature_columns_if_needed(self) -> None:
         # the collator reads the tokenized pair, not the objective's forward arguments

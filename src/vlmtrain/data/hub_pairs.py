@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from .hub_messages import sample_videos
+from .hub_messages import build_messages, check_texts, sample_videos
 from .pairs import ANSWERS, check_pair
-from .preference_vision import VisionPreferenceCollator
+from .preference_vision import ANSWER_IMAGES, VisionPreferenceCollator, answer_has_images
 from .processing import SkipSample, load_image, process_or_skip
 
 
@@ -21,6 +21,8 @@ def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
     """A raw pair as TRL's vision layout with its images loaded (SkipSample for a bad pair, an unreadable image,
     or more than ``max_images`` images); its ``videos`` kept as they are."""
     check_pair(sample)
+    if answer_has_images(sample):
+        raise SkipSample("placeholder_in_assistant", ANSWER_IMAGES)
     images = sample.get("images") or ([sample["image"]] if sample.get("image") is not None else [])
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     if len(images) > max_images:
@@ -32,13 +34,21 @@ def vision_pair(sample: Mapping[str, Any], max_images: int) -> dict[str, Any]:
         extra["videos"] = videos
     if "prompt" in sample:
         return {**{k: sample[k] for k in ("prompt", *ANSWERS)}, "images": loaded, **extra}
-    turns = sample["texts"]
-    prompt = []
-    for turn in turns[:-1]:
-        prompt += [{"role": "user", "content": turn["user"]}, {"role": "assistant", "content": turn["assistant"]}]
-    prompt.append({"role": "user", "content": turns[-1]["user"]})
-    return {"prompt": prompt, **{k: [{"role": "assistant", "content": sample[k]}] for k in ANSWERS},
-            "images": loaded, **extra}
+    return {"prompt": _own_prompt(sample, len(loaded)),
+            **{k: [{"role": "assistant", "content": sample[k]}] for k in ANSWERS}, "images": loaded, **extra}
+
+
+def _own_prompt(sample: Mapping[str, Any], n_images: int) -> list[dict[str, Any]]:
+    """The messages of an own-layout pair's turns, its images placed as SFT places a sample's
+    (data/hub_messages.py): at their ``<image>`` placeholders, else first in the first user turn; a placeholder
+    count other than ``n_images``, or one in an answer, is a SkipSample."""
+    turns = [(t["user"], t.get("assistant")) for t in sample["texts"]]
+    for key in ANSWERS:  # (each answer checked as the last turn's)
+        check_texts([*turns[:-1], (turns[-1][0], sample[key])], n_images, None)
+    messages = build_messages(turns, [None] * n_images)
+    # (image parts as TRL's: the pair's images are its "images", in order)
+    return [{**m, "content": [{"type": "image"} if b["type"] == "image" else b for b in m["content"]]}
+            for m in messages]
 
 
 class HubPairCollator:
@@ -47,16 +57,20 @@ class HubPairCollator:
     ``max_length``: ``prompt_fills_max_length``). Score heads beside DPO: ``label_check`` (a pair's ``labels``
     -> SkipSample for a bad one) and ``label_collate`` (the pairs' ``labels`` -> ``labels_<head>`` tensors, one
     row per pair). ``video``: the family's video support (a pair's videos decoded once, when it is processed; a
-    pair with videos is skipped as ``video_unsupported`` without it)."""
+    pair with videos is skipped as ``video_unsupported`` without it). ``padding_free`` (data.packing): the batch
+    packed into one row once its pairs are checked (``rope_positions``: as VisionPreferenceCollator's)."""
 
     keeps_columns = True  # (it reads the raw pairs: the Trainer keeps every column)
 
     def __init__(self, processor: Any, max_length: int | None, max_images: int,
                  label_check: Callable[[Any], None] | None = None,
-                 label_collate: Callable[[list[Any]], dict[str, Any]] | None = None, video: Any = None) -> None:
+                 label_collate: Callable[[list[Any]], dict[str, Any]] | None = None, video: Any = None,
+                 padding_free: bool = False, rope_positions: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self.processor, self.tokenizer, self.max_images = processor, processor.tokenizer, max_images
         self.label_check, self.label_collate = label_check, label_collate
-        self.layout = VisionPreferenceCollator(processor, max_length, video=video)
+        # (the layout pads: the checks below read each row; the batch is packed after them)
+        self.layout = VisionPreferenceCollator(processor, max_length, video=video, rope_positions=rope_positions)
+        self.padding_free = padding_free
         self.skipped: Counter[str] = Counter()
 
     def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
@@ -91,14 +105,17 @@ class HubPairCollator:
         try:
             batch = self._batch(items)
             if self.layout.max_length is None or batch["completion_mask"].sum(dim=1).all():
-                return batch
+                return self._packed(batch, items)
         except ConfigError:  # (a cut through a prompt's image tokens)
             pass
         kept = [it for it in items if self._fits(it)]
         for _ in range(len(items) - len(kept)):
             self.skipped["prompt_fills_max_length"] += 1
             skipped["prompt_fills_max_length"] += 1
-        return self._batch(kept) if kept else None
+        return self._packed(self._batch(kept), kept) if kept else None
+
+    def _packed(self, batch: dict[str, Any], items: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.layout.pack(batch, items) if self.padding_free else batch
 
     def _fits(self, item: dict[str, Any]) -> bool:
         try:

@@ -87,15 +87,16 @@ class TextPairProcessor:
 class PairCollator:
     """Raw preference pairs -> one batch: each processed by ``process`` (a bad pair skipped and counted, as
     every vlmtrain collator skips), then laid out by data/preference.py's PreferenceCollator (the B chosen rows,
-    then the B rejected rows, cut to ``max_length`` as ``truncation_mode`` says)."""
+    then the B rejected rows, cut to ``max_length`` as ``truncation_mode`` says; ``padding_free``: packed into one
+    row, data/pair_packing.py)."""
 
     # Takes whole samples: vlmtrain.Trainer never trims their columns (vlmtrain/compat/columns.py).
     keeps_columns = True
 
     def __init__(self, process: Callable[[Any], dict[str, Any]], pad_token_id: int, max_length: int | None,
-                 truncation_mode: str = "keep_start", tokenizer: Any = None) -> None:
+                 truncation_mode: str = "keep_start", tokenizer: Any = None, padding_free: bool = False) -> None:
         self.process, self.tokenizer = process, tokenizer  # (the tokenizer names the tokens pair_check shows)
-        self.layout = PreferenceCollator(pad_token_id, max_length, truncation_mode)
+        self.layout = PreferenceCollator(pad_token_id, max_length, truncation_mode, padding_free)
         self.skipped: Counter[str] = Counter()
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:

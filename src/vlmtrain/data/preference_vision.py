@@ -87,6 +87,18 @@ def _common_prefix(a: str, b: str) -> str:
     return a[:n]
 
 
+def answer_has_images(sample: Mapping[str, Any]) -> bool:
+    """Whether a pair's ``chosen`` or ``rejected`` messages hold an image part (TRL's message lists allow one in any
+    turn): both answers answer one prompt, and the pair's images are that prompt's (encoded once for both)."""
+    return any(isinstance(m, Mapping) and not isinstance(m.get("content"), str)
+               and any(isinstance(p, Mapping) and p.get("type") == "image" for p in m.get("content") or [])
+               for key in ("chosen", "rejected") if isinstance(sample.get(key), list) for m in sample[key])
+
+
+ANSWER_IMAGES = ("an image in its 'chosen' or 'rejected' messages: the images of a pair belong to its prompt, "
+                 "which both answers share; move them to the prompt's user turn")
+
+
 def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, str]:
     """The prompt, chosen and rejected texts of a pair. A conversation is rendered by the processor's chat template
     (the prompt with the generation prompt, or continuing a final assistant turn); the prompt is then cut to what
@@ -97,6 +109,8 @@ def render_pair(sample: Mapping[str, Any], processor: Any) -> tuple[str, str, st
                               "'prompt', 'chosen' and 'rejected'.")
     if not is_conversational(sample):
         return sample["prompt"], sample["chosen"], sample["rejected"]
+    if answer_has_images(sample):
+        raise ConfigError(f"a preference pair with {ANSWER_IMAGES}.")
     prompt = _with_image_parts(sample["prompt"], len(_images_of(sample)), len(sample_videos(sample)))
     chosen, rejected = _with_image_parts(sample["chosen"], 0), _with_image_parts(sample["rejected"], 0)
     ends_with_answer = prompt[-1]["role"] == "assistant"
@@ -187,9 +201,13 @@ class VisionPreferenceCollator:
                 batch[k][r, :len(extra)] = torch.tensor(extra)
         counts, video_counts = [len(im) for im in images], [len(c) for c in clips]
         self._index_images(batch, prompt_ids, counts, prompts, video_counts)
-        if self.padding_free:
-            return pack_pair_rows(batch, token_keys, self.rope_positions, counts * 2, video_counts * 2)
-        return batch
+        return self.pack(batch, samples) if self.padding_free else batch
+
+    def pack(self, batch: dict[str, torch.Tensor], samples: list[Mapping[str, Any]]) -> dict[str, Any]:
+        """``batch``, this collator's padded layout of ``samples``, packed into one row (data/pair_packing.py)."""
+        token_keys = [k for k in ROW_TOKEN_KEYS if k in batch]
+        return pack_pair_rows(batch, token_keys, self.rope_positions, [len(_images_of(s)) for s in samples] * 2,
+                              [len(sample_videos(s)) for s in samples] * 2)
 
     def clips(self, sample: Mapping[str, Any]) -> list[VideoClip]:
         """A pair's videos decoded to the frames the family's plan keeps (a VideoClip as it is)."""

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .preference_vision import ROW_IMAGE_KEYS, ROW_TOKEN_KEYS, VISION_PREFIX, image_token_id
 from .processing import SkipSample
 
 HEAD = "reward"
@@ -68,17 +69,22 @@ class VisionPairCollator:
     """Reward pairs with images as one pair batch for a Hub VLM with a ``reward`` head: the B chosen samples,
     then the B rejected ones, as the family's collator lays samples out, no LM targets, and ``labels_reward``
     (each pair's margin, 0 without). A pair whose chosen or rejected sample the processing skips (too long, a
-    bad image, ...) is skipped whole and counted in ``skipped``."""
+    bad image, ...) is skipped whole and counted in ``skipped``. With ``one_vision_pass`` (the default) each pair's
+    images are given once, as DPO's pair batches give them (data/preference_vision.py): the chosen samples' pixel
+    inputs under ``vision_*`` and ``image_token_index`` naming, for each image token of the 2B rows, the feature
+    token it shows (a rejected row shows its chosen row's), which the model encodes in one vision pass
+    (models/objectives/vision_pairs.py)."""
 
     keeps_columns = True  # (it reads images and texts: the Trainer keeps every column)
 
-    def __init__(self, hub_processor: Any, label_collate: Callable[[list[Any]], dict[str, Any]] | None = None
-                 ) -> None:
+    def __init__(self, hub_processor: Any, label_collate: Callable[[list[Any]], dict[str, Any]] | None = None,
+                 one_vision_pass: bool = True) -> None:
         from .hub_collate import HubVLMCollator
 
         self.processor = hub_processor
         self.collate = HubVLMCollator(hub_processor)
         self.label_collate = label_collate or _margins
+        self.one_vision_pass = one_vision_pass
         self.skipped: Counter[str] = Counter()
 
     def __call__(self, pairs: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -97,7 +103,26 @@ class VisionPairCollator:
                               "images and lengths (max_length).")
         batch = self.collate(chosen + rejected)
         batch.pop("labels", None)  # the reward head's loss alone: no LM targets
+        if self.one_vision_pass:
+            batch = self._images_once(batch, chosen)
         return {**batch, **self.label_collate(kept)}
+
+    def _images_once(self, batch: dict[str, Any], chosen: list[Any]) -> dict[str, Any]:
+        """``batch`` with each pair's images once (see the class docstring); a batch without images, with videos,
+        or whose rejected rows do not show their chosen rows' image tokens, as it is."""
+        pixel_keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor)
+                      and k not in ("input_ids", "attention_mask", *ROW_TOKEN_KEYS) and not k.startswith("labels")]
+        if not pixel_keys or any("video" in k for k in pixel_keys):
+            return batch
+        shown = (batch["input_ids"] == image_token_id(self.processor.processor)).sum(dim=1)
+        per_chosen, per_rejected = shown.chunk(2)
+        if not torch.equal(per_chosen, per_rejected):
+            return batch
+        images = self.collate(chosen)  # (the chosen samples' pixel inputs: each pair's images once)
+        out = {k: v for k, v in batch.items() if k not in pixel_keys or k in ROW_IMAGE_KEYS}
+        out.update({VISION_PREFIX + k: images[k] for k in pixel_keys})
+        out["image_token_index"] = torch.arange(int(per_chosen.sum())).repeat(2)
+        return out
 
 
 def _margins(pairs: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from .head_config import HeadConfig, parse_heads
 from .head_metrics import compute_head_metrics, head_metrics
 from .lm_loss import decoder_and_head, lm_loss_sum
 from .objectives.reward import bradley_terry
+from .objectives.vision_pairs import with_pair_images
 
 __all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_mask",
            "head_label_tensors", "head_metrics", "pair_margin_tensors", "pair_rewards", "parse_heads", "pool_last_token"]
@@ -210,6 +211,8 @@ class WithHeads(nn.Module):
             batch.setdefault("use_cache", False)
         result: dict[str, torch.Tensor] = {}
         parts = decoder_and_head(_inner_model(self.base)) if lm_labels is not None and loss_only else None
+        if "image_token_index" in batch:  # (a pair batch with each pair's images once: encoded once here)
+            batch = with_pair_images(_inner_model(self.base), batch)
         if lm_labels is None:  # score-only: no LM logits
             hidden, loss = self._hidden_without_lm_head(batch)
         elif parts is not None:  # LM logits only at the targets, in chunks (models/lm_loss.py)

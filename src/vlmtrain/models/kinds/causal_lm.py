@@ -84,7 +84,7 @@ def pairs(cfg: Any, tokenizer: Any = None) -> Any:
     tokenizer = tokenizer if tokenizer is not None else _tokenizer(cfg, None)
     processor = TextPairProcessor(tokenizer, cfg.data.max_length, cfg.train.truncation_mode)
     return PairCollator(processor.process, tokenizer.pad_token_id, cfg.data.max_length, cfg.train.truncation_mode,
-                        tokenizer)
+                        tokenizer, padding_free=bool(cfg.data.packing))
 
 
 def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., str]:

@@ -273,7 +273,13 @@ def pairs(cfg: Any, processor: Any = None) -> Any:
     heads = parse_heads(cfg.model.heads)  # (score heads beside DPO: their labels, one per pair)
     labels = (functools.partial(check_head_labels, heads), functools.partial(head_label_tensors, heads)) if heads \
         else (None, None)
-    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images, *labels, video=video)
+    rope = None
+    if cfg.data.packing and family.rope_positions is not None:  # (each packed sequence's own rotary positions)
+        from transformers import AutoConfig
+
+        rope = functools.partial(family.rope_positions, AutoConfig.from_pretrained(cfg.model.pretrained))
+    return HubPairCollator(processor, cfg.data.max_length, cfg.data.max_images, *labels, video=video,
+                           padding_free=bool(cfg.data.packing), rope_positions=rope)
 
 
 def reward_pairs(cfg: Any, processor: Any) -> Any:
