@@ -90,3 +90,61 @@ def test_the_plan_is_within_15_percent_of_the_cpu_peak(configs, name, tmp_path):
     assert plan.parts["activations"] > 0.2 * plan.total and plan.parts["optimizer"] > 0, plan.table()
     print(f"{name}: plan {plan.total} B, measured {measured} B ({plan.total / measured - 1:+.1%})")
     assert abs(plan.total - measured) <= 0.15 * measured, (name, plan.total, measured, plan.table())
+
+
+SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+         "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 512}
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A packed causal_lm run small enough to trace in a second or two."""
+    tmp = tmp_path_factory.mktemp("memplan_small")
+    return _config(tmp, "small", {"kind": "causal_lm", "config": SMALL},
+                   {"source": "addition", "packing": True, "pack_length": 128, "max_length": 64},
+                   {"per_device_train_batch_size": 1})
+
+
+def test_plan_prints_each_part_and_the_total_against_the_device(small, capsys):
+    assert main(["plan", "--config", small, "--device", "h100-80gb"]) == 0
+    out = capsys.readouterr().out
+    for part in ("weights", "gradients", "optimizer", "activations", "temporaries", "total"):
+        assert part in out
+    assert "80.00 GiB   fits" in out and "1 row(s) x 128 tokens" in out
+    assert main(["plan", "--config", small, "--device-memory", "1KiB"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_a_budget_that_cannot_fit_is_refused_before_training_in_one_line(small, capsys):
+    assert main(["train", "--config", small, "--data.device_memory", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: data.pack_length=128 (data.packing: true) needs an estimated ") and "MiB" in err
+    assert "of the device's 1.00 MiB" in err and "lower data.pack_length or set it to auto" in err
+
+
+def test_auto_picks_a_budget_that_fits_and_grows_with_the_device(small):
+    cfg = load_run_config(small, {"data.pack_length": "auto"})
+    base = estimate_step_memory(cfg, pack_length=64).total
+    picked = []
+    for factor in (1.2, 2, 4):
+        device = int(base * factor / 0.9)
+        length = plan_token_budget(load_run_config(small, {"data.pack_length": "auto",
+                                                           "data.device_memory": str(device)})).data.pack_length
+        assert isinstance(length, int) and length % 64 == 0 and length >= 64
+        picked.append((length, device))
+    length, device = picked[-1]
+    assert estimate_step_memory(cfg, device, pack_length=length).fits()
+    picked = [length for length, _ in picked]
+    assert picked == sorted(picked) and picked[0] < picked[-1], picked
+
+
+def test_auto_refusals(small):
+    with pytest.raises(ConfigError, match="data.pack_length: auto plans against the GPU's memory; without CUDA set "
+                                          "data.device_memory"):
+        plan_token_budget(load_run_config(small, {"data.pack_length": "auto"}))
+    with pytest.raises(ConfigError, match="data.pack_length: auto plans a packed row's token budget: set "
+                                          "data.packing: true"):
+        load_run_config(small, {"data.pack_length": "auto", "data.packing": None})
+    with pytest.raises(ConfigError, match="device memory 'lots' is neither a size"):
+        load_run_config(small, {"data.device_memory": "lots"})

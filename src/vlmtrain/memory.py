@@ -150,8 +150,38 @@ def configured_device_bytes(cfg: RunConfig) -> int | None:
     return None
 
 
-def _fsdp_degree(cfg: RunConfig) -> int:
-    return int(os.environ.get("WORLD_SIZE", "1")) if cfg.train.fsdp else 1
+def _fsdp_degree(cfg: RunConfig, nproc: int | None = None) -> int:
+    return (nproc or int(os.environ.get("WORLD_SIZE", "1"))) if cfg.train.fsdp else 1
+
+
+def covered(cfg: RunConfig) -> bool:
+    """Whether the plan knows how to make up a micro-batch for the run's model (causal_lm, Qwen-VL Hub VLMs)."""
+    if cfg.model.kind == "causal_lm":
+        return True
+    if cfg.model.kind != "hub_vlm" or not cfg.model.pretrained:
+        return False
+    from vlmtrain.models.families import model_type_of
+
+    try:
+        return model_type_of(cfg.model.pretrained) in QWEN_VL
+    except OSError:
+        return False
+
+
+def plan_report(cfg: RunConfig, device: str | None = None, nproc: int = 1) -> str:
+    """What ``vlmtrain plan`` prints: the estimate per part and the total against the device (``device``: a name or
+    size; default: data.device_memory, else the CUDA device); with data.pack_length auto, the budget it picks."""
+    from vlmtrain.parallel.memory_plan import device_memory
+
+    if device is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, device_memory=device))
+    device_bytes = device_memory(device) if device is not None else configured_device_bytes(cfg)
+    head = ""
+    if cfg.data.pack_length == AUTO:
+        length = auto_pack_length(cfg, nproc)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack_length=length))
+        head = f"data.pack_length: auto -> {length}\n"
+    return head + estimate_step_memory(cfg, device_bytes, fsdp_degree=_fsdp_degree(cfg, nproc)).table()
 
 
 def plan_token_budget(cfg: RunConfig) -> RunConfig:
@@ -160,20 +190,23 @@ def plan_token_budget(cfg: RunConfig) -> RunConfig:
     device's memory and the setting. Without CUDA and ``data.device_memory``, a fixed budget is not checked."""
     d = cfg.data
     if d.pack_length != AUTO:
-        if not d.packing or d.pack_length is None or d.device_memory is None:
-            return cfg  # (the CUDA check of a fixed budget runs where a device is configured: data.device_memory)
-        plan = estimate_step_memory(cfg, configured_device_bytes(cfg), fsdp_degree=_fsdp_degree(cfg))
+        if not d.packing or d.pack_length is None or not covered(cfg):
+            return cfg
+        device = configured_device_bytes(cfg)
+        if device is None:  # (no CUDA, no data.device_memory: nothing to check against)
+            return cfg
+        plan = estimate_step_memory(cfg, device, fsdp_degree=_fsdp_degree(cfg))
         if not plan.fits():
             from vlmtrain.parallel.memory_plan import MARGIN, gib
 
-            raise ConfigError(f"data.pack_length={d.pack_length} needs an estimated {gib(plan.total)} per step, more "
+            raise ConfigError(f"data.pack_length={d.pack_length} (data.packing: true) needs an estimated {gib(plan.total)} per step, more "
                               f"than {1 - MARGIN:.0%} of the device's {gib(plan.device_bytes)} (data.device_memory="
-                              f"{d.device_memory}): lower data.pack_length or set it to auto (see `vlmtrain plan`).")
+                              f"{d.device_memory or 'the CUDA device'}): lower data.pack_length or set it to auto (see `vlmtrain plan`).")
         return cfg
     return dataclasses.replace(cfg, data=dataclasses.replace(d, pack_length=auto_pack_length(cfg)))
 
 
-def auto_pack_length(cfg: RunConfig) -> int:
+def auto_pack_length(cfg: RunConfig, nproc: int | None = None) -> int:
     """The largest token budget (a multiple of 64, at least data.max_length) whose plan fits the device."""
     from vlmtrain.parallel.memory_plan import MARGIN, gib, largest_fitting
 
@@ -181,7 +214,7 @@ def auto_pack_length(cfg: RunConfig) -> int:
     if device is None:
         raise ConfigError("data.pack_length: auto plans against the GPU's memory; without CUDA set "
                           "data.device_memory (e.g. 80GiB or h100-80gb) or a number for data.pack_length.")
-    degree = _fsdp_degree(cfg)
+    degree = _fsdp_degree(cfg, nproc)
     low = -(-cfg.data.max_length // 64) * 64
 
     def estimate(length: int) -> Any:

@@ -4,8 +4,8 @@ FakeTensorMode (tensors with shapes and dtypes but no storage, so an 8B model co
 estimator does. Tracing rather than a formula per architecture: whatever the model does (its attention
 implementation, activation checkpointing mode, chunked loss, LoRA, a vision tower) is what gets counted.
 
-Two steps are traced (forward, backward, AdamW step, ``zero_grad(set_to_none=True)``), so the peak includes the
-optimizer state that exists from the first step on. Integer inputs (token ids, image grids, positions) are fake
+One step is traced (forward, backward, AdamW step, ``zero_grad(set_to_none=True)``) after AdamW's state was made
+(an untraced step on zero gradients), so the peak includes the optimizer state every step after the first holds. Integer inputs (token ids, image grids, positions) are fake
 tensors that keep their values (FakeTensorMode's constants), so the python-int bookkeeping of a VLM's vision tower
 runs as usual.
 
@@ -107,7 +107,7 @@ def _constants_kept() -> Iterator[None]:
 
 
 def trace_step_memory(model: nn.Module, batch: Mapping[str, Any], *, autocast: torch.dtype | None = None,
-                      weight_decay: float = 0.0, steps: int = 2) -> dict[str, int]:
+                      weight_decay: float = 0.0, steps: int = 1) -> dict[str, int]:
     """Peak bytes per part (:data:`PARTS`) of ``steps`` training steps of ``model`` (on the meta device) on
     ``batch`` (real tensors: integer ones keep their values, float ones only their shapes), with AdamW.
     ``autocast``: the compute dtype of mixed precision (train.bf16)."""
@@ -127,6 +127,10 @@ def trace_step_memory(model: nn.Module, batch: Mapping[str, Any], *, autocast: t
         inputs = {k: fake(v) for k, v in batch.items()}
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=weight_decay, foreach=False)
+        for p in params:  # AdamW's state exists from the first step on: made here, without a traced step
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         tracker = _tracker()
         tracker.track_external(model, optimizer)
         amp = torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
