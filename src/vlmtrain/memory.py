@@ -195,7 +195,14 @@ def plan_token_budget(cfg: RunConfig) -> RunConfig:
         device = configured_device_bytes(cfg)
         if device is None:  # (no CUDA, no data.device_memory: nothing to check against)
             return cfg
-        plan = estimate_step_memory(cfg, device, fsdp_degree=_fsdp_degree(cfg))
+        try:
+            plan = estimate_step_memory(cfg, device, fsdp_degree=_fsdp_degree(cfg))
+        except ConfigError:
+            raise
+        except Exception as e:  # (a model the trace cannot run: the run goes on unchecked, and says so)
+            logger.warning("memory plan of data.pack_length=%s not made (%s: %s); training unchecked",
+                           d.pack_length, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            return cfg
         if not plan.fits():
             from vlmtrain.parallel.memory_plan import MARGIN, gib
 
