@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     "vlmtrain.config": 6,
     "vlmtrain.config_objective": 6,
     "vlmtrain.compose": 6,
+    "vlmtrain.memory": 6,
     "vlmtrain.inference": 6,
     "vlmtrain.prediction": 6,
     "vlmtrain.run": 7,

@@ -321,8 +321,29 @@ def _sync(argv: list[str]) -> int:
     return 0
 
 
+def _plan_options(parser: Any) -> None:
+    parser.add_argument("--device", type=str | None, default=None,
+                        help="The GPU to plan for: h100-80gb, h100-94gb, h200, a100-40gb, a100-80gb, l40s, a10g, l4, "
+                             "rtx4090 (default: data.device_memory, else this machine's CUDA device, else none).")
+    parser.add_argument("--device-memory", "--device_memory", type=str | None, default=None,
+                        help="The device's memory instead of a name, e.g. 80GiB or 40GB.")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="Devices of the run: with train.fsdp the weights, gradients and optimizer state are "
+                             "split over them.")
+
+
+def _plan(argv: list[str]) -> int:
+    cfg, ns = _parse("plan", argv, extra=_plan_options)
+    if ns.device and ns.device_memory:
+        raise ConfigError("vlmtrain plan: pass --device or --device-memory, not both.")
+    from vlmtrain import memory
+
+    print(memory.plan_report(cfg, ns.device or ns.device_memory, ns.nproc))
+    return 0
+
+
 _HANDLERS = {"train": _train, "eval": _eval, "predict": _predict, "generate": _generate, "demo": _demo,
-             "export": _export, "data": _data, "report": _report, "sync": _sync}
+             "export": _export, "data": _data, "report": _report, "sync": _sync, "plan": _plan}
 
 
 def _shutdown_distributed() -> None:

@@ -32,6 +32,9 @@ COMMANDS = {
               "vlmtrain report RUN_DIR [--max-cards N]",
     "sync": "Replay RUN_DIR/metrics.jsonl into a tracker: vlmtrain sync RUN_DIR --to wandb|mlflow|trackio|tensorboard "
             "[--project P] [--run-name N]",
+    "plan": "Estimate one training step's peak memory per part (weights, gradients, optimizer, activations, "
+            "temporaries) without a GPU: vlmtrain plan --config FILE.yaml [--device h100-80gb | --device-memory "
+            "80GiB] [--nproc N]",
 }
 # Each command's page in the documentation (docs/ of the repository; `mkdocs serve` renders it as a site).
 DOCS = {
@@ -44,6 +47,7 @@ DOCS = {
     "data": "docs/data.md",
     "report": "docs/evaluation.md#the-run-report",
     "sync": "docs/evaluation.md#trackers",
+    "plan": "docs/memory.md",
 }
 CHECKPOINT_HELP = ("Checkpoint directory (checkpoint-N/), a run directory (its newest checkpoint is used), "
                    "or 'latest' for the newest checkpoint in train.output_dir.")
@@ -66,7 +70,7 @@ HELP_ALL = "--help-all"
 
 def usage() -> str:
     """`vlmtrain --help`: every command, one line each, with its page in the docs."""
-    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data,report,sync} [options]  "
+    lines = ["usage: vlmtrain {train,eval,predict,generate,demo,export,data,report,sync,plan} [options]  "
              "(vlmtrain COMMAND --help: its options; --help-all: every config key)", ""]
     for name, text in COMMANDS.items():
         lines += [f"  {name:<8} {text}", f"  {'':<8} docs: {DOCS[name]}"]

@@ -173,8 +173,14 @@ class DataCore:
     logits equal to unpacked ones; true: required (an error if the model fails the check); false: pad.
     hub_vlm: null pads; true packs (Qwen's multimodal positions per sample; not Gemma 3, not with model.heads);
     pack_length, pack_window, max_images_per_pack and max_patches_per_pack need true. Evaluation never packs."""
-    pack_length: int | None = None
-    """Tokens per packed row (default: max_length for a VLM or Hub VLM, 64 for addition)."""
+    pack_length: int | Literal["auto"] | None = None
+    """Tokens per packed row (default: max_length for a VLM or Hub VLM, 64 for addition). auto (packing true;
+    causal_lm and Qwen-VL Hub VLMs): before the first step, the largest budget whose planned peak memory fits the
+    device with a 10% margin (see docs/memory.md); a number that cannot fit data.device_memory is refused."""
+    device_memory: str | None = None
+    """Memory of one training device the token budget is planned against: a size (80GiB, 40GB) or a device
+    (h100-80gb, h200, a100-40gb, ...; see docs/memory.md). null: the CUDA device's total memory; without CUDA,
+    pack_length auto needs it."""
     pack_window: int | None = None
     """Pack rows from windows of this many consecutive samples instead of from each batch: rows come out
     nearly full (only a window's last row is partial) and per_device_train_batch_size counts rows of
@@ -217,11 +223,18 @@ class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
                 raise ConfigError(f"data.{name} must be >= {low}, got {getattr(self, name)}.")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ConfigError("data.image_mean and data.image_std need 3 values (RGB), the std ones > 0.")
+        if self.pack_length == "auto" and self.packing is not True:
+            raise ConfigError("data.pack_length: auto plans a packed row's token budget: set data.packing: true "
+                              "(or give data.pack_length a number).")
+        if self.device_memory is not None:
+            from vlmtrain.parallel.memory_plan import device_memory
+
+            device_memory(self.device_memory)  # a bad size or device name fails here
         for name in ("pack_length", "max_images_per_pack", "max_patches_per_pack", "pack_window",
                      "pad_to_multiple_of"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+            if isinstance(getattr(self, name), int) and getattr(self, name) < 1:
                 raise ConfigError(f"data.{name} must be >= 1 or null, got {getattr(self, name)}.")
-        if self.pack_length is not None and self.source != "addition" and self.pack_length < self.max_length:
+        if isinstance(self.pack_length, int) and self.source != "addition" and self.pack_length < self.max_length:
             raise ConfigError(f"data.pack_length={self.pack_length} is below data.max_length={self.max_length}: "
                               f"every sample that fits max_length must fit a pack.")
         for name in ("max_pixels", "min_pixels", "max_image_tokens"):
