@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from . import varlen_attention
 from .checkpointing_policies import CONTEXTS, SELECTIVE_EVERY, checkpointing_mode
 from .protocol import REGIONAL_COMPILE_ATTR
 
@@ -52,14 +53,49 @@ def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str 
         raise ConfigError(f"torch_compile: {type(model).__name__} asks to be compiled layer by layer but has no "
                           f"transformer layer (transformers' GradientCheckpointingLayer) to compile.")
     for layer in layers:
-        if getattr(layer, "_compiled_call_impl", None) is None:  # (a second train() keeps the compiled layers)
-            layer.forward = types.MethodType(_forward_of_its_own(type(layer)), layer)
-            for module in list(layer.modules())[1:]:  # (the layer itself takes the boundaries to hand them on)
-                if EAGER_ARGUMENT in inspect.signature(module.forward).parameters:
-                    module.forward = torch.compiler.disable(module.forward)
-            layer._compiled_call_impl = _without_duck_sizing(
-                torch.compile(layer._call_impl, backend=backend, mode=mode, dynamic=True))
+        if getattr(layer, "_compiled_call_impl", None) is not None or getattr(layer, COMPILED_INSIDE, False):
+            continue  # (a second train() keeps the compiled layers)
+        eager = [m for m in list(layer.modules())[1:]  # (the layer itself takes the boundaries to hand them on)
+                 if EAGER_ARGUMENT in inspect.signature(m.forward).parameters]
+        for module in eager:
+            module.forward = torch.compiler.disable(module.forward)
+        if (eager or _varlen_attention(layer)) and _compile_inside_checkpoint(layer, backend, mode):
+            continue
+        layer.forward = types.MethodType(_own_copy(type(layer).forward, type(layer).__name__), layer)
+        layer._compiled_call_impl = _without_duck_sizing(
+            torch.compile(layer._call_impl, backend=backend, mode=mode, dynamic=True))
     return wrapped
+
+
+COMPILED_INSIDE = "vlmtrain_compiled_inside_checkpoint"
+"""Set on a layer whose forward (without transformers' checkpointing wrapper) is compiled (_compile_inside_checkpoint)."""
+
+
+def _varlen_attention(layer: nn.Module) -> bool:
+    """The layer attends with model.attn_implementation varlen_torch (its documents: python ints, run eagerly)."""
+    return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == varlen_attention.NAME
+               for m in layer.modules())
+
+
+def _compile_inside_checkpoint(layer: nn.Module, backend: str, mode: str | None) -> bool:
+    """Compile the layer's own forward and leave transformers' checkpointing wrapper around it eager (False where
+    the installed transformers' wrapper has no such inner forward). A layer whose graph breaks (an attention run
+    eagerly) cannot be compiled with its checkpoint: dynamo traces torch.utils.checkpoint as one region that must
+    not break, and runs the whole layer eagerly instead. Inside the checkpoint it compiles as without it, and the
+    recomputation in backward runs the compiled forward again."""
+    wrapper = type(layer).forward
+    names = wrapper.__code__.co_freevars
+    if "forward" not in names:
+        return False
+    cells = dict(zip(names, wrapper.__closure__))
+    inner = _own_copy(cells["forward"].cell_contents, type(layer).__name__)
+    compiled = _without_duck_sizing(torch.compile(inner, backend=backend, mode=mode, dynamic=True))
+    closure = tuple(types.CellType(compiled) if n == "forward" else cells[n] for n in names)
+    own = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, closure)
+    own.__kwdefaults__ = wrapper.__kwdefaults__
+    layer.forward = types.MethodType(functools.wraps(wrapper)(own), layer)
+    setattr(layer, COMPILED_INSIDE, True)
+    return True
 
 
 def _without_duck_sizing(compiled: Any) -> Any:
@@ -80,19 +116,18 @@ def _without_duck_sizing(compiled: Any) -> Any:
 
 
 @functools.cache
-def _forward_of_its_own(cls: type) -> Any:
-    """``cls.forward`` with a code object of the class's own. transformers wraps every layer class's forward in the
-    same function (GradientCheckpointingLayer's forward_with_checkpointing), and dynamo keeps its compiled graphs,
-    its recompile limit and its record of which sizes changed (automatic dynamic shapes) per code object: shared,
-    a vision block's 2-D inputs and a decoder layer's 3-D ones would evict and recompile each other's graphs. The
-    copy is set on each instance (``type(layer).forward`` stays the wrapper, which checks that it is the outermost
-    one)."""
-    forward = cls.forward
-    code = forward.__code__.replace(co_name=f"{cls.__name__}_forward",
-                                    co_qualname=f"{cls.__name__}.{forward.__code__.co_name}")
-    own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
-    own.__kwdefaults__ = forward.__kwdefaults__
-    return functools.wraps(forward)(own)
+def _own_copy(fn: Any, owner: str) -> Any:
+    """``fn`` with a code object of ``owner``'s own. transformers wraps every layer class's forward in the same
+    function (GradientCheckpointingLayer's forward_with_checkpointing; some forwards also in a shared deprecation
+    decorator), and dynamo keeps its compiled graphs, its recompile limit and its record of which sizes changed
+    (automatic dynamic shapes) per code object: shared, a vision block's 2-D inputs and a decoder layer's 3-D ones
+    would evict and recompile each other's graphs. One copy per class (cached), shared by its instances, set on
+    each (``type(layer).forward`` stays the wrapper, which checks that it is the outermost one)."""
+    code = fn.__code__.replace(co_name=f"{owner}_{fn.__code__.co_name}",
+                               co_qualname=f"{owner}.{fn.__code__.co_name}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return functools.wraps(fn)(own)
 
 
 def _checkpointable(model: nn.Module) -> list[nn.Module]:
