@@ -102,9 +102,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     budget.add_options(p)
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="gradient/activation checkpointing in every contender (default on)")
-    p.add_argument("--checkpointing-mode", choices=("full", "selective"), default="full", help="vlmtrain's "
-                   "activation_checkpointing_kwargs mode: full (recompute whole layers, as transformers) or selective "
-                   "(keep matmul and attention outputs, recompute the rest); transformers' Trainer always full")
+    p.add_argument("--checkpointing-mode", choices=("full", "selective", "attention"), default="full",
+                   help="vlmtrain's activation_checkpointing_kwargs mode: full (recompute whole layers, as "
+                   "transformers), selective (keep matmul and attention outputs, recompute the rest) or attention "
+                   "(keep attention outputs only); transformers' Trainer always full")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile in every contender (default off)")
     p.add_argument("--liger", action="store_true", help="the vlmtrain contenders with train.use_liger_kernel "

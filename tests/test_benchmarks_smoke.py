@@ -109,11 +109,11 @@ def test_budget_contender_trains_one_row_of_T_tokens_per_step(bench, capsys, tmp
 def test_selective_checkpointing_runs_vlmtrain_with_the_losses_of_full(bench, capsys, tmp_path, monkeypatch):
     """--checkpointing-mode selective: vlmtrain padded checkpoints with the selective policy (it decides what each
     checkpointed operator keeps), with the same step-1 loss as transformers' full recompute on the same samples."""
-    from vlmtrain.models import training_prep
+    from vlmtrain.models import checkpointing_policies
 
     calls = []
-    policy = training_prep._selective_policy
-    monkeypatch.setattr(training_prep, "_selective_policy", lambda *a, **k: (calls.append(1), policy(*a, **k))[1])
+    policy = checkpointing_policies._selective_policy
+    monkeypatch.setattr(checkpointing_policies, "_selective_policy", lambda *a, **k: (calls.append(1), policy(*a, **k))[1])
     assert bench.main(["--smoke", "--only", "2b-full", "--contender", "transformers", "--contender",
                        "vlmtrain padded", "--checkpointing-mode", "selective", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

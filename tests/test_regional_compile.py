@@ -13,6 +13,8 @@ from vlmtrain.data.hub_collate import HubVLMCollator
 from vlmtrain.data.hub_processing import HubVLMProcessor
 from vlmtrain.models.families import get_family
 from vlmtrain.models.kinds.hub_vlm import load_model
+from vlmtrain.models.training_prep import COMPILED_INSIDE
+from vlmtrain.models.varlen_attention import use_varlen_text_attention
 
 
 class _StepModels(Trainer):
@@ -65,7 +67,7 @@ def test_hub_vlm_compiles_each_layer_and_trains_as_eager(tmp_path, checkpointing
     layers = [m for m in trainer.model.modules() if isinstance(m, GradientCheckpointingLayer)]
     names = [n for n, m in trainer.model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
     assert len(layers) == 4 and any(".visual.blocks." in n for n in names)  # 2 vision blocks, 2 decoder layers
-    assert all(m._compiled_call_impl is not None for m in layers)
+    assert all(m._compiled_call_impl is not None or getattr(m, COMPILED_INSIDE, False) for m in layers)
     assert not any(m._compiled_call_impl is not None for m in trainer.model.modules()
                    if not isinstance(m, GradientCheckpointingLayer))
     assert trainer.step_models == [type(trainer.model)] * 3  # not an OptimizedModule around the whole model
@@ -138,3 +140,45 @@ def test_regional_compile_compiles_each_region_at_most_twice_over_random_lengths
     assert all(len(ids) <= 2 for ids in counter.compiles.values()), counter.compiles
     assert all(len(ids) <= 2 for ids in counter.regions.values()), counter.regions
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "attention"), [("full", "varlen_torch"), ("selective", "sdpa")])
+def test_regional_compile_compiles_checkpointed_layers_whose_attention_runs_eagerly(tmp_path, mode, attention):
+    """With activation checkpointing, the layers whose attention runs eagerly (the vision blocks; the decoder layers
+    under varlen_torch) are compiled too, inside their checkpoint: dynamo compiles each frame (a layer's forward,
+    or its part after the eager attention) once over 6 steps of random lengths and image counts (no recompile
+    after the first), each region (vision block, decoder layer) in at most its two frames, and the losses equal
+    eager's."""
+    from torch._dynamo import register_backend
+
+    family = get_family("qwen3_vl")
+    path = family.build_tiny(str(tmp_path / "tiny"), seed=0)
+    counter = _CompileCounter()
+    register_backend(counter, name=f"vlmtrain_test_counting_{mode}")
+    collator = HubVLMCollator(HubVLMProcessor(family.load_processor(path), family))
+
+    def train(out, **compile_args):
+        torch.manual_seed(0)
+        model = load_model(path)
+        if attention == "varlen_torch":
+            use_varlen_text_attention(model)
+        trainer = Trainer(model, TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=6, per_device_train_batch_size=2, logging_steps=1,
+            save_strategy="no", learning_rate=1e-3, disable_tqdm=True, report_to="none", seed=0,
+            activation_checkpointing=True, activation_checkpointing_kwargs={"mode": mode}, **compile_args),
+            train_dataset=_random_samples(12, seed=0), data_collator=collator)
+        trainer.train()
+        return [r["loss"] for r in trainer.state.log_history if "loss" in r]
+
+    eager = train("eager")
+    torch._dynamo.reset()
+    compiled = train("compiled", torch_compile_backend=f"vlmtrain_test_counting_{mode}")
+    torch._dynamo.reset()
+    print(f"compiles per frame {counter.compiles}\nregions {list(counter.regions.values())}\n{eager}\n{compiled}")
+    assert any(any(n.startswith("norm1.") for n in r) for r in counter.regions)  # the vision blocks compiled
+    assert any(any(n.startswith("mlp.") for n in r) and not any(n.startswith("norm1.") for n in r)
+               for r in counter.regions)  # ... and the decoder layers
+    assert all(len(ids) == 1 for ids in counter.compiles.values()), counter.compiles
+    assert all(len(ids) <= 2 for ids in counter.regions.values()), counter.regions  # (split at the attention)
+    assert compiled == pytest.approx(eager, rel=1e-6) and eager[0] != eager[-1]

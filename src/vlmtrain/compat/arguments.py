@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..evaluation.arguments import EvaluationArguments
 from ..logging.arguments import LoggingArguments
 from ..logging.trackers import TRACKERS
-from ..models.training_prep import checkpointing_mode
+from ..models.checkpointing_policies import checkpointing_mode
 from ..trainer.args import TrainingArgumentsCore, check_choice
 from ..trainer.args_fields import CoreArguments, FsdpValue, WorkersValue  # noqa: F401 (the last two: __init__'s)
 from . import arguments_methods
@@ -351,7 +351,7 @@ def apply(args: Any) -> None:
     check_transformers_only(args)
     resolve_transformers_names(args)
     refuse_transformers_values(args)
-    checkpointing_mode(args.activation_checkpointing_kwargs)  # (its mode: full or selective)
+    checkpointing_mode(args.activation_checkpointing_kwargs)  # (its mode: full, selective or attention)
 
 
 @dataclass

@@ -6,7 +6,6 @@ holds, and regional compilation of its transformer layers. They are vlmtrain.Tra
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import types
 from typing import Any
@@ -15,6 +14,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from . import varlen_attention
+from .checkpointing_policies import CONTEXTS, SELECTIVE_EVERY, checkpointing_mode
 from .protocol import REGIONAL_COMPILE_ATTR
 
 
@@ -52,14 +53,49 @@ def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str 
         raise ConfigError(f"torch_compile: {type(model).__name__} asks to be compiled layer by layer but has no "
                           f"transformer layer (transformers' GradientCheckpointingLayer) to compile.")
     for layer in layers:
-        if getattr(layer, "_compiled_call_impl", None) is None:  # (a second train() keeps the compiled layers)
-            layer.forward = types.MethodType(_forward_of_its_own(type(layer)), layer)
-            for module in list(layer.modules())[1:]:  # (the layer itself takes the boundaries to hand them on)
-                if EAGER_ARGUMENT in inspect.signature(module.forward).parameters:
-                    module.forward = torch.compiler.disable(module.forward)
-            layer._compiled_call_impl = _without_duck_sizing(
-                torch.compile(layer._call_impl, backend=backend, mode=mode, dynamic=True))
+        if getattr(layer, "_compiled_call_impl", None) is not None or getattr(layer, COMPILED_INSIDE, False):
+            continue  # (a second train() keeps the compiled layers)
+        eager = [m for m in list(layer.modules())[1:]  # (the layer itself takes the boundaries to hand them on)
+                 if EAGER_ARGUMENT in inspect.signature(m.forward).parameters]
+        for module in eager:
+            module.forward = torch.compiler.disable(module.forward)
+        if (eager or _varlen_attention(layer)) and _compile_inside_checkpoint(layer, backend, mode):
+            continue
+        layer.forward = types.MethodType(_own_copy(type(layer).forward, type(layer).__name__), layer)
+        layer._compiled_call_impl = _without_duck_sizing(
+            torch.compile(layer._call_impl, backend=backend, mode=mode, dynamic=True))
     return wrapped
+
+
+COMPILED_INSIDE = "vlmtrain_compiled_inside_checkpoint"
+"""Set on a layer whose forward (without transformers' checkpointing wrapper) is compiled (_compile_inside_checkpoint)."""
+
+
+def _varlen_attention(layer: nn.Module) -> bool:
+    """The layer attends with model.attn_implementation varlen_torch (its documents: python ints, run eagerly)."""
+    return any(getattr(getattr(m, "config", None), "_attn_implementation", None) == varlen_attention.NAME
+               for m in layer.modules())
+
+
+def _compile_inside_checkpoint(layer: nn.Module, backend: str, mode: str | None) -> bool:
+    """Compile the layer's own forward and leave transformers' checkpointing wrapper around it eager (False where
+    the installed transformers' wrapper has no such inner forward). A layer whose graph breaks (an attention run
+    eagerly) cannot be compiled with its checkpoint: dynamo traces torch.utils.checkpoint as one region that must
+    not break, and runs the whole layer eagerly instead. Inside the checkpoint it compiles as without it, and the
+    recomputation in backward runs the compiled forward again."""
+    wrapper = type(layer).forward
+    names = wrapper.__code__.co_freevars
+    if "forward" not in names:
+        return False
+    cells = dict(zip(names, wrapper.__closure__))
+    inner = _own_copy(cells["forward"].cell_contents, type(layer).__name__)
+    compiled = _without_duck_sizing(torch.compile(inner, backend=backend, mode=mode, dynamic=True))
+    closure = tuple(types.CellType(compiled) if n == "forward" else cells[n] for n in names)
+    own = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, closure)
+    own.__kwdefaults__ = wrapper.__kwdefaults__
+    layer.forward = types.MethodType(functools.wraps(wrapper)(own), layer)
+    setattr(layer, COMPILED_INSIDE, True)
+    return True
 
 
 def _without_duck_sizing(compiled: Any) -> Any:
@@ -80,19 +116,18 @@ def _without_duck_sizing(compiled: Any) -> Any:
 
 
 @functools.cache
-def _forward_of_its_own(cls: type) -> Any:
-    """``cls.forward`` with a code object of the class's own. transformers wraps every layer class's forward in the
-    same function (GradientCheckpointingLayer's forward_with_checkpointing), and dynamo keeps its compiled graphs,
-    its recompile limit and its record of which sizes changed (automatic dynamic shapes) per code object: shared,
-    a vision block's 2-D inputs and a decoder layer's 3-D ones would evict and recompile each other's graphs. The
-    copy is set on each instance (``type(layer).forward`` stays the wrapper, which checks that it is the outermost
-    one)."""
-    forward = cls.forward
-    code = forward.__code__.replace(co_name=f"{cls.__name__}_forward",
-                                    co_qualname=f"{cls.__name__}.{forward.__code__.co_name}")
-    own = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
-    own.__kwdefaults__ = forward.__kwdefaults__
-    return functools.wraps(forward)(own)
+def _own_copy(fn: Any, owner: str) -> Any:
+    """``fn`` with a code object of ``owner``'s own. transformers wraps every layer class's forward in the same
+    function (GradientCheckpointingLayer's forward_with_checkpointing; some forwards also in a shared deprecation
+    decorator), and dynamo keeps its compiled graphs, its recompile limit and its record of which sizes changed
+    (automatic dynamic shapes) per code object: shared, a vision block's 2-D inputs and a decoder layer's 3-D ones
+    would evict and recompile each other's graphs. One copy per class (cached), shared by its instances, set on
+    each (``type(layer).forward`` stays the wrapper, which checks that it is the outermost one)."""
+    code = fn.__code__.replace(co_name=f"{owner}_{fn.__code__.co_name}",
+                               co_qualname=f"{owner}.{fn.__code__.co_name}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    own.__kwdefaults__ = fn.__kwdefaults__
+    return functools.wraps(fn)(own)
 
 
 def _checkpointable(model: nn.Module) -> list[nn.Module]:
@@ -110,87 +145,21 @@ def _checkpointable(model: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
-CHECKPOINTING_MODES = ("full", "selective")
-"""The values of activation_checkpointing_kwargs' ``mode``: ``full`` recomputes each checkpointed layer's whole
-forward in backward (transformers' behaviour); ``selective`` saves the outputs of its matrix products and attention
-and recomputes only the rest (norms, rotary embeddings, activations, casts, reshapes: torchtitan's op-level
-selective checkpointing)."""
-
-
-@functools.cache
-def _saved_ops() -> frozenset[Any]:
-    """The operators whose outputs ``selective`` keeps: matrix products and every attention kernel of the installed
-    torch (sdpa's math/flash/efficient/cuDNN kernels, the flash/efficient/cuDNN forwards behind varlen_attn, varlen
-    attention and flex attention where torch has them)."""
-    aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_attention_math",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
-             "_efficient_attention_forward", "_cudnn_attention_forward")
-    ops = {getattr(aten, n) for n in names if hasattr(aten, n)}
-    try:
-        importlib.import_module("torch.nn.attention.varlen")  # (registers torch.ops.torch_attn's operators)
-
-        ops |= {getattr(torch.ops.torch_attn, n) for n in ("_varlen_attn", "_varlen_attn_out")
-                if hasattr(torch.ops.torch_attn, n)}
-    except ImportError:  # (torch < 2.10)
-        pass
-    try:
-        from torch._higher_order_ops.flex_attention import flex_attention
-
-        ops.add(flex_attention)
-    except ImportError:
-        pass
-    return frozenset(ops)
-
-
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> torch.utils.checkpoint.CheckpointPolicy:
-    """torch.utils.checkpoint's policy for ``selective``: keep matrix products and attention, recompute the rest."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if getattr(op, "overloadpacket", op) in _saved_ops():
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def selective_checkpoint_context() -> Any:
-    """A ``context_fn`` for torch.utils.checkpoint (non-reentrant) that applies the ``selective`` policy."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_selective_policy)
-
-
-def checkpointing_mode(kwargs: Any) -> str:
-    """activation_checkpointing_kwargs' ``mode`` (``full`` when unset), checked against :data:`CHECKPOINTING_MODES`
-    and against the other keys it needs (selective: non-reentrant checkpointing, no context_fn of one's own)."""
-    if not isinstance(kwargs, dict):
-        return "full"
-    mode = kwargs.get("mode", "full")
-    if mode not in CHECKPOINTING_MODES:
-        raise ConfigError(f"activation_checkpointing_kwargs.mode (gradient_checkpointing_kwargs.mode)={mode!r} is "
-                          f"not one of {list(CHECKPOINTING_MODES)}: 'full' recomputes whole layers, 'selective' "
-                          f"keeps matrix products and attention and recomputes the rest.")
-    if mode == "selective" and kwargs.get("use_reentrant"):
-        raise ConfigError("activation_checkpointing_kwargs: mode 'selective' needs non-reentrant checkpointing; "
-                          "drop use_reentrant: true (or set it to false).")
-    if mode == "selective" and "context_fn" in kwargs:
-        raise ConfigError("activation_checkpointing_kwargs: mode 'selective' sets torch.utils.checkpoint's "
-                          "context_fn itself; pass either mode 'selective' or a context_fn, not both.")
-    return mode
-
-
 def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any] | None) -> None:
     """transformers' activation_checkpointing_enable() (or its older name gradient_checkpointing_enable) on the
     model, or on the transformers models inside it, with TrainingArguments.activation_checkpointing_kwargs split
     as transformers' Trainer splits them (every_n_layers, offload; the rest go to torch.utils.checkpoint) plus
-    vlmtrain's ``mode`` (:data:`CHECKPOINTING_MODES`; ``selective`` becomes torch.utils.checkpoint's context_fn)."""
+    vlmtrain's ``mode`` and ``selective_every_n_layers`` (models/checkpointing_policies.py: ``selective`` and
+    ``attention`` become torch.utils.checkpoint's context_fn)."""
     mode = checkpointing_mode(kwargs)
     kwargs = dict(kwargs or {})
     kwargs.pop("mode", None)
+    every = kwargs.pop(SELECTIVE_EVERY, 1)
     options = {"every_n_layers": kwargs.pop("every_n_layers", 1), "offload": kwargs.pop("offload", False)}
-    if mode == "selective":
-        kwargs = {"use_reentrant": False, **kwargs, "context_fn": selective_checkpoint_context}
+    if mode in CONTEXTS:
+        kwargs = {"use_reentrant": False, **kwargs}
+        if every == 1:
+            kwargs["context_fn"] = CONTEXTS[mode]
     targets = _checkpointable(model)
     if not targets:
         raise ConfigError(f"activation_checkpointing (gradient_checkpointing) needs a model with "
@@ -205,3 +174,18 @@ def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any] | N
         except ValueError as e:  # transformers: "<class> does not support activation checkpointing."
             raise ConfigError(f"activation_checkpointing (gradient_checkpointing): {e} Turn it off for this "
                               f"model.") from e
+    if every > 1:
+        _selective_every(targets, every)
+
+
+def _selective_every(targets: list[nn.Module], every: int) -> None:
+    """The checkpointed transformer layers (in module order, counted as transformers counts every_n_layers) at
+    0, k, 2k, ... get the ``selective`` context; the others keep full recomputation."""
+    layers = [m for t in targets for m in transformer_layers(t) if getattr(m, "gradient_checkpointing", False)]
+    if not layers:
+        raise ConfigError(f"activation_checkpointing_kwargs.{SELECTIVE_EVERY}: the model has no checkpointed "
+                          f"transformer layer (transformers' GradientCheckpointingLayer) to pick from; drop "
+                          f"{SELECTIVE_EVERY}.")
+    for layer in layers[::every]:
+        layer._gradient_checkpointing_func = functools.partial(layer._gradient_checkpointing_func,
+                                                               context_fn=CONTEXTS["selective"])

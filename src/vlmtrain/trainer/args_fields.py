@@ -132,9 +132,9 @@ class CoreArguments:
     slower), through the model's activation_checkpointing_enable() (transformers models). None: false."""
     activation_checkpointing_kwargs: dict[str, Any] | str | None = None
     """Arguments of activation_checkpointing_enable(): every_n_layers, offload; vlmtrain's mode: full (default:
-    recompute each layer whole) or selective (keep the outputs of matrix products and attention, recompute only
-    the cheap rest: norms, rotary embeddings, activations; more memory than full, less recompute); other keys
-    (e.g. use_reentrant) go to torch.utils.checkpoint. None: {use_reentrant: false}."""
+    recompute each layer whole), selective (keep matrix products' and attention's outputs, recompute the rest; with
+    selective_every_n_layers k every k-th layer, the others full) or attention (keep attention's outputs only); other
+    keys (e.g. use_reentrant) go to torch.utils.checkpoint; docs/speed.md. None: {use_reentrant: false}."""
     max_consecutive_nonfinite_steps: int = 10
     """A step whose loss or gradients are NaN/Inf is skipped on every rank (no update; counted as
     nonfinite_steps in the log); this many in a row stop training with an error. 0 = never stop."""
