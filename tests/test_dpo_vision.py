@@ -523,3 +523,23 @@ def test_yaml_vlm_pairs_place_images_at_their_placeholders(qwen3_vl, tmp_path):
     assert batch["input_ids"].tolist() == expected["input_ids"].tolist()
     first = batch["input_ids"][0].tolist().index(processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
     assert processor.tokenizer.decode(batch["input_ids"][0, :first]).endswith("user\nred <|vision_start|>")
+
+
+def test_pairs_whose_prompt_fills_max_length_are_skipped_and_counted(qwen3_vl, tmp_path):
+    """A pair with images whose prompt leaves no answer token within max_length trains nothing (its loss would be
+    a constant log 2 diluting the batch): DPOTrainer's collator leaves it out and counts it, as the YAML path and
+    TRL's text pairs do; the batch's other pairs train as they would alone."""
+    from transformers import AutoModelForImageTextToText
+
+    path, processor = qwen3_vl
+    rng = random.Random(3)
+    short, long = _pair(rng, 1), _pair(rng, 1)
+    long["prompt"][0]["content"][-1]["text"] = " ".join(["big"] * 200)  # (fills max_length=96 before any answer)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    args = vlmtrain.DPOConfig(str(tmp_path), max_length=96, report_to="none", use_cpu=True, disable_tqdm=True)
+    trainer = vlmtrain.DPOTrainer(model=model, args=args, train_dataset=[short, long], processing_class=processor)
+    batch = trainer.data_collator([short, long])
+    assert batch["skipped"] == {"prompt_fills_max_length": 1}
+    assert batch["input_ids"].shape[0] == 2 and batch["completion_mask"].sum(dim=1).all()  # (one pair: 2 rows)
+    alone = trainer.data_collator([short])
+    assert "skipped" not in alone and torch.equal(alone["input_ids"], batch["input_ids"])

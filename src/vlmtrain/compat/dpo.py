@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from ..data.hub_pairs import FittingPairCollator
 from ..data.preference import (
     PAIR_COLUMNS,
     REF_LOGPS_COLUMNS,
@@ -224,10 +225,10 @@ class DPOTrainer(PolicyTrainer):
                                  loss_weights=args.loss_weights, precomputed=args.precompute_ref_log_probs)
         self._vision_pairs = vision
         if data_collator is None and vision:
-            data_collator = VisionPreferenceCollator(processing_class, args.max_length,
-                                                     getattr(model.config, "image_token_id", None),
-                                                     args.padding_free, _rope_positions(model),
-                                                     _video_support(model, processing_class, args))
+            # (a pair whose prompt fills max_length is skipped and counted, as TRL drops such text pairs)
+            data_collator = FittingPairCollator(VisionPreferenceCollator(
+                processing_class, args.max_length, getattr(model.config, "image_token_id", None), False,
+                _rope_positions(model), _video_support(model, processing_class, args)), args.padding_free)
         elif data_collator is None:
             data_collator = PreferenceCollator(tokenizer.pad_token_id, args.max_length, args.truncation_mode,
                                                args.padding_free)

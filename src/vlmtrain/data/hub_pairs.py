@@ -51,43 +51,26 @@ def _own_prompt(sample: Mapping[str, Any], n_images: int) -> list[dict[str, Any]
             for m in messages]
 
 
-class HubPairCollator:
-    """Raw pairs with images -> one pair batch of VisionPreferenceCollator's layout (B chosen rows, then B rejected
-    rows; cut at ``max_length``, keep_start); a bad pair skipped and counted by reason (a prompt that fills
-    ``max_length``: ``prompt_fills_max_length``). Score heads beside DPO: ``label_check`` (a pair's ``labels``
-    -> SkipSample for a bad one) and ``label_collate`` (the pairs' ``labels`` -> ``labels_<head>`` tensors, one
-    row per pair). ``video``: the family's video support (a pair's videos decoded once, when it is processed; a
-    pair with videos is skipped as ``video_unsupported`` without it). ``padding_free`` (data.packing): the batch
-    packed into one row once its pairs are checked (``rope_positions``: as VisionPreferenceCollator's)."""
+class FittingPairCollator:
+    """Pairs with images -> one pair batch of ``layout`` (a VisionPreferenceCollator that pads: B chosen rows, then
+    B rejected rows; cut at its ``max_length``, keep_start), less the pairs whose prompt fills ``max_length`` (no
+    answer token left, or its image tokens cut: skipped and counted as ``prompt_fills_max_length``, as TRL drops
+    such text pairs); packed into one row afterwards with ``padding_free``. ``process``: a sample -> the pair the
+    layout reads (SkipSample for a bad one). Skips ride in the batch as the Trainer's bookkeeping keys
+    (``report_always``: also when none)."""
 
     keeps_columns = True  # (it reads the raw pairs: the Trainer keeps every column)
+    report_always = False
 
-    def __init__(self, processor: Any, max_length: int | None, max_images: int,
-                 label_check: Callable[[Any], None] | None = None,
-                 label_collate: Callable[[list[Any]], dict[str, Any]] | None = None, video: Any = None,
-                 padding_free: bool = False, rope_positions: Callable[[dict[str, Any]], Any] | None = None) -> None:
-        self.processor, self.tokenizer, self.max_images = processor, processor.tokenizer, max_images
-        self.label_check, self.label_collate = label_check, label_collate
-        # (the layout pads: the checks below read each row; the batch is packed after them)
-        self.layout = VisionPreferenceCollator(processor, max_length, video=video, rope_positions=rope_positions)
-        self.padding_free = padding_free
+    def __init__(self, layout: VisionPreferenceCollator, padding_free: bool = False) -> None:
+        self.layout, self.padding_free = layout, padding_free
         self.skipped: Counter[str] = Counter()
 
     def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
-        if self.label_check is not None:
-            self.label_check(sample.get("labels"))
-        pair = vision_pair(sample, self.max_images)
-        if "videos" in pair and self.layout.video is None:
-            raise SkipSample("video_unsupported", "a pair with videos, for a family without video support")
-        if "videos" in pair:
-            pair["videos"] = self.layout.clips(pair)  # (decoded here: a bad clip is this pair's skip)
-        return pair
+        return dict(sample)
 
     def _batch(self, items: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = self.layout(items)
-        if self.label_collate is not None:
-            batch.update(self.label_collate([it.get("labels") for it in items]))
-        return batch
+        return self.layout(items)
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         skipped: Counter[str] = Counter()
@@ -95,13 +78,14 @@ class HubPairCollator:
         items = [it for it in (process_or_skip(self.process, s, self.skipped, skipped, keys) for s in samples)
                  if it is not None]
         batch = self._laid_out(items, skipped) if items else None
+        if batch is not None and not skipped and not self.report_always:
+            return batch
         bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys}
         return {**batch, **bookkeeping} if batch is not None else bookkeeping
 
     def _laid_out(self, items: list[dict[str, Any]], skipped: Counter[str]) -> dict[str, Any] | None:
-        """The batch of ``items`` less the pairs whose prompt fills ``max_length`` (no answer token left, or its
-        image tokens cut: skipped, counted as ``prompt_fills_max_length``, as TRL drops them); those are found
-        pair by pair only in a batch that has one."""
+        """The batch of ``items`` less the pairs whose prompt fills ``max_length``; those are found pair by pair
+        only in a batch that has one."""
         try:
             batch = self._batch(items)
             if self.layout.max_length is None or batch["completion_mask"].sum(dim=1).all():
@@ -122,6 +106,44 @@ class HubPairCollator:
             return bool(self.layout([item])["completion_mask"].sum(dim=1).all())
         except ConfigError:
             return False
+
+
+class HubPairCollator(FittingPairCollator):
+    """Raw pairs with images (vlmtrain's layout or TRL's) -> a FittingPairCollator's pair batch, each pair checked
+    and turned into TRL's vision layout first (:func:`vision_pair`). Score heads beside DPO: ``label_check`` (a
+    pair's ``labels`` -> SkipSample for a bad one) and ``label_collate`` (the pairs' ``labels`` ->
+    ``labels_<head>`` tensors, one row per pair). ``video``: the family's video support (a pair's videos decoded
+    once, when it is processed; a pair with videos is skipped as ``video_unsupported`` without it).
+    ``padding_free`` (data.packing): the batch packed into one row once its pairs are checked (``rope_positions``:
+    as VisionPreferenceCollator's)."""
+
+    report_always = True
+
+    def __init__(self, processor: Any, max_length: int | None, max_images: int,
+                 label_check: Callable[[Any], None] | None = None,
+                 label_collate: Callable[[list[Any]], dict[str, Any]] | None = None, video: Any = None,
+                 padding_free: bool = False, rope_positions: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        # (the layout pads: the checks read each row; the batch is packed after them)
+        super().__init__(VisionPreferenceCollator(processor, max_length, video=video, rope_positions=rope_positions),
+                         padding_free)
+        self.processor, self.tokenizer, self.max_images = processor, processor.tokenizer, max_images
+        self.label_check, self.label_collate = label_check, label_collate
+
+    def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
+        if self.label_check is not None:
+            self.label_check(sample.get("labels"))
+        pair = vision_pair(sample, self.max_images)
+        if "videos" in pair and self.layout.video is None:
+            raise SkipSample("video_unsupported", "a pair with videos, for a family without video support")
+        if "videos" in pair:
+            pair["videos"] = self.layout.clips(pair)  # (decoded here: a bad clip is this pair's skip)
+        return pair
+
+    def _batch(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.layout(items)
+        if self.label_collate is not None:
+            batch.update(self.label_collate([it.get("labels") for it in items]))
+        return batch
 
     def token_ids(self, item: Mapping[str, Any]) -> dict[str, list[int]]:
         """A processed pair's ``prompt_ids`` / ``chosen_ids`` / ``rejected_ids`` as its batch row lays them out
