@@ -148,3 +148,67 @@ def test_auto_refusals(small):
         load_run_config(small, {"data.pack_length": "auto", "data.packing": None})
     with pytest.raises(ConfigError, match="device memory 'lots' is neither a size"):
         load_run_config(small, {"data.device_memory": "lots"})
+
+
+def _checkpointed(small, **kwargs):
+    over = {"train.activation_checkpointing": True,
+            "train.activation_checkpointing_kwargs": json.dumps({"mode": "auto"}), **kwargs}
+    return load_run_config(small, over)
+
+
+def test_auto_checkpointing_picks_the_least_recompute_that_fits_the_device(small):
+    """mode: auto -> each candidate policy's step traced; the one that recomputes least among those that fit (more
+    device memory: a policy that keeps more), and its estimate fits."""
+    from vlmtrain.memory import plan_checkpointing
+    from vlmtrain.models.checkpointing_policies import AUTO_CANDIDATES
+
+    cfg = _checkpointed(small)
+    totals = []
+    for mode, extra in AUTO_CANDIDATES:
+        chosen = load_run_config(small, {"train.activation_checkpointing": True,
+                                         "train.activation_checkpointing_kwargs": json.dumps({"mode": mode, **extra})})
+        totals.append(estimate_step_memory(chosen).total)
+    assert totals[0] < totals[-1], totals  # (full keeps least, selective on every layer most)
+    for i in (0, len(totals) - 1):  # a device that holds exactly candidate i's step (with the 10% margin)
+        device = int(totals[i] / 0.9) + 1
+        picked = plan_checkpointing(_checkpointed(small, **{"data.device_memory": str(device)}))
+        kwargs = picked.train.activation_checkpointing_kwargs
+        fitting = [j for j, t in enumerate(totals) if t <= device * 0.9]
+        best = max(fitting, key=lambda j: (totals[j], j))  # (a tie: the one that recomputes less)
+        assert kwargs == {"mode": AUTO_CANDIDATES[best][0], **AUTO_CANDIDATES[best][1]}, (kwargs, totals, device)
+        assert estimate_step_memory(picked, device).fits()
+    assert cfg.train.activation_checkpointing_kwargs == {"mode": "auto"}  # (the config itself left alone)
+
+
+def test_auto_checkpointing_refusals(small, capsys):
+    from vlmtrain.memory import plan_checkpointing
+
+    with pytest.raises(ConfigError, match="mode: auto plans against the GPU's memory"):
+        plan_checkpointing(_checkpointed(small))
+    with pytest.raises(ConfigError, match="mode: auto: even full checkpointing needs an estimated"):
+        plan_checkpointing(_checkpointed(small, **{"data.device_memory": "1MiB"}))
+    with pytest.raises(ConfigError, match="mode: auto with data.pack_length: auto"):
+        plan_checkpointing(_checkpointed(small, **{"data.pack_length": "auto", "data.device_memory": "80GiB"}))
+    with pytest.raises(ConfigError, match="train.activation_checkpointing is off"):
+        plan_checkpointing(load_run_config(small, {"train.activation_checkpointing_kwargs": '{"mode": "auto"}',
+                                                   "data.device_memory": "80GiB"}))
+    with pytest.raises(ConfigError, match="mode 'auto' chooses selective_every_n_layers itself"):
+        load_run_config(small, {"train.activation_checkpointing_kwargs":
+                                '{"mode": "auto", "selective_every_n_layers": 2}'})
+    # the CLI: refused in one line before training; `vlmtrain plan` prints the choice
+    assert main(["train", "--config", small, "--train.activation_checkpointing", "true",
+                 "--train.activation_checkpointing_kwargs", '{"mode": "auto"}', "--data.device_memory", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "mode: auto: even full checkpointing needs an estimated" in err, err
+    assert main(["plan", "--config", small, "--device", "h100-80gb", "--train.activation_checkpointing", "true",
+                 "--train.activation_checkpointing_kwargs", '{"mode": "auto"}']) == 0
+    assert "activation_checkpointing_kwargs.mode: auto -> {'mode': 'selective'}" in capsys.readouterr().out
+
+
+def test_auto_checkpointing_in_the_python_trainer_says_where_it_works():
+    from vlmtrain import TrainingArguments
+    from vlmtrain.models.training_prep import enable_activation_checkpointing
+
+    args = TrainingArguments("out", activation_checkpointing=True, activation_checkpointing_kwargs={"mode": "auto"})
+    with pytest.raises(ConfigError, match="chosen by the memory plan of a run started from a config"):
+        enable_activation_checkpointing(torch.nn.Linear(2, 2), args.activation_checkpointing_kwargs)

@@ -14,7 +14,7 @@ from typing import Any
 
 from vlmtrain.config import RunConfig
 from vlmtrain.errors import ConfigError
-from vlmtrain.memory import plan_token_budget
+from vlmtrain.memory import plan_checkpointing, plan_token_budget
 
 
 def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
@@ -28,6 +28,7 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
 
     if cfg.model.pretrained:  # a missing local directory names the key, not transformers' "Repo id must be"
         check_local_model(cfg.model.pretrained, "model.pretrained")
+    cfg = plan_checkpointing(cfg)  # activation_checkpointing_kwargs mode: auto (the budget's plan needs the mode)
     cfg = plan_token_budget(cfg)  # data.pack_length: auto, or a budget that cannot fit: before any data or weights
     kind = get_kind(cfg.model.kind)
     if kind.validate is not None:

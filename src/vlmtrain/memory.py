@@ -181,6 +181,10 @@ def plan_report(cfg: RunConfig, device: str | None = None, nproc: int = 1) -> st
         length = auto_pack_length(cfg, nproc)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack_length=length))
         head = f"data.pack_length: auto -> {length}\n"
+    kwargs = cfg.train.activation_checkpointing_kwargs
+    if isinstance(kwargs, dict) and kwargs.get("mode") == AUTO:
+        cfg = plan_checkpointing(cfg)
+        head += f"activation_checkpointing_kwargs.mode: auto -> {cfg.train.activation_checkpointing_kwargs}\n"
     return head + estimate_step_memory(cfg, device_bytes, fsdp_degree=_fsdp_degree(cfg, nproc)).table()
 
 
@@ -238,3 +242,58 @@ def auto_pack_length(cfg: RunConfig, nproc: int | None = None) -> int:
     logger.warning("data.pack_length: auto -> %d tokens (estimated peak %s of the device's %s)", length,
                    gib(plan.total), gib(device))
     return length
+
+
+def plan_checkpointing(cfg: RunConfig) -> RunConfig:
+    """Before training: ``activation_checkpointing_kwargs: {mode: auto}`` becomes the policy that recomputes least
+    (:data:`~vlmtrain.models.checkpointing_policies.AUTO_CANDIDATES`) whose estimated step fits the device (one
+    log line); a ConfigError when none fits, or when the plan cannot be made (no device memory known, a model the
+    plan does not cover, ``data.pack_length: auto`` too)."""
+    from vlmtrain.models.checkpointing_policies import AUTO_CANDIDATES, AUTO_MODE, choose_policy
+    from vlmtrain.parallel.memory_plan import MARGIN, gib
+
+    t = cfg.train
+    kwargs = t.activation_checkpointing_kwargs
+    if not isinstance(kwargs, dict) or kwargs.get("mode") != AUTO_MODE:
+        return cfg
+    where = "activation_checkpointing_kwargs.mode: auto"
+    if not t.activation_checkpointing:
+        raise ConfigError(f"{where} chooses how layers are checkpointed, but train.activation_checkpointing is off: "
+                          "turn it on, or drop the mode.")
+    if cfg.data.pack_length == AUTO:
+        raise ConfigError(f"{where} with data.pack_length: auto: the plan chooses one of them for a given other; set "
+                          "data.pack_length to a number (see `vlmtrain plan`), or a mode.")
+    if not covered(cfg):
+        raise ConfigError(f"{where}: vlmtrain's memory plan covers model.kind causal_lm and the Qwen-VL Hub VLMs "
+                          f"({', '.join(QWEN_VL)}); give the mode itself (full, selective or attention).")
+    device = configured_device_bytes(cfg)
+    if device is None:
+        raise ConfigError(f"{where} plans against the GPU's memory; without CUDA set data.device_memory (e.g. "
+                          "80GiB or h100-80gb), or give the mode itself.")
+    degree, totals = _fsdp_degree(cfg), {}
+    for i in reversed(range(len(AUTO_CANDIDATES))):  # (a tie goes to the policy that recomputes less: the later one)
+        mode, extra = AUTO_CANDIDATES[i]
+        chosen = {**{k: v for k, v in kwargs.items() if k != "mode"}, "mode": mode, **extra}
+        totals[i] = estimate_step_memory(_with_checkpointing(cfg, chosen), device, fsdp_degree=degree).total
+    best = choose_policy(totals, int(device * (1 - MARGIN)))
+    if best is None:
+        raise ConfigError(f"{where}: even full checkpointing needs an estimated {gib(totals[0])} per step, more than "
+                          f"{1 - MARGIN:.0%} of the device's {gib(device)}: lower the token budget "
+                          "(data.pack_length / data.max_length, per_device_train_batch_size), use LoRA or more FSDP "
+                          "devices.")
+    mode, extra = AUTO_CANDIDATES[best]
+    chosen = {**{k: v for k, v in kwargs.items() if k != "mode"}, "mode": mode, **extra}
+    logger.warning("%s -> %s (estimated peak %s of the device's %s)", where,
+                   ", ".join(f"{k}: {v}" for k, v in {"mode": mode, **extra}.items()), gib(totals[best]), gib(device))
+    return _with_checkpointing(cfg, chosen)
+
+
+def _with_checkpointing(cfg: RunConfig, kwargs: dict[str, Any]) -> RunConfig:
+    """``cfg`` with train.activation_checkpointing_kwargs (and transformers' older name, which mirrors it) set."""
+    import copy
+
+    train = copy.copy(cfg.train)
+    train.activation_checkpointing_kwargs = kwargs
+    if getattr(train, "gradient_checkpointing_kwargs", None) is not None:
+        train.gradient_checkpointing_kwargs = kwargs
+    return dataclasses.replace(cfg, train=train)

@@ -351,7 +351,7 @@ def apply(args: Any) -> None:
     check_transformers_only(args)
     resolve_transformers_names(args)
     refuse_transformers_values(args)
-    checkpointing_mode(args.activation_checkpointing_kwargs)  # (its mode: full, selective or attention)
+    checkpointing_mode(args.activation_checkpointing_kwargs, allow_auto=True)  # (full, selective, attention, auto)
 
 
 @dataclass

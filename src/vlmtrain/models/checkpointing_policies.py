@@ -93,13 +93,33 @@ CONTEXTS = {"selective": selective_checkpoint_context, "attention": attention_ch
 """The modes that set torch.utils.checkpoint's context_fn, and the context each sets."""
 
 
-def checkpointing_mode(kwargs: Any) -> str:
+AUTO_MODE = "auto"
+"""activation_checkpointing_kwargs' ``mode: auto``: the run's memory plan (vlmtrain/memory.py) picks the mode that
+recomputes least among :data:`AUTO_CANDIDATES` whose estimated step fits the device, before the model is built."""
+
+AUTO_CANDIDATES: tuple[tuple[str, dict[str, int]], ...] = (
+    ("full", {}), ("attention", {}), ("selective", {SELECTIVE_EVERY: 4}), ("selective", {SELECTIVE_EVERY: 2}),
+    ("selective", {}))
+"""The policies ``mode: auto`` chooses among, from most recompute (least memory) to least."""
+
+
+def checkpointing_mode(kwargs: Any, allow_auto: bool = False) -> str:
     """activation_checkpointing_kwargs' ``mode`` (``full`` when unset), checked against :data:`CHECKPOINTING_MODES`
     and against the other keys it needs (selective and attention: non-reentrant checkpointing, no context_fn of
-    one's own; selective_every_n_layers: a positive int, with selective only)."""
+    one's own; selective_every_n_layers: a positive int, with selective only). ``allow_auto``: ``auto`` accepted
+    (in the arguments; the run's memory plan replaces it before the model is built)."""
     if not isinstance(kwargs, dict):
         return "full"
     mode = kwargs.get("mode", "full")
+    if mode == AUTO_MODE:
+        if not allow_auto:
+            raise ConfigError("activation_checkpointing_kwargs.mode: auto is chosen by the memory plan of a run "
+                              "started from a config (vlmtrain train, vlmtrain.run.train: see docs/memory.md); "
+                              "with the Python Trainer give the mode itself (full, selective or attention).")
+        for key in (SELECTIVE_EVERY, "context_fn"):
+            if key in kwargs:
+                raise ConfigError(f"activation_checkpointing_kwargs: mode 'auto' chooses {key} itself; drop {key}.")
+        return mode
     if mode not in CHECKPOINTING_MODES:
         raise ConfigError(f"activation_checkpointing_kwargs.mode (gradient_checkpointing_kwargs.mode)={mode!r} is "
                           f"not one of {list(CHECKPOINTING_MODES)}: 'full' recomputes whole layers, 'selective' "

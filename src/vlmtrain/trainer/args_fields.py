@@ -131,9 +131,9 @@ class CoreArguments:
     """Recompute each transformer block's activations in backward instead of keeping them (less memory, ~20%
     slower), through the model's activation_checkpointing_enable() (transformers models). None: false."""
     activation_checkpointing_kwargs: dict[str, Any] | str | None = None
-    """Arguments of activation_checkpointing_enable(): every_n_layers, offload; vlmtrain's mode: full (default:
-    recompute each layer whole), selective (keep matrix products' and attention's outputs, recompute the rest; with
-    selective_every_n_layers k every k-th layer, the others full) or attention (keep attention's outputs only); other
+    """activation_checkpointing_enable()'s every_n_layers, offload; vlmtrain's mode: full (default: recompute each
+    layer whole), selective (keep matmul and attention outputs; with selective_every_n_layers k every k-th layer,
+    the others full), attention (keep attention outputs only), auto (the memory plan picks, docs/memory.md); other
     keys (e.g. use_reentrant) go to torch.utils.checkpoint; docs/speed.md. None: {use_reentrant: false}."""
     max_consecutive_nonfinite_steps: int = 10
     """A step whose loss or gradients are NaN/Inf is skipped on every rank (no update; counted as
