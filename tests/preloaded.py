@@ -1,18 +1,23 @@
 """Test processes that start with torch, transformers and vlmtrain already imported: each is forked from one
 multiprocessing forkserver per test process, which imports them once (~6 CPU-seconds that every `python -m
-vlmtrain` pays again). For tests that start many single-process runs (kill one, start the next): the child is a
-process of its own, in a session of its own (os.killpg reaches it and nothing else), with the environment and the
-output file it is given, exactly as a fresh interpreter would run the same command."""
+vlmtrain` and every torchrun rank pays again). The child is a process of its own, in a session of its own
+(os.killpg reaches it and nothing else), with the environment and the output file it is given, running the
+command as a fresh interpreter would. :func:`launch` starts several as torchrun starts its ranks, for tests that
+are about the ranks, not about the launcher."""
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import multiprocessing
+import multiprocessing.connection
 import os
+import socket
 import sys
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-PRELOAD = ["torch", "transformers.modeling_utils", "vlmtrain.cli", "vlmtrain.trainer", "tests.dist_fault_worker"]
+PRELOAD = ["torch", "torch.distributed", "transformers.modeling_utils", "vlmtrain.cli", "vlmtrain.trainer"]
 _CTX = multiprocessing.get_context("forkserver")
 _CTX.set_forkserver_preload(PRELOAD)
 
@@ -28,10 +33,14 @@ def _child(target: str, argv: list[str], env: dict[str, str], log: str) -> None:
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # (the forkserver imported torch before)
     module, name = target.split(":")
-    sys.exit(getattr(importlib.import_module(module), name)(argv))
+    try:
+        code = getattr(importlib.import_module(module), name)(argv)
+    finally:
+        atexit._run_exitfuncs()  # (multiprocessing ends its children with os._exit: an interpreter runs these)
+    sys.exit(code)
 
 
-def start(target: str, argv: list[str], env: dict[str, str], log: Path) -> multiprocessing.process.BaseProcess:
+def start(target: str, argv: list[str], env: dict[str, str], log: Path) -> BaseProcess:
     """Run ``module:function(argv)`` (its return value the exit code) in a preloaded child; its stdout and stderr
     go to ``log`` (the process's ``log``). The returned process has ``pid``, ``join()`` and ``exitcode``."""
     proc = _CTX.Process(target=_child, args=(target, list(argv), dict(env), str(log)), daemon=False)
@@ -40,6 +49,36 @@ def start(target: str, argv: list[str], env: dict[str, str], log: Path) -> multi
     return proc
 
 
-def output(proc: multiprocessing.process.BaseProcess) -> str:
+def output(proc: BaseProcess) -> str:
     """The exit code and the end of the process's output, for a failure message."""
     return f"exit code {proc.exitcode}: {proc.log.read_text()[-3000:]}"
+
+
+def launch(target: str, argv: list[str], env: dict[str, str], nproc: int, log_dir: Path,
+           timeout: float = 300) -> tuple[list[int | None], str]:
+    """``nproc`` ranks of ``module:function(argv)`` with torchrun's rank environment (RANK, LOCAL_RANK,
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port); as torchrun, the first rank to fail ends the
+    others. Returns the ranks' exit codes and their output (rank by rank, for a failure message)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [start(target, argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                                  "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port)}, Path(log_dir) / f"rank{r}.log")
+             for r in range(nproc)]
+    running = {p.sentinel: p for p in procs}
+    while running:
+        ended = multiprocessing.connection.wait(list(running), timeout)
+        if not ended:  # (a bound on a hang)
+            break
+        for sentinel in ended:
+            proc = running.pop(sentinel)
+            proc.join()
+            if proc.exitcode != 0:
+                running = {}
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+    text = "".join(f"--- rank {r} ---\n{p.log.read_text()[-3000:]}\n" for r, p in enumerate(procs))
+    return [p.exitcode for p in procs], text
