@@ -12,6 +12,7 @@ import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
+import runpy
 import socket
 import sys
 from multiprocessing.process import BaseProcess
@@ -32,12 +33,26 @@ def _child(target: str, argv: list[str], env: dict[str, str], log: str) -> None:
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # (the forkserver imported torch before)
+    for path in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):  # (what the command's PYTHONPATH adds)
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
     module, name = target.split(":")
     try:
         code = getattr(importlib.import_module(module), name)(argv)
     finally:
         atexit._run_exitfuncs()  # (multiprocessing ends its children with os._exit: an interpreter runs these)
     sys.exit(code)
+
+
+def run_script(argv: list[str]) -> int:
+    """``python SCRIPT ARGS...`` (argv: the script's path, then its arguments), as a target for start/launch."""
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # (as python puts a script's folder first)
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
 
 
 def start(target: str, argv: list[str], env: dict[str, str], log: Path) -> BaseProcess:
