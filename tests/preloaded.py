@@ -70,10 +70,12 @@ def output(proc: BaseProcess) -> str:
 
 
 def launch(target: str, argv: list[str], env: dict[str, str], nproc: int, log_dir: Path,
-           timeout: float = 300) -> tuple[list[int | None], str]:
+           timeout: float = 300, end_others: bool = True) -> tuple[list[int | None], str]:
     """``nproc`` ranks of ``module:function(argv)`` with torchrun's rank environment (RANK, LOCAL_RANK,
     WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port); as torchrun, the first rank to fail ends the
-    others. Returns the ranks' exit codes and their output (rank by rank, for a failure message)."""
+    others (``end_others=False``: each rank must end by itself). Returns the ranks' exit codes (None: still
+    running after ``timeout`` seconds, then killed) and the end of their output (rank by rank, for a failure
+    message; each rank's whole output is log_dir/rank<r>.log)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -89,11 +91,12 @@ def launch(target: str, argv: list[str], env: dict[str, str], nproc: int, log_di
         for sentinel in ended:
             proc = running.pop(sentinel)
             proc.join()
-            if proc.exitcode != 0:
+            if proc.exitcode != 0 and end_others:
                 running = {}
+    codes = [p.exitcode for p in procs]
     for proc in procs:
         if proc.exitcode is None:
             proc.kill()
             proc.join()
     text = "".join(f"--- rank {r} ---\n{p.log.read_text()[-3000:]}\n" for r, p in enumerate(procs))
-    return [p.exitcode for p in procs], text
+    return codes, text
