@@ -15,6 +15,7 @@ import os
 import runpy
 import socket
 import sys
+import time
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -72,20 +73,21 @@ def output(proc: BaseProcess) -> str:
 def launch(target: str, argv: list[str], env: dict[str, str], nproc: int, log_dir: Path,
            timeout: float = 300, end_others: bool = True) -> tuple[list[int | None], str]:
     """``nproc`` ranks of ``module:function(argv)`` with torchrun's rank environment (RANK, LOCAL_RANK,
-    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port); as torchrun, the first rank to fail ends the
-    others (``end_others=False``: each rank must end by itself). Returns the ranks' exit codes (None: still
-    running after ``timeout`` seconds, then killed) and the end of their output (rank by rank, for a failure
-    message; each rank's whole output is log_dir/rank<r>.log)."""
+    WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free port; for 1, a plain process without them); as
+    torchrun, the first rank to fail ends the others (``end_others=False``: each rank must end by itself).
+    Returns the ranks' exit codes (None: still running after ``timeout`` seconds, then killed) and the end of
+    their output (rank by rank, for a failure message; each rank's whole output is log_dir/rank<r>.log)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [start(target, argv, {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
-                                  "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                                  "MASTER_PORT": str(port)}, Path(log_dir) / f"rank{r}.log")
-             for r in range(nproc)]
-    running = {p.sentinel: p for p in procs}
+    ranks = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+              "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)} for r in range(nproc)]
+    if nproc == 1:
+        ranks = [{}]  # one plain process, as `python SCRIPT` (no torchrun)
+    procs = [start(target, argv, {**env, **rank}, Path(log_dir) / f"rank{r}.log") for r, rank in enumerate(ranks)]
+    running, deadline = {p.sentinel: p for p in procs}, time.monotonic() + timeout
     while running:
-        ended = multiprocessing.connection.wait(list(running), timeout)
+        ended = multiprocessing.connection.wait(list(running), max(0.0, deadline - time.monotonic()))
         if not ended:  # (a bound on a hang)
             break
         for sentinel in ended:

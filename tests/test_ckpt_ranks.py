@@ -122,12 +122,7 @@ def _world_run(tmp_path: Path, nproc: int, phase: str, stop_at: int, bad: tuple[
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
     logs = tmp_path / f"{phase}-logs"
     logs.mkdir()
-    if nproc > 1:
-        codes, output = preloaded.launch("tests.world_size_worker:run", worker, env, nproc, logs)
-    else:
-        proc = preloaded.start("tests.world_size_worker:run", worker, env, logs / "rank0.log")
-        proc.join(timeout=300)
-        codes, output = [proc.exitcode], preloaded.output(proc)
+    codes, output = preloaded.launch("tests.world_size_worker:run", worker, env, nproc, logs)
     assert codes == [0] * nproc, output
     return [json.loads((tmp_path / "run" / f"{phase}-rank{r}.json").read_text()) for r in range(nproc)]
 

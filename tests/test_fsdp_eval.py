@@ -25,12 +25,7 @@ def _launch(nproc: int, script: str, out: Path, *args: str) -> list[dict]:
     their imports done (tests/preloaded.py); each rank's rank<r>.json."""
     out.mkdir()
     argv = [str(ROOT / "tests" / script), str(out), *args]
-    if nproc > 1:
-        codes, output = preloaded.launch("tests.preloaded:run_script", argv, ENV, nproc, out)
-    else:
-        proc = preloaded.start("tests.preloaded:run_script", argv, ENV, out / "rank0.log")
-        proc.join(timeout=600)
-        codes, output = [proc.exitcode], preloaded.output(proc)
+    codes, output = preloaded.launch("tests.preloaded:run_script", argv, ENV, nproc, out, timeout=600)
     assert codes == [0] * nproc, output
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
