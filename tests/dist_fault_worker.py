@@ -90,7 +90,9 @@ def _stop_at(where: str, step: int, nth_save: int = 0) -> None:
     torch.save, Trainer.training_step = save, training_step
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> int:
+    """`vlmtrain <argv>` with the fault that the environment's FAULT names (also called in a process forked from a
+    preloaded one, tests/preloaded.py)."""
     kind, *params = os.environ["FAULT"].split(":")
     if kind == "diskfull":
         _inject_disk_full(int(params[0]), int(params[1]))
@@ -98,4 +100,8 @@ if __name__ == "__main__":
         _slow_down(float(params[0]), float(params[1]))
     elif kind == "stop":
         _stop_at(params[0], *map(int, params[1:]))
-    sys.exit(cli.main(sys.argv[1:]))
+    return cli.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""train.async_eval under torchrun: rank 0 waits for an evaluation process (mid-run with async_eval_when_full:
+"""train.async_eval under 2 ranks (torchrun's rank environment; tests/preloaded.py): rank 0 waits for an evaluation process (mid-run with async_eval_when_full:
 wait, and at the end of training) and every other rank waits at the same point, not inside a collective, so a
 wait longer than ddp_timeout ends well (2 gloo processes)."""
 
@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+
+from tests import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 # A rank left inside a collective for EVAL_S fails the job. (ddp_timeout is low, but not so low that a loaded
@@ -24,6 +25,16 @@ EVAL_S = 12
 FINAL_EVAL_TIMEOUT_S = 30
 
 
+def _two_ranks(tmp_path: Path, env: dict[str, str], *args: str) -> None:
+    """tests/async_eval_ranks_worker.py as 2 ranks (torchrun's rank environment, no launcher), forked with their
+    imports done (tests/preloaded.py)."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    codes, output = preloaded.launch("tests.preloaded:run_script", [str(ROOT / "tests" / "async_eval_ranks_worker.py"),
+                                     *args], env, 2, logs, timeout=240)
+    assert codes == [0, 0], output
+
+
 @pytest.mark.slow
 def test_every_rank_waits_with_rank_0_for_evaluations_longer_than_ddp_timeout(tmp_path):
     # Steps 1..3, a checkpoint each, one evaluation at a time. checkpoint-1's evaluation takes EVAL_S: at step 2's
@@ -31,10 +42,7 @@ def test_every_rank_waits_with_rank_0_for_evaluations_longer_than_ddp_timeout(tm
     # waits for it at the end, and the script's next collective follows.
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "async_eval_ranks_worker.py"), str(out), "3", "1,3", str(EVAL_S), str(DDP_TIMEOUT_S)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _two_ranks(tmp_path, env, str(out), "3", "1,3", str(EVAL_S), str(DDP_TIMEOUT_S))
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["global_step"] for r in ranks] == [3, 3] and ranks[0]["everyone"] == [3, 3]
     for key, value in ranks[0]["weights"].items():
@@ -66,10 +74,7 @@ def test_every_rank_decides_the_final_evaluation_alike(tmp_path, async_loss):
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "async_eval_ranks_worker.py"), "--config", str(path), str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _two_ranks(tmp_path, env, "--config", str(path), str(out))
     ranks = [torch.load(out / f"metrics{r}.pt", weights_only=False) for r in range(2)]
     untimed = [{k: v for k, v in m.items() if not k.endswith(("_runtime", "_per_second"))} for m in ranks]
     assert untimed[0] == untimed[1] and "eval_loss" in untimed[0]

@@ -1,15 +1,15 @@
 """Under DDP no two ranks write one checkpoint file: the optimizer and scheduler (identical on every rank) are
 written by rank 0 alone, each rank writes its own RNG and loop state; resume from such a checkpoint is bitwise.
 
-Run under torchrun as a script, this file is the worker: `vlmtrain train` with every file write recorded (torch.save,
-safetensors, and Python's open/os.open in a writing mode) into WRITES_LOG/rank<RANK>.txt.
+The ranks (tests/preloaded.py: forked with their imports done, torchrun's rank environment) run recorded_train:
+`vlmtrain train` with every file write recorded (torch.save, safetensors, and Python's open/os.open in a writing
+mode) into WRITES_LOG/rank<RANK>.txt.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+from tests import preloaded
 from vlmtrain.errors import CheckpointError
 from vlmtrain.trainer.world_size import reposition
 
@@ -68,11 +69,10 @@ def _train(tmp_path: Path, out: str, *extra: str) -> dict[int, list[str]]:
     logs = tmp_path / f"{out}-writes"
     logs.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "WRITES_LOG": str(logs)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           __file__, "train", "--config", str(tmp_path / "cfg.yaml"), "--train.output_dir",
-                           str(tmp_path / out), "--train.per_device_train_batch_size", "2", *extra],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    codes, output = preloaded.launch("tests.test_ckpt_ranks:recorded_train", [
+        "train", "--config", str(tmp_path / "cfg.yaml"), "--train.output_dir", str(tmp_path / out),
+        "--train.per_device_train_batch_size", "2", *extra], env, 2, logs)
+    assert codes == [0, 0], output
     run = str(tmp_path / out) + os.sep
     writes = {}
     for rank in (0, 1):
@@ -114,14 +114,16 @@ def test_ranks_never_write_one_path_and_resume_is_bitwise(tmp_path):
 
 
 def _world_run(tmp_path: Path, nproc: int, phase: str, stop_at: int, bad: tuple[int, ...]) -> list[dict]:
-    """tests/world_size_worker.py in ``nproc`` processes (torchrun for several) on tmp_path/run; each rank's
-    record: the ids its steps trained, its final global_step and max_steps."""
-    worker = [str(ROOT / "tests" / "world_size_worker.py"), str(tmp_path / "run"), phase, str(stop_at),
-              "resume" if phase == "resumed" else "new", ",".join(map(str, bad))]
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    """tests/world_size_worker.py in ``nproc`` processes (ranks as torchrun starts them, for several; forked with
+    their imports done, tests/preloaded.py) on tmp_path/run; each rank's record: the ids its steps trained, its
+    final global_step and max_steps."""
+    worker = [str(tmp_path / "run"), phase, str(stop_at), "resume" if phase == "resumed" else "new",
+              ",".join(map(str, bad))]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}"}
-    done = subprocess.run([sys.executable, *launch, *worker], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    logs = tmp_path / f"{phase}-logs"
+    logs.mkdir()
+    codes, output = preloaded.launch("tests.world_size_worker:run", worker, env, nproc, logs)
+    assert codes == [0] * nproc, output
     return [json.loads((tmp_path / "run" / f"{phase}-rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -171,9 +173,9 @@ def test_a_position_the_new_processes_cannot_split_evenly_is_refused():
     assert [int(batch) for batch in two] == [4, 6, 8]
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "src"))
+def recorded_train(argv: list[str]) -> int:
+    """The ranks of _train: `vlmtrain <argv>`, every file write recorded."""
     _record_writes(os.path.join(os.environ["WRITES_LOG"], f"rank{os.environ.get('RANK', '0')}.txt"))
     from vlmtrain import cli
 
-    sys.exit(cli.main(sys.argv[1:]))
+    return cli.main(argv)

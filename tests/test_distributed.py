@@ -160,17 +160,24 @@ def _descendants(root: int) -> list[int]:
 
 
 def run_with_full_disk_on_rank1(tmp_path: Path, cfg: dict) -> subprocess.CompletedProcess:
-    """2 ranks under torchrun where rank 1 cannot write checkpoint-4 (ENOSPC, tests/dist_fault_worker.py)."""
+    """2 ranks where rank 1 cannot write checkpoint-4 (ENOSPC, tests/dist_fault_worker.py): forked with their
+    imports done and torchrun's rank environment (tests/preloaded.py); each must end by itself. Their whole
+    output, rank by rank, is the returned stdout."""
+    from tests import preloaded
+
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "FAULT": "diskfull:1:4"}
-    try:  # ddp_timeout (600 s) is longer than this bound: a rank waiting for the collective timeout fails here
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(ROOT / "tests" / "dist_fault_worker.py"), "train", "--config", str(path),
-                               "--train.output_dir", str(tmp_path / "run"), "--train.per_device_train_batch_size",
-                               "2"], env=env, capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    argv = ["train", "--config", str(path), "--train.output_dir", str(tmp_path / "run"),
+            "--train.per_device_train_batch_size", "2"]
+    # ddp_timeout (600 s) is longer than this bound: a rank waiting for the collective timeout fails here
+    codes, _ = preloaded.launch("tests.dist_fault_worker:main", argv, env, 2, logs, end_others=False)
+    if None in codes:
         pytest.fail("the healthy rank waited for the collective timeout")
+    out = "".join((logs / f"rank{r}.log").read_text() for r in range(2))
+    return subprocess.CompletedProcess(argv, max(codes, key=abs), out, "")
 
 
 def test_a_full_disk_on_one_rank_fails_every_rank_at_once_and_keeps_older_checkpoints(tmp_path):

@@ -5,8 +5,6 @@ learns."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests import preloaded
 from vlmtrain.models.families import get_family
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,10 +33,12 @@ def test_a_zero_learning_rate_tower_is_frozen_before_ddp_or_fsdp_wrap(tmp_path, 
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "frozen_tower_worker.py"), str(config), str(tmp_path)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # 2 ranks forked with their imports done (tests/preloaded.py), torchrun's rank environment, no launcher
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    codes, output = preloaded.launch("tests.preloaded:run_script", [str(ROOT / "tests" / "frozen_tower_worker.py"),
+                                     str(config), str(tmp_path)], env, 2, logs)
+    assert codes == [0, 0], output
     result = torch.load(tmp_path / "weights.pt", weights_only=False)
     assert result["global_step"] == 2
     loaded = {}

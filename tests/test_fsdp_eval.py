@@ -7,25 +7,26 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests import preloaded
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 TIMING = ("runtime", "samples_per_second", "steps_per_second", "model_preparation_time")
 
 
-def _launch(prefix: list[str], script: str, out: Path, *args: str) -> list[dict]:
+def _launch(nproc: int, script: str, out: Path, *args: str) -> list[dict]:
+    """tests/<script> in one process or as ``nproc`` ranks (torchrun's rank environment, no launcher), forked with
+    their imports done (tests/preloaded.py); each rank's rank<r>.json."""
     out.mkdir()
-    done = subprocess.run([*prefix, str(ROOT / "tests" / script), str(out), *args], env=ENV, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    argv = [str(ROOT / "tests" / script), str(out), *args]
+    codes, output = preloaded.launch("tests.preloaded:run_script", argv, ENV, nproc, out, timeout=600)
+    assert codes == [0] * nproc, output
     return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
 
 
@@ -35,8 +36,8 @@ def _without_padding(rows: list[list[int]]) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_fsdp_evaluation_splits_the_eval_set_and_matches_one_process(tmp_path):
-    (one,) = _launch([sys.executable], "fsdp_eval_worker.py", tmp_path / "one")
-    ranks = _launch(TORCHRUN, "fsdp_eval_worker.py", tmp_path / "two")
+    (one,) = _launch(1, "fsdp_eval_worker.py", tmp_path / "one")
+    ranks = _launch(2, "fsdp_eval_worker.py", tmp_path / "two")
     assert [r["rank"] for r in ranks] == [0, 1]
     for name in ("mixed", "scores", "one"):
         reference = one[name]
@@ -71,7 +72,7 @@ def test_load_best_model_at_end_under_fsdp_loads_the_best_checkpoint_into_the_sh
     the sharded model evaluates to the best checkpoint's logged eval_loss, for a full fine-tune (DCP shards)
     and for LoRA + score heads. The loader also takes files (model.safetensors; adapter + heads files),
     cutting full tensors into each rank's shards, and DCP shards of another checkpoint."""
-    (result,) = _launch(TORCHRUN, "fsdp_best_worker.py", tmp_path / "runs")
+    (result,) = _launch(2, "fsdp_best_worker.py", tmp_path / "runs")
     for name, expected_files in (("full", {"model.safetensors"}),
                                  ("lora", {"adapter_model.safetensors", "heads.safetensors"})):
         run = result[name]

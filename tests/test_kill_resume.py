@@ -2,16 +2,16 @@
 restarts from the newest complete checkpoint and ends with the same weights, the same metrics.jsonl rows (each step
 once) and the same train_loss as an uninterrupted run; with synchronous and with asynchronous checkpoints. The run
 stops itself at each chosen moment (tests/dist_fault_worker.py, FAULT=stop) and is killed there: where a kill
-lands does not depend on the machine's speed."""
+lands does not depend on the machine's speed. Each attempt is a process of its own, forked with its imports done
+(tests/preloaded.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from tests import preloaded
 from tests.test_distributed import LM
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,14 +37,15 @@ KILLS = [("step:4", 2, 2), ("write:4:1", 2, 2), ("step:6", 4, 4), ("write:8:2", 
 
 
 def _start(cfg_path: Path, out: Path, *extra: str, stop: str | None = None, ready: Path | None = None
-           ) -> subprocess.Popen:
+           ) -> BaseProcess:
+    """One attempt, a process forked with its imports done (tests/preloaded.py): 21 attempts would otherwise
+    import torch, transformers and vlmtrain 21 times. Its output goes to out's sibling ``<out>-<n>.log``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "FAULT": "none"}
     if stop is not None:
         env.update(FAULT=f"stop:{stop}", FAULT_READY=str(ready))
-    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist_fault_worker.py"), "train", "--config",
-                             str(cfg_path), "--train.output_dir", str(out), "--train.resume_from_checkpoint", "true", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    log = out.parent / f"{out.name}-{len(list(out.parent.glob(f'{out.name}-*.log')))}.log"
+    return preloaded.start("tests.dist_fault_worker:main", ["train", "--config", str(cfg_path), "--train.output_dir",
+                           str(out), "--train.resume_from_checkpoint", "true", *extra], env, log)
 
 
 def _newest_checkpoint(out: Path) -> int:
@@ -51,10 +53,10 @@ def _newest_checkpoint(out: Path) -> int:
     return max((int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdigit()), default=0)
 
 
-def _wait_until_stopped(proc: subprocess.Popen, ready: Path) -> None:
+def _wait_until_stopped(proc: BaseProcess, ready: Path) -> None:
     deadline = time.monotonic() + 300  # (a bound on a hang)
     while not ready.exists():
-        assert proc.poll() is None, f"the run ended before its stop: {proc.stdout.read()[-3000:]}"
+        assert proc.is_alive(), f"the run ended before its stop: {preloaded.output(proc)}"
         assert time.monotonic() < deadline, "the run never reached its stop"
         time.sleep(0.01)
 
@@ -75,7 +77,8 @@ def straight(tmp_path_factory) -> tuple[Path, Path]:
     cfg_path = tmp / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     proc = _start(cfg_path, tmp / "straight")
-    assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+    proc.join(timeout=300)
+    assert proc.exitcode == 0, preloaded.output(proc)
     return cfg_path, tmp / "straight"
 
 
@@ -91,12 +94,13 @@ def test_kill_9_at_ten_moments_then_resume_ends_like_an_uninterrupted_run(straig
             _wait_until_stopped(proc, ready)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
+            proc.join(timeout=60)
         kills.append(_newest_checkpoint(out))
         assert any(n.startswith(".tmp-checkpoint-") for n in os.listdir(out)) or not stop.startswith("write")
     assert kills == [k[2 if async_checkpoint else 1] for k in KILLS], kills
     proc = _start(cfg_path, out, *extra)
-    assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+    proc.join(timeout=300)
+    assert proc.exitcode == 0, preloaded.output(proc)
 
     final = [load_file(str(run / f"checkpoint-{STEPS}" / "model.safetensors")) for run in (straight_run, out)]
     assert set(final[0]) == set(final[1])

@@ -1,4 +1,4 @@
-"""Run by tests/test_ckpt_ranks.py, as one process or under torchrun: a tiny regression on 40 samples with ids
+"""Run by tests/test_ckpt_ranks.py, as one process or as ranks (tests/preloaded.py): a tiny regression on 40 samples with ids
 (in order, batch 2, accumulation 2, one epoch, a checkpoint every 2 steps) whose collator empties every batch
 of the ``bad`` ids (an all-bad batch, on one rank). It stops after the checkpoint at ``stop_at`` (0: never) or
 resumes the newest one (``resume``), and writes the ids each of its steps trained on each rank, and its final
@@ -72,6 +72,11 @@ def main(out: str, phase: str, stop_at: int, resume: bool, bad: set[int]) -> Non
                    "max_steps": trainer.state.max_steps, "epoch": trainer.state.epoch}, f)
 
 
+def run(argv: list[str]) -> int:
+    """main() from the command line's arguments (also called in a preloaded process, tests/preloaded.py)."""
+    main(argv[0], argv[1], int(argv[2]), argv[3] == "resume", {int(i) for i in argv[4].split(",") if i})
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume",
-         {int(i) for i in sys.argv[5].split(",") if i})
+    sys.exit(run(sys.argv[1:]))
