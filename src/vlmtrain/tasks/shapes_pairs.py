@@ -70,10 +70,20 @@ def chance() -> dict[str, float]:
 
 
 def demo_report(trainer: Any, metrics: dict[str, Any]) -> str:
-    """See :func:`vlmtrain.tasks.shapes_pairs_report.report`."""
-    from vlmtrain.tasks.shapes_pairs_report import report
-
-    return report(trainer, metrics)
+    """Stage 1 (sft): greedy exact match per question type; the reward-head variant: each reward head's pair
+    accuracy; both beside chance. (A dpo run's report, stage 1 beside stage 2, is the DPO demo's own:
+    vlmtrain/evaluation/preference_demo.py.)"""
+    odds = chance()
+    if getattr(trainer.args, "objective", "sft") == "sft":
+        rows = [(f"greedy exact match: {q}", metrics.get(f"eval_{q}_exact_match"), odds[f"{q}_exact_match"])
+                for q in PAIR_QTYPES]
+    else:  # (a reward head's eval_<head>_accuracy: chosen scored above rejected)
+        rows = [(f"pair accuracy: {k[len('eval_'):-len('_accuracy')]} head", v, 0.5) for k, v in sorted(metrics.items())
+                if k.startswith("eval_") and k.endswith("_accuracy") and k != "eval_mean_token_accuracy"]
+    lines = [f"  {'held-out':<40}{'model':>9}{'chance':>9}"]
+    lines += [f"  {name:<40}{value if value is not None else float('nan'):>9.3f}{odds:>9.3f}"
+              for name, value, odds in rows]
+    return "\n".join(lines)
 
 
 SOURCE = DataSource("shapes_pairs", kinds=("hub_vlm",), build=build, pairs=True, chance=chance,
