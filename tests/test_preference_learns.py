@@ -47,3 +47,19 @@ def test_the_dpo_demo_reports_stage_1_and_stage_2_beside_chance(tmp_path, tiny_h
                                                                       for p in pairs], max_new_tokens=8)
     assert metrics["stage1_exact_match"] == sum(a == p["chosen"] for a, p in zip(answers, pairs)) / 6
     assert 0 <= metrics["stage1_prefers_chosen"] <= 1
+
+
+def test_the_report_counts_an_answer_right_when_it_is_the_chosen_one(tiny_hub):
+    from vlmtrain import load_for_inference
+    from vlmtrain.data.hub_pairs import HubPairCollator
+    from vlmtrain.evaluation.preference_demo import measure
+
+    _, stage1, processor = tiny_hub("qwen3_vl")
+    pairs = [dict(p) for p in ShapesPairs("val", 6, seed=0)]
+    answers = load_for_inference(stage1, "cpu", "float32").generate([{"images": p["images"], "texts": p["texts"]}
+                                                                      for p in pairs], max_new_tokens=8)
+    for pair, answer in zip(pairs, answers):  # the model's own greedy answer chosen: all right
+        pair["chosen"], pair["rejected"] = answer, answer + "x"
+    got = measure(stage1, pairs, HubPairCollator(processor, 128, 1), "m")
+    assert got["m_exact_match"] == 1.0 and {f"m_{q}_exact_match" for q in PAIR_QTYPES} <= set(got)
+    assert 0 <= got["m_prefers_chosen"] <= 1
