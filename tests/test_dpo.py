@@ -61,7 +61,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversational: bool, precompute: bool = False,
+def _run(framework: str, model_dir, out, loss_type: str | list[str], beta: float, conversational: bool, precompute: bool = False,
          padding_free: bool = False):
     if framework == "trl":
         import trl
@@ -94,9 +94,10 @@ def _run(framework: str, model_dir, out, loss_type: str, beta: float, conversati
 @pytest.mark.parametrize("loss_type,beta,conversational,precompute,padding_free",
                          [("sigmoid", 0.1, False, False, False), ("ipo", 0.5, False, False, False),
                           ("hinge", 0.3, False, False, False), ("sigmoid", 0.1, True, False, False),
-                          ("sigmoid", 0.1, False, True, False), ("ipo", 0.5, True, True, True)],
+                          ("sigmoid", 0.1, False, True, False), ("ipo", 0.5, True, True, True),
+                          (["sigmoid", "sft"], 0.1, False, False, True)],
                          ids=["sigmoid", "ipo", "hinge", "sigmoid-conversational", "sigmoid-precompute_ref_log_probs",
-                              "ipo-conversational-precompute-padding_free"])
+                              "ipo-conversational-precompute-padding_free", "sigmoid+sft-padding_free"])
 def test_dpo_equals_trl(model_dir, tmp_path, loss_type, beta, conversational, precompute, padding_free):
     """Per-step loss and metrics, final weights (ours as save_model wrote them), and the evaluation's metrics
     after training (eval_ prefixed); with precompute_ref_log_probs the reference's log-probs of the train and eval

@@ -41,7 +41,7 @@ HUB_FAMILIES: list[tuple[str, str, dict[str, Any]]] = [
 
 
 def family_of_hub_id(hub_id: str) -> tuple[str, dict[str, Any]]:
-    flat = "".join(c for c in hub_id.lower().rsplit("/", 1)[-1] if c not in "-_.")
+    flat = "".join(c for c in hub_id.lower() if c not in "-_./")  # (a run's checkpoint-N: its run directory's name)
     for needle, family, kwargs in HUB_FAMILIES:
         if needle in flat:
             return family, kwargs
@@ -169,7 +169,7 @@ def test_shipped_hub_config_trains_at_tiny_scale(path, tmp_path, tiny_checkpoint
     assert finite(metrics["eval_loss"])
     for name, spec in heads.items():
         assert finite(metrics.get(f"eval_loss_{name}"))
-        metric = "accuracy" if spec.type == "classification" else "mae"
+        metric = "accuracy" if spec.type in ("classification", "reward") else "mae"  # (reward: pair accuracy)
         assert finite(metrics.get(f"eval_{name}_{metric}"))
     if cfg.train.predict_with_generate:
         assert 0.0 <= metrics["eval_exact_match"] <= 1.0

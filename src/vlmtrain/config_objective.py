@@ -29,7 +29,7 @@ class TrainConfig(TrainingArguments):
     beta: float = 0.1
     """(dpo) Temperature of the DPO loss (ipo: its regularization parameter tau)."""
     loss_type: list[str] | str = field(default_factory=lambda: ["sigmoid"])
-    """(dpo) One or several of sigmoid, ipo, hinge (several: summed, weighted by loss_weights)."""
+    """(dpo) One or several of sigmoid, ipo, hinge, sft (sft: the chosen answers' NLL per token, beside a DPO loss; several: summed, weighted by loss_weights)."""
     loss_weights: list[float] | None = None
     """(dpo) One weight per loss_type; null: 1 each."""
     label_smoothing: float = 0.0

@@ -283,7 +283,9 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
     out = cfg.train.output_dir
     if metrics.get("preempted"):  # the checkpoint is saved; the report waits for the finished run
         return metrics
-    if source.demo_report is not None:
+    if cfg.train.objective == "dpo" and cfg.model.kind == "hub_vlm" and trainer.eval_dataset is not None:
+        report = _preference_report(trainer, metrics, cfg)
+    elif source.demo_report is not None:
         report = source.demo_report(trainer, metrics)
     else:
         exact, loss = _pick(metrics, "eval_exact_match", "exact_match"), _pick(metrics, "eval_loss")
@@ -303,6 +305,16 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
           f"  report:      {_write_report(out)}\n"
           f"  next: vlmtrain eval --config {os.path.join(out, 'config.yaml')} --checkpoint {out}")  # (its data)
     return metrics
+
+
+def _preference_report(trainer: Any, metrics: dict[str, Any], cfg: RunConfig) -> str:
+    """A DPO demo's report: stage 1 (model.pretrained) beside the trained model's last checkpoint."""
+    from vlmtrain.data.registry import get_source
+    from vlmtrain.evaluation.preference_demo import report
+
+    source = get_source(cfg.data.source)
+    stage2 = resolve_checkpoint(cfg.train.output_dir, cfg.train.output_dir)
+    return report(trainer, metrics, cfg.model.pretrained, stage2, source.chance() if source.chance else {})
 
 
 def demo_console(cfg: RunConfig) -> Any:

@@ -68,7 +68,7 @@ class DPOConfig(TrainingArguments):
     """Pairs per batch of that pass (None: ``per_device_train_batch_size``, for eval pairs
     ``per_device_eval_batch_size``)."""
     loss_type: list[str] | str = field(default_factory=lambda: ["sigmoid"])
-    """One or several of ``sigmoid``, ``ipo``, ``hinge`` (several: summed with ``loss_weights``)."""
+    """One or several of ``sigmoid``, ``ipo``, ``hinge``, ``sft`` (the chosen answers' NLL per token; several: summed with ``loss_weights``)."""
     loss_weights: list[float] | None = None
     label_smoothing: float = 0.0
     """As TRL 1.16: used by none of the loss types implemented here (only by robust, exo_pair and aot)."""

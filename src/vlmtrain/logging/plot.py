@@ -40,7 +40,8 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     """About ``count`` round numbers (steps of 1, 2 or 5 x 10^k) covering [low, high]."""
     if not math.isfinite(low) or not math.isfinite(high):
         return []
-    if high <= low:
+    # equal but for rounding too: a step below the floats' spacing would never end the loop below
+    if high - low <= 1e-9 * max(abs(low), abs(high)):
         low, high = low - (abs(low) or 1) * 0.5, high + (abs(high) or 1) * 0.5
     raw = (high - low) / max(count - 1, 1)
     power = 10 ** math.floor(math.log10(raw))

@@ -23,7 +23,7 @@ from ..heads import head_loss_sum, pool_last_token
 from ..sharding import gathered
 from .vision_pairs import with_pair_images
 
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "sft")  # (sft: TRL's NLL of the chosen answers, beside a DPO loss)
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
@@ -184,7 +184,8 @@ class DPOObjective(nn.Module):
         hidden: list[torch.Tensor] | None = [] if self.head_configs else None
         logits, targets, rows = _answer_tokens(language_model(self.policy), inputs, completion_mask, sequence_index,
                                                hidden)
-        logps = _row_sums(_token_logps(logits, targets), rows, n_rows)
+        token_logps = _token_logps(logits, targets)
+        logps = _row_sums(token_logps, rows, n_rows)
         if self.precomputed:
             if ref_chosen is None or ref_rejected is None:
                 raise ConfigError("precompute_ref_log_probs: this batch has no ref_chosen_logps / "
@@ -195,8 +196,10 @@ class DPOObjective(nn.Module):
         chosen_logps, rejected_logps = logps.chunk(2)
         chosen_ratio, rejected_ratio = (logps - ref_logps).chunk(2)
         lengths = torch.bincount(rows, minlength=n_rows).float()
-        loss = sum(weight * dpo_losses(chosen_ratio, rejected_ratio, lengths, self.beta, name).mean()
-                   for name, weight in zip(self.loss_type, self.loss_weights, strict=True))
+        losses = {name: -token_logps[rows < chosen_logps.shape[0]].mean() if name == "sft"  # (TRL: per chosen token)
+                  else dpo_losses(chosen_ratio, rejected_ratio, lengths, self.beta, name).mean()
+                  for name in set(self.loss_type)}
+        loss = sum(weight * losses[name] for name, weight in zip(self.loss_type, self.loss_weights, strict=True))
         pairs = chosen_logps.shape[0]
         heads = self._heads(hidden[0][:pairs], attention_mask[:pairs], head_labels) if hidden else {}
         loss = loss + sum(self.head_configs[k[len("loss_"):]].weight * v for k, v in heads.items()
