@@ -3,7 +3,10 @@
 A tiny Llama with a 150k vocabulary (Qwen's size): one eval batch of logits is 2 x 40 x 150_000 float32 =
 48 MB. Peak RSS is sampled from /proc/self/statm while evaluate() runs; buffers this large are mmapped by
 glibc (above its 32 MB maximum mmap threshold) and unmapped when freed, so RSS follows them closely. Keeping
-the full logits would add 48 MB per batch; the tests allow less than one batch between 4 and 16 batches.
+the full logits would add 48 MB per batch (12 batches, ~550 MB, between 4 and 16 batches); the tests allow less
+than two batches between 4 and 16 batches: a batch's logits may briefly coexist with the next one's, and the
+1 ms sampling of a loaded machine can catch that moment in the 16-batch run and miss it in the 4-batch one (CI
+under load: 45.8 MB, one batch, with nothing kept).
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def test_eval_peak_memory_does_not_grow_with_eval_batches(tmp_path, one_thread, 
     _growth(trainer, 1)  # warm-up: lazy allocations of the first forward are not the eval set's
     few, _ = _growth(trainer, 4)
     many, metrics = _growth(trainer, 16)
-    assert many - few < LOGITS_MB, (setup, few, many)  # full logits kept: about 12 x 46 MB more
+    assert many - few < 2 * LOGITS_MB, (setup, few, many)  # full logits kept: about 12 x 46 MB more
     if "compute_metrics" in kwargs:
         assert metrics["eval_rows"] == 16 * BATCH and metrics["eval_ndim"] == 2  # ids, not B x L x vocab
     if kwargs.get("heads"):
