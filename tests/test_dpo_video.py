@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.test_dpo_vision import _pair
+from tests.test_dpo_vision import _pair, logps_and_grads
 from tests.test_hub_video import frames
 from vlmtrain.data.video import VideoSettings, load_planned
 from vlmtrain.models.objectives.dpo import answer_logps
@@ -76,17 +76,11 @@ def test_one_video_pass_logps_and_gradients_equal_the_plain_forward(tiny_hub, fa
     counter = GridCounter(model.model.visual)
     weights = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3, 1.0, 0.7, -2.0])  # (a gradient through every row)
 
-    def logps_and_grads(compute) -> tuple[torch.Tensor, dict]:
-        model.zero_grad()
-        logps = compute()
-        (logps * weights).sum().backward()
-        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    ours, our_grads = logps_and_grads(lambda: pair_logps(model, ours_batch))
+    ours, our_grads = logps_and_grads(model, weights, lambda: pair_logps(model, ours_batch))
     ours_encoded = counter.calls, counter.grids
     counter.calls = counter.grids = 0
-    theirs, their_grads = logps_and_grads(lambda: answer_logps(model(**plain, use_cache=False).logits[:, :width],
-                                                               batch["input_ids"], batch["completion_mask"]))
+    theirs, their_grads = logps_and_grads(model, weights, lambda: answer_logps(
+        model(**plain, use_cache=False).logits[:, :width], batch["input_ids"], batch["completion_mask"]))
     assert ours_encoded == (2, counter.grids // 2)  # (one call for the videos, one for the images: each once)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert ours.abs().min() > 1.0  # (every row has answer tokens)

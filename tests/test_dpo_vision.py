@@ -43,6 +43,15 @@ def _pairs(n: int, seed: int) -> list[dict]:
     return [_pair(rng, rng.choice([0, 1, 1, 2])) for _ in range(n)]
 
 
+def logps_and_grads(model, weights: torch.Tensor, compute) -> tuple[torch.Tensor, dict]:
+    """``compute()``'s log-probs and the gradients of their ``weights``-weighted sum (a gradient through every
+    row), from zeroed gradients."""
+    model.zero_grad()
+    logps = compute()
+    (logps * weights).sum().backward()
+    return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 class TowerCounter:
     """Counts the vision tower's calls and the images they encode (the rows of ``grid_thw``)."""
 
@@ -189,16 +198,10 @@ def test_one_vision_pass_logps_equal_the_plain_forward(tiny_hub, family, padding
     if tower is not None:
         tower.register_forward_pre_hook(lambda *_: calls.append(1))
 
-    def logps_and_grads(compute) -> tuple[torch.Tensor, dict]:
-        model.zero_grad()
-        logps = compute()
-        (logps * weights).sum().backward()
-        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    ours, our_grads = logps_and_grads(lambda: pair_logps(model, ours_batch))
+    ours, our_grads = logps_and_grads(model, weights, lambda: pair_logps(model, ours_batch))
     assert len(calls) == (1 if tower is not None else 0)  # (one vision tower call for the batch's images)
-    theirs, their_grads = logps_and_grads(lambda: answer_logps(model(**plain, use_cache=False).logits[:, :width],
-                                                               batch["input_ids"], batch["completion_mask"]))
+    theirs, their_grads = logps_and_grads(model, weights, lambda: answer_logps(
+        model(**plain, use_cache=False).logits[:, :width], batch["input_ids"], batch["completion_mask"]))
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert ours.abs().min() > 1.0  # (every row has answer tokens)
     assert our_grads.keys() == their_grads.keys() and any(".visual" in n or "vision" in n for n in our_grads)

@@ -271,10 +271,10 @@ def plan_checkpointing(cfg: RunConfig) -> RunConfig:
         raise ConfigError(f"{where} plans against the GPU's memory; without CUDA set data.device_memory (e.g. "
                           "80GiB or h100-80gb), or give the mode itself.")
     degree, totals = _fsdp_degree(cfg), {}
-    for i in reversed(range(len(AUTO_CANDIDATES))):  # (a tie goes to the policy that recomputes less: the later one)
-        mode, extra = AUTO_CANDIDATES[i]
-        chosen = {**{k: v for k, v in kwargs.items() if k != "mode"}, "mode": mode, **extra}
-        totals[i] = estimate_step_memory(_with_checkpointing(cfg, chosen), device, fsdp_degree=degree).total
+    others = {k: v for k, v in kwargs.items() if k != "mode"}
+    candidates = [{**others, "mode": mode, **extra} for mode, extra in AUTO_CANDIDATES]
+    for i in reversed(range(len(candidates))):  # (a tie goes to the policy that recomputes less: the later one)
+        totals[i] = estimate_step_memory(_with_checkpointing(cfg, candidates[i]), device, fsdp_degree=degree).total
     best = choose_policy(totals, int(device * (1 - MARGIN)))
     if best is None:
         raise ConfigError(f"{where}: even full checkpointing needs an estimated {gib(totals[0])} per step, more than "
@@ -282,10 +282,9 @@ def plan_checkpointing(cfg: RunConfig) -> RunConfig:
                           "(data.pack_length / data.max_length, per_device_train_batch_size), use LoRA or more FSDP "
                           "devices.")
     mode, extra = AUTO_CANDIDATES[best]
-    chosen = {**{k: v for k, v in kwargs.items() if k != "mode"}, "mode": mode, **extra}
     logger.warning("%s -> %s (estimated peak %s of the device's %s)", where,
                    ", ".join(f"{k}: {v}" for k, v in {"mode": mode, **extra}.items()), gib(totals[best]), gib(device))
-    return _with_checkpointing(cfg, chosen)
+    return _with_checkpointing(cfg, candidates[best])
 
 
 def _with_checkpointing(cfg: RunConfig, kwargs: dict[str, Any]) -> RunConfig:
