@@ -15,6 +15,7 @@ from ..logging.eval_samples import save_eval_samples
 from ..logging.throughput import WindowRates
 from ..logging.writers import logging_callbacks
 from ..models.flops import flop_counter
+from ..models.fused_elementwise import fuse_elementwise
 from ..models.generation import GREEDY
 from ..models.liger import apply_liger_kernel
 from ..models.lm_loss import causal_lm_targets
@@ -47,6 +48,7 @@ PARTS = TrainerParts(
     flop_counter=flop_counter,  # tflops_per_second and mfu (models/flops.py)
     window_rates=WindowRates,  # samples, tokens, FLOPs per second, data wait, pack fill (logging/throughput.py)
     liger_kernel=apply_liger_kernel,  # use_liger_kernel (models/liger.py)
+    fuse_elementwise=fuse_elementwise,  # norms, gated MLPs, rotary compiled one by one (models/fused_elementwise.py)
     activation_checkpointing=enable_activation_checkpointing,  # (models/training_prep.py)
     compile_model=compile_model,  # torch_compile, layer by layer where a model asks for it (models/training_prep.py)
     generation=GREEDY,  # predict_with_generate (models/generation.py)

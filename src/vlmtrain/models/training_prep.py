@@ -61,8 +61,8 @@ def compile_model(model: nn.Module, wrapped: nn.Module, backend: str, mode: str 
             module.forward = torch.compiler.disable(module.forward)
         if (eager or _varlen_attention(layer)) and _compile_inside_checkpoint(layer, backend, mode):
             continue
-        layer.forward = types.MethodType(_own_copy(type(layer).forward, type(layer).__name__), layer)
-        layer._compiled_call_impl = _without_duck_sizing(
+        layer.forward = types.MethodType(own_code_copy(type(layer).forward, type(layer).__name__), layer)
+        layer._compiled_call_impl = without_duck_sizing(
             torch.compile(layer._call_impl, backend=backend, mode=mode, dynamic=True))
     return wrapped
 
@@ -88,8 +88,8 @@ def _compile_inside_checkpoint(layer: nn.Module, backend: str, mode: str | None)
     if "forward" not in names:
         return False
     cells = dict(zip(names, wrapper.__closure__))
-    inner = _own_copy(cells["forward"].cell_contents, type(layer).__name__)
-    compiled = _without_duck_sizing(torch.compile(inner, backend=backend, mode=mode, dynamic=True))
+    inner = own_code_copy(cells["forward"].cell_contents, type(layer).__name__)
+    compiled = without_duck_sizing(torch.compile(inner, backend=backend, mode=mode, dynamic=True))
     closure = tuple(types.CellType(compiled) if n == "forward" else cells[n] for n in names)
     own = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, closure)
     own.__kwdefaults__ = wrapper.__kwdefaults__
@@ -98,7 +98,7 @@ def _compile_inside_checkpoint(layer: nn.Module, backend: str, mode: str | None)
     return True
 
 
-def _without_duck_sizing(compiled: Any) -> Any:
+def without_duck_sizing(compiled: Any) -> Any:
     """``compiled`` called with duck sizing off: by default dynamo gives sizes that happen to be equal when it
     compiles (e.g. a batch's 1,024 vision patches and a hidden size of 1,024) one symbol, and that guess then
     specializes the patch count to the hidden size and recompiles at the next batch. Positional tensors that are
@@ -116,7 +116,7 @@ def _without_duck_sizing(compiled: Any) -> Any:
 
 
 @functools.cache
-def _own_copy(fn: Any, owner: str) -> Any:
+def own_code_copy(fn: Any, owner: str) -> Any:
     """``fn`` with a code object of ``owner``'s own. transformers wraps every layer class's forward in the same
     function (GradientCheckpointingLayer's forward_with_checkpointing; some forwards also in a shared deprecation
     decorator), and dynamo keeps its compiled graphs, its recompile limit and its record of which sizes changed

@@ -202,6 +202,12 @@ class CoreArguments:
     """torch.compile's backend (e.g. inductor, aot_eager); setting it turns torch_compile on."""
     torch_compile_mode: str | None = None
     """torch.compile's mode (e.g. default, reduce-overhead, max-autotune); setting it turns torch_compile on."""
+    fuse_elementwise: str | None = None
+    """compile: the model's RMSNorms, gated MLPs (SwiGLU / GeGLU) and rotary embeddings compiled one by one with
+    torch.compile (inductor), each fused into a few kernels, the rest of the model eager; for a transformers model
+    (causal LM or Hub VLM) where Liger Kernel is not installed or does not cover the family. Dynamic shapes: new
+    lengths do not recompile. null: off. Not with torch_compile (which compiles whole layers) or
+    use_liger_kernel."""
     use_liger_kernel: bool = False
     """Liger Kernel's Triton kernels (RMSNorm, rotary embeddings, SwiGLU / GeGLU, LayerNorm) in a Hub VLM of a
     family Liger covers (qwen3_vl, qwen2_5_vl, gemma3, smolvlm), patched into the model instance before

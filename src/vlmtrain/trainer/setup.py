@@ -129,11 +129,14 @@ class SetupMixin:
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
-        """``model`` on the Trainer's device, with Liger's kernels (use_liger_kernel) and activation checkpointing
-        on where the arguments ask for them (before DDP/FSDP wrap it in train(); both are parts, parts.py)."""
+        """``model`` on the Trainer's device, with Liger's kernels (use_liger_kernel) or its elementwise regions
+        compiled (fuse_elementwise), and activation checkpointing on where the arguments ask for them (before
+        DDP/FSDP wrap it in train(); all are parts, parts.py)."""
         model = model.to(self.device)
         if self.args.use_liger_kernel:
             self.parts.liger_kernel(model, self.args.liger_kernel_config)
+        if self.args.fuse_elementwise:
+            self.parts.fuse_elementwise(model, self.args.fuse_elementwise)
         if self.args.activation_checkpointing:
             self.parts.activation_checkpointing(model, self.args.activation_checkpointing_kwargs)
         return model
