@@ -2,11 +2,12 @@
 
 On CPU (liger-kernel is not a dev dependency: it needs Triton and CUDA): every setting that cannot apply is a
 ConfigError before training that names it (liger-kernel missing, no CUDA device, a model of a family Liger does
-not cover, a loss kernel or an unknown option in liger_kernel_config), from the Trainer and from a run config
-before the weights load; with a stand-in for Liger's patch table, what vlmtrain hands Liger (the transformers
-model inside the wrappers, the options with the loss kernels off) and what it puts back (Liger's class swaps in
-transformers' modeling module; the rotary function stays). On a GPU with liger-kernel (``-m gpu``): per
-covered family, the patched model's loss and gradients equal the unpatched model's within bf16 tolerance, and a
+not cover, a loss kernel or an unknown option in liger_kernel_config, a kernel that finds no module or does not
+import), from the Trainer and from a run config before the weights load; with recording stand-ins for Liger's
+building blocks (its RMSNorm, SwiGLU, GeGLU, LayerNorm and rotary modules, computing what the kernels compute),
+per family which modules get which kernel, the same loss and gradients as the plain model, and that no other
+liger_kernel module (its per-model patches) is imported. On a GPU with liger-kernel (``-m gpu``): per covered
+family, the model with Liger's kernels gives the plain model's loss and gradients within bf16 tolerance, and a
 short run trains as it does without Liger.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import types
 
@@ -131,101 +131,176 @@ def test_a_run_config_is_checked_before_the_model_loads(tmp_path, monkeypatch, m
     assert message in str(e.value)
 
 
-# -- what vlmtrain hands Liger, with a stand-in for Liger's patch table -----------------------------------------
+# -- Liger's building blocks, bound by vlmtrain: with recording stand-ins ------------------------------------------
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class _NoOtherLiger:
+    """A meta path finder that refuses (and records) any liger_kernel module but the stand-ins: Liger's per-model
+    patches (monkey_patch, model.*) must never be imported."""
+
+    def __init__(self):
+        self.asked = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "liger_kernel":
+            self.asked.append(name)
+            raise ImportError(f"{name} is not a stand-in")
+        return None
+
+
 @pytest.fixture
 def fake_liger(monkeypatch):
-    """liger_kernel.transformers.monkey_patch with a qwen3_vl patch that records its call and changes what Liger
-    changes: a class and the rotary function in transformers' modeling module, the norms' forward on the instance."""
-    from transformers.models.qwen3_vl import modeling_qwen3_vl
+    """liger_kernel's building blocks (KERNEL_MODULES) as stand-ins that count their calls and compute what
+    Liger's kernels compute (its RMSNorm with offset and casting mode, SwiGLU, tanh GeGLU, LayerNorm, rotary), in
+    torch; the rest of liger_kernel cannot be imported."""
+    import collections
 
-    calls = []
+    import torch.nn.functional as F
 
-    def patch(rope=True, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=False,
-              model=None):
-        calls.append({"model": model, "rope": rope, "cross_entropy": cross_entropy, "rms_norm": rms_norm,
-                      "fused_linear_cross_entropy": fused_linear_cross_entropy, "swiglu": swiglu})
-        modeling_qwen3_vl.Qwen3VLTextRMSNorm = type("LigerRMSNorm", (torch.nn.Module,), {})
-        if rope:
-            modeling_qwen3_vl.apply_rotary_pos_emb = liger_rope
-        if fused_linear_cross_entropy:
-            model.forward = types.MethodType(lambda self, **kw: None, model)
-        model.model.language_model.norm.forward = types.MethodType(lambda self, x: x, model.model.language_model.norm)
+    calls = collections.Counter()
 
-    def liger_rope(q, k, cos, sin, unsqueeze_dim=1):
-        raise AssertionError("not called")
+    class LigerRMSNorm(torch.nn.Module):
+        def forward(self, x):
+            calls["rms_norm"] += 1
+            y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            if self.casting_mode == "gemma":
+                return (y * (self.offset + self.weight.float())).to(x.dtype)
+            return (self.offset + self.weight) * y.to(x.dtype)
 
     class LigerSwiGLUMLP(torch.nn.Module):
         def forward(self, x):
-            return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            calls["swiglu"] += 1
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    modules = {"liger_kernel": types.ModuleType("liger_kernel"),
-               "liger_kernel.transformers": types.ModuleType("liger_kernel.transformers"),
-               "liger_kernel.transformers.monkey_patch": types.ModuleType("liger_kernel.transformers.monkey_patch"),
-               "liger_kernel.transformers.swiglu": types.ModuleType("liger_kernel.transformers.swiglu")}
-    modules["liger_kernel.transformers.monkey_patch"].MODEL_TYPE_TO_APPLY_LIGER_FN = {"qwen3_vl": patch}
-    modules["liger_kernel.transformers.swiglu"].LigerSwiGLUMLP = LigerSwiGLUMLP
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
+    class LigerGEGLUMLP(torch.nn.Module):
+        def forward(self, x):
+            calls["geglu"] += 1
+            return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+    class LigerLayerNorm(torch.nn.Module):
+        def forward(self, x):
+            calls["layer_norm"] += 1
+            return F.layer_norm(x, self.hidden_size, self.weight, self.bias, self.variance_epsilon)
+
+    def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        calls["rope"] += 1
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def liger_rotary_pos_emb_vision(q, k, cos, sin):
+        calls["rope_vision"] += 1
+        cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+        return ((q.float() * cos + _rotate_half(q.float()) * sin).to(q.dtype),
+                (k.float() * cos + _rotate_half(k.float()) * sin).to(k.dtype))
+
+    contents = {"rms_norm": {"LigerRMSNorm": LigerRMSNorm}, "swiglu": {"LigerSwiGLUMLP": LigerSwiGLUMLP},
+                "geglu": {"LigerGEGLUMLP": LigerGEGLUMLP}, "layer_norm": {"LigerLayerNorm": LigerLayerNorm},
+                "rope": {"liger_rotary_pos_emb": liger_rotary_pos_emb,
+                         "liger_rotary_pos_emb_vision": liger_rotary_pos_emb_vision}}
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for kernel, attrs in contents.items():
+        module = types.ModuleType(f"liger_kernel.transformers.{kernel}")
+        vars(module).update(attrs)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    finder = _NoOtherLiger()
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
     monkeypatch.setattr(liger, "liger_version", lambda: "0.8.5")
     monkeypatch.setattr(liger, "cuda_available", lambda: True)
     monkeypatch.setattr(liger, "devices_off_cuda", lambda model: [])
-    # (what the patch changes in transformers' module is put back after the test, the kept rotary function too)
-    monkeypatch.setattr(modeling_qwen3_vl, "apply_rotary_pos_emb", modeling_qwen3_vl.apply_rotary_pos_emb)
-    monkeypatch.setattr(modeling_qwen3_vl, "Qwen3VLTextRMSNorm", modeling_qwen3_vl.Qwen3VLTextRMSNorm)
-    return types.SimpleNamespace(calls=calls, rope=liger_rope, swiglu=LigerSwiGLUMLP, module=modeling_qwen3_vl)
+    return types.SimpleNamespace(calls=calls, finder=finder)
 
 
-def test_liger_patches_the_instance_and_keeps_vlmtrains_loss(tmp_path, fake_liger):
-    model = _tiny_qwen3_vl()
-    own_forward, norm_class = model.forward, fake_liger.module.Qwen3VLTextRMSNorm
-    trainer = vlmtrain.Trainer(model=model, args=_args(tmp_path, liger_kernel_config={"rope": True}))
-    assert fake_liger.calls == [{"model": model, "rope": True, "rms_norm": True, "swiglu": False,
-                                 "cross_entropy": False, "fused_linear_cross_entropy": False}]
-    assert trainer.model.forward == own_forward and model.vlmtrain_accepts_loss_only  # vlmtrain's chunked loss
-    assert fake_liger.module.Qwen3VLTextRMSNorm is norm_class  # Liger's class swap undone: later models unchanged
-    assert fake_liger.module.apply_rotary_pos_emb is fake_liger.rope  # the rotary function stays Liger's
-    x = torch.randn(3, 64)
-    assert torch.equal(model.model.language_model.norm(x), x)  # the instance's norms are Liger's
-    for layer in model.model.language_model.layers:  # Qwen3-VL's text MLPs: Liger's SwiGLU forward
-        assert layer.mlp.forward.__func__ is fake_liger.swiglu.forward
+LIGER_FAMILIES = {  # family -> (tiny build options, the plan's module count per kernel)
+    "qwen3_vl": ({}, {"rms_norm": 9, "swiglu": 2, "rope": 4}),  # text: 2 x (2 + q/k) + final; 2 text + 2 vision
+    "qwen2_5_vl": ({}, {"rms_norm": 10, "swiglu": 2, "rope": 4}),  # + 2 vision blocks x 2 norms (RMSNorm)
+    "gemma3": ({}, {"rms_norm": 14, "geglu": 2, "layer_norm": 3, "rope": 2}),  # 2 x (4 + q/k) + final + projector;
+    # (gemma3, smolvlm: one vision layer x 2 LayerNorms + the post-LayerNorm)
+    "smolvlm": ({"model_type": "smolvlm"}, {"rms_norm": 5, "swiglu": 2, "layer_norm": 3, "rope": 2}),
+}
 
 
-def test_options_are_liger_s_with_the_loss_kernels_off(tmp_path, fake_liger):
+@pytest.fixture(scope="module")
+def liger_batches(tmp_path_factory):
+    """family -> (tiny checkpoint dir, a float32 batch with images), built once for the module."""
+    from tests.test_hub_packing import _samples
+    from vlmtrain.data.hub_collate import HubVLMCollator
+    from vlmtrain.data.hub_processing import HubVLMProcessor
+    from vlmtrain.models.families import get_family
+
+    built = {}
+    for name, (options, _) in LIGER_FAMILIES.items():
+        family = get_family("idefics3" if name == "smolvlm" else name)
+        path = family.build_tiny(str(tmp_path_factory.mktemp(name)), seed=0, **options)
+        batch = HubVLMCollator(HubVLMProcessor(family.load_processor(path), family, max_length=400,
+                                               prompts=False))(_samples())
+        built[name] = (path, {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
+    return built
+
+
+@pytest.mark.parametrize("name", list(LIGER_FAMILIES))
+def test_liger_s_kernels_go_to_each_family_s_modules(fake_liger, liger_batches, name):
+    """Per family: the plan (which modules get which kernel) and, through vlmtrain.Trainer, the model with the
+    stand-ins bound gives the plain model's loss and gradients (fp32 1e-5: Gemma's (1 + weight) RMSNorm offset
+    and casting, the tanh GeGLU, the text and vision rotary functions wired as Liger's own patch wires them), each
+    kernel ran, and no liger_kernel module but the building blocks was imported (no per-model patch)."""
+    from vlmtrain.models.hub_loading import load_model
+
+    path, inputs = liger_batches[name]
+    model = load_model(path).train()
+    plain, plain_grads = _loss_and_grads(model, inputs)
+    own_forward = model.forward
+    plan = liger.apply_liger_kernel(model)
+    assert {k: len(v) for k, v in plan.items()} == LIGER_FAMILIES[name][1]
+    assert all(type(m).__name__.endswith("RMSNorm") for n, m in model.named_modules() if n in plan["rms_norm"])
+    assert model.forward == own_forward  # vlmtrain's chunked loss stays
+    assert {m._get_name() for n, m in model.named_modules() if n in plan["rms_norm"]} == {"LigerRMSNorm"}
+    loss, grads = _loss_and_grads(model, inputs)
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-5)
+    for n, g in plain_grads.items():
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-6)
+    ran = {"rope" if k == "rope_vision" else k for k in fake_liger.calls}
+    assert ran == set(plan), fake_liger.calls
+    assert fake_liger.finder.asked == []
+    assert not any(m.startswith("liger_kernel.transformers.model") or m.endswith("monkey_patch") for m in sys.modules)
+
+
+def test_options_turn_kernels_off_and_others_are_named(tmp_path, fake_liger, liger_batches):
+    """liger_kernel_config through the Trainer: {rope: false, swiglu: false} leaves those modules transformers';
+    an option the family's kernels lack is an error naming the family's options; the rotary functions of
+    transformers' modeling module are never changed (only the instance's attention forwards)."""
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as modeling
+
+    from vlmtrain.models.hub_loading import load_model
+
+    rope = modeling.apply_rotary_pos_emb
     model = _tiny_qwen3_vl()
     vlmtrain.Trainer(model=model, args=_args(tmp_path, liger_kernel_config={"rope": False, "swiglu": False}))
-    assert fake_liger.calls[0]["rope"] is False and fake_liger.calls[0]["fused_linear_cross_entropy"] is False
-    assert fake_liger.module.apply_rotary_pos_emb is not fake_liger.rope
-    assert all("forward" not in vars(layer.mlp) for layer in model.model.language_model.layers)  # swiglu: false
+    assert all("forward" not in vars(layer.mlp) and "forward" not in vars(layer.self_attn)
+               for layer in model.model.language_model.layers)
+    assert "forward" in vars(model.model.language_model.norm)
     with pytest.raises(ConfigError, match=r"liger_kernel_config: Liger's qwen3_vl patch has no option geglu; its "
                                           r"options: rms_norm, rope, swiglu"):
         vlmtrain.Trainer(model=_tiny_qwen3_vl(), args=_args(tmp_path, liger_kernel_config={"geglu": True}))
+    liger.apply_liger_kernel(load_model(liger_batches["qwen3_vl"][0]))
+    assert modeling.apply_rotary_pos_emb is rope
 
 
-def test_a_liger_patch_that_cannot_import_names_both_versions(monkeypatch, fake_liger):
-    """liger-kernel 0.8.5's Qwen-VL patches import an output class that transformers >= 5.23 removed: the run stops
-    with a config error naming liger-kernel's and transformers' versions and what to do, not an ImportError."""
-    import transformers
-
-    table = sys.modules["liger_kernel.transformers.monkey_patch"].MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    def patch(model=None, rope=True, rms_norm=True, swiglu=False, fused_linear_cross_entropy=True,
-              cross_entropy=False):
-        raise ImportError("cannot import name 'LigerQwen3VLCausalLMOutputWithPast'")
-
-    monkeypatch.setitem(table, "qwen3_vl", patch)
-    with pytest.raises(ConfigError, match=rf"qwen3_vl patch does not work with transformers "
-                                          rf"{re.escape(transformers.__version__)} \(cannot import name "
-                                          r"'LigerQwen3VLCausalLMOutputWithPast'\).*use_liger_kernel: false"):
-        liger.apply_liger_kernel(_tiny_qwen3_vl())
-
-
-def test_a_liger_that_replaces_the_forward_is_refused(monkeypatch, fake_liger):
-    """Should a Liger release replace the model's forward although its loss kernels are off, the run stops."""
-    table = sys.modules["liger_kernel.transformers.monkey_patch"].MODEL_TYPE_TO_APPLY_LIGER_FN
-    patch = table["qwen3_vl"]
-    monkeypatch.setitem(table, "qwen3_vl", lambda model=None, **kw: patch(model=model, **{
-        **kw, "fused_linear_cross_entropy": True}))
-    with pytest.raises(RuntimeError, match=r"replaced Qwen3VLForConditionalGeneration.forward"):
+def test_a_kernel_that_finds_no_module_or_does_not_import_is_named(monkeypatch, fake_liger):
+    """A model whose modules do not match what vlmtrain expects of its family (e.g. a changed transformers), and a
+    liger-kernel whose building block fails to import: a ConfigError naming the kernel and the option to turn off."""
+    model = _tiny_qwen3_vl()
+    for layer in model.model.language_model.layers:
+        del layer.mlp.gate_proj  # (no longer a gated MLP)
+    with pytest.raises(ConfigError, match=r"this qwen3_vl model has no module for Liger's swiglu kernel .* Set "
+                                          r"liger_kernel_config: \{swiglu: false\}"):
+        liger.apply_liger_kernel(model)
+    monkeypatch.delitem(sys.modules, "liger_kernel.transformers.rope")
+    with pytest.raises(ConfigError, match=r"liger-kernel 0.8.5's liger_kernel.transformers.rope does not import .* "
+                                          r"liger_kernel_config: \{rope: false\}"):
         liger.apply_liger_kernel(_tiny_qwen3_vl())
 
 

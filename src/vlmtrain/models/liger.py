@@ -3,25 +3,27 @@ embeddings, SwiGLU / GeGLU, LayerNorm) in a Hub VLM of a family Liger covers, ke
 loss (models/lm_loss.py): Liger's fused linear cross-entropy and cross-entropy, which would replace the model's
 forward or transformers' loss, are never applied.
 
-Liger's own per-family patch (``liger_kernel.transformers.monkey_patch``, what transformers' Trainer calls with
-``use_liger_kernel=True``) runs on the model instance: its norms and MLPs get Liger's forward, module by module.
-Liger also swaps classes in transformers' modeling module of the family (so that models built later use its
-layers); vlmtrain puts those back, so only the instance it trains changes. The rotary functions stay swapped:
-Liger offers them only as the modeling module's function, which every model of that family in the process
-calls (a Qwen3-VL built later in the same process, on CUDA, also runs Liger's RoPE).
+vlmtrain applies Liger's building blocks itself, module by module on the model instance, as Liger's per-family
+patch does (the modules :func:`liger_plan` finds: every RMSNorm, the text MLPs, the vision tower's LayerNorms, the
+attention modules' rotary functions), and imports only those blocks (KERNEL_MODULES): Liger's per-model patch
+modules (``liger_kernel.transformers.monkey_patch``, ``liger_kernel.transformers.model.*``, what transformers'
+Trainer calls with ``use_liger_kernel=True``) import output classes that transformers 5.23 removed, and are never
+imported. Nothing changes in transformers' modeling modules: the rotary functions are swapped through a copy of
+each attention forward (models/fused_elementwise.py), so a model built later in the process is transformers' own.
 
 Bad input is a ConfigError before training, naming the setting: liger-kernel not installed, no CUDA device (the
-kernels are Triton, GPU only), a model of a family Liger does not cover, a loss kernel asked for in
-liger_kernel_config. :func:`apply_liger_kernel` is vlmtrain.Trainer's ``liger_kernel`` part
-(trainer/parts.py); the hub_vlm kind checks a run's config with :func:`check_liger` before loading the model.
+kernels are Triton, GPU only), a model of a family Liger does not cover, a loss kernel or an unknown option in
+liger_kernel_config, a kernel that finds no module in the model. :func:`apply_liger_kernel` is vlmtrain.Trainer's
+``liger_kernel`` part (trainer/parts.py); the hub_vlm kind checks a run's config with :func:`check_liger` before
+loading the model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata
 import importlib.util
-import inspect
 import sys
 import types
 from collections.abc import Iterator, Mapping
@@ -30,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
+from .fused_elementwise import forward_with_globals, is_gated_mlp, is_norm, rotary_names
 
 INSTALL = "pip install 'vlmtrain[liger]'"
 LOSS_KERNELS = ("fused_linear_cross_entropy", "cross_entropy")
@@ -41,15 +44,12 @@ COVERED: dict[str, str] = {
     "gemma3": "RMSNorm (text model, projector), RoPE, GeGLU (text MLPs), LayerNorm (SigLIP vision tower)",
     "smolvlm": "RMSNorm, RoPE and SwiGLU (its Llama text model), LayerNorm (vision tower)",
 }
-"""model_type -> what Liger patches, for vlmtrain's Hub VLM families that Liger covers (liger-kernel 0.6-0.8;
-LLaVA-OneVision and Idefics3 it does not). Qwen3-VL's SwiGLU is vlmtrain's: Liger's qwen3_vl patch takes a
-``swiglu`` option but applies nothing; vlmtrain binds Liger's SwiGLU forward to the text MLPs (gate, up, down,
-silu: what Liger does for Qwen2.5-VL) unless liger_kernel_config says ``swiglu: false``. Qwen2.5-VL's RoPE is
-vlmtrain's too where transformers (5.x) applies the multimodal sections in the rotary embedding and calls the plain
-rotary functions Qwen3-VL has: Liger's Qwen2.5-VL patch replaces a function those versions no longer call, so
-vlmtrain swaps in Liger's Qwen3-VL rotary functions (the same computation) unless ``rope: false``."""
-
-_KEPT_GLOBALS = "rotary_pos_emb"  # modeling-module functions whose Liger version stays (apply_*rotary_pos_emb*)
+"""model_type -> what Liger's kernels replace (FAMILY_KERNELS: the options), for vlmtrain's Hub VLM families that
+Liger covers (liger-kernel 0.6-0.8; LLaVA-OneVision and Idefics3 it does not). Qwen3-VL's SwiGLU is on by default
+(Liger's qwen3_vl patch takes a ``swiglu`` option but applies nothing; its SwiGLU forward is what it binds for
+Qwen2.5-VL) unless liger_kernel_config says ``swiglu: false``. The rotary functions are Liger's plain ones for
+Qwen2.5-VL too: transformers 5.x mixes the multimodal sections in the rotary embedding and calls the plain
+functions."""
 
 
 def liger_version() -> str | None:
@@ -120,11 +120,53 @@ def liger_target(model: nn.Module) -> nn.Module:
                       f"use_liger_kernel: false for this model.")
 
 
-def apply_liger_kernel(model: nn.Module, liger_kernel_config: Mapping[str, Any] | None = None) -> None:
-    """TrainingArguments.use_liger_kernel: Liger's kernels in the transformers model inside ``model``, in place
-    (the instance; see the module docstring for the rotary functions), with ``liger_kernel_config`` as Liger's
-    options for the family (transformers' semantics: the keyword arguments of Liger's patch; unset ones take
-    Liger's defaults) and its loss kernels off. Call it with the model on its CUDA device."""
+FAMILY_KERNELS: dict[str, dict[str, bool]] = {
+    "qwen3_vl": {"rope": True, "rms_norm": True, "swiglu": True},
+    "qwen2_5_vl": {"rope": True, "rms_norm": True, "swiglu": True},
+    "gemma3": {"rope": True, "rms_norm": True, "geglu": True, "layer_norm": True},
+    "smolvlm": {"rope": True, "rms_norm": True, "swiglu": True, "layer_norm": True},
+}
+"""model_type -> Liger's kernel options for it (the names of Liger's patch for the family) and their defaults."""
+ROTARY = {"apply_rotary_pos_emb": "liger_rotary_pos_emb", "apply_rotary_pos_emb_vision": "liger_rotary_pos_emb_vision"}
+"""transformers' rotary functions -> Liger's (liger_kernel.transformers.rope) that replace them."""
+VISION_TOWERS = ("visual", "vision_tower", "vision_model")
+"""Module names of the vision towers: Liger's SwiGLU / GeGLU go to the text MLPs only, its LayerNorm to the towers."""
+KERNEL_MODULES = {"rms_norm": "liger_kernel.transformers.rms_norm", "swiglu": "liger_kernel.transformers.swiglu",
+                  "geglu": "liger_kernel.transformers.geglu", "layer_norm": "liger_kernel.transformers.layer_norm",
+                  "rope": "liger_kernel.transformers.rope"}
+"""The only modules of liger-kernel vlmtrain imports: its building blocks, never its per-model patches
+(liger_kernel.transformers.monkey_patch / .model.*, which fail to import with transformers >= 5.23)."""
+
+
+def liger_plan(target: nn.Module, options: Mapping[str, bool] | None = None) -> dict[str, list[str]]:
+    """Which modules of ``target`` (a transformers model of a covered family) get which Liger kernel: kernel
+    option -> qualified module names, for the options on (the family's defaults updated by ``options``).
+    rms_norm: every RMSNorm; swiglu / geglu: the gated MLPs outside the vision tower; layer_norm: the vision
+    tower's LayerNorms; rope: the attention modules that call transformers' rotary functions (ROTARY)."""
+    kernels = {k: v for k, v in {**FAMILY_KERNELS[target.config.model_type], **(options or {})}.items()
+               if v and k in KERNEL_MODULES}
+    plan: dict[str, list[str]] = {k: [] for k in kernels}
+    mlp = "swiglu" if "swiglu" in kernels else "geglu" if "geglu" in kernels else None
+    for name, module in target.named_modules():
+        vision = any(part in VISION_TOWERS for part in name.split("."))
+        if "rms_norm" in plan and is_norm(module):
+            plan["rms_norm"].append(name)
+        elif "layer_norm" in plan and vision and isinstance(module, nn.LayerNorm):
+            plan["layer_norm"].append(name)
+        elif mlp and not vision and is_gated_mlp(module):
+            plan[mlp].append(name)
+        elif "rope" in plan and set(rotary_names(module)) & set(ROTARY):
+            plan["rope"].append(name)
+    return plan
+
+
+def apply_liger_kernel(model: nn.Module, liger_kernel_config: Mapping[str, Any] | None = None) -> dict[str, list[str]]:
+    """TrainingArguments.use_liger_kernel: Liger's kernels in the transformers model inside ``model``, in place on
+    the instance (:func:`liger_plan` says where), with ``liger_kernel_config`` as Liger's options for the family
+    (transformers' semantics: unset ones take the defaults) and its loss kernels off. vlmtrain binds Liger's
+    building blocks (LigerRMSNorm, LigerSwiGLUMLP / LigerGEGLUMLP, LigerLayerNorm forwards, its rotary functions)
+    itself, as Liger's own patch would, without importing that patch. Call it with the model on its CUDA device.
+    Returns the plan applied."""
     target = liger_target(model)
     model_type = target.config.model_type
     options = check_kernel_config(liger_kernel_config)
@@ -133,73 +175,84 @@ def apply_liger_kernel(model: nn.Module, liger_kernel_config: Mapping[str, Any] 
     if on_cpu:
         raise ConfigError(f"use_liger_kernel=true: the model is on {', '.join(on_cpu)}, but Liger's kernels run on "
                           f"CUDA. Train on the GPU (use_cpu: false), or set use_liger_kernel: false.")
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    patch = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    if patch is None:
-        raise ConfigError(f"use_liger_kernel=true: the installed liger-kernel ({liger_version()}) has no patch for "
-                          f"{model_type!r}. Install a newer one ({INSTALL}), or set use_liger_kernel: false.")
-    accepted = _options_of(patch, target, MODEL_TYPE_TO_APPLY_LIGER_FN)
-    unknown = sorted(set(options) - accepted)
+    accepted = set(FAMILY_KERNELS[model_type])
+    unknown = sorted(set(options) - accepted - set(LOSS_KERNELS))
     if unknown:
         raise ConfigError(f"liger_kernel_config: Liger's {model_type} patch has no option {', '.join(unknown)}; its "
-                          f"options: {', '.join(sorted(accepted - set(LOSS_KERNELS)))}.")
-    kwargs = {k: v for k, v in {**options, **dict.fromkeys(LOSS_KERNELS, False)}.items() if k in accepted}
-    forward = target.__dict__.get("forward")  # (vlmtrain's loss_only forward, models/lm_loss.py)
-    with modeling_globals_restored(keep=_KEPT_GLOBALS):
-        try:
-            patch(model=target, **kwargs)
-        except ImportError as err:  # (e.g. liger-kernel 0.8.5's Qwen-VL patch with transformers >= 5.23)
-            import transformers
-
-            raise ConfigError(f"use_liger_kernel=true: liger-kernel {liger_version()}'s {model_type} patch does not "
-                              f"work with transformers {transformers.__version__} ({err}). Install a transformers "
-                              f"that release supports (liger-kernel 0.8.5: transformers <= 5.22.2 for Qwen-VL) or a "
-                              f"newer liger-kernel, or set use_liger_kernel: false.") from err
-    if target.__dict__.get("forward") is not forward:
-        raise RuntimeError(f"liger-kernel {liger_version()} replaced {type(target).__name__}.forward although its "
-                           f"loss kernels were off; vlmtrain's LM loss would be lost. Please report it.")
-    if model_type == "qwen3_vl" and options.get("swiglu", True):
-        _qwen3_vl_swiglu(target)
-    if model_type == "qwen2_5_vl" and options.get("rope", True):
-        _qwen2_5_vl_rope()
+                          f"options: {', '.join(sorted(accepted))}.")
+    plan = liger_plan(target, options)
+    missing = [k for k, names in plan.items() if not names]
+    if missing:
+        raise ConfigError(f"use_liger_kernel=true: this {model_type} model has no module for Liger's {missing[0]} "
+                          f"kernel (the modeling code of transformers {_transformers_version()} differs from what "
+                          f"vlmtrain expects). Set liger_kernel_config: {{{missing[0]}: false}}, or use_liger_kernel: "
+                          f"false.")
+    _check_activation(target, plan)
+    kernels = {k: _import_kernel(k) for k in plan}
+    modules = dict(target.named_modules())
+    for kernel, names in plan.items():
+        for name in names:
+            _BIND[kernel](modules[name], kernels[kernel], model_type)
+    return plan
 
 
-def _options_of(patch: Any, target: nn.Module, table: Mapping[str, Any]) -> set[str]:
-    """The keyword options Liger's ``patch`` takes; a patch with ``**kwargs`` (SmolVLM) hands them to its text
-    model's patch, whose options count too."""
-    params = inspect.signature(patch).parameters
-    names = {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD and n != "model"}
-    text = getattr(getattr(target.config, "text_config", None), "model_type", None)
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()) and text in table:
-        names |= {n for n in inspect.signature(table[text]).parameters if n not in ("model", "kwargs")}
-    return names
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
-def _qwen3_vl_swiglu(target: nn.Module) -> None:
-    """Liger's SwiGLU forward (one kernel for silu(gate) * up, the product recomputed in backward) bound to each
-    Qwen3-VL text MLP, as Liger binds it for Qwen2.5-VL."""
-    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-
-    text_config = target.config.get_text_config(decoder=True)
-    if text_config.hidden_act not in ("silu", "swish"):
-        raise ConfigError(f"use_liger_kernel=true: Liger's SwiGLU computes silu, but this model's text MLPs use "
-                          f"{text_config.hidden_act!r}. Set liger_kernel_config: {{swiglu: false}}.")
-    language_model = target.model.language_model if hasattr(target, "model") else target.language_model
-    for layer in language_model.layers:
-        layer.mlp.forward = types.MethodType(LigerSwiGLUMLP.forward, layer.mlp)
+def _check_activation(target: nn.Module, plan: Mapping[str, list[str]]) -> None:
+    """Liger's SwiGLU computes silu and its GeGLU tanh-approximated gelu: the text MLPs' activation must be it."""
+    text = target.config.get_text_config(decoder=True)
+    act = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
+    wants = {"swiglu": ("silu", "swish"), "geglu": ("gelu_pytorch_tanh", "gelu_new")}
+    for kernel, acts in wants.items():
+        if kernel in plan and act not in acts:
+            raise ConfigError(f"use_liger_kernel=true: Liger's {kernel} computes {acts[0]}, but this model's text "
+                              f"MLPs use {act!r}. Set liger_kernel_config: {{{kernel}: false}}.")
 
 
-def _qwen2_5_vl_rope() -> None:
-    """Liger's rotary functions for Qwen2.5-VL's text and vision attention, where transformers has Qwen3-VL's
-    plain ones there (no ``apply_multimodal_rotary_pos_emb``: the sections are mixed in the rotary embedding)."""
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as modeling
+def _import_kernel(kernel: str) -> types.ModuleType:
+    """Liger's module of ``kernel`` (KERNEL_MODULES); a ConfigError naming liger-kernel's version if it does not
+    import."""
+    try:
+        return importlib.import_module(KERNEL_MODULES[kernel])
+    except ImportError as err:
+        raise ConfigError(f"use_liger_kernel=true: liger-kernel {liger_version()}'s {KERNEL_MODULES[kernel]} does "
+                          f"not import ({err}). Install a liger-kernel that has it ({INSTALL}), set "
+                          f"liger_kernel_config: {{{kernel}: false}}, or use_liger_kernel: false.") from err
 
-    if "apply_multimodal_rotary_pos_emb" in vars(modeling):  # (older transformers: Liger's own patch applies)
-        return
-    modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
-    modeling.apply_rotary_pos_emb_vision = liger_rotary_pos_emb_vision
+
+def _bind(module: nn.Module, liger_class: type, **attributes: Any) -> None:
+    """Liger's forward (and name) on the module instance, with the attributes Liger's forward reads."""
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    module.forward = types.MethodType(liger_class.forward, module)
+    module._get_name = types.MethodType(lambda self: liger_class.__name__, module)
+
+
+def _bind_rms_norm(module: nn.Module, kernels: types.ModuleType, model_type: str) -> None:
+    # Gemma scales by (1 + weight) computed in float32 ("gemma" casting), and is not done in place (Liger's choice)
+    gemma = {"offset": 1.0, "casting_mode": "gemma", "in_place": False} if model_type == "gemma3" else {
+        "offset": 0.0, "casting_mode": "llama", "in_place": True}
+    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", None) or 1e-6
+    _bind(module, kernels.LigerRMSNorm, variance_epsilon=eps, row_mode=None, impl=None, mode=None, **gemma)
+
+
+def _bind_layer_norm(module: nn.Module, kernels: types.ModuleType, model_type: str) -> None:
+    _bind(module, kernels.LigerLayerNorm, variance_epsilon=module.eps, hidden_size=module.normalized_shape,
+          impl=None, mode=None)
+
+
+def _bind_rope(module: nn.Module, kernels: types.ModuleType, model_type: str) -> None:
+    replacements = {n: getattr(kernels, ROTARY[n]) for n in rotary_names(module) if n in ROTARY}
+    module.forward = types.MethodType(forward_with_globals(type(module).forward, replacements), module)
+
+
+_BIND = {"rms_norm": _bind_rms_norm, "layer_norm": _bind_layer_norm, "rope": _bind_rope,
+         "swiglu": lambda module, kernels, _: _bind(module, kernels.LigerSwiGLUMLP),
+         "geglu": lambda module, kernels, _: _bind(module, kernels.LigerGEGLUMLP)}
 
 
 @contextlib.contextmanager
