@@ -1,4 +1,4 @@
-"""train.use_liger_kernel (models/liger.py): Liger's kernels in a Hub VLM, vlmtrain's own LM loss kept.
+"""train.use_liger_kernel (models/speed/liger.py): Liger's kernels in a Hub VLM, vlmtrain's own LM loss kept.
 
 On CPU (liger-kernel is not a dev dependency: it needs Triton and CUDA): every setting that cannot apply is a
 ConfigError before training that names it (liger-kernel missing, no CUDA device, a model of a family Liger does
@@ -25,18 +25,18 @@ import yaml
 import vlmtrain
 from tests.tiny import tiny_llama
 from vlmtrain.errors import ConfigError
-from vlmtrain.models import liger
 from vlmtrain.models.families import qwen3_vl
+from vlmtrain.models.speed import liger
 
 
 def _tiny_qwen3_vl() -> torch.nn.Module:
     import transformers
 
-    from vlmtrain.models.lm_loss import enable_lm_loss
+    from vlmtrain.models.speed.lm_loss import enable_lm_loss
 
     torch.manual_seed(0)
     model = transformers.Qwen3VLForConditionalGeneration(qwen3_vl.tiny_config())
-    enable_lm_loss(model)  # (as models/hub_loading.py loads a Hub VLM)
+    enable_lm_loss(model)  # (as models/hub/hub_loading.py loads a Hub VLM)
     return model
 
 
@@ -287,7 +287,7 @@ def test_liger_loss_and_gradients_equal_the_unpatched_model(tmp_path, restored_m
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
     from vlmtrain.models.families import get_family
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
 
     family = get_family("idefics3" if name == "smolvlm" else name)
     path = family.build_tiny(str(tmp_path / name), seed=0, **GPU_FAMILIES[name])

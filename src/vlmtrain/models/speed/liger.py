@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 INSTALL = "pip install 'vlmtrain[liger]'"
 LOSS_KERNELS = ("fused_linear_cross_entropy", "cross_entropy")
