@@ -251,7 +251,9 @@ def test_per_batch_packing_caps_each_rows_patches_too(root, one_thread):
     image = batch["input_ids"] == model.config.image_token_id  # 4 patches per image token
     assert (image.sum(1) * 4 <= most).all() and batch["pack_stats"]["samples"] == len(samples)
     collate.max_patches_per_pack = most - 4
-    with pytest.raises(ValueError, match=f"a sample has {most} vision patches, more than data.max_patches_per_pack"):
+    # (the window packer's check and text, data/packing.py's check_fits_row; the packer also names the sample)
+    with pytest.raises(ValueError, match=f"^a sample has {most} vision patches, more than "
+                                         f"data.max_patches_per_pack={most - 4}: one sample must fit one packed row.$"):
         collate(samples)
 
 
