@@ -1,4 +1,5 @@
-"""The Qwen-VL patch embedding as nn.Conv3d vs as the equal matmul (vlmtrain.models.vision.patch_embed), forward + backward.
+"""The Qwen-VL patch embedding as nn.Conv3d vs as the equal matmul (vlmtrain.models.vision.patch_embed),
+forward + backward.
 
     python benchmarks/patch_embed.py                 # CUDA in bf16 when there is a GPU, else CPU in float32
     python benchmarks/patch_embed.py --patches 8192 --hidden 1152 --rounds 20

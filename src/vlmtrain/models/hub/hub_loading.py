@@ -27,8 +27,8 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     (``device_map``), in ``torch_dtype``, never a float32 copy first. A patch embedding Conv3d whose stride is
     its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/vision/patch_embed.py; same weights and
     state dict). ``attn_implementation`` 'varlen_torch': loaded with sdpa, then the text model's attention is
-    models/speed/varlen_attention.py's and a Qwen-VL vision tower's models/vision/vision_attention.py's (all images in one
-    call; other vision towers keep sdpa)."""
+    models/speed/varlen_attention.py's and a Qwen-VL vision tower's models/vision/vision_attention.py's (all
+    images in one call; other vision towers keep sdpa)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -57,7 +57,8 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     _stop_at(model, stop_token_id)
     _dummy_vision(model, family)  # a batch without images still runs the vision tower under several ranks
     _freeze_unused(model, family)
-    enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/speed/lm_loss.py)
+    # forward(..., loss_only=True): LM head at the targets only, chunked (models/speed/lm_loss.py)
+    enable_lm_loss(model)
     return model
 
 
