@@ -1,7 +1,7 @@
 """What the dummy image costs: a text-only training step with and without it, against a step with one real image.
 
 Under several processes a micro-batch without images runs the vision tower and projector on the family's
-smallest valid image (models/dummy_vision.py), so every rank runs the same collectives. This times, in one
+smallest valid image (models/vision/dummy_vision.py), so every rank runs the same collectives. This times, in one
 process with the dummy path forced on or off, forward + backward (loss_only, as the Trainer calls it) of:
 
   text           one text-only sample, the dummy off (what one process runs)
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlmtrain.models import dummy_vision
+from vlmtrain.models.vision import dummy_vision
 
 TEXT = {"user": "Describe the picture in a few words, please.", "assistant": "A small random picture."}
 
@@ -88,7 +88,7 @@ def qwen(image_size: int, rounds: int, small: bool) -> tuple[dict[str, float], i
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
     from vlmtrain.models.families import get_family
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
 
     family = get_family("qwen3_vl")
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +111,7 @@ def qwen(image_size: int, rounds: int, small: bool) -> tuple[dict[str, float], i
 
 def own_vlm(rounds: int) -> tuple[dict[str, float], int, int]:
     """(ms per contender, dummy patches, real image patches) for vlmtrain's own tiny VLM."""
-    from vlmtrain.models.vlm import VisionLanguageModel, VLMConfig
+    from vlmtrain.models.own_vlm.vlm import VisionLanguageModel, VLMConfig
 
     torch.manual_seed(0)
     vision = {"model_type": "siglip_vision_model", "image_size": 32, "patch_size": 8, "hidden_size": 32,

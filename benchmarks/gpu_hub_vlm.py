@@ -30,7 +30,7 @@ Setups: 2B full fine-tune (everything trains) and 8B LoRA (r 16, alpha 32, adapt
 linear layers; vision tower, projector and the rest frozen).
 
 Measured per contender over steps --warmup+1 .. --steps: real tokens/s (text + image tokens, padding never),
-TFLOP/s and MFU (vlmtrain.models.flops: analytic model FLOPs, vision tower counted; MFU against --peak-tflops,
+TFLOP/s and MFU (vlmtrain.models.speed.flops: analytic model FLOPs, vision tower counted; MFU against --peak-tflops,
 989 for H100/H200 bf16 by default), the peak torch.cuda.max_memory_allocated of the whole run (weights,
 optimizer state, activations), the data-wait fraction (time the training loop waited for the next batch /
 wall time), the loss at step 1 and the ratios to transformers. Timestamps after a CUDA sync at every step end;
@@ -94,7 +94,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "flash_attention_2, ... (default sdpa)")
     p.add_argument("--vision-attn", choices=("same", "varlen"), default="same", help="the vision tower's "
                    "attention for every contender: same as --attn (transformers: one call per image) or varlen (one "
-                   "torch varlen_attn call for all images: vlmtrain.models.vision_attention, which vlmtrain's "
+                   "torch varlen_attn call for all images: vlmtrain.models.vision.vision_attention, which vlmtrain's "
                    "model.attn_implementation: varlen_torch also sets)")
     p.add_argument("--text-attn", choices=("same", "varlen"), default="same", help="vlmtrain packed's text "
                    "attention: same as --attn (sdpa: a dense block-diagonal mask per row) or varlen "

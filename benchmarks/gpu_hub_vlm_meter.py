@@ -13,7 +13,7 @@ import torch
 
 
 def batch_stats(batch: dict[str, Any], count: Any) -> dict[str, Any]:
-    """A collated batch's real (non-pad) tokens, model FLOPs (vlmtrain.models.flops, vision counted) and
+    """A collated batch's real (non-pad) tokens, model FLOPs (vlmtrain.models.speed.flops, vision counted) and
     fingerprint (target count, sum of target ids: the same for the same samples, padded or packed)."""
     layout = batch.get("pack_stats")
     mask = batch.get("attention_mask")

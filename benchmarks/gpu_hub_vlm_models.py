@@ -16,9 +16,9 @@ import transformers
 from vlmtrain.models.families import get_family
 from vlmtrain.models.families import qwen3_vl as qwen
 from vlmtrain.models.families.qwen_common import build_tiny_tokenizer, text_ids, tiny_image_processor
-from vlmtrain.models.flops import IMAGE_TOKENS_ATTR
 from vlmtrain.models.protocol import MODULE_GROUPS_ATTR
-from vlmtrain.models.vision_attention import use_varlen_vision_attention
+from vlmtrain.models.speed.flops import IMAGE_TOKENS_ATTR
+from vlmtrain.models.vision.vision_attention import use_varlen_vision_attention
 
 FAMILY = get_family("qwen3_vl")
 REAL_VOCAB = 151_936
@@ -65,7 +65,7 @@ def build_model(config: Any, device: torch.device, seed: int, vision_attn: str =
     """Random init on the meta device, then materialised on ``device`` in bf16 and initialised under ``seed``
     (the same weights on every call in a process: checked by :func:`checksum`). The family's module groups and
     image-token counts are attached, as the hub_vlm kind does, so vlmtrain's FLOP counter can read them.
-    ``vision_attn`` 'varlen': the vision tower's attention as one call (vlmtrain.models.vision_attention, what
+    ``vision_attn`` 'varlen': the vision tower's attention as one call (vlmtrain.models.vision.vision_attention, what
     model.attn_implementation: varlen_torch sets; after the model is built, because transformers' checks at
     construction would look for a flash-attention kernel)."""
     with torch.device("meta"):

@@ -34,8 +34,8 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 import vlmtrain
 from vlmtrain.errors import ConfigError
-from vlmtrain.models.flops import flop_counter
-from vlmtrain.models.liger import liger_version, modeling_globals_restored
+from vlmtrain.models.speed.flops import flop_counter
+from vlmtrain.models.speed.liger import liger_version, modeling_globals_restored
 
 LORA = {"r": 16, "alpha": 32}  # vlmtrain's default targets: every linear layer of the language model
 LORA_TARGETS = r"model\.language_model\.(?:.*\.)?(?:down_proj|gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)"

@@ -14,7 +14,7 @@ every variant).
 - full: ``lm_head(hidden)`` on every position, then transformers' ``ForCausalLMLoss``.
 - gathered: the hidden states at the positions with a target (index_select), ``lm_head``, float32 cross-entropy,
   plain autograd (all targets' logits at once).
-- chunked: the same rows through ``vlmtrain.models.lm_loss.linear_cross_entropy`` (``--chunk-rows`` rows at a
+- chunked: the same rows through ``vlmtrain.models.speed.lm_loss.linear_cross_entropy`` (``--chunk-rows`` rows at a
   time; default vlmtrain's CHUNK_ROWS).
 
 On CUDA: ``torch.cuda.max_memory_allocated``, run for real (with the time per step). Elsewhere: every tensor an
@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from vlmtrain.models.lm_loss import CHUNK_ROWS, linear_cross_entropy
+from vlmtrain.models.speed.lm_loss import CHUNK_ROWS, linear_cross_entropy
 
 MIB = 1 << 20
 

@@ -1,4 +1,5 @@
-"""The Qwen-VL patch embedding as nn.Conv3d vs as the equal matmul (vlmtrain.models.patch_embed), forward + backward.
+"""The Qwen-VL patch embedding as nn.Conv3d vs as the equal matmul (vlmtrain.models.vision.patch_embed),
+forward + backward.
 
     python benchmarks/patch_embed.py                 # CUDA in bf16 when there is a GPU, else CPU in float32
     python benchmarks/patch_embed.py --patches 8192 --hidden 1152 --rounds 20
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from vlmtrain.models.patch_embed import linear_patch_embeddings
+from vlmtrain.models.vision.patch_embed import linear_patch_embeddings
 
 
 def _time(module: torch.nn.Module, x: torch.Tensor, rounds: int, sync) -> float:

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from vlmtrain.data.processing import VLMProcessor
 from vlmtrain.data.vlm_collate import VLMCollator
-from vlmtrain.models.vlm import VisionLanguageModel
+from vlmtrain.models.own_vlm.vlm import VisionLanguageModel
 from vlmtrain.tasks.shapes import ShapesVQA
 
 QTYPES = ("color", "shape", "position", "side")

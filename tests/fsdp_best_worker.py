@@ -19,8 +19,8 @@ from test_heads import HEADS, Collate, samples
 from tiny import tiny_llama
 
 from vlmtrain import Trainer, TrainingArguments
-from vlmtrain.models.heads import WithHeads
-from vlmtrain.models.lora import apply_lora
+from vlmtrain.models.hub.lora import apply_lora
+from vlmtrain.models.objectives.heads import WithHeads
 from vlmtrain.parallel import fsdp
 from vlmtrain.trainer.setup import load_model_state
 

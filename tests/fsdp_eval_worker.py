@@ -18,7 +18,7 @@ from test_heads import HEADS, Collate, samples
 from tiny import tiny_llama
 
 from vlmtrain import Trainer, TrainingArguments
-from vlmtrain.models.heads import WithHeads
+from vlmtrain.models.objectives.heads import WithHeads
 from vlmtrain.parallel import fsdp
 
 

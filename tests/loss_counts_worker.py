@@ -12,7 +12,7 @@ import torch
 
 from tests.tiny import VOCAB, tiny_llama
 from vlmtrain import Trainer, TrainingArguments
-from vlmtrain.models.heads import WithHeads, head_label_tensors, parse_heads
+from vlmtrain.models.objectives.heads import WithHeads, head_label_tensors, parse_heads
 from vlmtrain.trainer.callbacks import TrainerCallback
 
 HEADS = {"cls": {"type": "classification", "num_outputs": 3, "weight": 0.5},

@@ -18,7 +18,7 @@ import torch
 
 from tests.tiny import VOCAB, tiny_llama
 from vlmtrain import Trainer, TrainingArguments
-from vlmtrain.models.heads import WithHeads, head_label_tensors, parse_heads
+from vlmtrain.models.objectives.heads import WithHeads, head_label_tensors, parse_heads
 
 HEADS = {"cls": {"type": "classification", "num_outputs": 3, "weight": 0.5},
          "reg": {"type": "regression", "loss": "mse", "weight": 2.0}}

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from vlmtrain.data.tokenizers import build_char_tokenizer
-from vlmtrain.models.causal_lm import build_causal_lm
+from vlmtrain.models.hub.causal_lm import build_causal_lm
 from vlmtrain.tasks.addition import (
     ADDITION_CHARS,
     AdditionCollator,

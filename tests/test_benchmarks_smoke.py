@@ -82,7 +82,7 @@ def test_liger_contenders_say_why_they_cannot_run_on_cpu(bench, capsys, tmp_path
 def test_budget_contender_trains_one_row_of_T_tokens_per_step(bench, capsys, tmp_path, monkeypatch):
     """vlmtrain budget: every step one packed row of --budget-tokens (data.pack_window, batch 1), the vision
     tower padded to --budget-patches, text and vision attention varlen_torch."""
-    from vlmtrain.models import vision_attention
+    from vlmtrain.models.vision import vision_attention
 
     shapes, calls = set(), []
     counted = bench.parts.Counted.__call__
@@ -109,7 +109,7 @@ def test_budget_contender_trains_one_row_of_T_tokens_per_step(bench, capsys, tmp
 def test_selective_checkpointing_runs_vlmtrain_with_the_losses_of_full(bench, capsys, tmp_path, monkeypatch):
     """--checkpointing-mode selective: vlmtrain padded checkpoints with the selective policy (it decides what each
     checkpointed operator keeps), with the same step-1 loss as transformers' full recompute on the same samples."""
-    from vlmtrain.models import checkpointing_policies
+    from vlmtrain.models.speed import checkpointing_policies
 
     calls = []
     policy = checkpointing_policies._selective_policy
@@ -125,7 +125,7 @@ def test_selective_checkpointing_runs_vlmtrain_with_the_losses_of_full(bench, ca
 def test_text_varlen_runs_vlmtrain_packed_with_varlen_torch(bench, capsys, tmp_path, monkeypatch):
     """--text-attn varlen: vlmtrain packed's text attention is model.attn_implementation varlen_torch (its
     per-document path runs), with the same step-1 loss as transformers' sdpa on the same samples."""
-    from vlmtrain.models import varlen_attention
+    from vlmtrain.models.speed import varlen_attention
 
     calls = []
     per_document = varlen_attention._varlen
@@ -181,14 +181,14 @@ def test_smoke_on_cuda_measures_peak_memory(bench, capsys, tmp_path):
 
 def test_vision_varlen_attention_takes_every_image_in_one_call_per_block(bench, monkeypatch):
     """--vision-attn varlen: transformers hands the whole vision tower's attention of a multi-image batch to
-    the library's vlmtrain/models/vision_attention.py, one call per block with every image's boundaries, and the
+    the library's vlmtrain/models/vision/vision_attention.py, one call per block with every image's boundaries, and the
     model computes what its own per-image attention computes (on CPU both run one sdpa per image)."""
     from transformers import AttentionInterface
 
     from tests.test_hub_packing import _samples
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
-    from vlmtrain.models import vision_attention as varlen
+    from vlmtrain.models.vision import vision_attention as varlen
 
     parts = bench.parts
     calls = []

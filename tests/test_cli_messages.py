@@ -163,7 +163,7 @@ def test_shutdown_reads_no_deprecated_torch_attribute():
 
 def test_lora_on_a_transformers_model_prints_no_deprecation():
     from tests.tiny import tiny_llama
-    from vlmtrain.models.lora import apply_lora
+    from vlmtrain.models.hub.lora import apply_lora
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -206,7 +206,8 @@ def test_a_stopped_demo_names_the_demo_command_that_continues_it(tmp_path, monke
 def test_an_unwritable_output_dir_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys, command, setting):
     """A directory under a file cannot be made (also as root, where permissions do not stop a write)."""
     from vlmtrain import inference
-    from vlmtrain.models import export, lora
+    from vlmtrain.models.files import export
+    from vlmtrain.models.hub import lora
 
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded before the output directory was checked")

@@ -338,7 +338,7 @@ def _answering(src: Path, dst: Path, answer: str) -> None:
 def test_fsdp_trains_evaluates_and_exports_the_vlm(tmp_path, shared_run):
     """The tiny VLM (vision tower, projector, decoder) under FSDP: same losses as 1 process x batch 4, generation
     -based evaluation on the sharded model, and an export that VisionLanguageModel.from_pretrained loads."""
-    from vlmtrain.models.vlm import VisionLanguageModel
+    from vlmtrain.models.own_vlm.vlm import VisionLanguageModel
 
     cfg = _vlm()
     cfg["train"].update(eval_strategy="steps", eval_steps=cfg["train"]["max_steps"])

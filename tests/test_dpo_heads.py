@@ -61,8 +61,8 @@ def test_dpo_loss_plus_weighted_head_losses_of_the_chosen_rows(qwen3_vl, tmp_pat
 
     from vlmtrain.compose import build
     from vlmtrain.config import load_run_config
-    from vlmtrain.models.heads import pool_last_token
     from vlmtrain.models.objectives.dpo import DPOObjective
+    from vlmtrain.models.objectives.heads import pool_last_token
     from vlmtrain.models.objectives.vision_pairs import with_pair_images
 
     path, _ = qwen3_vl
@@ -99,7 +99,7 @@ def test_head_weight_zero_trains_as_plain_dpo_and_logs_the_heads(qwen3_vl, tmp_p
     """Heads of weight 0: the base's final weights equal the run without heads (AdamW with weight decay), and
     metrics.jsonl holds each head's loss_<name> in training and its evaluation metrics (eval_<name>_*)."""
     from vlmtrain import cli
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
 
     path, _ = qwen3_vl
     zero = {name: {**spec, "weight": 0.0} for name, spec in HEADS.items()}

@@ -362,7 +362,7 @@ def test_dpo_from_yaml_on_a_hub_vlm_equals_dpo_trainer(qwen3_vl, tmp_path, one_t
     import yaml
 
     from vlmtrain import cli
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
 
     path, processor = qwen3_vl
     rows, theirs = _file_pairs(tmp_path, 8, 0)

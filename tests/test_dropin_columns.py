@@ -303,7 +303,7 @@ def _head_rows(n: int) -> list[dict]:
 def _train_heads(data, out) -> tuple[list[dict], dict[str, torch.Tensor]]:
     from tiny import tiny_llama
 
-    from vlmtrain.models.heads import WithHeads
+    from vlmtrain.models.objectives.heads import WithHeads
 
     model = WithHeads(tiny_llama(0), {"cls": {"type": "classification", "num_outputs": 3},
                                       "reg": {"type": "regression", "loss": "mse"}})

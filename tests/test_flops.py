@@ -21,8 +21,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
 from vlmtrain.data.vlm_collate import VLMCollator
-from vlmtrain.models.build import build_vlm
-from vlmtrain.models.flops import document_lengths, flop_counter
+from vlmtrain.models.own_vlm.build import build_vlm
+from vlmtrain.models.speed.flops import document_lengths, flop_counter
 from vlmtrain.trainer.stats import BOOKKEEPING_KEYS
 
 VISION = {"model_type": "siglip_vision_model", "image_size": 32, "patch_size": 8, "hidden_size": 32,
@@ -215,7 +215,7 @@ def test_a_model_it_does_not_understand_gets_no_tflops_and_one_warning(tmp_path)
 def test_a_text_only_batch_counts_the_text_model_alone(tmp_path, tokenizer, name, monkeypatch):
     """A batch without images (Qwen: no image_grid_thw; the own VLM: no pixel_values) counts the text model's FLOPs
     exactly: what its forward + backward cost (it used to raise 'cannot reshape tensor of 0 elements'). The dummy
-    image the own VLM runs in training so that every parameter gets a gradient (models/dummy_vision.py) is
+    image the own VLM runs in training so that every parameter gets a gradient (models/vision/dummy_vision.py) is
     overhead, not model work: it is left out of the count, and of the measurement here."""
     from vlmtrain.models.kinds.hub_vlm import load_model
 

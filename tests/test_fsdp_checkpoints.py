@@ -198,7 +198,7 @@ def test_a_checkpoint_of_other_heads_or_lora_is_an_error_naming_the_file(lora_ru
 def test_full_fine_tune_checkpoint_stays_sharded_and_eval_and_export_read_it(tiny, tmp_path, capsys):
     from transformers import AutoModelForImageTextToText
 
-    from vlmtrain.models.sharded_files import read_model_weights
+    from vlmtrain.models.files.sharded_files import read_model_weights
 
     cfg = config(tiny, lora=False)
     cfg["train"].update(max_steps=2, eval_steps=2, save_steps=2)

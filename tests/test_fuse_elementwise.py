@@ -1,4 +1,4 @@
-"""train.fuse_elementwise: compile (models/fused_elementwise.py): a model's RMSNorms, gated MLPs and rotary
+"""train.fuse_elementwise: compile (models/speed/fused_elementwise.py): a model's RMSNorms, gated MLPs and rotary
 embeddings compiled region by region with inductor (on the CPU: C++), trained through vlmtrain.Trainer.
 
 Per model (a tiny Llama causal LM, a tiny Qwen3-VL with and without activation checkpointing): which modules are
@@ -16,7 +16,7 @@ from PIL import Image
 import vlmtrain
 from tests.tiny import tiny_llama, token_samples
 from vlmtrain.errors import ConfigError
-from vlmtrain.models.fused_elementwise import FUSED
+from vlmtrain.models.speed.fused_elementwise import FUSED
 
 
 class _Record(vlmtrain.TrainerCallback):

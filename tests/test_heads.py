@@ -17,8 +17,8 @@ from transformers.utils import ModelOutput
 from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.processing import SkipSample
 from vlmtrain.errors import ConfigError
-from vlmtrain.models.head_files import load_heads, read_head_configs, save_heads
-from vlmtrain.models.heads import (
+from vlmtrain.models.files.head_files import load_heads, read_head_configs, save_heads
+from vlmtrain.models.objectives.heads import (
     HeadConfig,
     WithHeads,
     check_head_labels,

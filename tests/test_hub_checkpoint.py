@@ -24,9 +24,9 @@ from transformers import AutoModelForImageTextToText
 from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.cli import main
 from vlmtrain.models.families.qwen3_vl import FAMILY
-from vlmtrain.models.head_files import load_heads
-from vlmtrain.models.heads import WithHeads
-from vlmtrain.models.lora import apply_lora
+from vlmtrain.models.files.head_files import load_heads
+from vlmtrain.models.hub.lora import apply_lora
+from vlmtrain.models.objectives.heads import WithHeads
 from vlmtrain.trainer import CheckpointError, TrainerCallback
 from vlmtrain.trainer import checkpoint as ckpt
 

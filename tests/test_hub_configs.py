@@ -20,7 +20,7 @@ from vlmtrain.config import RunConfig, load_run_config
 from vlmtrain.data.cauldron import write_cauldron_jsonl
 from vlmtrain.data.tools import write_webdataset
 from vlmtrain.models.families import get_family
-from vlmtrain.models.heads import parse_heads
+from vlmtrain.models.objectives.heads import parse_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))

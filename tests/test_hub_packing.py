@@ -303,7 +303,7 @@ def test_config_trains_packed_and_window_packed_rows_resume_exactly(root, tmp_pa
 
 def test_flops_count_each_packed_sample_as_its_own_sequence(root):
     """The logged TFLOP/s read documents from the text row of Qwen's [4, rows, L] positions."""
-    from vlmtrain.models.flops import document_lengths
+    from vlmtrain.models.speed.flops import document_lengths
 
     family, processor, model = _parts("qwen3_vl", root)
     pack, pad = _collators(family, processor, model, pack_length=400)

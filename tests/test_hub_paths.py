@@ -198,7 +198,7 @@ def test_hub_id_that_cannot_be_loaded_names_the_key(relative_run, monkeypatch, c
     ("bad..name", True), ("cfg.yaml", True),  # a name the Hub refuses; a file
 ])
 def test_what_looks_like_a_path(relative_run, monkeypatch, value, is_path):
-    from vlmtrain.models.local_paths import looks_like_path
+    from vlmtrain.models.hub.local_paths import looks_like_path
 
     monkeypatch.chdir(relative_run)
     assert looks_like_path(value) is is_path

@@ -135,8 +135,8 @@ def test_packed_positions_are_each_samples_own_with_the_videos_temporal_position
 def test_flops_count_each_temporal_patch_of_a_video_as_a_frame(root, name):
     """The logged FLOP count (the model's counter, as the trainer builds it) of a clip of 3 temporal patches of
     4 x 6 patches equals that of 3 images of 4 x 6 patches, and is above the text alone."""
-    from vlmtrain.models.flops import flop_counter
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
+    from vlmtrain.models.speed.flops import flop_counter
 
     count = flop_counter(load_model(_tiny(name, root)).train())
     ids = {"input_ids": torch.ones(1, 40, dtype=torch.long), "attention_mask": torch.ones(1, 40, dtype=torch.long)}
@@ -151,8 +151,8 @@ def test_every_batch_mix_makes_the_same_vision_tower_calls_adding_exactly_zero(r
     image + video batch each call the vision tower twice (images, then videos: real or dummy), so ranks with any
     mix stay in step under FSDP; the loss and every gradient are bitwise the plain forward's, and every vision
     parameter gets a gradient (zero where the batch has neither images nor videos)."""
-    from vlmtrain.models import dummy_vision
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
+    from vlmtrain.models.vision import dummy_vision
 
     family = get_family(name)
     model = load_model(_tiny(name, root)).train()

@@ -261,8 +261,8 @@ def test_fsdp_dcp_checkpoint_loads_for_inference(trained, tmp_path, heads_json):
     described by heads.json or, without it, by the run's config.yaml next to checkpoint-N/."""
     import torch.distributed.checkpoint as dcp
 
-    from vlmtrain.models.head_files import save_heads
-    from vlmtrain.models.lora import merge_lora
+    from vlmtrain.models.files.head_files import save_heads
+    from vlmtrain.models.hub.lora import merge_lora
 
     _, run_dir, folder = trained
     loaded = vlmtrain.load_for_inference(run_dir)

@@ -75,7 +75,7 @@ def test_label_smoothing_with_score_heads_is_refused_before_training(tmp_path):
 
     from vlmtrain import Trainer, TrainingArguments
     from vlmtrain.errors import ConfigError
-    from vlmtrain.models.heads import WithHeads
+    from vlmtrain.models.objectives.heads import WithHeads
 
     model = WithHeads(tiny_llama(0), {"cls": {"type": "classification", "num_outputs": 3}})
     args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", label_smoothing_factor=0.1)

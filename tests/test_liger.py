@@ -1,4 +1,4 @@
-"""train.use_liger_kernel (models/liger.py): Liger's kernels in a Hub VLM, vlmtrain's own LM loss kept.
+"""train.use_liger_kernel (models/speed/liger.py): Liger's kernels in a Hub VLM, vlmtrain's own LM loss kept.
 
 On CPU (liger-kernel is not a dev dependency: it needs Triton and CUDA): every setting that cannot apply is a
 ConfigError before training that names it (liger-kernel missing, no CUDA device, a model of a family Liger does
@@ -25,18 +25,18 @@ import yaml
 import vlmtrain
 from tests.tiny import tiny_llama
 from vlmtrain.errors import ConfigError
-from vlmtrain.models import liger
 from vlmtrain.models.families import qwen3_vl
+from vlmtrain.models.speed import liger
 
 
 def _tiny_qwen3_vl() -> torch.nn.Module:
     import transformers
 
-    from vlmtrain.models.lm_loss import enable_lm_loss
+    from vlmtrain.models.speed.lm_loss import enable_lm_loss
 
     torch.manual_seed(0)
     model = transformers.Qwen3VLForConditionalGeneration(qwen3_vl.tiny_config())
-    enable_lm_loss(model)  # (as models/hub_loading.py loads a Hub VLM)
+    enable_lm_loss(model)  # (as models/hub/hub_loading.py loads a Hub VLM)
     return model
 
 
@@ -247,7 +247,7 @@ def test_liger_s_kernels_go_to_each_family_s_modules(fake_liger, liger_batches, 
     stand-ins bound gives the plain model's loss and gradients (fp32 1e-5: Gemma's (1 + weight) RMSNorm offset
     and casting, the tanh GeGLU, the text and vision rotary functions wired as Liger's own patch wires them), each
     kernel ran, and no liger_kernel module but the building blocks was imported (no per-model patch)."""
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
 
     path, inputs = liger_batches[name]
     model = load_model(path).train()
@@ -274,7 +274,7 @@ def test_options_turn_kernels_off_and_others_are_named(tmp_path, fake_liger, lig
     transformers' modeling module are never changed (only the instance's attention forwards)."""
     from transformers.models.qwen3_vl import modeling_qwen3_vl as modeling
 
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
 
     rope = modeling.apply_rotary_pos_emb
     model = _tiny_qwen3_vl()
@@ -362,7 +362,7 @@ def test_liger_loss_and_gradients_equal_the_unpatched_model(tmp_path, restored_m
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
     from vlmtrain.models.families import get_family
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
 
     family = get_family("idefics3" if name == "smolvlm" else name)
     path = family.build_tiny(str(tmp_path / name), seed=0, **GPU_FAMILIES[name])

@@ -1,4 +1,4 @@
-"""The LM loss applies the output layer only at supervised positions, in chunks (models/lm_loss.py).
+"""The LM loss applies the output layer only at supervised positions, in chunks (models/speed/lm_loss.py).
 
 For the fused linear + cross-entropy, every Hub VLM family (with and without score heads, LoRA on one), the own
 VLM and the causal LM types it knows: the loss and every parameter's gradient equal the full-logits path's
@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.optional_extras import requires
 from tests.tiny import VOCAB, tiny_llama, token_samples
-from vlmtrain.models import lm_loss
-from vlmtrain.models.lm_loss import decoder_and_head, enable_lm_loss, linear_cross_entropy, lm_loss_sum
+from vlmtrain.models.speed import lm_loss
+from vlmtrain.models.speed.lm_loss import decoder_and_head, enable_lm_loss, linear_cross_entropy, lm_loss_sum
 
 FAMILIES = ("qwen3_vl", "qwen2_5_vl", "idefics3", "llava_onevision", "gemma3")
 
@@ -158,8 +158,8 @@ def _hub(tmp_path_factory, name: str, heads: bool = False, lora: bool = False):
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
     from vlmtrain.models.families import get_family
-    from vlmtrain.models.heads import WithHeads, head_label_tensors, parse_heads
     from vlmtrain.models.kinds.hub_vlm import load_model
+    from vlmtrain.models.objectives.heads import WithHeads, head_label_tensors, parse_heads
 
     family = get_family(name)
     path = family.build_tiny(str(tmp_path_factory.mktemp(name)), seed=0)
@@ -168,7 +168,7 @@ def _hub(tmp_path_factory, name: str, heads: bool = False, lora: bool = False):
     if heads:
         model = WithHeads(model, {"score": {"type": "regression"}})
     if lora:
-        from vlmtrain.models.lora import apply_lora
+        from vlmtrain.models.hub.lora import apply_lora
 
         if heads:
             model.base = apply_lora(model.base, {"r": 4}, family.text_module, dict(family.module_groups))

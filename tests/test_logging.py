@@ -110,7 +110,7 @@ def test_torch_compile_trains(tmp_path, compile):
 
 
 def test_torch_compile_without_the_compile_model_part_compiles_the_whole_model(tmp_path):
-    """The trainer core's own torch_compile, where the compile_model part (models/training_prep.py) is the core's
+    """The trainer core's own torch_compile, where the compile_model part (models/speed/training_prep.py) is the core's
     default: torch.compile of the whole model, even of one marked for compilation layer by layer."""
     import dataclasses
 

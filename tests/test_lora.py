@@ -11,8 +11,8 @@ from transformers import AutoModelForImageTextToText
 from vlmtrain import TrainingArguments
 from vlmtrain.errors import ConfigError
 from vlmtrain.models.families.qwen3_vl import FAMILY
-from vlmtrain.models.heads import WithHeads
-from vlmtrain.models.lora import apply_lora, is_lora, merge_lora
+from vlmtrain.models.hub.lora import apply_lora, is_lora, merge_lora
+from vlmtrain.models.objectives.heads import WithHeads
 from vlmtrain.trainer.optim import build_param_groups
 
 pytestmark = [requires("peft", "lora"), pytest.mark.usefixtures("one_thread")]
@@ -245,7 +245,7 @@ def test_unknown_key_lists_the_aliases(tiny_dir):
 
 
 def test_own_vlm_accepts_the_same_aliases():
-    from vlmtrain.models.build import build_vlm
+    from vlmtrain.models.own_vlm.build import build_vlm
 
     vision = dict(model_type="siglip_vision_model", image_size=32, patch_size=8, hidden_size=32,
                   intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)

@@ -160,7 +160,7 @@ def test_auto_checkpointing_picks_the_least_recompute_that_fits_the_device(small
     """mode: auto -> each candidate policy's step traced; the one that recomputes least among those that fit (more
     device memory: a policy that keeps more), and its estimate fits."""
     from vlmtrain.memory import plan_checkpointing
-    from vlmtrain.models.checkpointing_policies import AUTO_CANDIDATES
+    from vlmtrain.models.speed.checkpointing_policies import AUTO_CANDIDATES
 
     cfg = _checkpointed(small)
     totals = []
@@ -207,7 +207,7 @@ def test_auto_checkpointing_refusals(small, capsys):
 
 def test_auto_checkpointing_in_the_python_trainer_says_where_it_works():
     from vlmtrain import TrainingArguments
-    from vlmtrain.models.training_prep import enable_activation_checkpointing
+    from vlmtrain.models.speed.training_prep import enable_activation_checkpointing
 
     args = TrainingArguments("out", activation_checkpointing=True, activation_checkpointing_kwargs={"mode": "auto"})
     with pytest.raises(ConfigError, match="chosen by the memory plan of a run started from a config"):

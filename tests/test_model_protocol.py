@@ -19,19 +19,11 @@ from tiny import tiny_llama, token_samples
 import vlmtrain
 from vlmtrain.data.collate import DefaultCollator
 from vlmtrain.errors import CheckpointError
-from vlmtrain.models import (
-    flops,
-    generation,
-    head_files,
-    lm_loss,
-    lora_files,
-    protocol,
-    sharded_files,
-    sharding,
-    training_prep,
-)
-from vlmtrain.models import model_files as hub_model_files
-from vlmtrain.models.heads import WithHeads
+from vlmtrain.models import generation, protocol, sharding
+from vlmtrain.models.files import head_files, lora_files, sharded_files
+from vlmtrain.models.files import model_files as hub_model_files
+from vlmtrain.models.objectives.heads import WithHeads
+from vlmtrain.models.speed import flops, lm_loss, training_prep
 from vlmtrain.trainer import model_files as core_files
 from vlmtrain.trainer import optim
 from vlmtrain.trainer.stats import num_items_of

@@ -1,4 +1,4 @@
-"""The Qwen-family patch embedding Conv3d computed as the equal matmul (models/patch_embed.py): same outputs and
+"""The Qwen-family patch embedding Conv3d computed as the equal matmul (models/vision/patch_embed.py): same outputs and
 gradients as the convolution, same state dict, and checkpoints that transformers' from_pretrained loads."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from vlmtrain.data.hub_collate import HubVLMCollator
 from vlmtrain.data.hub_processing import HubVLMProcessor
 from vlmtrain.models.families import get_family
 from vlmtrain.models.kinds.hub_vlm import load_model
-from vlmtrain.models.patch_embed import LinearPatchConv3d, linear_patch_embeddings
+from vlmtrain.models.vision.patch_embed import LinearPatchConv3d, linear_patch_embeddings
 
 QWEN = ("qwen3_vl", "qwen2_5_vl")
 # (input shape, kernel = stride): Qwen's one patch per call (batched and unbatched), and a volume of several

@@ -256,9 +256,9 @@ def test_dummy_image_adds_zero_and_reaches_the_vision_tower(tmp_path, monkeypatc
     layer output it takes) is frozen at load."""
     from vlmtrain.data.hub_collate import HubVLMCollator
     from vlmtrain.data.hub_processing import HubVLMProcessor
-    from vlmtrain.models import dummy_vision
     from vlmtrain.models.families import get_family
-    from vlmtrain.models.hub_loading import load_model
+    from vlmtrain.models.hub.hub_loading import load_model
+    from vlmtrain.models.vision import dummy_vision
 
     family = get_family(name)
     path = family.build_tiny(str(tmp_path / "tiny"), seed=0, **options)
@@ -301,8 +301,8 @@ def test_a_step_without_images_leaves_the_vision_tower_alone(tmp_path, monkeypat
     vision tower or projector weight: their gradients there are None, not zero (AdamW's momentum and weight
     decay would move a parameter with a zero gradient)."""
     from vlmtrain.config import load_run_config
-    from vlmtrain.models import dummy_vision
     from vlmtrain.models.families import get_family
+    from vlmtrain.models.vision import dummy_vision
     from vlmtrain.run import build
     from vlmtrain.trainer.callbacks import TrainerCallback
 

@@ -13,8 +13,8 @@ from vlmtrain.data.hub_collate import HubVLMCollator
 from vlmtrain.data.hub_processing import HubVLMProcessor
 from vlmtrain.models.families import get_family
 from vlmtrain.models.kinds.hub_vlm import load_model
-from vlmtrain.models.training_prep import COMPILED_INSIDE
-from vlmtrain.models.varlen_attention import use_varlen_text_attention
+from vlmtrain.models.speed.training_prep import COMPILED_INSIDE
+from vlmtrain.models.speed.varlen_attention import use_varlen_text_attention
 
 
 class _StepModels(Trainer):

@@ -38,7 +38,7 @@ def tiny_run(tmp_path_factory) -> Path:
     steps teach it no right answer, so the model's generate() is scripted (SCRIPTED, then end of sequence):
     everything after it (slicing, decoding, scoring, the eval_samples rows, the metrics) is the real code."""
     from vlmtrain.data import processing
-    from vlmtrain.models.vlm import VisionLanguageModel
+    from vlmtrain.models.own_vlm.vlm import VisionLanguageModel
 
     tmp = tmp_path_factory.mktemp("report")
     data = {k: dict(v) for k, v in TINY.items()}

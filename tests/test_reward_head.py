@@ -19,7 +19,7 @@ from tests.optional_extras import requires
 from tests.tiny import tiny_llama
 from vlmtrain import cli
 from vlmtrain.data.reward_pairs import RewardCollator
-from vlmtrain.models.heads import (
+from vlmtrain.models.objectives.heads import (
     WithHeads,
     compute_head_metrics,
     pair_margin_tensors,
@@ -123,7 +123,7 @@ def test_reward_head_scores_one_answer(tiny_hub, tmp_path):
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    from vlmtrain.models.head_files import save_heads
+    from vlmtrain.models.files.head_files import save_heads
 
     _, tiny, _ = tiny_hub("qwen3_vl")
     ckpt = tmp_path / "ckpt"

@@ -18,11 +18,11 @@ from vlmtrain import TrainingArguments
 from vlmtrain.data.hub_collate import HubVLMCollator
 from vlmtrain.data.hub_processing import HubVLMProcessor
 from vlmtrain.errors import ConfigError
-from vlmtrain.models.build import build_vlm
-from vlmtrain.models.checkpointing_policies import choose_policy
 from vlmtrain.models.families import get_family
 from vlmtrain.models.kinds.hub_vlm import load_model
-from vlmtrain.models.training_prep import enable_activation_checkpointing
+from vlmtrain.models.own_vlm.build import build_vlm
+from vlmtrain.models.speed.checkpointing_policies import choose_policy
+from vlmtrain.models.speed.training_prep import enable_activation_checkpointing
 
 MODES = {"none": None, "full": {}, "selective": {"mode": "selective"},
          "selective_every_2": {"mode": "selective", "selective_every_n_layers": 2}, "attention": {"mode": "attention"}}

@@ -1,6 +1,6 @@
 """Token-budget micro-batches for Hub VLMs: data.packing + data.pack_window + per_device_train_batch_size 1 give one
 row of data.pack_length tokens per step, and data.max_patches_per_pack pads the vision tower to a fixed number of
-patches (models/vision_padding.py).
+patches (models/vision/vision_padding.py).
 
 On a tiny Qwen3-VL through run.build: every step is [1, T] with T = pack_length and the vision tower sees exactly
 max_patches_per_pack patches; rows never exceed T tokens or the patch budget; every sample lands whole in exactly
@@ -29,7 +29,7 @@ from tests.test_hub_packing import (
     assert_documents_match,
 )
 from vlmtrain.config import ConfigError, load_run_config
-from vlmtrain.models.vision_padding import blank_grids, pad_vision_patches
+from vlmtrain.models.vision.vision_padding import blank_grids, pad_vision_patches
 
 T, P = 300, 192  # tokens per row; vision patches per step (3 images x 64 patches at most)
 BUDGET = {"pack_length": T, "pack_window": 6, "max_patches_per_pack": P, "max_images": 3, "max_image_tokens": 16}
@@ -87,8 +87,8 @@ def test_the_dummy_image_and_video_are_not_padded_to_the_patch_budget(root, tmp_
     dummy instead, before its own images: the dummy stays its smallest input (4 patches), never padded to
     max_patches_per_pack, which would double the vision work of image-only token-budget training; the row's own
     images still fill exactly P."""
-    from vlmtrain.models import dummy_vision
     from vlmtrain.models.families import get_family
+    from vlmtrain.models.vision import dummy_vision
 
     monkeypatch.setattr(dummy_vision, "needed", lambda: True)
     trainer = _build(root, tmp_path)
@@ -251,7 +251,9 @@ def test_per_batch_packing_caps_each_rows_patches_too(root, one_thread):
     image = batch["input_ids"] == model.config.image_token_id  # 4 patches per image token
     assert (image.sum(1) * 4 <= most).all() and batch["pack_stats"]["samples"] == len(samples)
     collate.max_patches_per_pack = most - 4
-    with pytest.raises(ValueError, match=f"a sample has {most} vision patches, more than data.max_patches_per_pack"):
+    # (the window packer's check and text, data/packing.py's check_fits_row; the packer also names the sample)
+    with pytest.raises(ValueError, match=f"^a sample has {most} vision patches, more than "
+                                         f"data.max_patches_per_pack={most - 4}: one sample must fit one packed row.$"):
         collate(samples)
 
 

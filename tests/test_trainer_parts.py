@@ -22,7 +22,7 @@ from tiny import tiny_llama, token_samples
 
 import vlmtrain
 from vlmtrain.errors import ConfigError
-from vlmtrain.models import flops
+from vlmtrain.models.speed import flops
 from vlmtrain.trainer import TrainerCore, TrainerParts, parts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""model.attn_implementation: varlen_torch (models/varlen_attention.py): a Hub VLM's text attention per document
+"""model.attn_implementation: varlen_torch (models/speed/varlen_attention.py): a Hub VLM's text attention per document
 with no dense mask computes what sdpa with transformers' block-diagonal mask does.
 
 The function against dense attention with an explicit mask (documents from restarting positions across rows,
@@ -25,10 +25,10 @@ from tests.test_hub_packing import (
     assert_documents_match,
 )
 from vlmtrain.config import ConfigError, load_run_config
-from vlmtrain.models import varlen_attention
 from vlmtrain.models.families import get_family
-from vlmtrain.models.vision_attention import NAME as VISION_NAME
-from vlmtrain.models.vision_attention import VISION_MODEL_TYPES
+from vlmtrain.models.speed import varlen_attention
+from vlmtrain.models.vision.vision_attention import NAME as VISION_NAME
+from vlmtrain.models.vision.vision_attention import VISION_MODEL_TYPES
 
 
 @pytest.fixture(scope="module")

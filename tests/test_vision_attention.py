@@ -1,4 +1,4 @@
-"""model.attn_implementation: varlen_torch, the vision half (models/vision_attention.py): a Qwen-VL vision tower
+"""model.attn_implementation: varlen_torch, the vision half (models/vision/vision_attention.py): a Qwen-VL vision tower
 attends over all of a batch's images in one call and computes what transformers' one-call-per-image path does.
 
 The function against dense non-causal attention with a block-diagonal mask; on tiny Qwen3-VL and Qwen2.5-VL
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.test_hub_packing import _collators, _forward, _parts, _sample, _tiny
-from vlmtrain.models import vision_attention
-from vlmtrain.models.vision_attention import NAME, use_varlen_vision_attention
+from vlmtrain.models.vision import vision_attention
+from vlmtrain.models.vision.vision_attention import NAME, use_varlen_vision_attention
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,8 @@ def test_one_call_vision_attention_equals_the_per_image_path(root, name, monkeyp
 
 
 def test_load_model_with_varlen_torch_sets_it_on_qwen_vision_towers_only(root):
-    from vlmtrain.models.hub_loading import load_model
-    from vlmtrain.models.varlen_attention import NAME as TEXT_NAME
+    from vlmtrain.models.hub.hub_loading import load_model
+    from vlmtrain.models.speed.varlen_attention import NAME as TEXT_NAME
 
     model = load_model(_tiny("qwen2_5_vl", root), attn_implementation="varlen_torch")
     assert model.config.vision_config._attn_implementation == NAME

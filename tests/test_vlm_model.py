@@ -11,9 +11,9 @@ from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM, S
 
 from vlmtrain import Trainer, TrainingArguments
 from vlmtrain.data.tokenizers import build_char_tokenizer
-from vlmtrain.models.build import build_vlm
-from vlmtrain.models.projector import ModalityProjector, pixel_shuffle
-from vlmtrain.models.vlm import VisionLanguageModel, VLMConfig
+from vlmtrain.models.own_vlm.build import build_vlm
+from vlmtrain.models.own_vlm.projector import ModalityProjector, pixel_shuffle
+from vlmtrain.models.own_vlm.vlm import VisionLanguageModel, VLMConfig
 from vlmtrain.trainer import ConfigError
 from vlmtrain.trainer.optim import build_param_groups
 

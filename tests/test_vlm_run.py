@@ -95,7 +95,7 @@ def _greedy_answer(checkpoint: Path, question: str, images: list[str], max_new_t
     from transformers import AutoTokenizer
 
     from vlmtrain.data.processing import VLMProcessor
-    from vlmtrain.models.vlm import VisionLanguageModel
+    from vlmtrain.models.own_vlm.vlm import VisionLanguageModel
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = VisionLanguageModel.from_pretrained(checkpoint).eval()

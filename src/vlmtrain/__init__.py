@@ -8,7 +8,7 @@ from .compat.reward import RewardConfig, RewardTrainer
 from .compat.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
 from .compat.trainer import Trainer
 from .inference import InferenceModel, load_for_inference
-from .models.head_files import attach_heads
+from .models.files.head_files import attach_heads
 from .trainer import (
     EvalPrediction,
     PredictionOutput,

@@ -12,7 +12,7 @@ from vlmtrain.errors import ConfigError
 
 def resolve_checkpoint(path: str, output_dir: str) -> str:
     """A checkpoint dir; 'latest' or a run dir (holding checkpoint-N/) means its newest complete checkpoint."""
-    from vlmtrain.models.model_files import MODEL_FILES
+    from vlmtrain.models.files.model_files import MODEL_FILES
     from vlmtrain.trainer.checkpoint import latest_checkpoint
 
     run_dir = output_dir if path == "latest" else path

@@ -215,14 +215,14 @@ def _export(argv: list[str]) -> int:
         raise ConfigError(f"{e}. See vlmtrain export --help.") from None
     from vlmtrain import run
     from vlmtrain.errors import CheckpointError
-    from vlmtrain.models.export import export_checkpoint
+    from vlmtrain.models.files.export import export_checkpoint
 
     ckpt = run.resolve_checkpoint(ns.checkpoint, ns.checkpoint)
     if ns.output_dir:
         run.check_writable(ns.output_dir, "--output-dir")
     try:
         if ns.merge:
-            from vlmtrain.models.lora import export_merged
+            from vlmtrain.models.hub.lora import export_merged
 
             out = ns.output_dir or os.path.normpath(ckpt) + "-merged"
             print(f"wrote {export_merged(ckpt, out)}")

@@ -22,8 +22,8 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     cfg.train.seed) and a Trainer; with checkpoint, the model weights are loaded from that directory."""
     from vlmtrain.compat.trainer import Trainer
     from vlmtrain.data.registry import get_source
+    from vlmtrain.models.hub.local_paths import check_local_model
     from vlmtrain.models.kinds import get_kind
-    from vlmtrain.models.local_paths import check_local_model
     from vlmtrain.models.objectives.parts import objective_parts
 
     if cfg.model.pretrained:  # a missing local directory names the key, not transformers' "Repo id must be"

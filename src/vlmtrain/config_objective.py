@@ -118,8 +118,8 @@ def check_objective(cfg: Any) -> None:
 
 
 def _check_reward(cfg: Any) -> None:
-    from vlmtrain.models.head_config import parse_heads
     from vlmtrain.models.kinds import get_kind
+    from vlmtrain.models.objectives.head_config import parse_heads
 
     if get_kind(cfg.model.kind).reward_pairs is None:
         raise ConfigError(f"train.objective=reward is not supported for model.kind={cfg.model.kind} (model.kind "
@@ -132,7 +132,7 @@ def _check_reward(cfg: Any) -> None:
 def _check_dpo_heads(cfg: Any) -> None:
     """Score heads train beside DPO on each pair's chosen sequence; a reward head's label is a pair's margin,
     which DPO's own loss already uses: refused (train.objective reward trains it)."""
-    from vlmtrain.models.head_config import parse_heads
+    from vlmtrain.models.objectives.head_config import parse_heads
 
     for name, c in parse_heads(cfg.model.heads).items():
         if c.type == "reward":

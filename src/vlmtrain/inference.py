@@ -49,8 +49,8 @@ def _dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype
 class InferenceModel:
     """A trained model with its heads and processor, ready to score and generate (built by load_for_inference).
 
-    Attributes: ``model`` (eval mode; a :class:`~vlmtrain.models.heads.WithHeads` when the checkpoint has score
-    heads: ``model.base`` is the transformers model), ``processor`` (the model's processor), ``head_configs``
+    Attributes: ``model`` (eval mode; a :class:`~vlmtrain.models.objectives.heads.WithHeads` when the checkpoint
+    has score heads: ``model.base`` is the transformers model), ``processor`` (the model's processor), ``head_configs``
     ({name: HeadConfig}, empty without heads), ``device``, ``dtype``, ``checkpoint``.
 
     Which token the heads read: the last non-pad token (the last position whose attention mask is 1) of the

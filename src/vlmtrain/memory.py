@@ -28,20 +28,20 @@ def build_meta_model(cfg: RunConfig) -> Any:
     """The run's model (LoRA adapters, score heads and activation checkpointing included) on the meta device."""
     import torch
 
-    from vlmtrain.models.lora import apply_lora
+    from vlmtrain.models.hub.lora import apply_lora
 
     m = cfg.model
     with torch.device("meta"):
         if m.kind == "causal_lm":
-            from vlmtrain.models.causal_lm import build_causal_lm
-            from vlmtrain.models.lm_loss import enable_lm_loss
+            from vlmtrain.models.hub.causal_lm import build_causal_lm
+            from vlmtrain.models.speed.lm_loss import enable_lm_loss
 
             model = build_causal_lm(config=m.config or None, pretrained=m.pretrained, dtype=getattr(torch, m.torch_dtype))
             enable_lm_loss(model)
             text_module, groups = "", None
         elif m.kind == "hub_vlm":
             from vlmtrain.models.families import family_of
-            from vlmtrain.models.hub_loading import load_model
+            from vlmtrain.models.hub.hub_loading import load_model
 
             family = family_of(m.pretrained, "model.pretrained")
             if family.name not in QWEN_VL:
@@ -50,7 +50,7 @@ def build_meta_model(cfg: RunConfig) -> Any:
                                   f"to a number.")
             model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation)
             if m.heads:
-                from vlmtrain.models.heads import WithHeads
+                from vlmtrain.models.objectives.heads import WithHeads
 
                 model = WithHeads(model, m.heads)
             text_module, groups = family.text_module, dict(family.module_groups)
@@ -60,7 +60,7 @@ def build_meta_model(cfg: RunConfig) -> Any:
         if m.lora:
             model = apply_lora(model, m.lora, text_module, groups)
     if cfg.train.activation_checkpointing:
-        from vlmtrain.models.training_prep import enable_activation_checkpointing
+        from vlmtrain.models.speed.training_prep import enable_activation_checkpointing
 
         kwargs = cfg.train.activation_checkpointing_kwargs
         enable_activation_checkpointing(model, kwargs if isinstance(kwargs, dict) else None)
@@ -68,7 +68,7 @@ def build_meta_model(cfg: RunConfig) -> Any:
 
 
 def _config_of(model: Any) -> Any:
-    from vlmtrain.models.lora import base_of
+    from vlmtrain.models.hub.lora import base_of
 
     base = base_of(model)
     base = getattr(base, "base_model", base)
@@ -246,10 +246,10 @@ def auto_pack_length(cfg: RunConfig, nproc: int | None = None) -> int:
 
 def plan_checkpointing(cfg: RunConfig) -> RunConfig:
     """Before training: ``activation_checkpointing_kwargs: {mode: auto}`` becomes the policy that recomputes least
-    (:data:`~vlmtrain.models.checkpointing_policies.AUTO_CANDIDATES`) whose estimated step fits the device (one
+    (:data:`~vlmtrain.models.speed.checkpointing_policies.AUTO_CANDIDATES`) whose estimated step fits the device (one
     log line); a ConfigError when none fits, or when the plan cannot be made (no device memory known, a model the
     plan does not cover, ``data.pack_length: auto`` too)."""
-    from vlmtrain.models.checkpointing_policies import AUTO_CANDIDATES, AUTO_MODE, choose_policy
+    from vlmtrain.models.speed.checkpointing_policies import AUTO_CANDIDATES, AUTO_MODE, choose_policy
     from vlmtrain.parallel.memory_plan import MARGIN, gib
 
     t = cfg.train

@@ -154,7 +154,7 @@ def predict_data(checkpoint: str, data: str | list[str], output: str = "predicti
 
 def _run_max_new_tokens(checkpoint: str | None) -> int:
     """The run's train.generation_max_new_tokens (its config.yaml next to the checkpoint), else 32."""
-    from vlmtrain.models.hub_loading import run_config_section
+    from vlmtrain.models.hub.hub_loading import run_config_section
 
     return int(run_config_section(checkpoint, "train").get("generation_max_new_tokens") or 32) if checkpoint else 32
 

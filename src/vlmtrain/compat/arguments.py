@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..evaluation.arguments import EvaluationArguments
 from ..logging.arguments import LoggingArguments
 from ..logging.trackers import TRACKERS
-from ..models.checkpointing_policies import checkpointing_mode
+from ..models.speed.checkpointing_policies import checkpointing_mode
 from ..trainer.args import TrainingArgumentsCore, check_choice
 from ..trainer.args_fields import CoreArguments, FsdpValue, WorkersValue  # noqa: F401 (the last two: __init__'s)
 from . import arguments_methods

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers.utils import find_labels
 
-from ..models.heads import WithHeads
+from ..models.objectives.heads import WithHeads
 
 logger = logging.getLogger(__name__)
 

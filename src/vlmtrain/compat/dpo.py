@@ -343,9 +343,9 @@ def _video_support(model: nn.Module, processor: Any, args: DPOConfig) -> Any:
 
 def _enable_dummy_vision(model: nn.Module | None) -> None:
     """Under several processes, a Hub VLM family's model runs its vision tower on a dummy image in a forward
-    without images (models/dummy_vision.py), as when vlmtrain loads it; a model that has it keeps it."""
+    without images (models/vision/dummy_vision.py), as when vlmtrain loads it; a model that has it keeps it."""
     from ..models.families import REGISTRY, get_family
-    from ..models.hub_loading import enable_family_dummy_vision
+    from ..models.hub.hub_loading import enable_family_dummy_vision
 
     if model is not None and getattr(model.config, "model_type", None) in REGISTRY:
         enable_family_dummy_vision(model, get_family(model.config.model_type))

@@ -14,8 +14,8 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..models.families import REGISTRY as FAMILIES
-from ..models.heads import WithHeads
-from ..models.vlm import VLMConfig
+from ..models.objectives.heads import WithHeads
+from ..models.own_vlm.vlm import VLMConfig
 
 
 class LabelSmoothing:

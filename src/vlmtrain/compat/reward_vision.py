@@ -1,5 +1,5 @@
 """RewardTrainer's VLM path (TRL's RewardTrainer takes no VLM): the Hub VLM gets a ``reward`` score head
-(models/heads.py) and each batch is a pair batch: the chosen samples, then the rejected ones, processed and laid
+(models/objectives/heads.py) and each batch is a pair batch: the chosen samples, then the rejected ones, processed and laid
 out by the family's own processing (data/hub_processing.py, data/hub_collate.py), with one margin per pair as the
 head's label. Pairs come in TRL's layout: ``prompt`` / ``chosen`` / ``rejected`` (strings or message lists, or
 message lists alone with the prompt implicit), an optional ``images`` column and ``margin``."""
@@ -28,7 +28,7 @@ def vision_reward_setup(model: str | nn.Module, processing_class: Any, args: Any
     """(WithHeads(VLM, {reward}), processor, collator) for RewardTrainer: the VLM loaded from its path if need
     be, with ``peft_config``'s adapters, and a one-output ``reward`` head (``center_rewards_coefficient``)."""
     from ..data.hub_processing import HubVLMProcessor
-    from ..models.heads import WithHeads
+    from ..models.objectives.heads import WithHeads
 
     if isinstance(model, str):
         from ..models.families import model_type_of

@@ -14,13 +14,13 @@ from ..evaluation.async_eval import checkpoint_evaluator
 from ..logging.eval_samples import save_eval_samples
 from ..logging.throughput import WindowRates
 from ..logging.writers import logging_callbacks
-from ..models.flops import flop_counter
-from ..models.fused_elementwise import fuse_elementwise
+from ..models.files.model_files import MODEL_FILES
 from ..models.generation import GREEDY
-from ..models.liger import apply_liger_kernel
-from ..models.lm_loss import causal_lm_targets
-from ..models.model_files import MODEL_FILES
-from ..models.training_prep import compile_model, enable_activation_checkpointing
+from ..models.speed.flops import flop_counter
+from ..models.speed.fused_elementwise import fuse_elementwise
+from ..models.speed.liger import apply_liger_kernel
+from ..models.speed.lm_loss import causal_lm_targets
+from ..models.speed.training_prep import compile_model, enable_activation_checkpointing
 from ..parallel.fsdp import FSDP_PLAN
 from ..trainer.parts import TrainerParts
 from ..trainer.trainer import TrainerCore
@@ -44,15 +44,15 @@ PARTS = TrainerParts(
     label_smoothing=LabelSmoothing,  # label_smoothing_factor (compat/loss_extras.py)
     batch_eval_metrics=BatchEvalMetrics,  # batch_eval_metrics=True (compat/loss_extras.py)
     step_sampling=step_sampling,  # datasets that follow the training step (data/step_data.py)
-    loss_targets=causal_lm_targets,  # a transformers causal LM's target count (models/lm_loss.py)
-    flop_counter=flop_counter,  # tflops_per_second and mfu (models/flops.py)
+    loss_targets=causal_lm_targets,  # a transformers causal LM's target count (models/speed/lm_loss.py)
+    flop_counter=flop_counter,  # tflops_per_second and mfu (models/speed/flops.py)
     window_rates=WindowRates,  # samples, tokens, FLOPs per second, data wait, pack fill (logging/throughput.py)
-    liger_kernel=apply_liger_kernel,  # use_liger_kernel (models/liger.py)
-    fuse_elementwise=fuse_elementwise,  # norms, gated MLPs, rotary compiled one by one (models/fused_elementwise.py)
-    activation_checkpointing=enable_activation_checkpointing,  # (models/training_prep.py)
-    compile_model=compile_model,  # torch_compile, layer by layer where a model asks for it (models/training_prep.py)
+    liger_kernel=apply_liger_kernel,  # use_liger_kernel (models/speed/liger.py)
+    fuse_elementwise=fuse_elementwise,  # norms, gated MLPs, rotary compiled one by one (models/speed/fused_elementwise.py)
+    activation_checkpointing=enable_activation_checkpointing,  # (models/speed/training_prep.py)
+    compile_model=compile_model,  # torch_compile, layer by layer where a model asks for it (models/speed/training_prep.py)
     generation=GREEDY,  # predict_with_generate (models/generation.py)
-    model_files=MODEL_FILES,  # Hugging Face layouts, LoRA adapters, score heads, DCP shards (models/model_files.py)
+    model_files=MODEL_FILES,  # Hugging Face layouts, LoRA adapters, score heads, DCP shards (models/files/model_files.py)
     sharding=FSDP_PLAN,  # train.fsdp (parallel/fsdp.py)
     checkpoint_writer=AsyncCheckpointer,  # train.async_checkpoint (checkpointing/async_writer.py)
     step_position=position_from_step,  # resume of transformers' checkpoints (compat/checkpoints.py)

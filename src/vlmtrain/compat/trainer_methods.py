@@ -131,7 +131,7 @@ class TransformersTrainerMethods:
                           device: torch.device | None = None) -> tuple[list, torch.Tensor | None]:
         """The next ``num_batches`` batches and their number of label tokens (not -100; shifted for a causal
         LM), as transformers' helper of the same name."""
-        from ..models.lm_loss import _causal_lm_loss
+        from ..models.speed.lm_loss import _causal_lm_loss
 
         batches = list(itertools.islice(epoch_iterator, num_batches))
         labels = [b["labels"] for b in batches

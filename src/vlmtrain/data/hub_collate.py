@@ -17,9 +17,16 @@ from typing import Any
 import torch
 
 from vlmtrain.data.collate import pad_sequences
-from vlmtrain.data.hub_packing import pack_hub_items
+from vlmtrain.data.hub_packing import pack_hub_items, pad_images
 from vlmtrain.data.hub_processing import HubVLMProcessor
-from vlmtrain.data.packing import MIN_FILL_GAIN, pack_lengths, pack_stats, vision_patches, worth_packing
+from vlmtrain.data.packing import (
+    MIN_FILL_GAIN,
+    check_fits_row,
+    pack_lengths,
+    pack_stats,
+    vision_patches,
+    worth_packing,
+)
 from vlmtrain.data.processing import IGNORE_INDEX, process_or_skip
 
 _PASS_THROUGH = ("num_images", "head_labels")
@@ -123,9 +130,7 @@ class HubVLMCollator:
             lengths = [int(len(it["input_ids"])) for it in items]
             if self.max_patches_per_pack is not None:  # (vision patches per row, not images)
                 patches = [vision_patches(it) for it in items]
-                if max(patches) > self.max_patches_per_pack:
-                    raise ValueError(f"a sample has {max(patches)} vision patches, more than "
-                                     f"data.max_patches_per_pack={self.max_patches_per_pack}")
+                check_fits_row(items[patches.index(max(patches))], None, self.max_patches_per_pack)
                 bins = pack_lengths(lengths, self.pack_length, patches, self.max_patches_per_pack)
             else:
                 bins = pack_lengths(lengths, self.pack_length, [int(it.get("num_images", 0)) for it in items],
@@ -212,7 +217,7 @@ class HubVLMCollator:
                 batch[key] = pad_sequences(present, pad_values.get(key, 0), side=side,
                                            multiple=self.pad_to_multiple_of)
             elif how == "pad_images":
-                batch[key] = _pad_images(values, present[0])
+                batch[key] = pad_images(values, present[0])
             elif how == "stack":
                 if len(present) != len(items):
                     raise ValueError(f"key {key!r} (layout 'stack') is missing from some samples")
@@ -220,13 +225,3 @@ class HubVLMCollator:
             else:
                 raise ValueError(f"family {self.family.name!r}: unknown batch layout {how!r} for key {key!r}")
         return batch
-
-
-def _pad_images(values: list[Any], like: torch.Tensor) -> torch.Tensor:
-    """[N_i, ...] per sample (None: no images) -> [B, max N_i, ...], zero-padded."""
-    most = max((len(v) for v in values if v is not None), default=0)
-    out = like.new_zeros((len(values), most, *like.shape[1:]))
-    for i, v in enumerate(values):
-        if v is not None and len(v):
-            out[i, : len(v)] = torch.as_tensor(v)
-    return out

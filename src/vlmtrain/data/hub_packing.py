@@ -87,7 +87,7 @@ def pack_hub_items(items: Sequence[dict[str, Any]], bins: Sequence[Sequence[int]
             out[key] = how(present)
         elif how == "pad_images":
             groups = [order] if flatten else list(bins)
-            out[key] = _pad_images([_row_images(items, members, key) for members in groups], present[0])
+            out[key] = pad_images([_row_images(items, members, key) for members in groups], present[0])
         else:
             raise ValueError(f"family {family.name!r}: key {key!r} (layout {how!r}) is per sample and cannot be "
                              f"packed into rows; declare its layout ('pad', 'concat', 'pad_images').")
@@ -120,11 +120,12 @@ def _row_images(items: Sequence[dict[str, Any]], members: Sequence[int], key: st
     return torch.cat(values) if values else None
 
 
-def _pad_images(values: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-    """[N_r, ...] per row (None: no images) -> [rows, max N_r, ...], zero-padded."""
+def pad_images(values: list[Any], like: torch.Tensor) -> torch.Tensor:
+    """A ``pad_images`` key's batch: [N_i, ...] per sample or per packed row (None: no images) -> [B, max N_i,
+    ...], zero-padded, of ``like``'s dtype and trailing shape."""
     most = max((len(v) for v in values if v is not None), default=0)
     out = like.new_zeros((len(values), most, *like.shape[1:]))
-    for r, v in enumerate(values):
+    for i, v in enumerate(values):
         if v is not None and len(v):
-            out[r, : len(v)] = v
+            out[i, : len(v)] = torch.as_tensor(v)
     return out

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset
 
-from vlmtrain.data.packing import pack_items, pack_lengths, pack_stats, vision_patches
+from vlmtrain.data.packing import check_fits_row, pack_items, pack_lengths, pack_stats, vision_patches
 from vlmtrain.data.processing import SkipSample, sample_name
 from vlmtrain.data.sources import drop_counts, is_counts_only
 
@@ -94,18 +94,9 @@ class PackedDataset(IterableDataset):
                 continue
             if "pixel_values" in item and not self.keep_items:  # views (tiles) occupy image-token runs
                 item = {**item, "num_images": item["pixel_values"].shape[0]}
-            self._check_fits(item, sample)
+            check_fits_row(item, self.pack_length, self.max_patches_per_pack, f"sample {sample_name(sample)}")
             items.append(item)
         return items, skipped, keys
-
-    def _check_fits(self, item: dict[str, Any], sample: dict[str, Any]) -> None:
-        """A sample larger than a row (tokens, or vision patches with max_patches_per_pack) is an error naming it."""
-        n, patches = len(item["input_ids"]), vision_patches(item)
-        for what, size, cap, key in (("tokens", n, self.pack_length, "pack_length"),
-                                     ("vision patches", patches, self.max_patches_per_pack, "max_patches_per_pack")):
-            if cap is not None and size > cap:
-                raise ValueError(f"sample {sample_name(sample)} has {size} {what}, more than data.{key}={cap}: "
-                                 f"one sample must fit one packed row.")
 
     def _rows(self, items: list[dict], skipped: Counter[str], keys: list[str]) -> list[dict[str, Any]]:
         if not items:  # a window of bad samples only: one empty row carries the counts

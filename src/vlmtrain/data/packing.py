@@ -102,6 +102,18 @@ def vision_patches(item: dict[str, Any]) -> int:
     return sum(int(torch.as_tensor(g).reshape(-1, 3).prod(-1).sum()) for g in grids if g is not None)
 
 
+def check_fits_row(item: dict[str, Any], pack_length: int | None, max_patches_per_pack: int | None,
+                   name: str = "a sample") -> None:
+    """A sample one packed row cannot hold, in tokens (over ``pack_length``) or vision patches (over
+    ``max_patches_per_pack``), is a ValueError naming it (``name``) and the setting; None: no limit."""
+    patches = vision_patches(item)
+    for what, size, cap, key in (("tokens", len(item["input_ids"]), pack_length, "pack_length"),
+                                 ("vision patches", patches, max_patches_per_pack, "max_patches_per_pack")):
+        if cap is not None and size > cap:
+            raise ValueError(f"{name} has {size} {what}, more than data.{key}={cap}: one sample must fit one packed "
+                             f"row.")
+
+
 MIN_FILL_GAIN = 0.05
 
 

@@ -1,4 +1,4 @@
-"""Reward pairs with images for a Hub VLM with a ``reward`` score head (models/heads.py): each pair becomes its
+"""Reward pairs with images for a Hub VLM with a ``reward`` score head (models/objectives/heads.py): each pair becomes its
 chosen and its rejected sample (:func:`pair_samples`), processed and laid out by the family's own processing
 (data/hub_processing.py, data/hub_collate.py) as a pair batch: the B chosen samples, then the B rejected ones, with
 one margin per pair as the head's label. What vlmtrain.RewardTrainer's VLM path and a YAML config's

@@ -33,7 +33,7 @@ def measure(checkpoint: str, pairs: Any, collator: Any, prefix: str, batch_size:
     """A Hub VLM checkpoint's greedy exact match on the held-out pairs' questions (``<prefix>_exact_match``, and
     per ``qtype`` where the pairs have one) and how often it gives the chosen answer the higher log-prob
     (``<prefix>_prefers_chosen``); ``collator``: the run's pair collator (data/hub_pairs.py)."""
-    from vlmtrain.models.hub_loading import load_for_inference
+    from vlmtrain.models.hub.hub_loading import load_for_inference
     from vlmtrain.models.objectives.dpo import pair_logps
 
     parts = load_for_inference(checkpoint, torch.device("cpu"), torch.float32)

@@ -6,7 +6,7 @@ vlmtrain.Trainer (trainer/parts.py).
 A batch's ``pack_stats`` (from a collator: samples, real tokens, rows, capacity, images) gives the real token
 counts of packed batches and the window's ``pack_fill`` (real tokens / row capacity), ``padding_fraction`` and
 ``images_per_pack`` (images per row). With ``flops`` (batch -> training FLOPs, from the trainer's
-``flop_counter`` part: models/flops.py) also ``tflops_per_second`` per device, and ``mfu`` with ``peak_tflops``;
+``flop_counter`` part: models/speed/flops.py) also ``tflops_per_second`` per device, and ``mfu`` with ``peak_tflops``;
 a window in which counting a batch failed on some rank logs neither (a warning names the cause), later windows
 do again.
 """

@@ -9,7 +9,7 @@ MODULE_GROUPS_ATTR = "vlmtrain_module_groups"
 """{alias: (parameter-name prefixes, ...)} a model kind attaches (trainer/optim.py reads it for the aliases of
 module_learning_rates; LoRA's modules_to_save and the FLOP counter read it here)."""
 REGIONAL_COMPILE_ATTR = "vlmtrain_regional_compile"
-"""True: ``torch_compile`` compiles the model layer by layer (models/training_prep.py, in the trainer's
+"""True: ``torch_compile`` compiles the model layer by layer (models/speed/training_prep.py, in the trainer's
 ``compile_model`` part)."""
 
 

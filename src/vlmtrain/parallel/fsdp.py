@@ -2,7 +2,7 @@
 for models that do not fit one device. A full fine-tune's checkpoints are torch.distributed.checkpoint (DCP)
 directories, each rank writing its shards (`vlmtrain export` turns one into a single `model.safetensors`).
 A model with frozen weights (LoRA) saves only what trains: its trainable parameters gathered to rank 0
-(:func:`gather_trainable`) in the adapter / heads layout of models/model_files.py, and the optimizer state as
+(:func:`gather_trainable`) in the adapter / heads layout of models/files/model_files.py, and the optimizer state as
 one unsharded state dict keyed by parameter name (:func:`full_optimizer_state`), re-split over any world size
 at resume.
 
@@ -14,7 +14,7 @@ there by models/sharding.py's shard_from_rank0.
 
 The trainer never imports this module: it calls these functions through :class:`FSDPPlan`, vlmtrain.Trainer's
 ``sharding`` part (trainer/parts.py). The plan writes and reads model files in the model layer's format
-(models/model_files.py's MODEL_FILES, vlmtrain.Trainer's ``model_files`` part too).
+(models/files/model_files.py's MODEL_FILES, vlmtrain.Trainer's ``model_files`` part too).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlmtrain.models.model_files import MODEL_FILES
+from vlmtrain.models.files.model_files import MODEL_FILES
 from vlmtrain.models.sharding import frozen_models, transformer_blocks
 from vlmtrain.trainer import checkpoint as ckpt
 from vlmtrain.trainer.model_files import DCP_DIR, CheckpointError, has_sharded_weights

@@ -177,7 +177,7 @@ def shard(parts: dict[str, int], model: nn.Module, degree: int) -> dict[str, int
     plus the largest transformer layer's weights gathered whole twice (the running layer and the prefetched one)."""
     if degree <= 1:
         return dict(parts)
-    from ..models.training_prep import transformer_layers
+    from ..models.speed.training_prep import transformer_layers
 
     layers = transformer_layers(model)
     gathered = 2 * max((sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers),

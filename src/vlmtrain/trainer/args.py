@@ -151,7 +151,7 @@ class TrainingArgumentsCore(CoreArguments):
 
     def _check_liger(self) -> None:
         """liger_kernel_config needs use_liger_kernel and keeps the loss kernels off (the model and device are
-        checked where the Trainer prepares the model: the ``liger_kernel`` part, models/liger.py)."""
+        checked where the Trainer prepares the model: the ``liger_kernel`` part, models/speed/liger.py)."""
         config = self.liger_kernel_config
         if config is None:
             return

@@ -1,7 +1,7 @@
 """Model weights in a checkpoint directory: what the trainer asks of a model's files, in the format of the layer
 that knows the model.
 
-That layer gives the Trainer its ``model_files`` part (parts.py): vlmtrain.Trainer's, models/model_files.py, writes
+That layer gives the Trainer its ``model_files`` part (parts.py): vlmtrain.Trainer's, models/files/model_files.py, writes
 Hugging Face's layouts (what save_pretrained writes, a LoRA adapter in peft's layout, score heads beside their base,
 an FSDP full fine-tune's DCP shards in `dcp/`). A part is an object with :class:`PlainModelFiles`' methods, which
 take the same arguments, plus ``save_head_files(model, directory, tensors)`` where ``has_score_heads`` can be true.

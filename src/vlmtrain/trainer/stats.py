@@ -33,7 +33,7 @@ def extra_losses(outputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 LOSS_ONLY_ATTR = "vlmtrain_accepts_loss_only"
 """A model (or, through peft's attribute lookup, the model it wraps) with this attribute true takes
 ``forward(..., loss_only=True)``: it then returns its losses and counts without logits, computing the LM head
-only where a target is predicted (models/lm_loss.py). The Trainer passes it in training, and in evaluation when
+only where a target is predicted (models/speed/lm_loss.py). The Trainer passes it in training, and in evaluation when
 it keeps no logits (prediction_loss_only, or generated predictions)."""
 
 
@@ -53,7 +53,7 @@ def num_items_of(outputs: Mapping[str, Any], model: Any = None, inputs: Mapping[
                  count_targets: Callable[[Any, Mapping[str, Any]], torch.Tensor | None] | None = None
                  ) -> torch.Tensor | None:
     """The number of targets a loss averaged over: the model's `num_items` (or `num_tokens`), else what
-    ``count_targets`` (the ``loss_targets`` part, models/lm_loss.py: the shifted labels of a transformers model
+    ``count_targets`` (the ``loss_targets`` part, models/speed/lm_loss.py: the shifted labels of a transformers model
     whose loss is the causal-LM one) counts in the inputs; else None."""
     n = outputs.get("num_items", outputs.get("num_tokens")) if isinstance(outputs, Mapping) else None
     if n is None:

@@ -21,7 +21,7 @@ however it is split, for every loss the model returns.
 
 Every ``loss_<name>`` with a ``num_items_<name>`` is logged as its mean over its own items in the log window.
 
-A model whose vision tower runs on a dummy input when a batch has none (vlmtrain/models/dummy_vision.py: every
+A model whose vision tower runs on a dummy input when a batch has none (vlmtrain/models/vision/dummy_vision.py: every
 rank runs the same collectives) gives that tower an exact zero gradient; a step in which no rank had vision input
 sets those gradients to None instead (``VISION_INPUT_ATTR``), as one process without the dummy leaves them.
 """
@@ -44,7 +44,7 @@ from .stats import extra_losses, item_counts, num_items_of
 VISION_INPUT_ATTR = "vlmtrain_vision_input"
 """A module whose forward runs its vision tower on a dummy input when a batch has none carries under this attribute
 an object with ``take() -> bool`` (whether a forward with gradients had real vision input since the last call) and
-``parameters(module)`` (the parameters the dummy feeds an exact zero gradient): vlmtrain/models/dummy_vision.py's
+``parameters(module)`` (the parameters the dummy feeds an exact zero gradient): vlmtrain/models/vision/dummy_vision.py's
 VisionInput. Found through wrappers (score heads, peft)."""
 
 

@@ -151,7 +151,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         # Before the optimizer: FSDP replaces the parameters.
         model = dist.wrap_model(self.model, self.device, args.fsdp, args.bf16, ddp_kwargs=args.ddp_kwargs(),
                                 sharding=self.parts.sharding)
-        if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: models/training_prep.py)
+        if args.torch_compile:  # the whole model, or each transformer layer (a Hub VLM: models/speed/training_prep.py)
             model = self.parts.compile_model(self.model, model, args.torch_compile_backend or "inductor",
                                              args.torch_compile_mode)
         epochs = self._setup_training(loader)

@@ -53,7 +53,7 @@ class Family:
     image_tokens: Callable[[Any, Mapping[str, Any]], list[tuple[int, int]]] | None = None
     """image_tokens(model config, batch) -> (patches the vision tower attends over, tokens the projector emits)
     per image of the batch (a crop or tile counts as an image when the vision tower sees it alone), for the
-    logged tflops_per_second (models/flops.py); with ``windowed_attention``, a third value per image: its
+    logged tflops_per_second (models/speed/flops.py); with ``windowed_attention``, a third value per image: its
     query-key pairs in one windowed layer. None: not counted (no tflops for this family)."""
     windowed_attention: Callable[[Any], tuple[str, ...]] | None = None
     """windowed_attention(model config) -> names of the vision attention modules that attend within windows of an
@@ -81,12 +81,12 @@ class Family:
     """dummy_image(model config) -> the family's smallest valid image input, as ``get_image_features``' keyword
     arguments (CPU tensors): what the vision tower and projector run on, with a zero contribution, when a
     micro-batch has no image and several processes train, so every rank runs the same collectives
-    (models/dummy_vision.py). None: the vision tower runs only on real images (one process only: not safe
+    (models/vision/dummy_vision.py). None: the vision tower runs only on real images (one process only: not safe
     under DDP / FSDP with text-only micro-batches)."""
     dummy_video: Callable[[Any], dict[str, torch.Tensor]] | None = None
     """dummy_video(model config) -> the family's smallest valid video input, as ``get_video_features``' keyword
     arguments, for a family whose model encodes videos in a vision tower call of their own: under several
-    processes a micro-batch without a video encodes it (models/dummy_vision.py), so every rank makes the same
+    processes a micro-batch without a video encodes it (models/vision/dummy_vision.py), so every rank makes the same
     vision tower calls whatever mix of images, videos and text it holds. None: the family takes no videos."""
     unused_parameters: Callable[[Any], tuple[str, ...]] | None = None
     """unused_parameters(model config) -> name prefixes of parameters no forward of the model ever uses (e.g. a

@@ -79,14 +79,14 @@ def kind_of_checkpoint(checkpoint: str) -> ModelKind:
     path = os.path.join(checkpoint, "config.json")
     adapter = os.path.join(checkpoint, "adapter_config.json")
     if not os.path.isfile(path) and os.path.isfile(adapter):  # LoRA: the adapter names its base model
-        from vlmtrain.models.local_paths import adapter_base
+        from vlmtrain.models.hub.local_paths import adapter_base
 
         base = adapter_base(checkpoint) or ""
         path = os.path.join(base, "config.json")
         if not os.path.isfile(path):  # a Hub id: only transformers can tell its model_type
             from transformers import AutoConfig
 
-            from vlmtrain.models.local_paths import base_not_loadable
+            from vlmtrain.models.hub.local_paths import base_not_loadable
 
             try:
                 return _kind_of_config(AutoConfig.from_pretrained(base).to_dict())

@@ -16,7 +16,7 @@ def _tokenized(sample: dict[str, Any]) -> dict[str, Any]:
 
 
 def validate(cfg: Any) -> None:
-    from vlmtrain.models.causal_lm import check_model_type
+    from vlmtrain.models.hub.causal_lm import check_model_type
 
     if cfg.model.pretrained is None:
         check_model_type(cfg.model.config)  # a bad model_type fails before any data is built
@@ -40,9 +40,9 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     import torch
 
     from vlmtrain.data.packing import PackingCollator
-    from vlmtrain.models.causal_lm import build_causal_lm
-    from vlmtrain.models.lm_loss import enable_lm_loss
+    from vlmtrain.models.hub.causal_lm import build_causal_lm
     from vlmtrain.models.meta import model_init
+    from vlmtrain.models.speed.lm_loss import enable_lm_loss
 
     parts = dict(source)
     if "tokenizer" not in parts:  # raw text samples: tokenized by the model's tokenizer
@@ -66,7 +66,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
                                          tokenizer=tokenizer, seed=cfg.train.seed, dtype=dtype)
     enable_lm_loss(parts["model"])  # the LM head only at the targets, chunked (for the types it knows)
     if cfg.model.lora:
-        from vlmtrain.models.lora import apply_lora
+        from vlmtrain.models.hub.lora import apply_lora
 
         torch.manual_seed(cfg.train.seed)  # a reproducible adapter init (as TRL's trainers: after set_seed)
         parts["model"] = apply_lora(parts["model"], cfg.model.lora, text_module="")

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from vlmtrain.errors import ConfigError
-from vlmtrain.models.hub_loading import (
+from vlmtrain.models.hub.hub_loading import (
     VARLEN_TORCH,
     end_of_turn_id,
     generate,
@@ -41,7 +41,7 @@ def check(cfg: Any) -> None:
     if cfg.data.max_patches_per_pack is not None and cfg.data.max_images_per_pack is not None:
         raise ConfigError("data.max_patches_per_pack and data.max_images_per_pack both cap a packed row; set one.")
     if m.heads is not None:
-        from vlmtrain.models.heads import parse_heads
+        from vlmtrain.models.objectives.heads import parse_heads
 
         parse_heads(m.heads)  # an unknown head type or loss fails before anything is loaded
         if cfg.train.label_smoothing_factor:  # (the Trainer refuses it too: vlmtrain/compat/loss_extras.py)
@@ -89,7 +89,7 @@ def validate(cfg: Any) -> None:
         check_varlen_torch(cfg)
     if cfg.train.use_liger_kernel:  # (before the weights load: the family, liger-kernel, a CUDA device)
         from vlmtrain.models.families import model_type_of
-        from vlmtrain.models.liger import check_liger
+        from vlmtrain.models.speed.liger import check_liger
 
         check_liger(model_type_of(cfg.model.pretrained), cfg.train.liger_kernel_config)
     if cfg.data.max_patches_per_pack is not None:
@@ -102,7 +102,7 @@ def check_patch_budget(cfg: Any, max_image_patches: int | None = None) -> None:
     build) one smaller than a sample of data.max_images such images."""
     from transformers import AutoConfig
 
-    from vlmtrain.models.vision_attention import VISION_MODEL_TYPES
+    from vlmtrain.models.vision.vision_attention import VISION_MODEL_TYPES
 
     budget = cfg.data.max_patches_per_pack
     vision = getattr(AutoConfig.from_pretrained(cfg.model.pretrained), "vision_config", None)
@@ -174,7 +174,7 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     with model_init():  # (meta device on FSDP ranks that receive their shards from rank 0)
         model = load_model(m.pretrained, m.torch_dtype, m.attn_implementation, stop_token_id=stop)
         if d.max_patches_per_pack is not None:  # (every step's vision tower sees a multiple of it)
-            from vlmtrain.models.vision_padding import pad_vision_patches
+            from vlmtrain.models.vision.vision_padding import pad_vision_patches
 
             ip = processor.image_processor
             check_patch_budget(cfg, ip.size["longest_edge"] // ip.patch_size ** 2)
@@ -182,12 +182,12 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
         model_config = model.config  # (packing: Qwen's multimodal positions are computed from it per sample)
         heads = {}
         if m.heads:
-            from vlmtrain.models.heads import WithHeads
+            from vlmtrain.models.objectives.heads import WithHeads
 
             model = WithHeads(model, m.heads)
             heads = model.head_configs
         if m.lora:
-            from vlmtrain.models.lora import apply_lora
+            from vlmtrain.models.hub.lora import apply_lora
 
             model = apply_lora(model, m.lora, family.text_module, dict(family.module_groups))
     hub_processor, collator = _processing(cfg, processor, family, heads, model_config)
@@ -204,7 +204,7 @@ def _hub_processor(cfg: Any, processor: Any, family: Any, heads: dict[str, Any])
     the heads' label checks."""
     from vlmtrain.data.hub_processing import HubVLMProcessor
     from vlmtrain.data.video import VideoSettings
-    from vlmtrain.models.heads import check_head_labels
+    from vlmtrain.models.objectives.heads import check_head_labels
 
     d = cfg.data
     # Generation prompts cost a second processor call per sample: only in evaluation batches (the collator's
@@ -219,7 +219,7 @@ def _hub_processor(cfg: Any, processor: Any, family: Any, heads: dict[str, Any])
 def _processing(cfg: Any, processor: Any, family: Any, heads: dict[str, Any], model_config: Any) -> tuple[Any, Any]:
     """The training HubVLMProcessor and collator (packing with data.packing; head labels with heads)."""
     from vlmtrain.data.hub_collate import HubVLMCollator
-    from vlmtrain.models.heads import head_label_tensors
+    from vlmtrain.models.objectives.heads import head_label_tensors
 
     m, d = cfg.model, cfg.data
     hub_processor = _hub_processor(cfg, processor, family, heads)
@@ -246,7 +246,7 @@ def record_check(cfg: Any) -> Any:
     sample's tokens and vision patches against max_length and max_patches_per_pack (too_long, too_many_patches)."""
     from vlmtrain.data.hub_processing import apply_image_size
     from vlmtrain.models.families import family_of
-    from vlmtrain.models.head_config import parse_heads
+    from vlmtrain.models.objectives.head_config import parse_heads
 
     family = family_of(cfg.model.pretrained, key="model.pretrained")
     processor = family.load_processor(cfg.model.pretrained)
@@ -260,8 +260,8 @@ def pairs(cfg: Any, processor: Any = None) -> Any:
     from vlmtrain.data.hub_pairs import HubPairCollator
     from vlmtrain.data.video import VideoSettings
     from vlmtrain.models.families import family_of
-    from vlmtrain.models.head_config import parse_heads
-    from vlmtrain.models.heads import check_head_labels, head_label_tensors
+    from vlmtrain.models.objectives.head_config import parse_heads
+    from vlmtrain.models.objectives.heads import check_head_labels, head_label_tensors
 
     family = family_of(cfg.model.pretrained, key="model.pretrained")
     if processor is None:
@@ -288,8 +288,8 @@ def reward_pairs(cfg: Any, processor: Any) -> Any:
     (``labels: {<head>: margin}``, or TRL's ``margin``; 0 without)."""
     from vlmtrain.data.vision_reward_pairs import VisionPairCollator
     from vlmtrain.models.families import family_of
-    from vlmtrain.models.head_config import parse_heads
-    from vlmtrain.models.heads import pair_margin_tensors
+    from vlmtrain.models.objectives.head_config import parse_heads
+    from vlmtrain.models.objectives.heads import pair_margin_tensors
 
     heads = parse_heads(cfg.model.heads)
     rewards = [name for name, c in heads.items() if c.type == "reward"]

@@ -19,7 +19,7 @@ def check(cfg: Any) -> None:
 
 
 def validate(cfg: Any) -> None:
-    from vlmtrain.models.build import resolve_config
+    from vlmtrain.models.own_vlm.build import resolve_config
 
     m = cfg.model
     for key, spec, causal in (("model.vision", m.vision, False), ("model.text", m.text, True)):
@@ -35,8 +35,8 @@ def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> di
     from vlmtrain.data.metrics import exact_match_metric
     from vlmtrain.data.processing import VLMProcessor, build_chat_tokenizer
     from vlmtrain.data.vlm_collate import VLMCollator
-    from vlmtrain.models.build import build_vlm
     from vlmtrain.models.meta import model_init
+    from vlmtrain.models.own_vlm.build import build_vlm
 
     m, d = cfg.model, cfg.data
     train = source["train_dataset"]
@@ -95,7 +95,7 @@ def load_generator(checkpoint: str, device: str | None = None) -> Callable[..., 
     from transformers import AutoTokenizer
 
     from vlmtrain.data.processing import SkipSample, VLMProcessor
-    from vlmtrain.models.vlm import VisionLanguageModel
+    from vlmtrain.models.own_vlm.vlm import VisionLanguageModel
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     device = torch.device(device or "cpu")

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import ConfigError
-from ..heads import head_loss_sum, pool_last_token
 from ..sharding import gathered
+from .heads import head_loss_sum, pool_last_token
 from .vision_pairs import with_pair_images
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "sft")  # (sft: TRL's NLL of the chosen answers, beside a DPO loss)

@@ -13,8 +13,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from ..errors import ConfigError
-from .meta import from_pretrained
+from ...errors import ConfigError
+from ..meta import from_pretrained
 from .vlm import VisionLanguageModel, VLMConfig, unknown_type_message
 
 
@@ -55,7 +55,7 @@ def build_vlm(vision: str | dict[str, Any], text: str | dict[str, Any], pixel_sh
     added as a special token if missing, the decoder vocab follows ``len(tokenizer)`` and
     ``image_token_id`` is set. A randomly initialized vision tower gets 2D sin-cos positions
     (:func:`sincos_position_embeddings`, times ``vision_position_scale``). ``image_index_embeddings``: see
-    :class:`~vlmtrain.models.projector.ModalityProjector`.
+    :class:`~vlmtrain.models.own_vlm.projector.ModalityProjector`.
     """
     if load_backbone and not (isinstance(vision, str) and isinstance(text, str)):
         raise ConfigError("load_backbone=True needs vision and text as Hub names or local directories.")

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 HEAD_TYPES = ("classification", "regression", "reward")
 HEAD_LOSSES = {"classification": ("ce", "bce"), "regression": ("mse", "huber"), "reward": ("bradley_terry",)}

@@ -42,7 +42,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .head_files import HEAD_PARTS
 from .lora_files import ADAPTER_PARTS
 from .sharded_files import DCP_DIR, has_sharded_weights, read_model_weights

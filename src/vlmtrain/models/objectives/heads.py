@@ -5,8 +5,8 @@ batch plus one label tensor per head (`labels_<name>`, built by :func:`head_labe
 `labels: {<name>: value}`) and returns `loss` = LM loss (if the batch has `labels`) + sum(weight * loss_<name>),
 with `loss_<name>` / `num_items_<name>` per head (each head averages over the samples that have its label) and
 `logits_<name>`, so the Trainer logs every loss averaged over its own items and evaluation gets head metrics.
-The heads' config (`model.heads`) is :mod:`vlmtrain.models.head_config`; their files (heads.safetensors +
-heads.json) are written and read by :mod:`vlmtrain.models.head_files`.
+The heads' config (`model.heads`) is :mod:`vlmtrain.models.objectives.head_config`; their files (heads.safetensors +
+heads.json) are written and read by :mod:`vlmtrain.models.files.head_files`.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
+from ..speed.lm_loss import decoder_and_head, lm_loss_sum
 from .head_config import HeadConfig, parse_heads
 from .head_metrics import compute_head_metrics, head_metrics
-from .lm_loss import decoder_and_head, lm_loss_sum
-from .objectives.reward import bradley_terry
-from .objectives.vision_pairs import with_pair_images
+from .reward import bradley_terry
+from .vision_pairs import with_pair_images
 
 __all__ = ["HeadConfig", "ScoreHeads", "WithHeads", "check_head_labels", "compute_head_metrics", "head_label_mask",
            "head_label_tensors", "head_metrics", "pair_margin_tensors", "pair_rewards", "parse_heads", "pool_last_token"]
@@ -149,8 +149,8 @@ class WithHeads(nn.Module):
     A batch without `labels` (score-only samples) computes no LM logits at all: the base's decoder runs without
     its LM head (whose trainable weights get a zero gradient, so every rank's backward reaches the same
     parameters under DDP / FSDP). With `loss_only=True` (the Trainer passes it in training and in evaluation
-    that keeps no LM logits) and a base that :func:`~vlmtrain.models.lm_loss.decoder_and_head` knows, the LM
-    head runs only at the target positions, in chunks (models/lm_loss.py), and no `logits` are returned.
+    that keeps no LM logits) and a base that :func:`~vlmtrain.models.speed.lm_loss.decoder_and_head` knows, the LM
+    head runs only at the target positions, in chunks (models/speed/lm_loss.py), and no `logits` are returned.
     """
 
     vlmtrain_accepts_loss_only = True
@@ -186,7 +186,7 @@ class WithHeads(nn.Module):
 
     @property
     def vlmtrain_target_logits_module(self) -> str | None:
-        """The LM head's name when training applies it only at targets (models/flops.py counts it so)."""
+        """The LM head's name when training applies it only at targets (models/speed/flops.py counts it so)."""
         parts = decoder_and_head(_inner_model(self.base))
         return None if parts is None else next((n for n, m in self.named_modules() if m is parts[1]), None)
 
@@ -215,7 +215,7 @@ class WithHeads(nn.Module):
             batch = with_pair_images(_inner_model(self.base), batch)
         if lm_labels is None:  # score-only: no LM logits
             hidden, loss = self._hidden_without_lm_head(batch)
-        elif parts is not None:  # LM logits only at the targets, in chunks (models/lm_loss.py)
+        elif parts is not None:  # LM logits only at the targets, in chunks (models/speed/lm_loss.py)
             batch.pop("logits_to_keep", None)
             hidden = parts[0](**batch)[0]
             loss_sum, n_lm = lm_loss_sum(hidden, parts[1], lm_labels)
@@ -333,7 +333,7 @@ def check_head_labels(head_configs: Mapping[str, HeadConfig], raw: Mapping[str, 
     """Raise SkipSample('bad_head_label') for a sample whose `labels` has a value of the wrong type or out of
     range for its head. None (or a missing name) is a missing label, which that head skips; names that are not
     heads are ignored (data may carry more labels than a model uses)."""
-    from ..data.processing import SkipSample
+    from ...data.processing import SkipSample
 
     if raw is None:
         return

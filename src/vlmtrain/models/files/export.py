@@ -9,7 +9,7 @@ import shutil
 import safetensors.torch
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 from .head_files import HEADS_CONFIG, HEADS_WEIGHTS
 from .sharded_files import has_sharded_weights, read_model_weights
 

@@ -10,8 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from ..errors import ConfigError
-from .meta import from_pretrained
+from ...errors import ConfigError
+from ..meta import from_pretrained
 
 
 def check_model_type(config: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """TrainingArguments.fuse_elementwise: the elementwise regions of a transformers model (its RMSNorms, gated MLPs
 and rotary embeddings) compiled one by one with torch.compile, so that inductor fuses each into a few kernels,
 without compiling the model or its layers whole: the path for a machine without Liger Kernel, or a family Liger
-does not cover (models/liger.py), and for a model whose attention breaks the graph of a whole-layer compile.
+does not cover (models/speed/liger.py), and for a model whose attention breaks the graph of a whole-layer compile.
 
 Each region is compiled once per class (its forward has a code object of the class's own, so dynamo's graphs and
 recompile counts are per region), with dynamic shapes and without duck sizing: a new sequence length, batch of
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .training_prep import own_code_copy, without_duck_sizing
 
 MODES = ("compile",)

@@ -3,11 +3,11 @@ token-budget micro-batches (one packed row per step) the vision tower sees the s
 
 The padding is one or more blank images appended after the batch's real ones (zero patches; grids of at most
 :data:`CHUNK` patches, so their attention costs little): the tower attends within each image (one call per image
-or one variable-length call, models/vision_attention.py), so the real images' outputs do not depend on them,
+or one variable-length call, models/vision/vision_attention.py), so the real images' outputs do not depend on them,
 and their outputs are cut off before the language model sees them (nothing of theirs reaches the loss, so they
 add nothing to any gradient). The batch itself is unchanged: its ``image_grid_thw`` names the real images only,
-so the logged FLOPs never count the padding. The dummy image or video of a rank without any (models/dummy_vision.py)
-is not padded: it stays the family's smallest input (padded, it would double the vision work of a step).
+so the logged FLOPs never count the padding. The dummy image or video of a rank without any
+(models/vision/dummy_vision.py) is not padded: it stays the family's smallest input (padded, it would double the vision work of a step).
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from ..errors import ConfigError
-from .dummy_vision import VISION_INPUT_ATTR, VisionInput, needed, zero_of
-from .lm_loss import lm_loss_sum
+from ...errors import ConfigError
+from ..speed.lm_loss import lm_loss_sum
+from ..vision.dummy_vision import VISION_INPUT_ATTR, VisionInput, needed, zero_of
 from .projector import PROJECTOR_TYPES, ModalityProjector
 
 IGNORE_INDEX = -100
@@ -106,7 +106,7 @@ class VisionLanguageModel(PreTrainedModel):
     # module_learning_rates aliases (trainer/optim.py's MODULE_GROUPS_ATTR), the same for every family
     vlmtrain_module_groups = {"vision": ("vision_encoder",), "projector": ("projector",), "text": ("decoder",)}
     main_input_name = "input_ids"
-    vlmtrain_accepts_loss_only = True  # forward(..., loss_only=True): the Trainer passes it (models/lm_loss.py)
+    vlmtrain_accepts_loss_only = True  # forward(..., loss_only=True): the Trainer passes it (models/speed/lm_loss.py)
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = True
@@ -149,7 +149,7 @@ class VisionLanguageModel(PreTrainedModel):
     # -- images ---------------------------------------------------------------------------------------
     def vlmtrain_image_tokens(self, batch: Mapping[str, Any]) -> list[tuple[int, int]]:
         """(patches the vision tower attends over, tokens the projector emits) per image of a batch: what
-        models/flops.py (IMAGE_TOKENS_ATTR) counts the image side of a step by."""
+        models/speed/flops.py (IMAGE_TOKENS_ATTR) counts the image side of a step by."""
         pixels = batch.get("pixel_values")
         grid, _ = vision_grid(self.config.vision_config)
         patches = grid * grid + ("clip" in self.config.vision_config.model_type)  # CLIP prepends a CLS token
@@ -210,7 +210,7 @@ class VisionLanguageModel(PreTrainedModel):
         """0 x the encoding of one blank image: under several processes a batch without images still runs the
         vision tower and projector (image index included) as a batch with images does, so every rank runs the
         same collectives (DDP's gradient buckets, FSDP's all-gathers) and every image-side parameter gets an
-        exact zero gradient (models/dummy_vision.py)."""
+        exact zero gradient (models/vision/dummy_vision.py)."""
         size, length = self.config.image_size, self.config.image_token_length
         blank = embeds.new_zeros(1, 3, size, size, dtype=torch.float32)
         images = self.encode_images(blank)
@@ -249,7 +249,7 @@ class VisionLanguageModel(PreTrainedModel):
         """Returns ``{"logits"}`` plus, with labels, ``{"loss", "num_items"}`` (mean CE over targets). Training
         with labels, or ``loss_only=True`` (the Trainer's evaluation passes it when it keeps no logits), returns
         only ``{"loss", "num_items"}``: the LM head runs at the positions that predict a label, in chunks
-        (models/lm_loss.py; see :attr:`vlmtrain_target_logits_module`).
+        (models/speed/lm_loss.py; see :attr:`vlmtrain_target_logits_module`).
 
         ``image_counts`` (images per sample, optional) makes the placeholder check exact per sample.
         """
@@ -267,7 +267,7 @@ class VisionLanguageModel(PreTrainedModel):
 
     @property
     def vlmtrain_target_logits_module(self) -> str | None:
-        """The decoder's output layer, when training applies it only at target positions (models/flops.py
+        """The decoder's output layer, when training applies it only at target positions (models/speed/flops.py
         counts it per target then): a decoder whose logits are ``lm_head(hidden)`` and nothing more (no
         soft-capping or scaling). None: training computes the full logits."""
         dec = self.decoder

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 ADAPTER_NAME = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -15,8 +15,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ..errors import CheckpointError, ConfigError
-from .heads import HeadConfig, WithHeads, parse_heads
+from ...errors import CheckpointError, ConfigError
+from ..objectives.heads import HeadConfig, WithHeads, parse_heads
 
 __all__ = ["HEADS_CONFIG", "HEADS_WEIGHTS", "HEAD_PARTS", "HeadFiles", "attach_heads", "check_saved_heads", "load_heads",
            "read_head_configs", "save_heads"]

@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from vlmtrain.errors import CheckpointError, ConfigError
-from vlmtrain.models.varlen_attention import NAME as VARLEN_TORCH  # (model.attn_implementation: varlen_torch)
-from vlmtrain.models.varlen_attention import use_varlen_text_attention
-from vlmtrain.models.vision_attention import use_varlen_vision_attention
+from vlmtrain.models.speed.varlen_attention import (
+    NAME as VARLEN_TORCH,  # (model.attn_implementation: varlen_torch)
+)
+from vlmtrain.models.speed.varlen_attention import use_varlen_text_attention
+from vlmtrain.models.vision.vision_attention import use_varlen_vision_attention
 
 
 def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementation: str | None = None,
@@ -23,19 +25,19 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     (models/lm_loss.enable_lm_loss); with ``stop_token_id``
     (the family's end of turn), generation stops there too. ``device``: load the weights straight onto it
     (``device_map``), in ``torch_dtype``, never a float32 copy first. A patch embedding Conv3d whose stride is
-    its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/patch_embed.py; same weights and
+    its kernel (Qwen2.5-VL, Qwen3-VL) computes as the equal matmul (models/vision/patch_embed.py; same weights and
     state dict). ``attn_implementation`` 'varlen_torch': loaded with sdpa, then the text model's attention is
-    models/varlen_attention.py's and a Qwen-VL vision tower's models/vision_attention.py's (all images in one
-    call; other vision towers keep sdpa)."""
+    models/speed/varlen_attention.py's and a Qwen-VL vision tower's models/vision/vision_attention.py's (all
+    images in one call; other vision towers keep sdpa)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
-    from vlmtrain.models.lm_loss import enable_lm_loss
-    from vlmtrain.models.local_paths import absolute_if_local
+    from vlmtrain.models.hub.local_paths import absolute_if_local
     from vlmtrain.models.meta import from_pretrained
-    from vlmtrain.models.patch_embed import linear_patch_embeddings
     from vlmtrain.models.protocol import MODULE_GROUPS_ATTR, REGIONAL_COMPILE_ATTR
+    from vlmtrain.models.speed.lm_loss import enable_lm_loss
+    from vlmtrain.models.vision.patch_embed import linear_patch_embeddings
 
     pretrained = absolute_if_local(pretrained)  # the name a LoRA adapter records as its base: any cwd finds it
     kwargs: dict[str, Any] = {"dtype": getattr(torch, torch_dtype)}
@@ -51,17 +53,18 @@ def load_model(pretrained: str, torch_dtype: str = "float32", attn_implementatio
     family = family_of(pretrained)
     setattr(model, MODULE_GROUPS_ATTR, dict(family.module_groups))
     _attach_flop_info(model, family)
-    setattr(model, REGIONAL_COMPILE_ATTR, True)  # torch_compile compiles each layer (models/training_prep.py)
+    setattr(model, REGIONAL_COMPILE_ATTR, True)  # torch_compile compiles each layer (models/speed/training_prep.py)
     _stop_at(model, stop_token_id)
     _dummy_vision(model, family)  # a batch without images still runs the vision tower under several ranks
     _freeze_unused(model, family)
-    enable_lm_loss(model)  # forward(..., loss_only=True): LM head at the targets only, chunked (models/lm_loss.py)
+    # forward(..., loss_only=True): LM head at the targets only, chunked (models/speed/lm_loss.py)
+    enable_lm_loss(model)
     return model
 
 
 def _attach_flop_info(model: Any, family: Any) -> None:
-    """What the logged tflops count a family's images and odd matmuls by (models/flops.py)."""
-    from vlmtrain.models.flops import IMAGE_TOKENS_ATTR, MATMUL_PARAMETERS_ATTR, WINDOWED_ATTENTION_ATTR
+    """What the logged tflops count a family's images and odd matmuls by (models/speed/flops.py)."""
+    from vlmtrain.models.speed.flops import IMAGE_TOKENS_ATTR, MATMUL_PARAMETERS_ATTR, WINDOWED_ATTENTION_ATTR
 
     if family.image_tokens is not None:
         setattr(model, IMAGE_TOKENS_ATTR, functools.partial(family.image_tokens, model.config))
@@ -74,7 +77,7 @@ def _attach_flop_info(model: Any, family: Any) -> None:
 def enable_family_dummy_vision(model: Any, family: Any) -> None:
     """The family's dummy image path (below) on a transformers VLM loaded elsewhere (e.g. given to DPOTrainer as
     an object); a model that has it already is left as it is."""
-    from vlmtrain.models.dummy_vision import VISION_INPUT_ATTR
+    from vlmtrain.models.vision.dummy_vision import VISION_INPUT_ATTR
 
     inner = getattr(model, model.base_model_prefix, None)
     if inner is None or not hasattr(inner, VISION_INPUT_ATTR):
@@ -83,8 +86,8 @@ def enable_family_dummy_vision(model: Any, family: Any) -> None:
 
 def _dummy_vision(model: Any, family: Any) -> None:
     """Under several processes, a forward without images runs the vision tower on the family's dummy image, with
-    a zero contribution (models/dummy_vision.py), so every rank runs the same collectives."""
-    from vlmtrain.models.dummy_vision import enable_dummy_vision
+    a zero contribution (models/vision/dummy_vision.py), so every rank runs the same collectives."""
+    from vlmtrain.models.vision.dummy_vision import enable_dummy_vision
 
     if family.dummy_image is None:
         return
@@ -132,7 +135,7 @@ def base_of_checkpoint(checkpoint: str) -> str:
     """Where a checkpoint's full weights are: itself, or for a LoRA checkpoint (adapter only) the base model
     its adapter_config.json names (a relative directory is tried from the working directory, then from the
     checkpoint; one found nowhere is a ConfigError naming the file and the setting)."""
-    from vlmtrain.models.local_paths import adapter_base
+    from vlmtrain.models.hub.local_paths import adapter_base
 
     return adapter_base(checkpoint) or checkpoint
 
@@ -141,26 +144,26 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
                     device: Any = None) -> Any:
     """A Hub VLM checkpoint as vlmtrain wrote it, in eval mode: full weights (model.safetensors, shards, or an
     FSDP ``dcp/`` dump) or base + LoRA adapter, plus its score heads (heads.json / heads.safetensors) when it
-    has them, as a :class:`~vlmtrain.models.heads.WithHeads`. The base weights are read in ``torch_dtype``
+    has them, as a :class:`~vlmtrain.models.objectives.heads.WithHeads`. The base weights are read in ``torch_dtype``
     straight onto ``device`` (default CPU); heads stay float32. A file that does not fit the model is a
     CheckpointError naming it and what was expected."""
     import torch
 
-    from vlmtrain.models.sharded_files import has_sharded_weights
+    from vlmtrain.models.files.sharded_files import has_sharded_weights
 
     if has_sharded_weights(checkpoint) and not _has_full_weights(checkpoint):
         return _load_dcp(checkpoint, torch_dtype, stop_token_id, device)
     model = load_model(base_of_checkpoint(checkpoint), torch_dtype, stop_token_id=stop_token_id, device=device)
     if os.path.isfile(os.path.join(checkpoint, "heads.json")):
-        from vlmtrain.models.head_files import read_head_configs
-        from vlmtrain.models.heads import WithHeads
+        from vlmtrain.models.files.head_files import read_head_configs
+        from vlmtrain.models.objectives.heads import WithHeads
 
         model = WithHeads(model, read_head_configs(checkpoint))
         model.heads.to(_device_of(model.base))
     if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
         from peft import PeftModel
 
-        from vlmtrain.models.lora import peft_wrapping
+        from vlmtrain.models.hub.lora import peft_wrapping
 
         try:
             with peft_wrapping():
@@ -172,7 +175,7 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
             raise CheckpointError(f"{os.path.join(checkpoint, 'adapter_model.safetensors')} does not fit the base "
                                   f"model {base_of_checkpoint(checkpoint)!r}: {str(err)[:300]}") from err
     if hasattr(model, "heads"):
-        from vlmtrain.models.head_files import check_saved_heads
+        from vlmtrain.models.files.head_files import check_saved_heads
 
         check_saved_heads(model, checkpoint)
         _load_heads_and_extras(model, checkpoint)  # (the base was loaded above)
@@ -181,8 +184,8 @@ def load_checkpoint(checkpoint: str, torch_dtype: str = "float32", stop_token_id
 
 def _load_heads_and_extras(model: Any, checkpoint: str) -> None:
     """The heads' weights, and under LoRA the trainable base tensors peft's adapter file does not hold
-    (trainable.safetensors, as checkpoints hold them: models/model_files.py)."""
-    from vlmtrain.models.head_files import load_heads
+    (trainable.safetensors, as checkpoints hold them: models/files/model_files.py)."""
+    from vlmtrain.models.files.head_files import load_heads
 
     extra_path = os.path.join(checkpoint, "trainable.safetensors")
     if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")) and os.path.isfile(extra_path):
@@ -208,9 +211,9 @@ def _load_dcp(checkpoint: str, torch_dtype: str, stop_token_id: int | None, devi
     put into the architecture of its config.json; heads from heads.json, else the run's config.yaml."""
     import torch
 
-    from vlmtrain.models.head_files import read_head_configs
-    from vlmtrain.models.heads import WithHeads
-    from vlmtrain.models.sharded_files import read_model_weights
+    from vlmtrain.models.files.head_files import read_head_configs
+    from vlmtrain.models.files.sharded_files import read_model_weights
+    from vlmtrain.models.objectives.heads import WithHeads
 
     state = read_model_weights(checkpoint)
     heads = None
@@ -240,8 +243,8 @@ def _from_config(checkpoint: str, dtype: Any, stop_token_id: int | None) -> Any:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from vlmtrain.models.families import family_of
-    from vlmtrain.models.patch_embed import linear_patch_embeddings
     from vlmtrain.models.protocol import MODULE_GROUPS_ATTR
+    from vlmtrain.models.vision.patch_embed import linear_patch_embeddings
 
     model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint), dtype=dtype)
     linear_patch_embeddings(model)
@@ -295,7 +298,7 @@ def load_for_inference(checkpoint: str, device: Any, dtype: Any, max_length: int
     heads = getattr(model, "head_configs", None) or {}
     label_check = None
     if heads:
-        from vlmtrain.models.heads import check_head_labels
+        from vlmtrain.models.objectives.heads import check_head_labels
 
         label_check = functools.partial(check_head_labels, heads)
     video = _run_video_settings(run_data, max_length)

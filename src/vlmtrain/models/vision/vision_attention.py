@@ -8,7 +8,7 @@ image: 24-27 blocks x every image of the batch, forward and recompute (824 cuDNN
 at 16 images, docs/speed.md). With an implementation whose name contains "flash" it hands the boundaries to
 one call instead (``cu_seq_lens_q/k``, ``max_length_q/k``). :data:`NAME` is such an implementation: it is
 registered with transformers' ``AttentionInterface`` and computes non-causal attention within each image with
-:func:`vlmtrain.models.varlen_attention._varlen`, the text half's kernel call: PyTorch's own
+:func:`vlmtrain.models.speed.varlen_attention._varlen`, the text half's kernel call: PyTorch's own
 ``torch.nn.attention.varlen.varlen_attn`` on CUDA (torch >= 2.10, bfloat16 / float16, no flash-attn package),
 one ``scaled_dot_product_attention`` per image elsewhere. Images never attend to each other.
 
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from vlmtrain.models.varlen_attention import NAME as TEXT_NAME
-from vlmtrain.models.varlen_attention import _varlen
+from vlmtrain.models.speed.varlen_attention import NAME as TEXT_NAME
+from vlmtrain.models.speed.varlen_attention import _varlen
 
 NAME = "flash_varlen_torch_vision"
 """Registered in transformers for the vision config (``_attn_implementation``): "flash" in the name is what

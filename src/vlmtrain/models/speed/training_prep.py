@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
+from ..protocol import REGIONAL_COMPILE_ATTR
 from . import varlen_attention
 from .checkpointing_policies import CONTEXTS, SELECTIVE_EVERY, checkpointing_mode
-from .protocol import REGIONAL_COMPILE_ATTR
 
 
 def transformer_layers(model: nn.Module) -> list[nn.Module]:
@@ -149,7 +149,7 @@ def enable_activation_checkpointing(model: nn.Module, kwargs: dict[str, Any] | N
     """transformers' activation_checkpointing_enable() (or its older name gradient_checkpointing_enable) on the
     model, or on the transformers models inside it, with TrainingArguments.activation_checkpointing_kwargs split
     as transformers' Trainer splits them (every_n_layers, offload; the rest go to torch.utils.checkpoint) plus
-    vlmtrain's ``mode`` and ``selective_every_n_layers`` (models/checkpointing_policies.py: ``selective`` and
+    vlmtrain's ``mode`` and ``selective_every_n_layers`` (models/speed/checkpointing_policies.py: ``selective`` and
     ``attention`` become torch.utils.checkpoint's context_fn)."""
     mode = checkpointing_mode(kwargs)
     kwargs = dict(kwargs or {})

@@ -2,7 +2,7 @@
 
 By default the adapters go on the language model's linear layers only (peft's ``all-linear`` would also wrap
 the vision tower's and the merger's). A model wrapped with score heads (an object with ``.base`` and
-``.heads``, see models/heads.py) gets its adapters on ``.base``; the heads stay fully trainable.
+``.heads``, see models/objectives/heads.py) gets its adapters on ``.base``; the heads stay fully trainable.
 
 ``target_modules`` may be:
   - absent: every ``nn.Linear`` under the language model (``text_module``), lm_head excluded;
@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules", "modules_to_save")
 
@@ -127,7 +127,7 @@ def lora_config(model: nn.Module, spec: Mapping[str, Any], text_module: str,
     target = spec.get("target_modules")
     targets = target if isinstance(target, str) else _targets(model, target, text_module)
     if module_groups is None:
-        from .protocol import module_groups as find_groups  # the aliases a model kind attached
+        from ..protocol import module_groups as find_groups  # the aliases a model kind attached
 
         module_groups = find_groups(model)
     groups = module_groups

@@ -44,12 +44,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from .protocol import MODULE_GROUPS_ATTR, module_groups
+from ..protocol import MODULE_GROUPS_ATTR, module_groups
 
 TARGET_LOGITS_ATTR = "vlmtrain_target_logits_module"
 """A model whose training forward applies its output layer only at the positions that predict a target names
 that module (relative to the model) under this attribute; the counter then counts it per target, not per
-token (vlmtrain's VLM does, see models/vlm.py)."""
+token (vlmtrain's VLM does, see models/own_vlm/vlm.py)."""
 IMAGE_TOKENS_ATTR = "vlmtrain_image_tokens"
 """A model with a vision tower carries a callable under this name: batch -> [(patches the vision tower attends
 over, tokens the projector emits), ...], one pair per image of the batch (vlmtrain's VLM defines it as a

@@ -1,6 +1,6 @@
 """TrainingArguments.use_liger_kernel / liger_kernel_config: Liger Kernel's Triton kernels (RMSNorm, rotary
 embeddings, SwiGLU / GeGLU, LayerNorm) in a Hub VLM of a family Liger covers, keeping vlmtrain's own chunked LM
-loss (models/lm_loss.py): Liger's fused linear cross-entropy and cross-entropy, which would replace the model's
+loss (models/speed/lm_loss.py): Liger's fused linear cross-entropy and cross-entropy, which would replace the model's
 forward or transformers' loss, are never applied.
 
 vlmtrain applies Liger's building blocks itself, module by module on the model instance, as Liger's per-family
@@ -9,7 +9,7 @@ attention modules' rotary functions), and imports only those blocks (KERNEL_MODU
 modules (``liger_kernel.transformers.monkey_patch``, ``liger_kernel.transformers.model.*``, what transformers'
 Trainer calls with ``use_liger_kernel=True``) import output classes that transformers 5.23 removed, and are never
 imported. Nothing changes in transformers' modeling modules: the rotary functions are swapped through a copy of
-each attention forward (models/fused_elementwise.py), so a model built later in the process is transformers' own.
+each attention forward (models/speed/fused_elementwise.py), so a model built later in the process is transformers' own.
 
 Bad input is a ConfigError before training, naming the setting: liger-kernel not installed, no CUDA device (the
 kernels are Triton, GPU only), a model of a family Liger does not cover, a loss kernel or an unknown option in
@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .fused_elementwise import forward_with_globals, is_gated_mlp, is_norm, rotary_names
 
 INSTALL = "pip install 'vlmtrain[liger]'"

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 CHECKPOINTING_MODES = ("full", "selective", "attention")
 """The values of activation_checkpointing_kwargs' ``mode``: ``full`` recomputes each checkpointed layer's whole

@@ -30,7 +30,7 @@ had real vision input and names the parameters the dummy feeds; on each optimize
 ranks whether any had vision input and, where none did, sets those parameters' gradients to None before clipping
 and the step (trainer/step.py).
 
-Under ``data.max_patches_per_pack`` (models/vision_padding.py) the dummy is not padded to the patch budget: it
+Under ``data.max_patches_per_pack`` (models/vision/vision_padding.py) the dummy is not padded to the patch budget: it
 stays the family's smallest input (:func:`encoding_dummy` tells the padding hook).
 """
 
