@@ -44,7 +44,7 @@ class TransformersTrainerInternals:
     def _load_callback_state(self) -> None:
         """Restore the checkpoint's callback states; warn, as transformers, of the ones no callback of this Trainer
         takes (they are ignored)."""
-        present = {type(cb).__name__ for cb in [*self.callback_handler.callbacks, self.control]}
+        present = {type(cb).__name__ for cb in [*self.callback_handler.every_callback, self.control]}
         not_found = [name for name in self.state.stateful_callbacks if name not in present]
         if not_found:
             warnings.warn("Checkpoint included callbacks not included in current configuration. Ignoring. "

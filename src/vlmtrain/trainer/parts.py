@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError
 from .args import TrainingArgumentsCore
+from .callbacks import LoggingCallbacks
 from .model_files import PlainModelFiles
 from .sharding import ShardingPlan
 
@@ -63,9 +64,9 @@ class TrainerParts:
     """The arguments a Trainer built without ``args`` makes, ``arguments_class()``."""
     default_collator: Callable[[int], Callable[[list], dict]] | None = None
     """``pad_token_id`` -> the collator of a Trainer without ``data_collator``; None: torch's default_collate."""
-    logging_callbacks: Callable[[Any], list] | None = None
-    """``args`` -> the callbacks every Trainer gets after DefaultFlowCallback (progress bar or printer,
-    metrics.jsonl, report_to's trackers); None: none."""
+    logging_callbacks: Callable[[Any], LoggingCallbacks] | None = None
+    """``args`` -> the callbacks every Trainer logs through: report_to's trackers, the progress bar or printer
+    (listed where transformers lists its own) and metrics.jsonl (called, not listed); None: none."""
     checkpoint_evaluator: Callable[[Any], Any] | None = None
     """``args`` -> train.async_eval's evaluator of saved checkpoints in other processes, or None when the arguments
     ask for none (check_command, enqueue, poll(step, at_end), waiting, in_use, state_dict, load_state_dict)."""

