@@ -4,12 +4,16 @@ attributes, report_to='all', debug='underflow_overflow' and label smoothing with
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import transformers
 from test_transformers_dropin import (
     FRAMEWORKS,
     CountingCallback,
     TupleClassifier,
+    _accuracy,
+    _samples,
     _trainer,
 )
 
@@ -62,3 +66,36 @@ def test_call_event_and_on_push_begin_as_transformers(tmp_path):
         seen[framework] = log.calls, [type(r).__name__ for r in returned]
     assert seen["ours"] == seen["hf"]
     assert [c[0] for c in seen["hf"][0]] == ["on_push_begin", "on_push_begin", "on_log", "on_log"]
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------------
+SAVE_CASES = {
+    "steps": dict(save_strategy="steps", save_steps=2),
+    "epoch": dict(save_strategy="epoch"),
+    "best": dict(save_strategy="best", eval_strategy="steps", eval_steps=1),
+    "no": dict(save_strategy="no"),
+    "limit1_load_best": dict(save_steps=1, eval_strategy="steps", eval_steps=1, save_total_limit=1,
+                             load_best_model_at_end=True),
+    "limit2_load_best": dict(save_steps=1, eval_strategy="steps", eval_steps=1, save_total_limit=2,
+                             load_best_model_at_end=True),
+    "limit1_best_metric": dict(save_steps=1, eval_strategy="steps", eval_steps=1, save_total_limit=1),
+}
+
+
+@pytest.mark.parametrize("case", list(SAVE_CASES))
+def test_checkpoints_each_save_strategy_leaves_as_transformers(tmp_path, case):
+    """The folders left after training (rotation keeps the best one) and the best checkpoint; accuracy peaks at
+    step 1 of 6, so the best one is not the last."""
+    left, best = {}, {}
+    for framework in FRAMEWORKS:
+        kw = {**dict(max_steps=6, num_train_epochs=3, per_device_train_batch_size=4, save_strategy="steps",
+                     metric_for_best_model="accuracy"), **SAVE_CASES[case]}
+        trainer = _trainer(framework, tmp_path, kw, model=TupleClassifier(), train_dataset=_samples(8),
+                           eval_dataset=_samples(8, seed=1), compute_metrics=_accuracy)
+        trainer.train()
+        left[framework] = sorted(p for p in os.listdir(tmp_path / framework) if p.startswith("checkpoint-"))
+        best[framework] = trainer.state.best_model_checkpoint and os.path.basename(trainer.state.best_model_checkpoint)
+    assert left["ours"] == left["hf"]
+    assert best["ours"] == best["hf"]
+    if case != "no":
+        assert left["hf"]

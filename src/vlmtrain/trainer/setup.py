@@ -274,5 +274,7 @@ class SetupMixin:
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             load_model_state(self.model, self.state.best_model_checkpoint, self.parts)
+        if self.rank == 0:
+            self._rotate_checkpoints(at_end=True)
         self.control = self._event("on_train_end")
         return TrainOutput(steps, train_loss, metrics)
