@@ -4,10 +4,13 @@ attributes, report_to='all', debug='underflow_overflow' and label smoothing with
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 
 import pytest
 import transformers
+from test_dropin_internals import _warnings_seen
 from test_transformers_dropin import (
     FRAMEWORKS,
     CountingCallback,
@@ -99,3 +102,31 @@ def test_checkpoints_each_save_strategy_leaves_as_transformers(tmp_path, case):
     assert best["ours"] == best["hf"]
     if case != "no":
         assert left["hf"]
+
+
+# -- resume ------------------------------------------------------------------------------------------------------
+def test_resume_warns_of_arguments_that_differ_from_the_checkpoint_as_transformers(tmp_path):
+    """transformers' warnings: the checkpoint's save/eval/logging steps and batch differ from the arguments; the
+    best checkpoint its state names is gone."""
+    messages = {}
+    for framework in FRAMEWORKS:
+        kw = dict(max_steps=4, per_device_train_batch_size=4, save_strategy="steps", save_steps=2, logging_steps=1,
+                  eval_strategy="steps", eval_steps=2, metric_for_best_model="loss")
+        first = _trainer(framework, tmp_path / "first", kw, model=TupleClassifier(), train_dataset=_samples(16),
+                         eval_dataset=_samples(4))
+        first.train()
+        run = tmp_path / "first" / framework
+        assert os.path.basename(first.state.best_model_checkpoint) == "checkpoint-4"
+        shutil.copytree(run / "checkpoint-4", run / "moved")  # (its state names checkpoint-4 as the best one)
+        shutil.rmtree(run / "checkpoint-4")
+        kw.update(save_steps=3, logging_steps=2, eval_steps=1, per_device_train_batch_size=2, max_steps=5)
+        logging.Logger.warning_once.cache_clear()  # (transformers gives its warning once per process)
+        with _warnings_seen() as seen:
+            second = _trainer(framework, tmp_path / "second", kw, model=TupleClassifier(),
+                              train_dataset=_samples(16), eval_dataset=_samples(4))
+            second.train(resume_from_checkpoint=str(run / "moved"))
+        messages[framework] = sorted(s.replace(str(run), "RUN") for s in seen if "checkpoint" in s and (
+            "do not match" in s or "does not exist anymore" in s))
+    assert messages["ours"] == messages["hf"]
+    assert len(messages["hf"]) == 2 and "\tsave_steps: 3 (from args) != 2 (from trainer_state.json)" in \
+        messages["hf"][1]
