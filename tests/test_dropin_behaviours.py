@@ -130,3 +130,25 @@ def test_resume_warns_of_arguments_that_differ_from_the_checkpoint_as_transforme
     assert messages["ours"] == messages["hf"]
     assert len(messages["hf"]) == 2 and "\tsave_steps: 3 (from args) != 2 (from trainer_state.json)" in \
         messages["hf"][1]
+
+
+# -- data loaders ------------------------------------------------------------------------------------------------
+LOADER_ATTRIBUTES = ("total_batch_size", "total_dataset_length", "persistent_workers", "num_workers",
+                     "prefetch_factor")
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_loader_attributes_integrations_read_as_transformers(tmp_path, persistent):
+    seen = {}
+    for framework in FRAMEWORKS:
+        trainer = _trainer(framework, tmp_path, dict(per_device_train_batch_size=4, per_device_eval_batch_size=3,
+                                                     dataloader_num_workers=1,
+                                                     dataloader_persistent_workers=persistent),
+                           model=TupleClassifier(), train_dataset=_samples(8), eval_dataset=_samples(6))
+        loaders = {"train": trainer.get_train_dataloader(), "eval": trainer.get_eval_dataloader()}
+        seen[framework] = {name: {a: getattr(loader, a) for a in LOADER_ATTRIBUTES}
+                           for name, loader in loaders.items()}
+        # with persistent workers the eval loader (and its workers) is built once, as transformers keeps it
+        seen[framework]["eval_kept"] = trainer.get_eval_dataloader() is loaders["eval"]
+    assert seen["ours"] == seen["hf"]
+    assert seen["hf"]["eval"]["persistent_workers"] == seen["hf"]["eval_kept"] == persistent

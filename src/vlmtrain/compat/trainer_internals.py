@@ -1,5 +1,6 @@
 """transformers' Trainer internals that subclasses written for it read or override (TRL-style trainers,
 run_qa's QuestionAnsweringTrainer): ``_train_batch_size``, ``accelerator`` (an error naming what to use),
+the loader attributes integrations read (accelerate's ``total_batch_size``, ``total_dataset_length``),
 ``_load_callback_state`` with transformers' warnings at resume (a checkpoint's callbacks the Trainer lacks, its
 best checkpoint gone, its steps and batch not the arguments'). A mixin of
 :class:`vlmtrain.Trainer` (vlmtrain/compat/trainer.py); the loop's own names (``_evaluate``, ``_get_output_dir``,
@@ -27,6 +28,7 @@ class TransformersTrainerInternals:
     """Internal attributes of transformers' Trainer with its values, or an error saying what to use instead."""
 
     args: Any
+    world_size: int
     callback_handler: Any
     control: Any
     state: Any
@@ -75,3 +77,18 @@ class TransformersTrainerInternals:
         if differ:
             warnings.warn("Warning: The following arguments do not match the ones in the `trainer_state.json` within "
                           "the checkpoint directory: " + "".join(differ), stacklevel=3)
+
+    def get_train_dataloader(self) -> Any:
+        return _with_totals(super().get_train_dataloader(), self.world_size)  # type: ignore[misc]
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        return _with_totals(super().get_eval_dataloader(eval_dataset), self.world_size)  # type: ignore[misc]
+
+
+def _with_totals(loader: Any, world_size: int) -> Any:
+    """``loader`` with the attributes accelerate's loaders have under transformers (integrations read them): the
+    batch over all processes and, for a dataset with a length, that length."""
+    loader.total_batch_size = (loader.batch_size or 0) * world_size
+    if hasattr(loader.dataset, "__len__"):
+        loader.total_dataset_length = len(loader.dataset)
+    return loader

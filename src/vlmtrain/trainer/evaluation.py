@@ -134,7 +134,13 @@ class EvaluationMixin:
             dataset = self.eval_dataset[eval_dataset]
         if dataset is None:
             raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
-        return self._eval_loader(dataset, "Evaluation")
+        if not self.args.dataloader_persistent_workers:
+            return self._eval_loader(dataset, "Evaluation")
+        # persistent workers: one loader (and its workers) per eval set for every evaluation, as transformers keeps
+        kept = self.__dict__.setdefault("_kept_eval_loaders", {})
+        if kept.get(id(dataset), (None,))[0] is not dataset:
+            kept[id(dataset)] = dataset, self._eval_loader(dataset, "Evaluation")
+        return kept[id(dataset)][1]
 
     def _eval_loader(self, dataset: Any, description: str) -> DataLoader:
         """The loader of get_eval_dataloader / get_test_dataloader over ``dataset``."""
@@ -144,9 +150,9 @@ class EvaluationMixin:
         if self._eval_sharding(dataset) == "strided":
             sampler = range(self.rank, len(dataset), self.world_size)
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
-                          collate_fn=collator,
-                          num_workers=self.dataloader_workers(),
-                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
+                          collate_fn=collator, num_workers=self.dataloader_workers(),
+                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda",
+                          **self._worker_options(self.dataloader_workers()))
 
     def _eval_sharding(self, dataset: Any) -> str | None:
         """'strided' (we split a map-style set), 'stream' (the dataset splits itself per rank) or None (every
