@@ -152,3 +152,12 @@ def test_loader_attributes_integrations_read_as_transformers(tmp_path, persisten
         seen[framework]["eval_kept"] = trainer.get_eval_dataloader() is loaders["eval"]
     assert seen["ours"] == seen["hf"]
     assert seen["hf"]["eval"]["persistent_workers"] == seen["hf"]["eval_kept"] == persistent
+
+
+# -- TrainingArguments -------------------------------------------------------------------------------------------
+def test_report_to_all_lists_the_installed_integrations_as_transformers(tmp_path):
+    from test_transformers_dropin import _args
+
+    listed = {framework: _args(framework, tmp_path, report_to="all").report_to for framework in FRAMEWORKS}
+    assert listed["ours"] == listed["hf"]
+    assert "tensorboard" in listed["hf"]  # (the dev extra installs it)

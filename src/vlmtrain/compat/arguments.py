@@ -105,7 +105,8 @@ DIFFERENT: dict[str, str] = {
                               "transformers), and also vlmtrain's own VLM and its Hub VLM families (Qwen-VL, "
                               "Idefics3 / SmolVLM, LLaVA-OneVision), which transformers smooths unshifted",
     "report_to": "metrics.jsonl is always written; trackers: tensorboard, wandb, mlflow, trackio (others refused); "
-                 "'all' stays ['all'] (every installed one at run time); None means [] (transformers: [None])",
+                 "'all' becomes transformers' list of the installed integrations, less any vlmtrain has no writer for; "
+                 "None means [] (transformers: [None])",
     "fsdp": "any true value shards with FSDP2, one unit per transformer block (transformers' full_shard auto_wrap); "
             "shard_grad_op, hybrid_shard, offload and no_shard are refused",
     "tf32": "on a machine without a GPU a warning, not transformers' error",
@@ -271,6 +272,10 @@ def resolve_transformers_names(args: Any) -> None:
             raise ConfigError(f"report_to={r!r} is not implemented by vlmtrain; implemented: "
                               f"{', '.join(implemented)} (metrics.jsonl is always written).")
         check_choice("report_to", r, implemented + UNIMPLEMENTED_REPORTERS)
+    if reporters == ["all"]:  # as transformers: the installed integrations, in its order (those vlmtrain writes to)
+        from transformers.integrations import get_available_reporting_integrations
+
+        reporters = [n for n in get_available_reporting_integrations() if n in TRACKERS and TRACKERS[n].available()]
     args.report_to = [] if reporters == ["none"] else reporters  # (transformers: 'none' -> [])
 
 
