@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+import torch
 import transformers
 from test_dropin_internals import _warnings_seen
 from test_transformers_dropin import (
@@ -161,3 +162,27 @@ def test_report_to_all_lists_the_installed_integrations_as_transformers(tmp_path
     listed = {framework: _args(framework, tmp_path, report_to="all").report_to for framework in FRAMEWORKS}
     assert listed["ours"] == listed["hf"]
     assert "tensorboard" in listed["hf"]  # (the dev extra installs it)
+
+
+class Overflowing(TupleClassifier):
+    """Its logits overflow to inf in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.no_grad():
+            self.net.weight.fill_(3e38)
+
+
+def test_debug_underflow_overflow_stops_at_the_first_inf_as_transformers(tmp_path, capsys):
+    errors = {}
+    for framework in FRAMEWORKS:
+        trainer = _trainer(framework, tmp_path, dict(debug="underflow_overflow", max_steps=2),
+                           model=Overflowing(), train_dataset=_samples(8))
+        assert trainer.args.debug == ["underflow_overflow"]
+        with pytest.raises(ValueError) as caught:
+            trainer.train()
+        errors[framework] = str(caught.value), "abs min  abs max  metadata" in capsys.readouterr().out
+    assert errors["ours"] == errors["hf"]
+    assert errors["hf"] == ("DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running "
+                            "further. Please scroll up above this traceback to see the activation values prior to "
+                            "this event.", True)

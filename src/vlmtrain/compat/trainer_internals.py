@@ -1,6 +1,6 @@
 """transformers' Trainer internals that subclasses written for it read or override (TRL-style trainers,
 run_qa's QuestionAnsweringTrainer): ``_train_batch_size``, ``accelerator`` (an error naming what to use),
-the loader attributes integrations read (accelerate's ``total_batch_size``, ``total_dataset_length``),
+debug='underflow_overflow', the loader attributes integrations read (accelerate's ``total_batch_size``, ``total_dataset_length``),
 ``_load_callback_state`` with transformers' warnings at resume (a checkpoint's callbacks the Trainer lacks, its
 best checkpoint gone, its steps and batch not the arguments'). A mixin of
 :class:`vlmtrain.Trainer` (vlmtrain/compat/trainer.py); the loop's own names (``_evaluate``, ``_get_output_dir``,
@@ -28,6 +28,7 @@ class TransformersTrainerInternals:
     """Internal attributes of transformers' Trainer with its values, or an error saying what to use instead."""
 
     args: Any
+    model: Any
     world_size: int
     callback_handler: Any
     control: Any
@@ -77,6 +78,15 @@ class TransformersTrainerInternals:
         if differ:
             warnings.warn("Warning: The following arguments do not match the ones in the `trainer_state.json` within "
                           "the checkpoint directory: " + "".join(differ), stacklevel=3)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """train(), with debug='underflow_overflow' as transformers: its DebugUnderflowOverflow hooks on the model,
+        which stop training at the first inf/nan, printing the frames before it."""
+        if "underflow_overflow" in self.args.debug:
+            from transformers.debug_utils import DebugUnderflowOverflow
+
+            DebugUnderflowOverflow(self.model)
+        return super().train(*args, **kwargs)  # type: ignore[misc]
 
     def get_train_dataloader(self) -> Any:
         return _with_totals(super().get_train_dataloader(), self.world_size)  # type: ignore[misc]
