@@ -186,3 +186,25 @@ def test_debug_underflow_overflow_stops_at_the_first_inf_as_transformers(tmp_pat
     assert errors["hf"] == ("DebugUnderflowOverflow: inf/nan detected, aborting as there is no point running "
                             "further. Please scroll up above this traceback to see the activation values prior to "
                             "this event.", True)
+
+
+class MultiLabel(TupleClassifier):
+    """A model configured for multi-label classification, as transformers' *ForSequenceClassification are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = transformers.PretrainedConfig(problem_type="multi_label_classification")
+
+
+def test_label_smoothing_with_a_multi_label_model_warns_and_is_off_as_transformers(tmp_path):
+    seen, losses = {}, {}
+    for framework in FRAMEWORKS:
+        with _warnings_seen() as warned:
+            trainer = _trainer(framework, tmp_path, dict(label_smoothing_factor=0.1, max_steps=2, weight_decay=0.1),
+                               model=MultiLabel(), train_dataset=_samples(8))
+        seen[framework] = [s for s in warned if "Label smoothing" in s]
+        trainer.train()
+        losses[framework] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert seen["ours"] == seen["hf"] == ["Label smoothing is not compatible with multi-label classification. "
+                                          "Disabling label smoothing for this training run."]
+    assert losses["ours"] == pytest.approx(losses["hf"], rel=1e-6)  # the model's own loss, unsmoothed

@@ -73,8 +73,10 @@ class TrainerParts:
     eval_samples: Callable[[Any, Any, Any, str], None] | None = None
     """``(trainer, dataset, output, metric_key_prefix)``: keeps one evaluated set's per-sample results for the run
     report; None: nothing kept."""
-    label_smoothing: Callable[[float, nn.Module], Callable] = Refused("label_smoothing", "label_smoothing_factor")
-    """``(epsilon, model)`` -> ``(outputs, labels)`` -> the label-smoothed loss (label_smoothing_factor)."""
+    label_smoothing: Callable[[float, nn.Module], Callable | None] = Refused("label_smoothing",
+                                                                            "label_smoothing_factor")
+    """``(epsilon, model)`` -> ``(outputs, labels)`` -> the label-smoothed loss (label_smoothing_factor), or None
+    where the model is not smoothed."""
     batch_eval_metrics: Any = Refused("batch_eval_metrics", "batch_eval_metrics=True")
     """``check(compute_metrics)`` at Trainer(...) and ``compute(compute_metrics, predictions, label_ids, rows,
     EvalPrediction)`` at evaluation's end: compute_metrics batch by batch, as transformers' batch_eval_metrics."""
