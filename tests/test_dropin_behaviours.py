@@ -208,3 +208,24 @@ def test_label_smoothing_with_a_multi_label_model_warns_and_is_off_as_transforme
     assert seen["ours"] == seen["hf"] == ["Label smoothing is not compatible with multi-label classification. "
                                           "Disabling label smoothing for this training run."]
     assert losses["ours"] == pytest.approx(losses["hf"], rel=1e-6)  # the model's own loss, unsmoothed
+
+
+def test_callback_warnings_are_transformers_text(tmp_path):
+    """A callback class added twice, a handler without DefaultFlowCallback, a checkpoint's stateful callback the
+    resumed Trainer lacks (transformers looks with restore_callback_states_from_checkpoint only): the same text in
+    both (transformers logs it, vlmtrain warns)."""
+    texts = {}
+    for framework in FRAMEWORKS:
+        kw = dict(max_steps=2, per_device_train_batch_size=4, save_strategy="steps", save_steps=2)
+        with _warnings_seen() as seen:
+            trainer = _trainer(framework, tmp_path, kw, model=TupleClassifier(), train_dataset=_samples(8),
+                               callbacks=[CountingCallback()])
+            trainer.add_callback(CountingCallback)
+            type(trainer.callback_handler)([CountingCallback()], trainer.model, None, None, None)
+            trainer.train()
+            resumed = _trainer(framework, tmp_path, dict(kw, max_steps=3, restore_callback_states_from_checkpoint=True),
+                               model=TupleClassifier(), train_dataset=_samples(8))
+            resumed.train(resume_from_checkpoint=str(tmp_path / framework / "checkpoint-2"))
+        texts[framework] = [s for s in seen if "callbacks" in s]
+    assert texts["ours"] == texts["hf"]
+    assert len(texts["hf"]) == 3

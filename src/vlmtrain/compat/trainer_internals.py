@@ -53,7 +53,7 @@ class TransformersTrainerInternals:
         self._check_resumed_state()
         present = {type(cb).__name__ for cb in [*self.callback_handler.every_callback, self.control]}
         not_found = [name for name in self.state.stateful_callbacks if name not in present]
-        if not_found:
+        if not_found and self.args.restore_callback_states_from_checkpoint:  # (vlmtrain restores them either way)
             warnings.warn("Checkpoint included callbacks not included in current configuration. Ignoring. "
                           f"({', '.join(not_found)})", stacklevel=2)
         super()._load_callback_state()  # type: ignore[misc]
