@@ -105,6 +105,19 @@ def test_checkpoints_each_save_strategy_leaves_as_transformers(tmp_path, case):
         assert left["hf"]
 
 
+def test_a_best_metric_evaluation_lacks_is_transformers_error(tmp_path):
+    errors = {}
+    for framework in FRAMEWORKS:
+        kw = dict(max_steps=2, eval_strategy="steps", eval_steps=1, metric_for_best_model="accuracy")
+        trainer = _trainer(framework, tmp_path, kw, model=TupleClassifier(), train_dataset=_samples(8),
+                           eval_dataset=_samples(4))  # (no compute_metrics: no eval_accuracy)
+        with pytest.raises(KeyError) as caught:
+            trainer.train()
+        errors[framework] = caught.value.args[0].replace("'eval_samples', ", "")  # (vlmtrain's one addition)
+    assert errors["ours"].split(" are: ")[0] == errors["hf"].split(" are: ")[0]
+    assert errors["hf"].startswith("The `metric_for_best_model` training argument is set to 'eval_accuracy'")
+
+
 # -- resume ------------------------------------------------------------------------------------------------------
 def test_resume_warns_of_arguments_that_differ_from_the_checkpoint_as_transformers(tmp_path):
     """transformers' warnings: the checkpoint's save/eval/logging steps and batch differ from the arguments; the

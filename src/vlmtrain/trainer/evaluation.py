@@ -396,8 +396,9 @@ class EvaluationMixin:
             return False
         key = name if name.startswith("eval_") else f"eval_{name}"
         if key not in metrics:
-            raise KeyError(f"metric_for_best_model={name!r}: evaluation returned no {key!r} "
-                           f"(it returned {sorted(metrics)}).")
+            raise KeyError(f"The `metric_for_best_model` training argument is set to '{key}', which is not found in "
+                           f"the evaluation metrics. The available evaluation metrics are: {list(metrics)}. Consider "
+                           "changing the `metric_for_best_model` via the TrainingArguments.")  # (transformers' text)
         value, best = metrics[key], self.state.best_metric
         if best is None or (value > best if self.args.greater_is_better else value < best):
             self.state.best_metric, self.state.best_global_step = value, self.state.global_step
