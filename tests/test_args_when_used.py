@@ -25,7 +25,6 @@ CASES = {
     "length_column_name": ("n_tokens", {"train_sampling_strategy": "group_by_length"}),
     "optim_args": ("momentum=0.9", {"optim": "sgd"}),
     "optim_target_modules": (["q_proj"], {"optim": "galore_adamw"}),
-    "debug": ("tpu_metrics_debug", {"debug": "underflow_overflow"}),
 }
 
 

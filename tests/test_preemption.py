@@ -39,12 +39,14 @@ def test_sigterm_saves_the_current_step_and_resume_matches_a_straight_run(tmp_pa
     straight.train()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         out = tmp_path / f"preempted-{sig}"
-        trainer = Trainer(tiny_llama(), _args(out), train_dataset=data, callbacks=[SignalAt(5, sig)])
+        # transformers' enable_jit_checkpoint (its checkpoint on SIGTERM) is this checkpoint, always on
+        jit = {"enable_jit_checkpoint": True} if sig == signal.SIGTERM else {}
+        trainer = Trainer(tiny_llama(), _args(out, **jit), train_dataset=data, callbacks=[SignalAt(5, sig)])
         result = trainer.train()
         assert trainer.preempted and result.global_step == 5
         assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-5"]
         assert signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler)  # handlers restored
-        resumed = Trainer(tiny_llama(seed=9), _args(out), train_dataset=data)
+        resumed = Trainer(tiny_llama(seed=9), _args(out, **jit), train_dataset=data)
         resumed.train(resume_from_checkpoint=True)
         assert resumed.state.global_step == 12 and not resumed.preempted
         a, b = straight.model.state_dict(), resumed.model.state_dict()

@@ -292,8 +292,8 @@ def test_a_tracker_that_is_not_installed_is_a_warning_and_all_takes_the_installe
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         writers = default_writers(_args(tmp_path / "run", "all"))
-    installed = [cls for name, cls in TRACKERS.items() if name != "wandb" and cls.available()]
-    assert [type(w) for w in writers[1:]] == installed
+    installed = {cls for name, cls in TRACKERS.items() if name != "wandb" and cls.available()}
+    assert {type(w) for w in writers[1:]} == installed and len(writers) == len(installed) + 1
 
 
 def _write_run(run_dir) -> None:

@@ -87,7 +87,6 @@ REFUSED: dict[str, str] = {
     "fsdp_config": "fsdp=True shards every transformer block with FSDP2 (full_shard; bf16 compute with bf16=True) "
                    "and takes no further options",
     "deepspeed": "use fsdp=True (FSDP2 under torchrun) for models that do not fit one device",
-    "debug": "use torch.autograd.set_detect_anomaly(True) or forward hooks to debug a model",
     "skip_memory_metrics": "memory metrics are not recorded; read torch.cuda.max_memory_allocated() in a "
                            "TrainerCallback",
 }
@@ -95,6 +94,9 @@ REFUSED: dict[str, str] = {
 # Names vlmtrain implements, but not exactly as transformers 5.x: name -> how it differs (the migration guide's
 # "different" rows; every other implemented name behaves as in transformers, which tests compare).
 DIFFERENT: dict[str, str] = {
+    "debug": "underflow_overflow as transformers (its DebugUnderflowOverflow on the model when train() starts: the "
+             "first inf/nan stops training, printing the frames before it); tpu_metrics_debug has no effect "
+             "(no TPU)",
     "optim": "adamw_torch_fused (the default, as transformers'), adamw_torch and sgd; transformers' other "
              "optimizers are refused: build one and pass Trainer(optimizers=(optimizer, scheduler))",
     "lr_scheduler_type": "constant, constant_with_warmup, linear, cosine, cosine_with_min_lr and polynomial (the "
@@ -105,7 +107,8 @@ DIFFERENT: dict[str, str] = {
                               "transformers), and also vlmtrain's own VLM and its Hub VLM families (Qwen-VL, "
                               "Idefics3 / SmolVLM, LLaVA-OneVision), which transformers smooths unshifted",
     "report_to": "metrics.jsonl is always written; trackers: tensorboard, wandb, mlflow, trackio (others refused); "
-                 "'all' stays ['all'] (every installed one at run time); None means [] (transformers: [None])",
+                 "'all' becomes transformers' list of the installed integrations, less any vlmtrain has no writer for; "
+                 "None means [] (transformers: [None])",
     "fsdp": "any true value shards with FSDP2, one unit per transformer block (transformers' full_shard auto_wrap); "
             "shard_grad_op, hybrid_shard, offload and no_shard are refused",
     "tf32": "on a machine without a GPU a warning, not transformers' error",
@@ -170,12 +173,9 @@ WHEN_USED: dict[str, tuple[str, Callable[[Any], bool]]] = {
                            lambda a: a.train_sampling_strategy == "group_by_length"),
     "optim_args": ("optim='sgd' (AdamW ignores optim_args)", lambda a: a.optim == "sgd"),
     "optim_target_modules": ("a GaLore / APOLLO optim", lambda a: a.optim not in _VLMTRAIN_OPTIMIZERS),
-    "debug": ("underflow_overflow (tpu_metrics_debug needs a TPU)",
-              lambda a: any(o != "tpu_metrics_debug" for o in _debug_options(a.debug))),
 }
 # transformers' value checks at construction (its enums) for names accepted while their feature is off.
-VALUE_CHOICES = {"hub_strategy": ("end", "every_save", "checkpoint", "all_checkpoints"),
-                 "debug": ("underflow_overflow", "tpu_metrics_debug")}
+VALUE_CHOICES = {"hub_strategy": ("end", "every_save", "checkpoint", "all_checkpoints")}
 
 
 def _debug_options(value: str | list[str] | None) -> list[str]:
@@ -228,10 +228,7 @@ def check_transformers_only(args: Any) -> None:
     """Raise ConfigError naming the first transformers-only argument set to a value vlmtrain cannot honour."""
     for f in fields(TransformersOnlyArguments):
         value = getattr(args, f.name)
-        if f.name == "debug":
-            for option in _debug_options(value):
-                check_choice("debug", option, VALUE_CHOICES["debug"])
-        elif f.name in VALUE_CHOICES:
+        if f.name in VALUE_CHOICES:
             check_choice(f.name, str(getattr(value, "value", value)), VALUE_CHOICES[f.name])
         if f.name in WHEN_USED and not WHEN_USED[f.name][1](args):
             continue
@@ -258,8 +255,10 @@ def resolve_transformers_names(args: Any) -> None:
     if args.use_cpu:
         args.dataloader_pin_memory = False
     args.fsdp = None if args.fsdp is None else _fsdp_flag(args.fsdp)  # (transformers: None stays None)
-    if isinstance(args.debug, str):  # (refused unless empty) as transformers: a list of options
+    if isinstance(args.debug, str):  # as transformers: a list of options
         args.debug = args.debug.split()
+    for option in _debug_options(args.debug):
+        check_choice("debug", option, ("underflow_overflow", "tpu_metrics_debug"))
     if args.torch_compile_backend is not None or args.torch_compile_mode is not None:
         args.torch_compile = True
     if args.torch_compile and args.torch_compile_backend is None:  # (transformers' default off HPU / Neuron)
@@ -271,6 +270,10 @@ def resolve_transformers_names(args: Any) -> None:
             raise ConfigError(f"report_to={r!r} is not implemented by vlmtrain; implemented: "
                               f"{', '.join(implemented)} (metrics.jsonl is always written).")
         check_choice("report_to", r, implemented + UNIMPLEMENTED_REPORTERS)
+    if reporters == ["all"]:  # as transformers: the installed integrations, in its order (those vlmtrain writes to)
+        from transformers.integrations import get_available_reporting_integrations
+
+        reporters = [n for n in get_available_reporting_integrations() if n in TRACKERS and TRACKERS[n].available()]
     args.report_to = [] if reporters == ["none"] else reporters  # (transformers: 'none' -> [])
 
 

@@ -30,6 +30,10 @@ class CompatArguments:
     """On a CUDA out-of-memory error in a training micro-batch: halve per_device_train_batch_size, double
     gradient_accumulation_steps (the optimizer step takes the same samples) and go on from the start of that step
     (transformers restarts its training loop). One process only."""
+    debug: str | list[str] = ""
+    """As transformers': 'underflow_overflow' stops training at the first inf/nan in a forward, printing the
+    frames before it (transformers' DebugUnderflowOverflow, put on the model when train() starts);
+    'tpu_metrics_debug' has no effect (no TPU)."""
     remove_unused_columns: bool = True
     """As transformers' for a `datasets.Dataset`: drop its columns the model's forward does not take (and that
     are not `label`, `label_ids` or `label_names`; under score heads each head's `labels_<head>` is an input too)
@@ -81,7 +85,6 @@ class TransformersOnlyArguments:
     ddp_backend: str | None = None
     fsdp_config: dict[str, Any] | str | None = None
     deepspeed: dict[str, Any] | str | None = None
-    debug: str | list[str] = ""
     skip_memory_metrics: bool = True
     do_train: bool = False
     do_eval: bool = False

@@ -19,17 +19,17 @@ class TransformersCallbackHandler(CallbackHandler):
                  lr_scheduler: Any = None, **refs: Any) -> None:
         super().__init__(callbacks, model=model, processing_class=processing_class, optimizer=optimizer,
                          lr_scheduler=lr_scheduler, **refs)
+        # (the warnings' texts are transformers', as they are: scripts may look for them)
         if not any(isinstance(cb, DefaultFlowCallback) for cb in self.callbacks):
             warnings.warn("The Trainer will not work properly if you don't have a `DefaultFlowCallback` in its "
-                          "callbacks. You should add one before training with "
-                          "`trainer.add_callback(DefaultFlowCallback)`. The current list of callbacks is:\n"
-                          + self.callback_list, stacklevel=2)
+                          "callbacks. You\nshould add one before training with `trainer.add_callback("
+                          "DefaultFlowCallback). The current list ofcallbacks is\n:" + self.callback_list, stacklevel=2)
 
     def add_callback(self, callback: type | TrainerCallback) -> None:
         cls = callback if isinstance(callback, type) else type(callback)
         if cls in [type(cb) for cb in self.callbacks]:
             warnings.warn(f"You are adding a {cls} to the callbacks of this Trainer, but there is already one. The "
-                          f"current list of callbacks is:\n{self.callback_list}", stacklevel=3)
+                          f"currentlist of callbacks is\n:{self.callback_list}", stacklevel=3)
         super().add_callback(callback)
 
     def call_event(self, event: str, args: Any, state: Any, control: TrainerControl, **kwargs: Any) -> TrainerControl:

@@ -6,6 +6,7 @@ Trainer. They reach the trainer as vlmtrain.Trainer's ``label_smoothing`` and ``
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +39,16 @@ class LabelSmoothing:
             raise ValueError(f"label_smoothing_factor needs the model's logits, but its output has only "
                              f"{list(outputs.keys())}; set label_smoothing_factor=0 or return 'logits'.")
         return self.smoother(outputs, labels, shift_labels=self.shift_labels)
+
+
+def label_smoothing(epsilon: float, model: nn.Module) -> LabelSmoothing | None:
+    """label_smoothing_factor's loss for ``model``; None (off, with transformers' warning) for a model configured
+    for multi-label classification, which transformers does not smooth."""
+    if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
+        warnings.warn("Label smoothing is not compatible with multi-label classification. Disabling label smoothing "
+                      "for this training run.", UserWarning, stacklevel=3)
+        return None
+    return LabelSmoothing(epsilon, model)
 
 
 def _is_causal_lm(model: nn.Module) -> bool:

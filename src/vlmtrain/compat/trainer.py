@@ -31,7 +31,7 @@ from .checkpoints import position_from_step
 from .columns import TransformersColumns
 from .counts import TransformersCounts
 from .evaluation import TransformersEvaluation
-from .loss_extras import BatchEvalMetrics, LabelSmoothing
+from .loss_extras import BatchEvalMetrics, label_smoothing
 from .trainer_internals import TransformersTrainerInternals
 from .trainer_methods import TransformersTrainerMethods
 
@@ -41,7 +41,7 @@ PARTS = TrainerParts(
     logging_callbacks=logging_callbacks,  # progress bar, metrics.jsonl, report_to's trackers (logging/writers.py)
     checkpoint_evaluator=checkpoint_evaluator,  # train.async_eval (evaluation/async_eval.py)
     eval_samples=save_eval_samples,  # per-sample evaluation results for the report (logging/eval_samples.py)
-    label_smoothing=LabelSmoothing,  # label_smoothing_factor (compat/loss_extras.py)
+    label_smoothing=label_smoothing,  # label_smoothing_factor (compat/loss_extras.py)
     batch_eval_metrics=BatchEvalMetrics,  # batch_eval_metrics=True (compat/loss_extras.py)
     step_sampling=step_sampling,  # datasets that follow the training step (data/step_data.py)
     loss_targets=causal_lm_targets,  # a transformers causal LM's target count (models/speed/lm_loss.py)

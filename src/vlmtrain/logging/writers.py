@@ -1,5 +1,5 @@
 """Log writers as callbacks: metrics.jsonl always, the trackers of report_to (trackers.py) when asked for. Every
-Trainer gets them, after the progress bar, through vlmtrain.Trainer's ``logging_callbacks`` part (trainer/parts.py))."""
+Trainer gets them through vlmtrain.Trainer's ``logging_callbacks`` part (trainer/parts.py))."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import os
 import warnings
 
-from ..trainer.callbacks import TrainerCallback
+from ..trainer.callbacks import LoggingCallbacks, TrainerCallback
 from .console import PrinterCallback, ProgressCallback
 from .tensorboard import TensorBoardCallback  # noqa: F401 - its old home
 
@@ -103,9 +103,12 @@ def default_writers(args) -> list[TrainerCallback]:
     return [JsonlLoggerCallback(args.output_dir), *tracker_callbacks(args)]
 
 
-def logging_callbacks(args) -> list[TrainerCallback]:
-    """What every Trainer logs through, after its DefaultFlowCallback: the progress bar (PrinterCallback with
-    disable_tqdm), metrics.jsonl and the trackers of report_to."""
+def logging_callbacks(args) -> LoggingCallbacks:
+    """What every Trainer logs through: the trackers of report_to and the progress bar (PrinterCallback with
+    disable_tqdm), listed as transformers lists its own, and metrics.jsonl, which is not listed."""
+    from .trackers import tracker_callbacks
+
     progress = PrinterCallback() if args.disable_tqdm else ProgressCallback()
-    return [progress, *default_writers(args)]
+    return LoggingCallbacks(integrations=tuple(tracker_callbacks(args)), progress=(progress,),
+                            writers=(JsonlLoggerCallback(args.output_dir),))
 

@@ -186,8 +186,8 @@ class CoreArguments:
     dataloader_drop_last: bool = False
     """Drop the last incomplete training batch of each epoch."""
     dataloader_persistent_workers: bool = False
-    """Keep the training loader's worker processes alive between epochs (with dataloader_num_workers > 0); a
-    stream still reshuffles its shards every epoch."""
+    """Keep the loaders' worker processes alive between epochs and evaluations (with dataloader_num_workers > 0:
+    one eval loader per eval set is kept); a stream still reshuffles its shards every epoch."""
     dataloader_prefetch_factor: int | None = None
     """Batches each training worker loads ahead (needs dataloader_num_workers > 0; left out where 'auto' gives
     none); None: torch's default (2)."""

@@ -3,7 +3,7 @@ the loop (the progress bar and the log writers are vlmtrain.logging's, EarlyStop
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from .args import TrainingArgumentsCore
 from .state import TrainerControl, TrainerState
@@ -11,7 +11,7 @@ from .state import TrainerControl, TrainerState
 EVENTS = (
     "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
     "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_evaluate",
-    "on_predict", "on_save", "on_log", "on_prediction_step",
+    "on_predict", "on_save", "on_log", "on_prediction_step", "on_push_begin",
 )
 
 
@@ -30,12 +30,24 @@ for _event in EVENTS:
     setattr(TrainerCallback, _event, _noop)
 
 
+class LoggingCallbacks(NamedTuple):
+    """What a Trainer logs through (its ``logging_callbacks`` part), placed as transformers places its own:
+    ``integrations`` (report_to's trackers) listed after DefaultFlowCallback, ``progress`` (bar or printer) after
+    the user's callbacks; ``writers`` (metrics.jsonl) are not listed, but called first on every event."""
+
+    integrations: tuple = ()
+    progress: tuple = ()
+    writers: tuple = ()
+
+
 class CallbackHandler:
     """Holds the callbacks and calls one event on all of them, in order (vlmtrain.Trainer's adds transformers'
-    on_<event> / call_event methods and warnings: vlmtrain/compat/callback_handler.py)."""
+    on_<event> / call_event methods and warnings: vlmtrain/compat/callback_handler.py). ``writers`` are called
+    before them and not listed in ``callbacks``, which holds what transformers' handler holds."""
 
     def __init__(self, callbacks: list, **refs: Any) -> None:
         self.callbacks: list[TrainerCallback] = []
+        self.writers: list[TrainerCallback] = []
         for cb in callbacks:
             self.add_callback(cb)
         # model, processing_class, optimizer, lr_scheduler, dataloaders; like transformers, every event gets the
@@ -56,6 +68,11 @@ class CallbackHandler:
         self.pop_callback(callback)
 
     @property
+    def every_callback(self) -> list[TrainerCallback]:
+        """The writers, then the listed callbacks: all that get events and save their state in checkpoints."""
+        return [*self.writers, *self.callbacks]
+
+    @property
     def callback_list(self) -> str:
         return "\n".join(type(cb).__name__ for cb in self.callbacks)
 
@@ -74,7 +91,7 @@ class CallbackHandler:
             control.should_save = False
         elif event == "on_log":
             control.should_log = False
-        for cb in self.callbacks:
+        for cb in self.every_callback:
             result = getattr(cb, event)(args, state, control, **self.refs, **kwargs)
             if result is not None:
                 control = result

@@ -266,13 +266,15 @@ def load_torch(path: str) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def rotate_checkpoints(output_dir: str, limit: int | None, best: str | None, keep: list[str] = ()) -> list[str]:
-    """Delete the oldest checkpoints beyond `limit`; never the best one, the newest or one in `keep`."""
+def rotate_checkpoints(output_dir: str, limit: int | None, best: str | None, keep: list[str] = (),
+                       newest: bool = True) -> list[str]:
+    """Delete the oldest checkpoints beyond `limit`; never the best one, one in `keep` or (with `newest`) the
+    newest."""
     if not limit:
         return []
     ckpts = list_checkpoints(output_dir)
     kept = {os.path.realpath(p) for p in [best, *keep] if p}
-    deletable = [c for c in ckpts[:-1] if os.path.realpath(c) not in kept]
+    deletable = [c for c in (ckpts[:-1] if newest else ckpts) if os.path.realpath(c) not in kept]
     deleted = []
     while len(ckpts) - len(deleted) > limit and deletable:
         victim = deletable.pop(0)

@@ -17,7 +17,7 @@ class CountsMixin:
         resume was asked for and no checkpoint exists) callbacks' ``on_restart_without_checkpoint()`` (not a
         transformers event: transformers' callbacks never see it). Returns the start time."""
         if restarted:
-            for cb in self.callback_handler.callbacks:
+            for cb in self.callback_handler.every_callback:
                 getattr(cb, "on_restart_without_checkpoint", lambda: None)()
         self._train_start = time.time()
         self._initial_global_step, self._initial_tokens_seen = self.state.global_step, self.state.num_input_tokens_seen

@@ -134,7 +134,13 @@ class EvaluationMixin:
             dataset = self.eval_dataset[eval_dataset]
         if dataset is None:
             raise ValueError("Evaluation needs an eval_dataset: pass Trainer(eval_dataset=...) or evaluate(dataset).")
-        return self._eval_loader(dataset, "Evaluation")
+        if not self.args.dataloader_persistent_workers:
+            return self._eval_loader(dataset, "Evaluation")
+        # persistent workers: one loader (and its workers) per eval set for every evaluation, as transformers keeps
+        kept = self.__dict__.setdefault("_kept_eval_loaders", {})
+        if kept.get(id(dataset), (None,))[0] is not dataset:
+            kept[id(dataset)] = dataset, self._eval_loader(dataset, "Evaluation")
+        return kept[id(dataset)][1]
 
     def _eval_loader(self, dataset: Any, description: str) -> DataLoader:
         """The loader of get_eval_dataloader / get_test_dataloader over ``dataset``."""
@@ -144,9 +150,9 @@ class EvaluationMixin:
         if self._eval_sharding(dataset) == "strided":
             sampler = range(self.rank, len(dataset), self.world_size)
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
-                          collate_fn=collator,
-                          num_workers=self.dataloader_workers(),
-                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda")
+                          collate_fn=collator, num_workers=self.dataloader_workers(),
+                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda",
+                          **self._worker_options(self.dataloader_workers()))
 
     def _eval_sharding(self, dataset: Any) -> str | None:
         """'strided' (we split a map-style set), 'stream' (the dataset splits itself per rank) or None (every
@@ -390,8 +396,9 @@ class EvaluationMixin:
             return False
         key = name if name.startswith("eval_") else f"eval_{name}"
         if key not in metrics:
-            raise KeyError(f"metric_for_best_model={name!r}: evaluation returned no {key!r} "
-                           f"(it returned {sorted(metrics)}).")
+            raise KeyError(f"The `metric_for_best_model` training argument is set to '{key}', which is not found in "
+                           f"the evaluation metrics. The available evaluation metrics are: {list(metrics)}. Consider "
+                           "changing the `metric_for_best_model` via the TrainingArguments.")  # (transformers' text)
         value, best = metrics[key], self.state.best_metric
         if best is None or (value > best if self.args.greater_is_better else value < best):
             self.state.best_metric, self.state.best_global_step = value, self.state.global_step

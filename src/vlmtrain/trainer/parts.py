@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError
 from .args import TrainingArgumentsCore
+from .callbacks import LoggingCallbacks
 from .model_files import PlainModelFiles
 from .sharding import ShardingPlan
 
@@ -63,17 +64,19 @@ class TrainerParts:
     """The arguments a Trainer built without ``args`` makes, ``arguments_class()``."""
     default_collator: Callable[[int], Callable[[list], dict]] | None = None
     """``pad_token_id`` -> the collator of a Trainer without ``data_collator``; None: torch's default_collate."""
-    logging_callbacks: Callable[[Any], list] | None = None
-    """``args`` -> the callbacks every Trainer gets after DefaultFlowCallback (progress bar or printer,
-    metrics.jsonl, report_to's trackers); None: none."""
+    logging_callbacks: Callable[[Any], LoggingCallbacks] | None = None
+    """``args`` -> the callbacks every Trainer logs through: report_to's trackers, the progress bar or printer
+    (listed where transformers lists its own) and metrics.jsonl (called, not listed); None: none."""
     checkpoint_evaluator: Callable[[Any], Any] | None = None
     """``args`` -> train.async_eval's evaluator of saved checkpoints in other processes, or None when the arguments
     ask for none (check_command, enqueue, poll(step, at_end), waiting, in_use, state_dict, load_state_dict)."""
     eval_samples: Callable[[Any, Any, Any, str], None] | None = None
     """``(trainer, dataset, output, metric_key_prefix)``: keeps one evaluated set's per-sample results for the run
     report; None: nothing kept."""
-    label_smoothing: Callable[[float, nn.Module], Callable] = Refused("label_smoothing", "label_smoothing_factor")
-    """``(epsilon, model)`` -> ``(outputs, labels)`` -> the label-smoothed loss (label_smoothing_factor)."""
+    label_smoothing: Callable[[float, nn.Module], Callable | None] = Refused("label_smoothing",
+                                                                            "label_smoothing_factor")
+    """``(epsilon, model)`` -> ``(outputs, labels)`` -> the label-smoothed loss (label_smoothing_factor), or None
+    where the model is not smoothed."""
     batch_eval_metrics: Any = Refused("batch_eval_metrics", "batch_eval_metrics=True")
     """``check(compute_metrics)`` at Trainer(...) and ``compute(compute_metrics, predictions, label_ids, rows,
     EvalPrediction)`` at evaluation's end: compute_metrics batch by batch, as transformers' batch_eval_metrics."""

@@ -48,7 +48,7 @@ class CheckpointMixin:
         out, step = self._get_output_dir(None), self.state.global_step
         if self.state.best_global_step == step:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
-        self.state.stateful_callbacks = callback_states(self.callback_handler.callbacks, self.control)
+        self.state.stateful_callbacks = callback_states(self.callback_handler.every_callback, self.control)
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
         sharding, writer = sharding_of(self.model, self.parts.sharding), self.parts.checkpoint_writer
@@ -72,12 +72,16 @@ class CheckpointMixin:
 
     def _load_callback_state(self) -> None:
         """(transformers' name) The checkpoint's stateful_callbacks, now self.state's, into the running callbacks."""
-        restore_callback_states(self.callback_handler.callbacks, self.control, self.state.stateful_callbacks)
+        restore_callback_states(self.callback_handler.every_callback, self.control, self.state.stateful_callbacks)
 
-    def _rotate_checkpoints(self) -> None:
+    def _rotate_checkpoints(self, at_end: bool = False) -> None:
+        """Delete the checkpoints beyond save_total_limit; ``at_end`` of training, with a limit of 1 and a best
+        checkpoint, every one but the best (transformers' rule: the newest was kept only to resume)."""
+        if at_end and not (self.args.save_total_limit == 1 and self.state.best_model_checkpoint is not None):
+            return
         waiting = self._async_eval.in_use() if self._async_eval is not None else []  # (async_eval) kept until logged
         ckpt.rotate_checkpoints(self._get_output_dir(None), self.args.save_total_limit,
-                                self.state.best_model_checkpoint, keep=waiting)
+                                self.state.best_model_checkpoint, keep=waiting, newest=not at_end)
 
     def _poll_async_evaluations(self, at_end: bool = False) -> None:
         """(async_eval, every rank) At a step end, or ``at_end`` of training: rank 0 logs the evaluations that

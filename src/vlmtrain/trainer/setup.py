@@ -158,11 +158,6 @@ class SetupMixin:
                                                  shuffle=args.train_sampling_strategy != "sequential", seed=seed,
                                                  drop_last=False)
         num_workers = self.dataloader_workers()
-        workers: dict[str, Any] = {}
-        if num_workers > 0:  # torch refuses these options without worker processes
-            workers = {"persistent_workers": args.dataloader_persistent_workers,
-                       "prefetch_factor": args.dataloader_prefetch_factor,
-                       "multiprocessing_context": args.dataloader_multiprocessing_context}
         # torchdata's constructor calls torch.set_vital, which torch deprecates: a warning no user can act on.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".set_vital. is deprecated", category=UserWarning)
@@ -170,7 +165,15 @@ class SetupMixin:
                 dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
                 collate_fn=collator, num_workers=num_workers,
                 drop_last=args.dataloader_drop_last, pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
-                generator=torch.Generator().manual_seed(seed), **workers)
+                generator=torch.Generator().manual_seed(seed), **self._worker_options(num_workers))
+
+    def _worker_options(self, num_workers: int) -> dict[str, Any]:
+        """The arguments' worker options of a data loader (train or eval); torch refuses them without workers."""
+        if num_workers == 0:
+            return {}
+        return {"persistent_workers": self.args.dataloader_persistent_workers,
+                "prefetch_factor": self.args.dataloader_prefetch_factor,
+                "multiprocessing_context": self.args.dataloader_multiprocessing_context}
 
     def _loader_data(self, dataset: Any, collator: Any, description: str) -> tuple[Any, Any]:
         """The dataset and collator a data loader reads (``description``: 'Training', 'Evaluation' or 'test'):
@@ -277,5 +280,7 @@ class SetupMixin:
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             load_model_state(self.model, self.state.best_model_checkpoint, self.parts)
+        if self.rank == 0:
+            self._rotate_checkpoints(at_end=True)
         self.control = self._event("on_train_end")
         return TrainOutput(steps, train_loss, metrics)

@@ -21,7 +21,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from . import checkpoint as ckpt
 from . import distributed as dist
 from .args import TrainingArgumentsCore
-from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
+from .callbacks import CallbackHandler, DefaultFlowCallback, LoggingCallbacks, TrainerCallback
 from .counts import CountsMixin
 from .evaluation import EvaluationMixin
 from .optim import freeze_zero_lr, learning_rates
@@ -79,12 +79,13 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         self.optimizer, self.lr_scheduler = optimizers
         self.state, self.control = TrainerState(), TrainerControl()
         self.state.is_world_process_zero = self.state.is_local_process_zero = self.rank == 0
-        # the progress bar, metrics.jsonl and the trackers (vlmtrain.Trainer's: vlmtrain/logging/writers.py)
-        loggers = self.parts.logging_callbacks(self.args) if self.parts.logging_callbacks else []
+        # the trackers, the progress bar and metrics.jsonl (vlmtrain.Trainer's: vlmtrain/logging/writers.py)
+        logs = self.parts.logging_callbacks(self.args) if self.parts.logging_callbacks else LoggingCallbacks()
         self.callback_handler = self.callback_handler_class(
-            [DefaultFlowCallback(), *loggers, *(callbacks or [])],
+            [DefaultFlowCallback(), *logs.integrations, *(callbacks or []), *logs.progress],
             model=self.model, processing_class=processing_class, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler)
+        self.callback_handler.writers = list(logs.writers)
         self.train_dataloader: StatefulDataLoader | None = None
         self._preemption: PreemptionGuard | None = None
         self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
