@@ -230,3 +230,41 @@ def test_an_unwritable_output_dir_is_one_line_before_the_model_loads(tmp_path, m
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {setting} {bad!r} is not writable"), err
+
+
+_IMPORTED = ("import sys; from vlmtrain.cli import main; code = main(sys.argv[1:]); "
+             "print([m for m in ('torch', 'transformers', 'peft') if m in sys.modules], code)")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["trian"], ["train", "my.yaml"]])
+def test_help_and_a_mistyped_command_answer_before_torch_and_transformers_load(tmp_path, argv):
+    """What a newcomer types first answers from the standard library (no torch, transformers or peft import:
+    those took 7-15 s before anything was printed)."""
+    out = subprocess.run([sys.executable, "-c", _IMPORTED, *argv], env=ENV, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.splitlines()[-1] == f"[] {0 if argv == ['--help'] else 2}", (out.stdout, out.stderr)
+
+
+def test_a_positional_config_file_suggests_config(capsys):
+    assert cli.main(["train", "my.yaml", "--train.max_steps", "3"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: vlmtrain train takes no positional argument 'my.yaml': pass "
+                                               "the config file as --config my.yaml.")
+
+
+def test_help_group_headings_are_whole_sentences_and_name_the_installed_transformers(capsys):
+    """Each config section's heading in --help is its class docstring's whole first line (a sentence, not cut
+    where the docstring wraps); a transformers version named in --help-all or TrainingArguments' docstring is
+    the installed one."""
+    import transformers
+
+    import vlmtrain
+
+    out = _help(capsys, "train", "--help-all")
+    headings = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    for section, cls in SECTIONS.items():
+        first = cls.__doc__.strip().splitlines()[0]
+        assert first.endswith("."), (section, first)
+        assert first[:-1] in headings, (section, first, headings)
+    installed = ".".join(transformers.__version__.split(".")[:2])
+    for text in (out, vlmtrain.TrainingArguments.__doc__):
+        assert set(re.findall(r"transformers (\d+\.\d+)", text)) <= {installed}

@@ -211,9 +211,10 @@ _OPTIONS = tuple(src.options for src in reversed(all_sources()) if src.options i
 
 @dataclass
 class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
-    """What data to train and evaluate on: the shared keys, then each source's own options (addition:
-    num_digits; shapes: multi_image_fraction, questions_per_sample, side_fraction, side_warmup_steps,
-    lookup_warmup_steps)."""
+    """What data to train and evaluate on: the shared keys, then each source's own options.
+
+    (addition: num_digits; shapes: multi_image_fraction, questions_per_sample, side_fraction, side_warmup_steps,
+    lookup_warmup_steps.) The first line is the group's heading in --help."""
 
     def __post_init__(self) -> None:
         for source in all_sources():

@@ -16,8 +16,10 @@ TRUNCATION_MODES = ("keep_start", "keep_end")
 
 @dataclass
 class TrainConfig(TrainingArguments):
-    """TrainingArguments (transformers' names) with `objective` and, for `objective: dpo`, TRL 1.16's DPO options
-    and defaults (docs/preference.md)."""
+    """TrainingArguments (transformers' names) with `objective` and its options (TRL 1.16's names).
+
+    For `objective: dpo`, TRL 1.16's DPO options and defaults (docs/preference.md). The first line is the group's
+    heading in --help."""
 
     objective: Literal["sft", "dpo", "reward"] = "sft"
     """sft: the language-model loss on the answers. dpo: Direct Preference Optimization on preference pairs
