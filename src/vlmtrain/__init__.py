@@ -24,7 +24,12 @@ __all__ = [*_EXPORTS, "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'vlmtrain' has no attribute {name!r}")
+        try:  # a subpackage or module (vlmtrain.trainer, ...), as when this file imported them all
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":  # a module it imports is missing: that error, as it is
+                raise
+            raise AttributeError(f"module 'vlmtrain' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value
     return value
