@@ -268,3 +268,21 @@ def test_help_group_headings_are_whole_sentences_and_name_the_installed_transfor
     installed = ".".join(transformers.__version__.split(".")[:2])
     for text in (out, vlmtrain.TrainingArguments.__doc__):
         assert set(re.findall(r"transformers (\d+\.\d+)", text)) <= {installed}
+
+
+def test_a_non_positive_max_steps_trains_epochs_and_the_final_evaluation_is_announced(tmp_path, caplog, capsys):
+    """`--train.max_steps -5` trains num_train_epochs epochs as transformers does (any max_steps <= 0), named once;
+    with eval_strategy no, the evaluation vlmtrain train makes after training is announced in the log."""
+    train = {**LM["train"], "eval_strategy": "no", "save_strategy": "no", "num_train_epochs": 0.25,
+             "predict_with_generate": False}
+    path = _write(tmp_path, {**LM, "train": {**train, "output_dir": str(tmp_path / "run")}})
+    with caplog.at_level(logging.WARNING, logger="vlmtrain.run"):
+        assert cli.main(["train", "--config", str(path), "--train.max_steps", "-5"]) == 0
+    out = "\n" + capsys.readouterr().out
+    result = json.loads(out[out.rfind("\n{\n"):])  # the printed result, after the log lines
+    assert result["global_step"] == 4 and "eval_loss" in result  # 64 samples / 4 per step x 0.25 epochs
+    lines = [r.getMessage() for r in caplog.records if r.name == "vlmtrain.run"]
+    assert lines == ["train.max_steps=-5 is not positive: training for train.num_train_epochs=0.25 epochs, as "
+                     "transformers does for any max_steps <= 0 (its default is -1).",
+                     "train.eval_strategy is 'no': evaluating the trained model once on the eval set, as vlmtrain "
+                     "train does after training (data.num_eval: 0, or no eval data, skips it)."], lines
