@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 from vlmtrain.compat.arguments import TrainingArguments
 from vlmtrain.errors import ConfigError
-from vlmtrain.models.objectives.dpo import LOSS_TYPES
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
@@ -57,6 +56,8 @@ class TrainConfig(TrainingArguments):
             if given:
                 raise ConfigError(f"train.{given[0]} is an option of train.objective: dpo, but train.objective is "
                                   f"{self.objective!r}: remove train.{given[0]}, or set train.objective: dpo.")
+        from vlmtrain.models.objectives.dpo import LOSS_TYPES  # (here: --help and a mistyped key need no torch)
+
         unknown = [t for t in self.loss_type if t not in LOSS_TYPES]
         if unknown:
             raise ConfigError(f"train.loss_type={unknown}: vlmtrain's DPO has {list(LOSS_TYPES)} (TRL's other loss "
