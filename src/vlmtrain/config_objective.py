@@ -56,7 +56,8 @@ class TrainConfig(TrainingArguments):
             if given:
                 raise ConfigError(f"train.{given[0]} is an option of train.objective: dpo, but train.objective is "
                                   f"{self.objective!r}: remove train.{given[0]}, or set train.objective: dpo.")
-        from vlmtrain.models.objectives.dpo import LOSS_TYPES  # (here: --help and a mistyped key need no torch)
+        # (imported here: --help and a mistyped key need no torch)
+        from vlmtrain.models.objectives.dpo import LOSS_TYPES
 
         unknown = [t for t in self.loss_type if t not in LOSS_TYPES]
         if unknown:

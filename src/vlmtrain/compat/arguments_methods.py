@@ -13,8 +13,10 @@ from collections.abc import Iterator
 from dataclasses import fields
 from datetime import timedelta
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    import torch
 
 
 def _dist() -> Any:
