@@ -291,3 +291,12 @@ def test_a_non_positive_max_steps_trains_epochs_and_the_final_evaluation_is_anno
                      "transformers does for any max_steps <= 0 (its default is -1).",
                      "train.eval_strategy is 'no': evaluating the trained model once on the eval set, as vlmtrain "
                      "train does after training (data.num_eval: 0, or no eval data, skips it)."], lines
+
+
+def test_the_package_names_are_the_ones_it_imports_lazily():
+    """vlmtrain/__init__ lists each public name three times (imported on first use, for type checkers and the API
+    reference, and in __all__): the lists agree, and each name resolves."""
+    import vlmtrain
+
+    assert set(vlmtrain._EXPORTS) | {"__version__"} == set(vlmtrain.__all__)
+    assert all(getattr(vlmtrain, name) is not None for name in vlmtrain.__all__)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import tasks  # noqa: F401 - the synthetic tasks' data sources, by their config `kind:` names (light)
 
@@ -19,7 +19,29 @@ _EXPORTS = {
     "TrainerCallback": "vlmtrain.trainer", "TrainerControl": "vlmtrain.trainer", "TrainerParts": "vlmtrain.trainer", "TrainerState": "vlmtrain.trainer",
     "TrainOutput": "vlmtrain.trainer",
 }
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [
+    "DPOConfig", "DPOTrainer", "EarlyStoppingCallback", "EvalPrediction", "InferenceModel", "PredictionOutput", "Trainer",
+    "TrainerCallback", "TrainerControl", "TrainerParts", "TrainerState", "TrainOutput", "TrainingArguments", "__version__",
+    "attach_heads", "load_for_inference", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "RewardConfig", "RewardTrainer",
+]
+if TYPE_CHECKING:  # the same names, for type checkers and the API reference (mkdocstrings reads them statically)
+    from .compat.arguments import TrainingArguments
+    from .compat.callbacks import EarlyStoppingCallback
+    from .compat.dpo import DPOConfig, DPOTrainer
+    from .compat.reward import RewardConfig, RewardTrainer
+    from .compat.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
+    from .compat.trainer import Trainer
+    from .inference import InferenceModel, load_for_inference
+    from .models.head_files import attach_heads
+    from .trainer import (
+        EvalPrediction,
+        PredictionOutput,
+        TrainerCallback,
+        TrainerControl,
+        TrainerParts,
+        TrainerState,
+        TrainOutput,
+    )
 
 
 def __getattr__(name: str) -> Any:

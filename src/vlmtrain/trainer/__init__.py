@@ -5,7 +5,7 @@ part set (vlmtrain/compat/trainer.py); ``vlmtrain.TrainingArguments`` and ``vlmt
 the compat layer's too. This package names none of them: it never imports the layers above it."""
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 
@@ -13,6 +13,21 @@ _MODULES = {"args": "TrainingArgumentsCore", "checkpoint": "CheckpointError", "p
             "callbacks": "CallbackHandler DefaultFlowCallback ExportableState TrainerCallback", "trainer": "TrainerCore",
             "state": "EvalLoopOutput EvalPrediction PredictionOutput TrainerControl TrainerState TrainOutput"}
 _NAMES = {name: module for module, names in _MODULES.items() for name in names.split()}  # (imported on first use)
+if TYPE_CHECKING:  # the same names, for type checkers and the API reference (mkdocstrings reads them statically)
+    from .args import TrainingArgumentsCore
+    from .callbacks import CallbackHandler, DefaultFlowCallback, ExportableState, TrainerCallback
+    from .checkpoint import CheckpointError
+    from .parts import TrainerParts
+    from .setup import set_seed
+    from .state import (
+        EvalLoopOutput,
+        EvalPrediction,
+        PredictionOutput,
+        TrainerControl,
+        TrainerState,
+        TrainOutput,
+    )
+    from .trainer import TrainerCore
 __all__ = [
     "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EvalLoopOutput", "EvalPrediction",
     "ExportableState", "PredictionOutput", "TrainerCallback", "TrainerControl", "TrainerCore", "TrainerParts",
