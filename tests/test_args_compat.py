@@ -1,4 +1,4 @@
-"""Drop-in TrainingArguments: every transformers 5.23 argument name is accepted; the ones vlmtrain implements
+"""Drop-in TrainingArguments: every transformers 5.24 argument name is accepted; the ones vlmtrain implements
 behave as in transformers, the rest refuse a non-default value with a message naming the key."""
 
 from __future__ import annotations

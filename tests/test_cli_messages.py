@@ -231,3 +231,73 @@ def test_an_unwritable_output_dir_is_one_line_before_the_model_loads(tmp_path, m
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {setting} {bad!r} is not writable"), err
+
+
+_IMPORTED = ("import sys; from vlmtrain.cli import main; code = main(sys.argv[1:]); "
+             "print([m for m in ('torch', 'transformers', 'peft') if m in sys.modules], code)")
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["--help"], 0), (["trian"], 2), (["train", "my.yaml"], 2), (["train", "--help"], 0), (["eval", "--help-all"], 0),
+    (["train", "--config", "cfg.yaml", "--train.max_stepz", "3"], 2), (["train", "--config", "cfg.yaml", "--trian.x", "1"], 2),
+])
+def test_help_and_a_mistyped_command_or_key_answer_before_torch_and_transformers_load(tmp_path, argv, code):
+    """What a newcomer types first answers without importing torch, transformers or peft (which took 7-15 s
+    before anything was printed): --help (the config keys' too) and a mistyped command or key."""
+    _write(tmp_path, LM)
+    out = subprocess.run([sys.executable, "-c", _IMPORTED, *argv], env=ENV, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.splitlines()[-1] == f"[] {code}", (out.stdout, out.stderr)
+    assert code == 0 or out.stderr.count("error:") == 1, out.stderr
+
+
+def test_a_positional_config_file_suggests_config(capsys):
+    assert cli.main(["train", "my.yaml", "--train.max_steps", "3"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: vlmtrain train takes no positional argument 'my.yaml': pass "
+                                               "the config file as --config my.yaml.")
+
+
+def test_help_group_headings_are_whole_sentences_and_name_the_installed_transformers(capsys):
+    """Each config section's heading in --help is its class docstring's whole first line (a sentence, not cut
+    where the docstring wraps); a transformers version named in --help-all or TrainingArguments' docstring is
+    the installed one."""
+    import transformers
+
+    import vlmtrain
+
+    out = _help(capsys, "train", "--help-all")
+    headings = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    for section, cls in SECTIONS.items():
+        first = cls.__doc__.strip().splitlines()[0]
+        assert first.endswith("."), (section, first)
+        assert first[:-1] in headings, (section, first, headings)
+    installed = ".".join(transformers.__version__.split(".")[:2])
+    for text in (out, vlmtrain.TrainingArguments.__doc__):
+        assert set(re.findall(r"transformers (\d+\.\d+)", text)) <= {installed}
+
+
+def test_a_non_positive_max_steps_trains_epochs_and_the_final_evaluation_is_announced(tmp_path, caplog, capsys):
+    """`--train.max_steps -5` trains num_train_epochs epochs as transformers does (any max_steps <= 0), named once;
+    with eval_strategy no, the evaluation vlmtrain train makes after training is announced in the log."""
+    train = {**LM["train"], "eval_strategy": "no", "save_strategy": "no", "num_train_epochs": 0.25,
+             "predict_with_generate": False}
+    path = _write(tmp_path, {**LM, "train": {**train, "output_dir": str(tmp_path / "run")}})
+    with caplog.at_level(logging.WARNING, logger="vlmtrain.run"):
+        assert cli.main(["train", "--config", str(path), "--train.max_steps", "-5"]) == 0
+    out = "\n" + capsys.readouterr().out
+    result = json.loads(out[out.rfind("\n{\n"):])  # the printed result, after the log lines
+    assert result["global_step"] == 4 and "eval_loss" in result  # 64 samples / 4 per step x 0.25 epochs
+    lines = [r.getMessage() for r in caplog.records if r.name == "vlmtrain.run"]
+    assert lines == ["train.max_steps=-5 is not positive: training for train.num_train_epochs=0.25 epochs, as "
+                     "transformers does for any max_steps <= 0 (its default is -1).",
+                     "train.eval_strategy is 'no': evaluating the trained model once on the eval set, as vlmtrain "
+                     "train does after training (data.num_eval: 0, or no eval data, skips it)."], lines
+
+
+def test_the_package_names_are_the_ones_it_imports_lazily():
+    """vlmtrain/__init__ lists each public name three times (imported on first use, for type checkers and the API
+    reference, and in __all__): the lists agree, and each name resolves."""
+    import vlmtrain
+
+    assert set(vlmtrain._EXPORTS) | {"__version__"} == set(vlmtrain.__all__)
+    assert all(getattr(vlmtrain, name) is not None for name in vlmtrain.__all__)

@@ -23,8 +23,12 @@ from vlmtrain.cli_help import (  # noqa: F401 - COMMANDS, DOCS
     usage,
     wants_help,
 )
-from vlmtrain.cli_inference import parse_predict_data, predict_data_parser, without_data_section
-from vlmtrain.config import build_parser, help_formatter, parse_with
+from vlmtrain.cli_inference import (
+    help_formatter,
+    parse_predict_data,
+    predict_data_parser,
+    without_data_section,
+)
 from vlmtrain.errors import USER_ERRORS, ConfigError
 
 
@@ -32,6 +36,11 @@ def _parse(command: str, argv: list[str], checkpoint: str | None = None,
            extra: Callable[[Any], None] | None = None, nproc: bool = False) -> tuple[Any, Any]:
     """checkpoint: None (no --checkpoint option), 'optional' or 'required'; extra adds options to the parser;
     nproc: --help lists --nproc (taken out of argv before)."""
+    if argv and not argv[0].startswith("-"):  # `vlmtrain train my.yaml`: the config is an option
+        raise ConfigError(f"vlmtrain {command} takes no positional argument {argv[0]!r}: pass the config file as "
+                          f"--config {argv[0]}.")
+    from vlmtrain.config import build_parser, parse_with
+
     parser = build_parser(prog=f"vlmtrain {command}", description=description(command))
     if checkpoint:
         parser.add_argument("--checkpoint", type=str | None, default=None, help=CHECKPOINT_HELP)
@@ -372,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _shutdown_distributed()
         return code
     except USER_ERRORS as e:  # one line, no traceback: the user fixes a setting or the data (any other: traceback)
-        from vlmtrain.launch import report_error
+        from vlmtrain.torchrun_errors import report_error  # (stdlib only: no torch for a typo)
 
         if not report_error(str(e)):  # a rank under `--nproc N`: the launcher prints it, once
             print(f"error: {e}", file=sys.stderr)

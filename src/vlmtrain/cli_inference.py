@@ -7,8 +7,14 @@ import argparse
 from typing import Any
 
 from vlmtrain.cli_help import CHECKPOINT_HELP, NPROC_HELP, description
-from vlmtrain.config import help_formatter
 from vlmtrain.errors import ConfigError
+
+
+def help_formatter() -> type:
+    """config.help_formatter, imported when a parser is built: `vlmtrain --help` stays free of the config's imports."""
+    from vlmtrain.config import help_formatter as formatter
+
+    return formatter()
 
 
 def without_data_section(parser: Any) -> None:

@@ -127,10 +127,11 @@ class DataCore:
     """(jsonl, stream) A custom filter 'package.module:function': called with each raw sample, it returns
     True/False to keep/drop it, or a changed sample."""
     max_length: int = 512
-    """(vlm) Samples longer than this many tokens (image tokens included) are skipped and counted, never cut.
-    (train.objective dpo: TRL's max_length, a pair's prompt + answer cut as train.truncation_mode says.)"""
+    """Samples longer than this many tokens (image tokens included) are skipped and counted, never cut (every kind's
+    chat samples; addition's are shorter). (train.objective dpo: TRL's max_length, a pair's prompt + answer cut as
+    train.truncation_mode says.)"""
     max_images: int = 4
-    """(vlm) Samples with more images than this are skipped and counted."""
+    """(vlm, hub_vlm) Samples with more images than this are skipped and counted."""
     max_pixels: int | None = None
     """(hub_vlm: Qwen3-VL, Qwen2.5-VL) Images are resized to at most this many pixels (aspect ratio kept; the
     image processor's size.longest_edge) before their tokens are counted. null: the family default, at most
@@ -211,9 +212,10 @@ _OPTIONS = tuple(src.options for src in reversed(all_sources()) if src.options i
 
 @dataclass
 class DataConfig(*_OPTIONS, DataCore):  # type: ignore[misc]
-    """What data to train and evaluate on: the shared keys, then each source's own options (addition:
-    num_digits; shapes: multi_image_fraction, questions_per_sample, side_fraction, side_warmup_steps,
-    lookup_warmup_steps)."""
+    """What data to train and evaluate on: the shared keys, then each source's own options.
+
+    (addition: num_digits; shapes: multi_image_fraction, questions_per_sample, side_fraction, side_warmup_steps,
+    lookup_warmup_steps.) The first line is the group's heading in --help."""
 
     def __post_init__(self) -> None:
         for source in all_sources():

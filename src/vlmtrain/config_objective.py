@@ -9,15 +9,16 @@ from typing import Any, Literal
 
 from vlmtrain.compat.arguments import TrainingArguments
 from vlmtrain.errors import ConfigError
-from vlmtrain.models.objectives.dpo import LOSS_TYPES
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass
 class TrainConfig(TrainingArguments):
-    """TrainingArguments (transformers' names) with `objective` and, for `objective: dpo`, TRL 1.16's DPO options
-    and defaults (docs/preference.md)."""
+    """TrainingArguments (transformers' names) with `objective` and its options (TRL 1.16's names).
+
+    For `objective: dpo`, TRL 1.16's DPO options and defaults (docs/preference.md). The first line is the group's
+    heading in --help."""
 
     objective: Literal["sft", "dpo", "reward"] = "sft"
     """sft: the language-model loss on the answers. dpo: Direct Preference Optimization on preference pairs
@@ -55,6 +56,9 @@ class TrainConfig(TrainingArguments):
             if given:
                 raise ConfigError(f"train.{given[0]} is an option of train.objective: dpo, but train.objective is "
                                   f"{self.objective!r}: remove train.{given[0]}, or set train.objective: dpo.")
+        # (imported here: --help and a mistyped key need no torch)
+        from vlmtrain.models.objectives.dpo import LOSS_TYPES
+
         unknown = [t for t in self.loss_type if t not in LOSS_TYPES]
         if unknown:
             raise ConfigError(f"train.loss_type={unknown}: vlmtrain's DPO has {list(LOSS_TYPES)} (TRL's other loss "

@@ -36,19 +36,6 @@ def cpu_note(nproc: int) -> str | None:
             f"backend), sharing its {os.cpu_count()} cores.")
 
 
-def report_error(message: str) -> bool:
-    """In a rank that the launcher started: hand ``message`` (an error the user can act on) to the launcher,
-    which prints each distinct one once; False elsewhere (the caller prints it)."""
-    directory = os.environ.get(torchrun_errors.ERRORS_ENV)
-    if not directory or "WORLD_SIZE" not in os.environ or not os.path.isdir(directory):
-        return False
-    path = os.path.join(directory, f"rank-{int(os.environ.get('RANK', '0'))}.txt")
-    with open(path + ".tmp", "w") as f:
-        f.write(message)
-    os.replace(path + ".tmp", path)
-    return True
-
-
 def _ranks_of(launcher: int) -> list[int]:
     """The worker processes (the ranks: LOCAL_RANK in their environment) that torchrun ``launcher`` started."""
     ranks = []

@@ -41,6 +41,11 @@ def _train(cfg: RunConfig, console: Any = None, resume: str = "--train.resume_fr
     """console: a callback that replaces the progress bar and log lines (the demo's EvalLinesCallback);
     resume: what a preempted run tells the user to resubmit with."""
     check_writable(cfg.train.output_dir, "--train.output_dir")  # one line now, not a traceback after loading
+    if cfg.train.max_steps <= 0 and cfg.train.max_steps != -1 and os.environ.get("RANK", "0") == "0":
+        # transformers trains by epochs for any max_steps <= 0 without a word; a typed -5 deserves one
+        logger.warning("train.max_steps=%d is not positive: training for train.num_train_epochs=%s epochs, as "
+                       "transformers does for any max_steps <= 0 (its default is -1).", cfg.train.max_steps,
+                       cfg.train.num_train_epochs)
     trainer = build(cfg)
     if console is not None:
         from vlmtrain.logging.console import PrinterCallback, ProgressCallback
@@ -58,6 +63,9 @@ def _train(cfg: RunConfig, console: Any = None, resume: str = "--train.resume_fr
                        out.global_step, cfg.train.output_dir, resume)
         return trainer, metrics
     if getattr(trainer, "eval_dataset", None) is not None:
+        if str(getattr(cfg.train.eval_strategy, "value", cfg.train.eval_strategy)) == "no" and trainer.rank == 0:  # (a transformers example script's --do_eval)
+            logger.warning("train.eval_strategy is 'no': evaluating the trained model once on the eval set, as "
+                           "vlmtrain train does after training (data.num_eval: 0, or no eval data, skips it).")
         metrics.update(_final_evaluation(trainer, cfg, out.global_step))
     metrics.update(_summary(cfg, metrics))
     return trainer, metrics

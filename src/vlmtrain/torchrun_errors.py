@@ -23,6 +23,19 @@ ERRORS_ENV = "VLMTRAIN_ERRORS_DIR"
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
+def report_error(message: str) -> bool:
+    """In a rank that the launcher started: hand ``message`` (an error the user can act on) to the launcher,
+    which prints each distinct one once; False elsewhere (the caller prints it)."""
+    directory = os.environ.get(ERRORS_ENV)
+    if not directory or "WORLD_SIZE" not in os.environ or not os.path.isdir(directory):
+        return False
+    path = os.path.join(directory, f"rank-{int(os.environ.get('RANK', '0'))}.txt")
+    with open(path + ".tmp", "w") as f:
+        f.write(message)
+    os.replace(path + ".tmp", path)
+    return True
+
+
 def reported(directory: str) -> list[str]:
     """The distinct messages the ranks wrote to ``directory``, in rank order."""
     names = sorted((n for n in os.listdir(directory) if n.endswith(".txt")) if os.path.isdir(directory) else [],

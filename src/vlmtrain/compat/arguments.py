@@ -1,6 +1,6 @@
 """What transformers' TrainingArguments names and value forms mean in vlmtrain.
 
-A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.23
+A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.24
 argument name is a field of vlmtrain's :class:`TrainingArguments`, defined here. The names vlmtrain implements
 (:class:`ImplementedArguments`) are the trainer core's (vlmtrain/trainer/args_fields.py, checked by its
 TrainingArgumentsCore, vlmtrain/trainer/args.py) and the groups each higher layer declares: evaluation/arguments.py,
@@ -368,7 +368,7 @@ _IMPLEMENTED = frozenset(f.name for f in fields(ImplementedArguments))
 
 @dataclass
 class TrainingArguments(TransformersOnlyArguments, ImplementedArguments, TrainingArgumentsCore):
-    """Everything about how to train. Every transformers 5.23 TrainingArguments name is accepted: the ones
+    """Everything about how to train. Every transformers 5.24 TrainingArguments name is accepted: the ones
     vlmtrain implements behave as there; the rest (arguments_fields.py) take their default, and any other value
     is a ConfigError that says what vlmtrain does instead (the table above). Invalid combinations fail here, at
     construction. transformers' derived values and serializations besides `device` (world_size, should_save,

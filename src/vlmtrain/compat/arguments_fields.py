@@ -1,6 +1,6 @@
 """transformers' TrainingArguments names that only the compat layer reads.
 
-A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.23
+A script written for transformers' Trainer passes its `TrainingArguments(...)` unchanged: every transformers 5.24
 argument name is a field of vlmtrain's TrainingArguments. The names vlmtrain implements live in
 vlmtrain/trainer/args_fields.py, the evaluation and logging layers' arguments.py and :class:`CompatArguments`
 below (older aliases and values that arguments.py resolves or refuses at construction); the rest are the fields of

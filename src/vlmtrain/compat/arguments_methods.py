@@ -13,11 +13,18 @@ from collections.abc import Iterator
 from dataclasses import fields
 from datetime import timedelta
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from ..trainer import distributed as dist
+
+def _dist() -> Any:
+    """vlmtrain.trainer.distributed, imported when a property asks (it imports torch, which reading the
+    arguments' fields for the config's --help does not need)."""
+    from ..trainer import distributed
+
+    return distributed
 
 
 def _env_int(name: str, default: int) -> int:
@@ -47,12 +54,12 @@ class ArgumentsMethods:
     @property
     def world_size(self) -> int:
         """Number of processes training together."""
-        return dist.world_size() if dist.is_distributed() else _env_int("WORLD_SIZE", 1)
+        return _dist().world_size() if _dist().is_distributed() else _env_int("WORLD_SIZE", 1)
 
     @property
     def process_index(self) -> int:
         """This process's global rank."""
-        return dist.rank() if dist.is_distributed() else _env_int("RANK", 0)
+        return _dist().rank() if _dist().is_distributed() else _env_int("RANK", 0)
 
     @property
     def local_process_index(self) -> int:
@@ -112,15 +119,15 @@ class ArgumentsMethods:
         if self.world_size <= 1:
             yield
             return
-        dist.init_from_env(self.ddp_timeout, cpu=self.use_cpu)
+        _dist().init_from_env(self.ddp_timeout, cpu=self.use_cpu)
         is_main = (self.local_process_index if local else self.process_index) == 0
         try:
             if not is_main:
-                dist.barrier()
+                _dist().barrier()
             yield
         finally:
             if is_main:
-                dist.barrier()
+                _dist().barrier()
 
     # -- serialization, as transformers ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -146,6 +153,8 @@ class ArgumentsMethods:
         """to_dict() plus train/eval batch sizes, every value a bool, int, float, str or tensor (others as str):
         TensorBoard's hparams."""
         d = {**self.to_dict(), "train_batch_size": self.train_batch_size, "eval_batch_size": self.eval_batch_size}
+        import torch
+
         valid = (bool, int, float, str, torch.Tensor)
         return {k: v if type(v) in valid else str(v) for k, v in d.items()}
 

@@ -31,7 +31,7 @@ class EvaluationArguments:
     they arrived; exactly once across resumes. Inline evaluation (eval_strategy) is independent of it."""
     async_eval_launcher: str = "subprocess"
     """How async evaluations run: subprocess (on this machine) or submitit (SLURM on a cluster, local processes
-    elsewhere; pip install 'vlmtrain[submitit]')."""
+    elsewhere; pip install -e '.[submitit]')."""
     async_eval_launcher_kwargs: dict[str, Any] | str | None = None
     """submitit's parameters, passed through (e.g. {slurm_partition: eval, gpus_per_node: 1, timeout_min: 60};
     cluster: local|slurm|debug picks the executor)."""

@@ -14,7 +14,7 @@ class LoggingArguments:
     report_to: None | str | list[str] = "none"
     """Trackers besides metrics.jsonl (always written), as transformers names them: none, tensorboard, wandb,
     mlflow, trackio, a list of them, or all (every installed one). Each needs its extra (pip install
-    'vlmtrain[wandb]'); one that is missing or cannot start is a warning, and training goes on with the rest.
+    -e '.[wandb]'); one that is missing or cannot start is a warning, and training goes on with the rest.
     A resumed run continues the same tracker run. The docs page Evaluation and tracking says where each one writes."""
     run_name: str | None = None
     """Name of the run in metrics writers and trackers; None: output_dir's basename."""

@@ -11,8 +11,8 @@ from vlmtrain.tasks import shapes_source
 
 register_source("addition", "vlmtrain.tasks.addition_source")
 register_source("shapes", "vlmtrain.tasks.shapes_source")
-register_source("shapes_scores", "vlmtrain.tasks.shapes_scores")
-register_source("shapes_pairs", "vlmtrain.tasks.shapes_pairs")
+register_source("shapes_scores", "vlmtrain.tasks.shapes_scores_source")
+register_source("shapes_pairs", "vlmtrain.tasks.shapes_pairs_source")
 register_source("moving_shapes", "vlmtrain.tasks.moving_shapes_source")
 register_stream_kind("shapes", shapes_source.stream_source)
 register_command_line_source("shapes", shapes_source.command_line_source)

@@ -5,31 +5,20 @@ triangle?", the shape unique in the scene), with no assistant turn, and two head
 ``count`` (the number of objects in the scene, 1-4, a float for a regression head) and ``color`` (the index
 in :data:`COLOR_NAMES` of the named shape's colour, for a classification head). Items are a pure function of
 ``(seed, split, index)``; train and val never share a scene (see :mod:`vlmtrain.tasks.shapes`).
-``data.blank_images: true`` gives the baseline: the same questions and labels with empty images.
+``data.blank_images: true`` gives the baseline: the same questions and labels with empty images. The data
+source itself (options, build): shapes_scores_source.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import Dataset
 
-from vlmtrain.data.registry import DataSource
-
 IMAGE_SIZE = 64
 """Pixels per side: a Qwen-style encoder with 8 px patches and merge 2 gives 16 image tokens, one per grid cell."""
-
-
-@dataclass
-class ShapesScoresOptions:
-    """The shapes_scores task's own `data.*` keys."""
-
-    blank_images: bool = False
-    """(shapes_scores) Replace every image (train and eval) by an empty one of the same size, labels unchanged:
-    the baseline that shows what the question text alone predicts."""
 
 
 class ShapesScores(Dataset):
@@ -76,19 +65,3 @@ def _color_names() -> tuple[str, ...]:
 
 COLOR_NAMES: tuple[str, ...] = ("red", "green", "blue", "yellow", "purple", "orange")
 """Class index -> colour name of the ``color`` head (the order of :data:`vlmtrain.tasks.shapes.COLORS`)."""
-
-
-def build(cfg: Any) -> dict[str, Any]:
-    """A training set and one held-out set (val split); both with blank images when data.blank_images."""
-    from vlmtrain.tasks.shapes import BlankImages
-
-    d = cfg.data
-    if COLOR_NAMES != _color_names():
-        raise RuntimeError(f"shapes_scores.COLOR_NAMES {COLOR_NAMES} is out of step with shapes.COLORS")
-    train, evaluation = ShapesScores("train", d.num_train, seed=d.seed), ShapesScores("val", d.num_eval, seed=d.seed)
-    if d.blank_images:
-        train, evaluation = BlankImages(train), BlankImages(evaluation)
-    return {"train_dataset": train, "eval_dataset": evaluation}
-
-
-SOURCE = DataSource("shapes_scores", kinds=("hub_vlm",), build=build, options=ShapesScoresOptions)

@@ -4,17 +4,30 @@
 part set (vlmtrain/compat/trainer.py); ``vlmtrain.TrainingArguments`` and ``vlmtrain.EarlyStoppingCallback`` are
 the compat layer's too. This package names none of them: it never imports the layers above it."""
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from .args import TrainingArgumentsCore
-from .callbacks import CallbackHandler, DefaultFlowCallback, ExportableState, TrainerCallback
-from .checkpoint import CheckpointError
-from .parts import TrainerParts
-from .setup import set_seed
-from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
-from .trainer import TrainerCore
 
+_MODULES = {"args": "TrainingArgumentsCore", "checkpoint": "CheckpointError", "parts": "TrainerParts", "setup": "set_seed",
+            "callbacks": "CallbackHandler DefaultFlowCallback ExportableState TrainerCallback", "trainer": "TrainerCore",
+            "state": "EvalLoopOutput EvalPrediction PredictionOutput TrainerControl TrainerState TrainOutput"}
+_NAMES = {name: module for module, names in _MODULES.items() for name in names.split()}  # (imported on first use)
+if TYPE_CHECKING:  # the same names, for type checkers and the API reference (mkdocstrings reads them statically)
+    from .args import TrainingArgumentsCore
+    from .callbacks import CallbackHandler, DefaultFlowCallback, ExportableState, TrainerCallback
+    from .checkpoint import CheckpointError
+    from .parts import TrainerParts
+    from .setup import set_seed
+    from .state import (
+        EvalLoopOutput,
+        EvalPrediction,
+        PredictionOutput,
+        TrainerControl,
+        TrainerState,
+        TrainOutput,
+    )
+    from .trainer import TrainerCore
 __all__ = [
     "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EvalLoopOutput", "EvalPrediction",
     "ExportableState", "PredictionOutput", "TrainerCallback", "TrainerControl", "TrainerCore", "TrainerParts",
@@ -23,7 +36,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """An AttributeError that says where the public classes this package once named live."""
+    """The package's names, imported on first use (`vlmtrain train --help` reads the arguments without torch); an
+    AttributeError that says where the public classes this package once named live."""
+    if name in _NAMES:
+        return globals().setdefault(name, getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name))
     if name in ("Trainer", "TrainingArguments", "EarlyStoppingCallback"):
         raise AttributeError(f"vlmtrain.trainer has no {name}: it is vlmtrain.{name} (`from vlmtrain import {name}`); "
                              f"vlmtrain.trainer holds the core (TrainerCore, TrainingArgumentsCore, TrainerParts).")

@@ -8,13 +8,13 @@ import difflib
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from . import distributed as dist
 from .args_fields import CoreArguments, FsdpValue, WorkersValue  # noqa: F401 (__init__'s annotations)
+
+if TYPE_CHECKING:
+    import torch
 
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "polynomial")
@@ -200,6 +200,9 @@ class TrainingArgumentsCore(CoreArguments):
     def device(self) -> torch.device:
         """The device this process computes on: its CUDA device (LOCAL_RANK under torchrun), else the CPU;
         the CPU whenever use_cpu=True."""
+        import torch  # (here: `vlmtrain train --help` lists these fields without torch)
+
+        from . import distributed as dist
         if self.use_cpu or not torch.cuda.is_available():
             return torch.device("cpu")
         if dist.is_distributed() or int(os.environ.get("WORLD_SIZE", 1)) > 1:

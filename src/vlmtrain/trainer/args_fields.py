@@ -212,7 +212,7 @@ class CoreArguments:
     """Liger Kernel's Triton kernels (RMSNorm, rotary embeddings, SwiGLU / GeGLU, LayerNorm) in a Hub VLM of a
     family Liger covers (qwen3_vl, qwen2_5_vl, gemma3, smolvlm), patched into the model instance before
     training; vlmtrain's own chunked LM loss stays (Liger's loss kernels are never applied). CUDA only; needs
-    the liger extra (pip install 'vlmtrain[liger]'). Anything else (no GPU, another model) is an error."""
+    the liger extra (pip install -e '.[liger]'). Anything else (no GPU, another model) is an error."""
     liger_kernel_config: dict[str, bool] | None = None
     """Liger's options for the family's patch, as transformers passes them (e.g. {rope: false, swiglu: true});
     unset ones take Liger's defaults (Qwen3-VL: SwiGLU too). fused_linear_cross_entropy and cross_entropy

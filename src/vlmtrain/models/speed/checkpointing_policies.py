@@ -7,11 +7,12 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Hashable, Mapping
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ...errors import ConfigError
+
+if TYPE_CHECKING:  # (torch imported where used: TrainingArguments checks a mode without it)
+    import torch
 
 CHECKPOINTING_MODES = ("full", "selective", "attention")
 """The values of activation_checkpointing_kwargs' ``mode``: ``full`` recomputes each checkpointed layer's whole
@@ -27,6 +28,8 @@ SELECTIVE_EVERY = "selective_every_n_layers"
 
 @functools.cache
 def _matmul_ops() -> frozenset[Any]:
+    import torch
+
     aten = torch.ops.aten
     return frozenset(getattr(aten, n) for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm") if hasattr(aten, n))
 
@@ -35,6 +38,8 @@ def _matmul_ops() -> frozenset[Any]:
 def _attention_ops() -> frozenset[Any]:
     """Every attention kernel of the installed torch: sdpa's math/flash/efficient/cuDNN kernels, the
     flash/efficient/cuDNN forwards behind varlen_attn, varlen attention and flex attention where torch has them."""
+    import torch
+
     aten = torch.ops.aten
     names = ("_scaled_dot_product_attention_math", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
