@@ -18,7 +18,6 @@ from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset as TorchIterableDataset
 from tqdm.auto import tqdm
 
-from ..data.pairs import PairCollator
 from ..data.preference import REF_LOGPS_COLUMNS
 from ..data.processing import SkipSample
 from ..errors import ConfigError
@@ -117,6 +116,35 @@ class PolicyFiles:
         return self.files.saves_trainable_only(_policy(model))
 
 
+class PolicySharding:
+    """A Trainer's ``sharding`` part (trainer/sharding.py) for an objective around the model it trains, under
+    train.fsdp: the objective is sharded whole (DPO's frozen reference a unit of its own), but checkpoints are
+    the trained model's alone, as :class:`PolicyFiles` makes them without FSDP: its DCP shards and config (a full
+    fine-tune: `vlmtrain export` writes them as one model.safetensors) or its gathered adapter (LoRA), never the
+    reference; resume reads them back into it."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    def __getattr__(self, name: str) -> Any:  # (is_sharded, shard_model, reshard: the whole objective)
+        return getattr(self.plan, name)
+
+    def save_checkpoint(self, model: nn.Module, *args: Any, **kwargs: Any) -> str:
+        return self.plan.save_checkpoint(_policy(model), *args, **kwargs)
+
+    def load_sharded(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.plan.load_sharded(_policy(model), *args, **kwargs)
+
+    def load_model_state(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.plan.load_model_state(_policy(model), *args, **kwargs)
+
+    def load_optimizer_state(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.plan.load_optimizer_state(_policy(model), *args, **kwargs)
+
+    def save_full_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.plan.save_full_model(_policy(model), *args, **kwargs)
+
+
 def _policy(model: nn.Module) -> nn.Module:
     if isinstance(model, RewardObjective):
         return model.model
@@ -130,7 +158,8 @@ class PolicyTrainer(Trainer):
     ``ref_chosen_logps`` / ``ref_rejected_logps``. vlmtrain.DPOTrainer's base, and the Trainer of a YAML config's
     `train.objective: dpo`."""
 
-    parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files))
+    parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files),
+                                sharding=PolicySharding(Trainer.parts.sharding))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ref_logps: dict[str, dict] = {}  # precompute_ref_log_probs: per dataset name, saved in checkpoints
@@ -206,14 +235,16 @@ class PolicyTrainer(Trainer):
         return with_ref_logps(dataset, logps)
 
     def _trainable_pairs(self, dataset: Any, name: str) -> Any:
-        """Raw pairs (a YAML run's collator processes them per batch) that its processing would skip are left
-        out first, counted in one warning, so that each pair kept gets its own reference log-probs."""
-        if not isinstance(self.data_collator, PairCollator):
+        """Raw pairs (processed per batch by their collator: a YAML run's, or pairs with images) that the
+        collator would skip are left out first (its ``check``), counted in one warning, so that each pair kept
+        gets its own reference log-probs and every batch holds only pairs that train."""
+        check = getattr(self.data_collator, "check", None)
+        if check is None:
             return dataset
         kept, skipped = [], Counter[str]()
         for sample in dataset:
             try:
-                self.data_collator.process(sample)
+                check(sample)
                 kept.append(sample)
             except SkipSample as err:
                 skipped[err.reason] += 1
