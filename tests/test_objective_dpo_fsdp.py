@@ -45,13 +45,13 @@ def _rows(tmp_path: Path, n: int) -> list[dict]:
     return rows
 
 
-def _config(tmp_path: Path, model: str, lora: bool, packing: bool) -> Path:
+def _config(tmp_path: Path, model: str, lora: bool, packing: bool, precompute: bool) -> Path:
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(tmp_path, 8)))
     lora_spec = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
     cfg = {"model": {"kind": "hub_vlm", "pretrained": model, "torch_dtype": "float32",
                      **({"lora": lora_spec} if lora else {})},
            "data": {"source": "jsonl", "train_file": str(tmp_path / "train.jsonl"), "max_length": 512, "packing": packing},
-           "train": {"objective": "dpo", "max_steps": 2, "optim": "adamw_torch", "learning_rate": 1e-2,
+           "train": {"objective": "dpo", "precompute_ref_log_probs": precompute, "max_steps": 2, "optim": "adamw_torch", "learning_rate": 1e-2,
                      "weight_decay": 0.1, "adam_epsilon": ADAM_EPSILON, "lr_scheduler_type": "constant",
                      "logging_steps": 1, "seed": 7, "report_to": "none", "save_strategy": "steps", "save_steps": 2,
                      "train_sampling_strategy": "sequential", "dataloader_num_workers": 0, "disable_tqdm": True,
@@ -86,13 +86,14 @@ def _weights(checkpoint: Path, lora: bool) -> dict[str, torch.Tensor]:
     return torch.load(checkpoint.parent / "whole.pt", weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("lora,packing", [(False, False), (True, True)], ids=["full", "lora-packed"])
-def test_yaml_dpo_under_fsdp_equals_one_process(tiny_hub, tmp_path, lora, packing):
+@pytest.mark.parametrize("lora,packing,precompute", [(False, False, False), (True, True, False), (False, False, True)],
+                         ids=["full", "lora-packed", "full-precompute"])
+def test_yaml_dpo_under_fsdp_equals_one_process(tiny_hub, tmp_path, lora, packing, precompute):
     """Per-step loss and per-pair metrics (rel 1e-5) and the checkpoint's weights (the policy alone: DCP shards of
     a full fine-tune, the gathered adapter with LoRA) equal one process's; data.packing packs each rank's pairs
     into one row."""
     _, model, _ = tiny_hub("qwen3_vl")
-    config = _config(tmp_path, model, lora, packing)
+    config = _config(tmp_path, model, lora, packing, precompute)
     two, one = _train(config, tmp_path / "two", 2), _train(config, tmp_path / "one", 1)
     assert len(two) == len(one) == 2
     for step, (a, b) in enumerate(zip(two, one), 1):

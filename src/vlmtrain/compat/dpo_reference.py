@@ -24,6 +24,7 @@ from ..errors import ConfigError
 from ..models.objectives.dpo import DPOObjective
 from ..models.objectives.reward import RewardObjective
 from ..trainer import checkpoint as ckpt
+from ..trainer.sharding import sharding_of
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,9 @@ def has_ref_logps(dataset: Any) -> bool:
 def compute_ref_logps(objective: DPOObjective, dataset: Any, collator: Any, batch_size: int, name: str,
                       disable_bar: bool) -> dict[str, torch.Tensor]:
     """The reference's summed answer log-probs of every pair of ``dataset`` (in order), in one pass with a
-    progress bar; the policy in evaluation mode meanwhile (no dropout in a reference)."""
+    progress bar; the policy in evaluation mode meanwhile (no dropout in a reference). Through the objective's
+    forward, so that FSDP gathers its root unit as in a step; every rank runs the whole pass (the collectives
+    match)."""
     loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collator, shuffle=False)
     device, was_training = next(objective.parameters()).device, objective.training
     objective.eval()
@@ -60,7 +63,7 @@ def compute_ref_logps(objective: DPOObjective, dataset: Any, collator: Any, batc
         for batch in tqdm(loader, desc=f"Computing reference log probs for {name} dataset", disable=disable_bar):
             batch = {k: v.to(device) for k, v in batch.items()  # (not a pair collator's skip counts)
                      if isinstance(v, torch.Tensor) and k not in REF_LOGPS_COLUMNS}
-            c, r = objective.reference_logps(**batch).float().cpu().chunk(2)
+            c, r = objective(**batch, reference_only=True)["reference_logps"].float().cpu().chunk(2)
             chosen.append(c)
             rejected.append(r)
     finally:
@@ -230,6 +233,9 @@ class PolicyTrainer(Trainer):
                                                            else self.args.per_device_eval_batch_size)
             logps = compute_ref_logps(self.model, dataset, self.data_collator, size, name,
                                       disable_bar=self.args.disable_tqdm or self.rank != 0)
+            plan = sharding_of(self.model, self.parts.sharding)
+            if plan is not None:  # (FSDP keeps the root unit gathered after a forward: before the optimizer sees it)
+                plan.reshard(self.model)
         if store:
             self._ref_logps[name] = logps
         return with_ref_logps(dataset, logps)
