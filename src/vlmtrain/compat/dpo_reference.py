@@ -243,21 +243,23 @@ class PolicyTrainer(Trainer):
     def _trainable_pairs(self, dataset: Any, name: str) -> Any:
         """Raw pairs (processed per batch by their collator: a YAML run's, or pairs with images) that the
         collator would skip are left out first (its ``check``), counted in one warning, so that each pair kept
-        gets its own reference log-probs and every batch holds only pairs that train."""
+        gets its own reference log-probs and every batch holds only pairs that train. A ``datasets.Dataset``
+        stays one (its images are not kept decoded)."""
         check = getattr(self.data_collator, "check", None)
         if check is None:
             return dataset
         kept, skipped = [], Counter[str]()
-        for sample in dataset:
+        for i, sample in enumerate(dataset):
             try:
                 check(sample)
-                kept.append(sample)
+                kept.append(i)
             except SkipSample as err:
                 skipped[err.reason] += 1
-        if skipped:
-            logger.warning("DPO: %d of %d %s pairs skipped: %s", sum(skipped.values()), len(dataset), name,
-                           dict(skipped))
-        return kept
+        if not skipped:
+            return dataset
+        logger.warning("DPO: %d of %d %s pairs skipped: %s", sum(skipped.values()), len(dataset), name,
+                       dict(skipped))
+        return dataset.select(kept) if hasattr(dataset, "select") else [dataset[i] for i in kept]
 
     def _checkpoint_files(self, sharded: bool) -> dict[str, Any]:
         files = super()._checkpoint_files(sharded)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .hub_messages import build_messages, check_texts, sample_videos
-from .pairs import ANSWERS, check_pair, with_ref_logps
+from .pairs import ANSWERS, carry_ref_logps, check_pair
 from .preference_vision import ANSWER_IMAGES, VisionPreferenceCollator, answer_has_images
 from .processing import SkipSample, load_image, process_or_skip
 
@@ -81,7 +81,7 @@ class FittingPairCollator:
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         skipped: Counter[str] = Counter()
         keys: list[str] = []
-        items = [with_ref_logps(it, s) for it, s in
+        items = [carry_ref_logps(it, s) for it, s in
                  ((process_or_skip(self.process, s, self.skipped, skipped, keys), s) for s in samples)
                  if it is not None]
         batch = self._laid_out(items, skipped) if items else None

@@ -106,7 +106,7 @@ class PairCollator:
         for sample in samples:
             item = process_or_skip(self.process, sample, self.skipped, skipped, keys)
             if item is not None:
-                items.append(with_ref_logps(item, sample))
+                items.append(carry_ref_logps(item, sample))
         bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys}
         return {**self.layout(items), **bookkeeping} if items else bookkeeping
 
@@ -115,7 +115,7 @@ class PairCollator:
         self.process(sample)
 
 
-def with_ref_logps(item: dict[str, Any], sample: Mapping[str, Any]) -> dict[str, Any]:
+def carry_ref_logps(item: dict[str, Any], sample: Mapping[str, Any]) -> dict[str, Any]:
     """A processed pair with its raw sample's precomputed ``ref_chosen_logps`` / ``ref_rejected_logps``
     (precompute_ref_log_probs: the reference's log-probs travel with their pair through shuffling and batching)."""
     return {**item, **{k: sample[k] for k in REF_LOGPS_COLUMNS if k in sample}}
