@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import vlmtrain
+from tests.test_dpo import reference_calls
 from tests.test_dpo_vision import METRICS, TowerCounter, _file_pairs, _pair, _pairs, qwen3_vl  # noqa: F401 (a fixture)
-from vlmtrain.models.objectives.dpo import DPOObjective
 
 TRAIN_PAIRS = 10  # (and one pair whose prompt fills max_length: skipped, left out of the precomputation)
 
@@ -45,15 +45,7 @@ def _run(path, processor, out, precompute: bool, padding_free: bool, resume: str
                               save_steps=3, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
                               padding_free=padding_free, precompute_ref_log_probs=precompute)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    calls = []
-    original = DPOObjective.reference_logps
-
-    def counted(self, *a, **kw):
-        calls.append(1)
-        return original(self, *a, **kw)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DPOObjective, "reference_logps", counted)
+    with reference_calls() as calls:
         trainer = vlmtrain.DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(_train_pairs(precompute)),
                                       eval_dataset=Dataset.from_list(_pairs(4, 1)), processing_class=processor)
         towers = [TowerCounter(model.model.visual)]
@@ -165,10 +157,7 @@ def test_yaml_precomputed_vision_reference_equals_the_live_reference(qwen3_vl, t
     for mine, theirs in zip(runs[True], runs[False]):
         for key in METRICS[:7]:
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (mine["step"], key)
-    calls = []
-    original = DPOObjective.reference_logps
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DPOObjective, "reference_logps", lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    with reference_calls() as calls:
         resumed = tmp_path / "resumed"
         assert cli.main(["train", "--config", str(config), "--train.output_dir", str(resumed),
                          "--train.precompute_ref_log_probs", "true", "--data.train_file",
