@@ -5,8 +5,10 @@ counted skips."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -127,6 +129,21 @@ def test_dpo_config_refuses_what_is_not_implemented(tmp_path, option, value):
         vlmtrain.DPOConfig(str(tmp_path), **{option: value})
 
 
+@contextlib.contextmanager
+def reference_calls() -> Iterator[list[int]]:
+    """While active, each call of DPOObjective.reference_logps (the reference's forward) appends to the list."""
+    calls: list[int] = []
+    original = DPOObjective.reference_logps
+
+    def counted(self, *a, **kw):
+        calls.append(1)
+        return original(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DPOObjective, "reference_logps", counted)
+        yield calls
+
+
 def _resume_run(model_dir, out, scenario: str, resume: str | None = None):
     """A DPO run on 16 shuffled pairs, batch 2 (8 steps), a checkpoint every 3 steps: ``scenario`` full (a frozen
     copy as reference), lora (peft_config: LoRA-off) or precompute (precompute_ref_log_probs); resumed from
@@ -139,15 +156,7 @@ def _resume_run(model_dir, out, scenario: str, resume: str | None = None):
                               bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="steps",
                               save_steps=3, use_cpu=True, disable_tqdm=True,
                               precompute_ref_log_probs=scenario == "precompute")
-    calls = []
-    original = DPOObjective.reference_logps
-
-    def counted(self, *a, **kw):
-        calls.append(1)
-        return original(self, *a, **kw)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(DPOObjective, "reference_logps", counted)
+    with reference_calls() as calls:
         trainer = vlmtrain.DPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
             train_dataset=_pairs(16, 3), eval_dataset=_pairs(4, 4), processing_class=_tokenizer(),

@@ -106,16 +106,13 @@ def check_objective(cfg: Any) -> None:
                **packing_keys,
                "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a DPO evaluation "
                                                "reports TRL's rewards/* and logps/*)"),
-               "train.fsdp": (cfg.train.fsdp, "remove train.fsdp (train with one process or DDP)"),
                "train.precompute_ref_log_probs": (cfg.train.precompute_ref_log_probs and cfg.data.source != "jsonl",
                                                   f"the pairs of data.source={cfg.data.source!r} are streamed, with "
                                                   "no place to keep a value per pair: use data.source jsonl, or set "
                                                   "it to false"),
                # (pairs with images, as TRL and vlmtrain.DPOTrainer: image tokens are never cut off the front)
                "train.truncation_mode=keep_end": (vision and cfg.train.truncation_mode == "keep_end",
-                                                  "set train.truncation_mode: keep_start with model.kind hub_vlm"),
-               "train.precompute_ref_log_probs=true": (vision and cfg.train.precompute_ref_log_probs,
-                                                       "set it to false with model.kind hub_vlm (as TRL)")}
+                                                  "set train.truncation_mode: keep_start with model.kind hub_vlm")}
     for key, (value, instead) in refused.items():
         if value:
             raise ConfigError(f"{key} is not available with {objective} yet: {instead}.")

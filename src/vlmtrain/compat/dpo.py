@@ -252,7 +252,7 @@ class DPOTrainer(PolicyTrainer):
     def _set_signature_columns_if_needed(self) -> None:
         # the collator reads the tokenized pair, not the objective's forward arguments
         if self._signature_columns is None:
-            self._signature_columns = list(VISION_COLUMNS) if self._vision_pairs else [*PAIR_COLUMNS, *REF_LOGPS_COLUMNS]
+            self._signature_columns = [*(VISION_COLUMNS if self._vision_pairs else PAIR_COLUMNS), *REF_LOGPS_COLUMNS]
 
 
 VISION_COLUMNS = ("prompt", "chosen", "rejected", "image", "images", "video", "videos")
@@ -283,13 +283,11 @@ def _load_processing_class(model: nn.Module) -> Any:
 
 
 def _check_vision_args(args: DPOConfig) -> None:
-    """The settings TRL 1.16 refuses for pairs with images, refused the same way, before the model loads."""
+    """The settings TRL 1.16 refuses for pairs with images, refused the same way, before the model loads (but
+    precompute_ref_log_probs, which TRL 1.16 refuses too: here the log-probs travel with their pairs)."""
     if args.max_length is not None and args.truncation_mode == "keep_end":
         raise ConfigError("truncation_mode='keep_end' with pairs with images would cut their image tokens off: "
                           "use truncation_mode='keep_start' (the default) or max_length=None.")
-    if args.precompute_ref_log_probs:
-        raise ConfigError("precompute_ref_log_probs=True is not available for pairs with images (nor in TRL "
-                          "1.16): set precompute_ref_log_probs=False (the reference then runs beside the policy).")
 
 
 def _refuse_answer_images(dataset: Any, name: str) -> None:

@@ -18,13 +18,13 @@ from torch.utils.data import DataLoader
 from torch.utils.data import IterableDataset as TorchIterableDataset
 from tqdm.auto import tqdm
 
-from ..data.pairs import PairCollator
 from ..data.preference import REF_LOGPS_COLUMNS
 from ..data.processing import SkipSample
 from ..errors import ConfigError
 from ..models.objectives.dpo import DPOObjective
 from ..models.objectives.reward import RewardObjective
 from ..trainer import checkpoint as ckpt
+from ..trainer.sharding import sharding_of
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,9 @@ def has_ref_logps(dataset: Any) -> bool:
 def compute_ref_logps(objective: DPOObjective, dataset: Any, collator: Any, batch_size: int, name: str,
                       disable_bar: bool) -> dict[str, torch.Tensor]:
     """The reference's summed answer log-probs of every pair of ``dataset`` (in order), in one pass with a
-    progress bar; the policy in evaluation mode meanwhile (no dropout in a reference)."""
+    progress bar; the policy in evaluation mode meanwhile (no dropout in a reference). Through the objective's
+    forward, so that FSDP gathers its root unit as in a step; every rank runs the whole pass (the collectives
+    match)."""
     loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collator, shuffle=False)
     device, was_training = next(objective.parameters()).device, objective.training
     objective.eval()
@@ -61,7 +63,7 @@ def compute_ref_logps(objective: DPOObjective, dataset: Any, collator: Any, batc
         for batch in tqdm(loader, desc=f"Computing reference log probs for {name} dataset", disable=disable_bar):
             batch = {k: v.to(device) for k, v in batch.items()  # (not a pair collator's skip counts)
                      if isinstance(v, torch.Tensor) and k not in REF_LOGPS_COLUMNS}
-            c, r = objective.reference_logps(**batch).float().cpu().chunk(2)
+            c, r = objective(**batch, reference_only=True)["reference_logps"].float().cpu().chunk(2)
             chosen.append(c)
             rejected.append(r)
     finally:
@@ -117,6 +119,35 @@ class PolicyFiles:
         return self.files.saves_trainable_only(_policy(model))
 
 
+class PolicySharding:
+    """A Trainer's ``sharding`` part (trainer/sharding.py) for an objective around the model it trains, under
+    train.fsdp: the objective is sharded whole (DPO's frozen reference a unit of its own), but checkpoints are
+    the trained model's alone, as :class:`PolicyFiles` makes them without FSDP: its DCP shards and config (a full
+    fine-tune: `vlmtrain export` writes them as one model.safetensors) or its gathered adapter (LoRA), never the
+    reference; resume reads them back into it."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    def __getattr__(self, name: str) -> Any:  # (is_sharded, shard_model, reshard: the whole objective)
+        return getattr(self.plan, name)
+
+    def save_checkpoint(self, model: nn.Module, *args: Any, **kwargs: Any) -> str:
+        return self.plan.save_checkpoint(_policy(model), *args, **kwargs)
+
+    def load_sharded(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.plan.load_sharded(_policy(model), *args, **kwargs)
+
+    def load_model_state(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.plan.load_model_state(_policy(model), *args, **kwargs)
+
+    def load_optimizer_state(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.plan.load_optimizer_state(_policy(model), *args, **kwargs)
+
+    def save_full_model(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        self.plan.save_full_model(_policy(model), *args, **kwargs)
+
+
 def _policy(model: nn.Module) -> nn.Module:
     if isinstance(model, RewardObjective):
         return model.model
@@ -130,7 +161,8 @@ class PolicyTrainer(Trainer):
     ``ref_chosen_logps`` / ``ref_rejected_logps``. vlmtrain.DPOTrainer's base, and the Trainer of a YAML config's
     `train.objective: dpo`."""
 
-    parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files))
+    parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files),
+                                sharding=PolicySharding(Trainer.parts.sharding))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._ref_logps: dict[str, dict] = {}  # precompute_ref_log_probs: per dataset name, saved in checkpoints
@@ -201,26 +233,33 @@ class PolicyTrainer(Trainer):
                                                            else self.args.per_device_eval_batch_size)
             logps = compute_ref_logps(self.model, dataset, self.data_collator, size, name,
                                       disable_bar=self.args.disable_tqdm or self.rank != 0)
+            plan = sharding_of(self.model, self.parts.sharding)
+            if plan is not None:  # (FSDP keeps the root unit gathered after a forward: before the optimizer sees it)
+                plan.reshard(self.model)
         if store:
             self._ref_logps[name] = logps
         return with_ref_logps(dataset, logps)
 
     def _trainable_pairs(self, dataset: Any, name: str) -> Any:
-        """Raw pairs (a YAML run's collator processes them per batch) that its processing would skip are left
-        out first, counted in one warning, so that each pair kept gets its own reference log-probs."""
-        if not isinstance(self.data_collator, PairCollator):
+        """Raw pairs (processed per batch by their collator: a YAML run's, or pairs with images) that the
+        collator would skip are left out first (its ``check``), counted in one warning, so that each pair kept
+        gets its own reference log-probs and every batch holds only pairs that train. A ``datasets.Dataset``
+        stays one (its images are not kept decoded)."""
+        check = getattr(self.data_collator, "check", None)
+        if check is None:
             return dataset
         kept, skipped = [], Counter[str]()
-        for sample in dataset:
+        for i, sample in enumerate(dataset):
             try:
-                self.data_collator.process(sample)
-                kept.append(sample)
+                check(sample)
+                kept.append(i)
             except SkipSample as err:
                 skipped[err.reason] += 1
-        if skipped:
-            logger.warning("DPO: %d of %d %s pairs skipped: %s", sum(skipped.values()), len(dataset), name,
-                           dict(skipped))
-        return kept
+        if not skipped:
+            return dataset
+        logger.warning("DPO: %d of %d %s pairs skipped: %s", sum(skipped.values()), len(dataset), name,
+                       dict(skipped))
+        return dataset.select(kept) if hasattr(dataset, "select") else [dataset[i] for i in kept]
 
     def _checkpoint_files(self, sharded: bool) -> dict[str, Any]:
         files = super()._checkpoint_files(sharded)

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .hub_messages import build_messages, check_texts, sample_videos
-from .pairs import ANSWERS, check_pair
+from .pairs import ANSWERS, carry_ref_logps, check_pair
 from .preference_vision import ANSWER_IMAGES, VisionPreferenceCollator, answer_has_images
 from .processing import SkipSample, load_image, process_or_skip
 
@@ -69,13 +69,20 @@ class FittingPairCollator:
     def process(self, sample: Mapping[str, Any]) -> dict[str, Any]:
         return dict(sample)
 
+    def check(self, sample: Mapping[str, Any]) -> None:
+        """A SkipSample where ``sample`` would not train: its processing skips it, or its prompt fills
+        ``max_length`` (what precompute_ref_log_probs leaves out before its pass)."""
+        if not self._fits(self.process(sample)):
+            raise SkipSample("prompt_fills_max_length", f"the prompt fills max_length={self.layout.max_length}")
+
     def _batch(self, items: list[dict[str, Any]]) -> dict[str, Any]:
         return self.layout(items)
 
     def __call__(self, samples: list[Any]) -> dict[str, Any]:
         skipped: Counter[str] = Counter()
         keys: list[str] = []
-        items = [it for it in (process_or_skip(self.process, s, self.skipped, skipped, keys) for s in samples)
+        items = [carry_ref_logps(it, s) for it, s in
+                 ((process_or_skip(self.process, s, self.skipped, skipped, keys), s) for s in samples)
                  if it is not None]
         batch = self._laid_out(items, skipped) if items else None
         if batch is not None and not skipped and not self.report_always:

@@ -105,10 +105,20 @@ class PairCollator:
         items = []
         for sample in samples:
             item = process_or_skip(self.process, sample, self.skipped, skipped, keys)
-            if item is not None:  # (precompute_ref_log_probs: the reference's log-probs travel with the pair)
-                items.append({**item, **{k: sample[k] for k in REF_LOGPS_COLUMNS if k in sample}})
+            if item is not None:
+                items.append(carry_ref_logps(item, sample))
         bookkeeping = {"skipped": dict(+skipped), "skipped_keys": keys}
         return {**self.layout(items), **bookkeeping} if items else bookkeeping
+
+    def check(self, sample: Mapping[str, Any]) -> None:
+        """A SkipSample where ``sample`` would not train (what precompute_ref_log_probs leaves out first)."""
+        self.process(sample)
+
+
+def carry_ref_logps(item: dict[str, Any], sample: Mapping[str, Any]) -> dict[str, Any]:
+    """A processed pair with its raw sample's precomputed ``ref_chosen_logps`` / ``ref_rejected_logps``
+    (precompute_ref_log_probs: the reference's log-probs travel with their pair through shuffling and batching)."""
+    return {**item, **{k: sample[k] for k in REF_LOGPS_COLUMNS if k in sample}}
 
 
 def pair_check(collator: PairCollator) -> Callable[[Mapping[str, Any]], dict[str, Any]]:

@@ -31,7 +31,7 @@ import torch
 from ..errors import ConfigError
 from .hub_messages import sample_videos
 from .pair_packing import pack_pair_rows
-from .preference import is_conversational
+from .preference import REF_LOGPS_COLUMNS, is_conversational
 from .video import VideoClip, load_planned
 
 VISION_PREFIX = "vision_"
@@ -201,6 +201,9 @@ class VisionPreferenceCollator:
                 batch[k][r, :len(extra)] = torch.tensor(extra)
         counts, video_counts = [len(im) for im in images], [len(c) for c in clips]
         self._index_images(batch, prompt_ids, counts, prompts, video_counts)
+        for key in REF_LOGPS_COLUMNS:  # (precompute_ref_log_probs: the reference's, one per pair)
+            if key in samples[0]:
+                batch[key] = torch.tensor([float(s[key]) for s in samples], dtype=torch.float32)
         return self.pack(batch, samples) if self.padding_free else batch
 
     def pack(self, batch: dict[str, torch.Tensor], samples: list[Mapping[str, Any]]) -> dict[str, Any]:

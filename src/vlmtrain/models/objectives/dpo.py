@@ -52,7 +52,7 @@ def dpo_losses(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, answe
 
 
 def language_model(policy: nn.Module) -> nn.Module:
-    """The model whose log-probs DPO takes: the policy, or the base under its score heads (models/heads.py)."""
+    """The model whose log-probs DPO takes: the policy, or the base under its score heads (models/objectives/heads.py)."""
     return policy.base if hasattr(policy, "head_configs") else policy
 
 
@@ -175,6 +175,9 @@ class DPOObjective(nn.Module):
                 **kwargs: Any) -> dict[str, Any]:
         if completion_mask is None:
             raise ValueError("DPOObjective needs a pair batch's completion_mask (the answer tokens).")
+        if kwargs.pop("reference_only", False):  # (precompute_ref_log_probs' pass: a forward, gathered under FSDP)
+            return {"reference_logps": self.reference_logps(input_ids, attention_mask, completion_mask,
+                                                             sequence_index, **kwargs)}
         kwargs.pop("num_items_in_batch", None)
         kwargs.pop("loss_only", None)
         ref_chosen, ref_rejected = kwargs.pop("ref_chosen_logps", None), kwargs.pop("ref_rejected_logps", None)
