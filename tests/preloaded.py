@@ -34,6 +34,9 @@ def _child(target: str, argv: list[str], env: dict[str, str], log: str, err: str
     import torch
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # (the forkserver imported torch before)
+    # the platform's default start method, as in a fresh interpreter (a forkserver's child inherits "forkserver":
+    # a DataLoader's workers would then pickle the dataset)
+    multiprocessing.set_start_method(None, force=True)
     for path in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):  # (what the command's PYTHONPATH adds)
         if path and path not in sys.path:
             sys.path.insert(0, path)
