@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -248,16 +247,19 @@ def test_kill_9_with_an_evaluation_pending_then_resume_logs_each_step_once(tmp_p
     # save of step 4 for checkpoint-2's evaluation, and is killed there with both 2 and 4 pending.
     gates = _gates(tmp_path)
     path, _ = _config(tmp_path, max_steps=12, async_eval_command=fake_evaluator(gates))
+    # `vlmtrain train`: processes forked with their imports done (tests/preloaded.py), killed as a fresh one
+    from tests import preloaded
+
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "vlmtrain", "train", "--config", str(path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = ["train", "--config", str(path)]
+    proc = preloaded.start("vlmtrain.cli:main", argv, env, tmp_path / "killed.log")
     run_dir = tmp_path / "run"
     deadline = time.monotonic() + 300  # (a bound on a hang)
     while not (run_dir / "checkpoint-4" / "trainer_state.json").is_file():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+        assert proc.is_alive() and time.monotonic() < deadline, preloaded.output(proc)
         time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()  # SIGKILL
+    proc.join()
     for pid in _evaluators_alive(tmp_path):  # checkpoint-2's held evaluation, orphaned: it never reports
         os.kill(pid, signal.SIGKILL)
     while _evaluators_alive(tmp_path):
@@ -266,9 +268,13 @@ def test_kill_9_with_an_evaluation_pending_then_resume_logs_each_step_once(tmp_p
     assert not (run_dir / "checkpoint-6").exists() and not (run_dir / "async_eval" / "step-2.json").exists()
     assert not [r for r in _rows(run_dir) if r.get("eval_async")]
     (gates / "all").touch()
-    done = subprocess.run(cmd + ["--train.resume_from_checkpoint", "true"], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = preloaded.start("vlmtrain.cli:main", [*argv, "--train.resume_from_checkpoint", "true"], env,
+                              tmp_path / "resumed.log")
+    resumed.join(300)
+    if resumed.exitcode is None:  # (a bound on a hang)
+        resumed.kill()
+        resumed.join()
+    assert resumed.exitcode == 0, preloaded.output(resumed)
     assert _fake_steps(_async_rows(run_dir)) == {2: [2], 4: [4], 6: [6], 8: [8], 10: [10], 12: [12]}
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -61,11 +60,19 @@ main()
 
 
 def _torchrun(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess:
+    """The script as 2 ranks with torchrun's rank environment, forked with their imports done (tests/preloaded.py:
+    no thread of the forkserver's survives the fork; its children run the atexit handlers as an interpreter
+    does); the ranks' stderr, rank by rank, is the returned stderr."""
+    from tests import preloaded
+
     path = tmp_path / "worker.py"
     path.write_text(script)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(path), *args], env=env, capture_output=True, text=True, timeout=300)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    codes, _ = preloaded.launch("tests.preloaded:run_script", [str(path), *args], env, 2, logs, stderr_apart=True)
+    err = "".join((logs / f"rank{r}.err").read_text() for r in range(2))
+    return subprocess.CompletedProcess(args, next((c for c in codes if c != 0), 0), "", err)  # (None: hung)
 
 
 def _reports(stderr: str, marker: str) -> list[str]:

@@ -1,4 +1,7 @@
-"""DDP under torchrun (gloo, CPU): 2 processes x batch 2 == 1 process x batch 4, step by step; resume in 2."""
+"""DDP under torchrun (gloo, CPU): 2 processes x batch 2 == 1 process x batch 4, step by step; resume in 2.
+
+The runs are ranks with torchrun's environment forked with their imports done (tests/preloaded.py, `vlmtrain`
+below); a test about the launcher (`vlmtrain train --nproc 2` losing a rank) starts the real one."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,14 +47,25 @@ def _vlm():
     return cfg
 
 
+def vlmtrain(logs: Path, nproc: int, *argv: str) -> str:
+    """``vlmtrain ARGV`` as one process or as ``nproc`` ranks (torchrun's rank environment, no launcher: these
+    tests are about the ranks), forked with their imports done (tests/preloaded.py); asserts exit code 0 and
+    returns the stdout of every rank (rank by rank; stderr apart, as a subprocess's). logs: a new folder."""
+    from tests import preloaded
+
+    logs = Path(tempfile.mkdtemp(prefix=f"{logs.name}-", dir=logs.parent))  # (one folder per call, even on a reuse)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    codes, output = preloaded.launch("vlmtrain.cli:main", list(argv), env, nproc, logs, timeout=600,
+                                     stderr_apart=True)
+    assert codes == [0] * nproc, output
+    return "".join((logs / f"rank{r}.log").read_text() for r in range(nproc))
+
+
 def _run(tmp_path: Path, cfg: dict, out: str, nproc: int, batch: int, *extra: str) -> Path:
     path = tmp_path / f"{out}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "vlmtrain", "train", "--config", str(path), "--nproc", str(nproc),
-           "--train.output_dir", str(tmp_path / out), "--train.per_device_train_batch_size", str(batch), *extra]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    vlmtrain(tmp_path / f"{out}-logs", nproc, "train", "--config", str(path), "--train.output_dir", str(tmp_path / out),
+             "--train.per_device_train_batch_size", str(batch), *extra)
     return tmp_path / out
 
 
@@ -212,15 +227,10 @@ def test_fsdp_two_processes_match_one_process_resume_and_export(tmp_path, shared
     assert (ckpt / "dcp" / ".metadata").is_file() and not (ckpt / "model.safetensors").exists()
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(ckpt / "dcp"))  # each rank wrote its shards
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    cli = [sys.executable, "-m", "vlmtrain"]
     cfg_path = two.parent / "run.yaml"  # written by _run
-    done = subprocess.run([*cli, "eval", "--config", str(cfg_path), "--checkpoint", str(ckpt),
-                           "--train.output_dir", str(tmp_path / "eval")], env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and "eval_loss" in done.stdout, done.stderr[-3000:]
-    done = subprocess.run([*cli, "export", "--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "exported")],
-                          env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert "eval_loss" in vlmtrain(tmp_path / "eval-logs", 1, "eval", "--config", str(cfg_path), "--checkpoint",
+                                   str(ckpt), "--train.output_dir", str(tmp_path / "eval"))
+    vlmtrain(tmp_path / "export-logs", 1, "export", "--checkpoint", str(ckpt), "--output-dir", str(tmp_path / "exported"))
     exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
     reference = _weights(one, steps)
     assert set(reference) <= set(exported)
@@ -233,9 +243,7 @@ def test_fsdp_two_processes_match_one_process_resume_and_export(tmp_path, shared
                    "--train.resume_from_checkpoint", str(two / f"checkpoint-{steps // 2}"))
     assert [_losses(resumed)[s] for s in range(steps // 2 + 1, steps + 1)] == \
            [b[s] for s in range(steps // 2 + 1, steps + 1)]
-    done = subprocess.run([*cli, "export", "--checkpoint", str(resumed / f"checkpoint-{steps}")], env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    vlmtrain(tmp_path / "export-logs", 1, "export", "--checkpoint", str(resumed / f"checkpoint-{steps}"))
     again = load_file(str(resumed / f"checkpoint-{steps}" / "model.safetensors"))
     assert all(torch.equal(again[k], exported[k]) for k in exported)
 
@@ -262,10 +270,8 @@ def test_fsdp_with_bfloat16_parameters_shards_and_trains_in_bfloat16(tmp_path):
     assert all(abs(one[s] - fsdp[s]) < 0.02 * one[s] for s in one), (one, fsdp)
     assert fsdp[6] < fsdp[1]  # it learns
     exported = tmp_path / "exported"
-    done = subprocess.run([sys.executable, "-m", "vlmtrain", "export", "--checkpoint", str(run / "checkpoint-6"),
-                           "--output-dir", str(exported)], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    vlmtrain(tmp_path / "export-logs", 1, "export", "--checkpoint", str(run / "checkpoint-6"), "--output-dir",
+             str(exported))
     weights = load_file(str(exported / "model.safetensors"))
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
 
@@ -278,26 +284,20 @@ def test_evaluation_is_sharded_over_ranks_and_gathered_in_order(tmp_path, shared
     cfg["train"]["per_device_eval_batch_size"] = 2
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))  # (what is evaluated: any checkpoint of the LM does)
     run = shared_run("lm", 1, 4)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vlmtrain"]
-    single = [sys.executable, "-m", "vlmtrain"]
     args = ["--config", str(tmp_path / "run.yaml"), "--checkpoint", str(run / "checkpoint-6")]
     outputs = {}
-    for name, prefix in (("one", single), ("two", torchrun)):
+    for name, nproc in (("one", 1), ("two", 2)):
         for command in ("eval", "predict"):
-            done = subprocess.run([*prefix, command, *args], env=env, capture_output=True, text=True, timeout=300)
-            assert done.returncode == 0, done.stderr[-3000:]
-            outputs[name, command] = done.stdout
+            outputs[name, command] = vlmtrain(tmp_path / "logs", nproc, command, *args)
     # Six steps teach no sum (exact match 0 either way): a copy of checkpoint-6 rewired to answer "57" to every
     # prompt is right on 2 of the 9 samples (a pair and its mirror image: samples 0 and 1, one on each rank).
     truths = [str(a + b) for a, b in split_pairs(num_eval=9, seed=load_run_config(tmp_path / "run.yaml").data.seed)[1]]
     assert truths.count("57") == 2 and truths.index("57") == 0, truths
     _answering(run / "checkpoint-6", tmp_path / "answers-57" / "checkpoint-6", "57")
     args57 = [*args[:-1], str(tmp_path / "answers-57" / "checkpoint-6")]
-    for name, prefix in (("one", single), ("two", torchrun)):
-        done = subprocess.run([*prefix, "eval", *args57], env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        outputs[name, "eval57"] = json.loads(done.stdout[done.stdout.index("{\n"):])
+    for name, nproc in (("one", 1), ("two", 2)):
+        stdout = vlmtrain(tmp_path / "logs", nproc, "eval", *args57)
+        outputs[name, "eval57"] = json.loads(stdout[stdout.index("{\n"):])
     one, two = (json.loads(outputs[n, "eval"][outputs[n, "eval"].index("{\n"):]) for n in ("one", "two"))
     assert one["eval_samples"] == two["eval_samples"] == 9
     assert abs(one["eval_loss"] - two["eval_loss"]) < 1e-6
@@ -351,10 +351,7 @@ def test_fsdp_trains_evaluates_and_exports_the_vlm(tmp_path, shared_run):
     assert sorted(a) == sorted(b) and all(abs(a[s] - b[s]) < 1e-5 for s in a), (a, b)
     rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
     assert any("eval_exact_match" in r for r in rows)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, "-m", "vlmtrain", "export", "--checkpoint", str(run)], env=env,
-                          capture_output=True, text=True)
-    assert done.returncode == 0 and f"checkpoint-{steps}" in done.stdout, done.stderr[-3000:]
+    assert f"checkpoint-{steps}" in vlmtrain(tmp_path / "export-logs", 1, "export", "--checkpoint", str(run))
     model = VisionLanguageModel.from_pretrained(run / f"checkpoint-{steps}")
     assert model.config.image_token_length > 0
 
@@ -399,10 +396,13 @@ def test_save_model_under_fsdp_gathers_a_loadable_model(tmp_path):
 
     script = tmp_path / "save.py"
     script.write_text(SAVE_MODEL_SCRIPT)
+    from tests import preloaded
+
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    (tmp_path / "logs").mkdir()
+    codes, output = preloaded.launch("tests.preloaded:run_script", [str(script), str(tmp_path / "out")], env, 2,
+                                     tmp_path / "logs")
+    assert codes == [0, 0], output
     model = LlamaForCausalLM.from_pretrained(tmp_path / "out" / "final")
     weights = load_file(str(tmp_path / "out" / "final" / "model.safetensors"))
     assert all(not torch.equal(weights[k], torch.zeros_like(weights[k])) for k in weights)

@@ -5,13 +5,12 @@ micro-batches (accumulation) and ranks (DDP, FSDP); score-only micro-batches nev
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import preloaded
 from tests.loss_counts_worker import Collate, heads_model, mixed_samples, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,10 +62,10 @@ def _torchrun(tmp_path: Path, name: str, *args: str) -> dict:
     out = tmp_path / name
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "loss_counts_worker.py"), str(out), *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the ranks: torchrun's rank environment, forked with their imports done (tests/preloaded.py; no launcher)
+    codes, output = preloaded.launch("tests.preloaded:run_script", [
+        str(ROOT / "tests" / "loss_counts_worker.py"), str(out), *args], env, 2, out)
+    assert codes == [0, 0], output
     return torch.load(out / "result.pt", weights_only=False)
 
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import preloaded
 from tests.rank_mixtures_worker import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,10 +27,11 @@ def _torchrun(tmp_path: Path, *names: str, nproc: int = 2) -> Path:
     out = tmp_path / "two"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "rank_mixtures_worker.py"), str(out), ",".join(names)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (tmp_path / "logs").mkdir()
+    # the ranks: torchrun's rank environment, forked with their imports done (tests/preloaded.py; no launcher)
+    codes, output = preloaded.launch("tests.preloaded:run_script", [
+        str(ROOT / "tests" / "rank_mixtures_worker.py"), str(out), ",".join(names)], env, nproc, tmp_path / "logs")
+    assert codes == [0] * nproc, output
     return out
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ import torch
 import yaml
 from PIL import Image
 
+from tests import preloaded
 from tests.test_rank_mixtures_vision import OPTIMIZERS, _config, _problem, suffix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,10 +70,11 @@ def test_video_rank_and_image_or_text_rank_match_one_process(tmp_path, one_threa
     runs = [(c, optim) for optim in OPTIMIZERS for c in CASES]
     configs = [config(c, 2, optim) for c, optim in runs]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "rank_mixtures_vision_worker.py"), str(tmp_path), *configs]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    output = done.stdout[-3000:] + done.stderr[-5000:]
+    (tmp_path / "logs").mkdir()
+    # the ranks: torchrun's rank environment, forked with their imports done (tests/preloaded.py; no launcher)
+    _, output = preloaded.launch("tests.preloaded:run_script", [
+        str(ROOT / "tests" / "rank_mixtures_vision_worker.py"), str(tmp_path), *configs], env, 2, tmp_path / "logs",
+        timeout=600)
     for case, optim in runs:
         run(config(case, 1, optim), str(tmp_path))
     problems = {f"{case} ({optim})": _problem(tmp_path, case, output, optim) for case, optim in runs}

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +24,8 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+
+from tests import preloaded
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = {"r": 4, "modules_to_save": ["projector"]}  # adapters on the text model, the projector trained whole
@@ -233,10 +233,11 @@ def test_image_rank_and_text_only_rank_match_one_process(tmp_path, one_thread, g
     runs = [(c, optim) for optim in OPTIMIZERS for c in cases]
     configs = [str(_config(tmp_path, c, checkpoints, 2, optim)) for c, optim in runs]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "rank_mixtures_vision_worker.py"), str(tmp_path), *configs]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    output = done.stdout[-3000:] + done.stderr[-5000:]
+    (tmp_path / "logs").mkdir()
+    # the ranks: torchrun's rank environment, forked with their imports done (tests/preloaded.py; no launcher)
+    _, output = preloaded.launch("tests.preloaded:run_script", [
+        str(ROOT / "tests" / "rank_mixtures_vision_worker.py"), str(tmp_path), *configs], env, 2, tmp_path / "logs",
+        timeout=600)
     for case, optim in runs:
         run(str(_config(tmp_path, case, checkpoints, 1, optim)), str(tmp_path))
     problems = {f"{case} ({optim})": _problem(tmp_path, case, output, optim) for case, optim in runs}

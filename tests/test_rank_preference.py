@@ -11,12 +11,11 @@ Compared: the final weights of the policy (AdamW with weight decay) and the logg
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
+from tests import preloaded
 from tests.optional_extras import requires
 from tests.rank_preference_worker import CASES
 from tests.test_reward import model_dir  # noqa: F401 (the tiny Llama reward model, a fixture)
@@ -79,10 +78,11 @@ def test_preference_training_on_two_ranks_equals_one_process(tmp_path, tiny_hub,
 
     _, vlm_dir, _ = tiny_hub("qwen3_vl")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "rank_preference_worker.py"), str(tmp_path), vlm_dir, str(reward_dir), *CASES]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    output = done.stdout[-3000:] + done.stderr[-5000:]
+    (tmp_path / "logs").mkdir()
+    # the ranks: torchrun's rank environment, forked with their imports done (tests/preloaded.py; no launcher)
+    _, output = preloaded.launch("tests.preloaded:run_script", [
+        str(ROOT / "tests" / "rank_preference_worker.py"), str(tmp_path), vlm_dir, str(reward_dir), *CASES], env, 2,
+        tmp_path / "logs", timeout=600)
     for case in CASES:
         run(case, vlm_dir, str(reward_dir), str(tmp_path))
     problems = {case: _problem(tmp_path, case, output) for case in CASES}

@@ -4,13 +4,12 @@ gradient all-reduce: every rank skips that micro-batch (2 gloo processes, the ba
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import preloaded
 from vlmtrain.trainer.stats import RANK_SYNC_REASON
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,11 +19,12 @@ def _torchrun(tmp_path: Path, name: str, bad_rank: int, bad_call: int, accum: in
     out = tmp_path / name
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "rank_sync_worker.py"), str(out), str(bad_rank), str(bad_call), str(accum)]
-    # Before the fix rank 0 waited in the all-reduce until ddp_timeout (60 s) and the job failed.
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Before the fix rank 0 waited in the all-reduce until ddp_timeout (60 s) and the job failed. (The ranks:
+    # torchrun's rank environment, forked with their imports done, tests/preloaded.py; no launcher.)
+    codes, output = preloaded.launch("tests.preloaded:run_script", [
+        str(ROOT / "tests" / "rank_sync_worker.py"), str(out), str(bad_rank), str(bad_call), str(accum)], env, 2,
+        out, timeout=240)
+    assert codes == [0, 0], output
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
