@@ -205,7 +205,9 @@ def test_rotation_never_deletes_best_or_newest(tmp_path, limit):
     assert len(watcher.saves) == 5
     assert trainer.state.best_global_step == 2
     assert trainer.state.best_model_checkpoint == str(out / "checkpoint-2")
-    newest = [f"checkpoint-{s}" for s in (4, 6, 8, 10)][-max(limit - 1, 1):]
+    # (the watcher: the best and the newest after every save). When training ends save_total_limit=1 leaves the
+    # best one only, as transformers' Trainer does; a larger limit keeps the newest ones beside it.
+    newest = [f"checkpoint-{s}" for s in (4, 6, 8, 10)][-(limit - 1):] if limit > 1 else []
     assert checkpoints(out) == ["checkpoint-2", *newest]
     # load_best_model_at_end put the best checkpoint's weights back.
     best = safetensors.torch.load_file(str(out / "checkpoint-2" / "model.safetensors"))

@@ -186,6 +186,18 @@ class Overflowing(TupleClassifier):
             self.net.weight.fill_(3e38)
 
 
+def test_debug_none_is_no_option_as_transformers(tmp_path):
+    """debug=None (what an argument parser can hand over) is an empty list, as transformers makes it: train()
+    reads it (it raised TypeError: argument of type 'NoneType' is not iterable)."""
+    from test_transformers_dropin import _args
+
+    debug = {framework: _args(framework, tmp_path, debug=None).debug for framework in FRAMEWORKS}
+    assert debug["ours"] == debug["hf"] == []
+    trainer = _trainer("ours", tmp_path, dict(debug=None, max_steps=1), model=TupleClassifier(),
+                       train_dataset=_samples(8))
+    assert trainer.train().global_step == 1
+
+
 def test_debug_underflow_overflow_stops_at_the_first_inf_as_transformers(tmp_path, capsys):
     errors = {}
     for framework in FRAMEWORKS:

@@ -255,8 +255,10 @@ def resolve_transformers_names(args: Any) -> None:
     if args.use_cpu:
         args.dataloader_pin_memory = False
     args.fsdp = None if args.fsdp is None else _fsdp_flag(args.fsdp)  # (transformers: None stays None)
-    if isinstance(args.debug, str):  # as transformers: a list of options
+    if isinstance(args.debug, str):  # as transformers: a list of options (None: none)
         args.debug = args.debug.split()
+    elif args.debug is None:
+        args.debug = []
     for option in _debug_options(args.debug):
         check_choice("debug", option, ("underflow_overflow", "tpu_metrics_debug"))
     if args.torch_compile_backend is not None or args.torch_compile_mode is not None:
