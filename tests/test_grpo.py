@@ -1,0 +1,178 @@
+"""vlmtrain.GRPOTrainer equals TRL 1.16's GRPOTrainer on a tiny causal LM given the same completions (a rollout
+that both sides share: TRL's ``rollout_func``, vlmtrain's ``generator``), and refuses bad input clearly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import vlmtrain
+from tests.optional_extras import requires
+from tests.test_dpo import SPECIALS, WORDS, _tokenizer
+from tests.tiny import tiny_llama
+from vlmtrain.errors import ConfigError
+
+EOS, VOCAB = 3, len(SPECIALS) + len(WORDS)
+
+
+def _prompts(n: int = 12, seed: int = 0):
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    return Dataset.from_list([{"prompt": " ".join(rng.choice(WORDS[:40]) for _ in range(rng.randint(2, 6))),
+                               "target": f"w{rng.randint(0, 9)}"} for _ in range(n)])
+
+
+class FixedCompletions:
+    """Deterministic completions per call and row (some end with EOS, others run to the limit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.calls, self.limit = 0, limit
+
+    def completions(self, count: int) -> list[list[int]]:
+        rng = random.Random(self.calls)
+        self.calls += 1
+        rows = []
+        for _ in range(count):
+            n = rng.randint(1, self.limit)
+            row = [rng.randrange(4, 4 + 12) for _ in range(n)]
+            if n < self.limit and rng.random() < 0.7:
+                row[-1] = EOS
+            rows.append(row)
+        return rows
+
+    def __call__(self, model, prompt_ids):  # vlmtrain's Generator
+        return self.completions(len(prompt_ids))
+
+    def trl(self, prompts, trainer):  # TRL's rollout_func
+        ids = trainer.processing_class(text=prompts)["input_ids"]
+        return {"prompt_ids": ids, "completion_ids": self.completions(len(prompts)), "logprobs": None}
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c.split()) % 3) for c in completions]
+
+
+def target_reward(completions, target, **kwargs):
+    return [1.0 if t in c.split() else 0.0 for c, t in zip(completions, target, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_grpo")
+    tiny_llama(vocab_size=VOCAB, pad_token_id=0, eos_token_id=EOS).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+def _config(cls, out, **kw):
+    base = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=6, max_steps=4,
+                learning_rate=1e-3, weight_decay=0.1, logging_steps=1, seed=7, bf16=False,
+                gradient_checkpointing=False, report_to="none", save_strategy="no", use_cpu=True,
+                dataloader_num_workers=0, disable_tqdm=True, reward_weights=[1.0, 0.5])
+    return cls(str(out), **{**base, **kw})
+
+
+def _run(framework: str, model_dir, out, **kw):
+    rollout = FixedCompletions(6)
+    funcs = [length_reward, target_reward]
+    if framework == "trl":
+        import trl
+
+        trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs, args=_config(trl.GRPOConfig, out, **kw),
+                                  train_dataset=_prompts(), processing_class=_tokenizer(), rollout_func=rollout.trl)
+    else:
+        trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
+                                       args=_config(vlmtrain.GRPOConfig, out, **kw), train_dataset=_prompts(),
+                                       processing_class=_tokenizer(), generator=rollout)
+    trainer.train()
+    policy = trainer.model if framework == "trl" else trainer.policy
+    return [e for e in trainer.state.log_history if "loss" in e], {k: v.detach().clone() for k, v in
+                                                                   policy.state_dict().items()}
+
+
+CASES = [("dapo", 0.0, 1), ("grpo", 0.0, 2), ("dr_grpo", 0.0, 1), ("dapo", 0.1, 1), ("grpo", 0.1, 1),
+         ("dr_grpo", 0.1, 1)]
+
+
+@requires("trl", "dev")
+@pytest.mark.parametrize("loss_type,beta,num_iterations", CASES, ids=[f"{t}-beta{b}-mu{m}" for t, b, m in CASES])
+def test_grpo_equals_trl(model_dir, tmp_path, loss_type, beta, num_iterations):
+    kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+    trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", **kw)
+    logs, weights = _run("ours", model_dir, tmp_path / "ours", **kw)
+    assert len(logs) == len(trl_logs) == 4
+    keys = ["loss", "reward", "reward_std", "rewards/length_reward/mean", "rewards/target_reward/mean",
+            "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
+            "entropy"] + (["kl"] if beta else [])
+    for ours, theirs in zip(logs, trl_logs, strict=True):
+        for key in keys:
+            assert (key in ours) == (key in theirs), (key, ours["step"])  # (rollout metrics: steps that generate)
+            if key not in theirs:
+                continue
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours["step"])
+    for name, value in trl_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    first = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert any(not torch.equal(first[k], weights[k]) for k in first)  # (it trained)
+
+
+def _trainer(model_dir, out, funcs, dataset=None, generator=None, **kw):
+    return vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
+                                args=_config(vlmtrain.GRPOConfig, out, max_steps=1, reward_weights=None, **kw),
+                                train_dataset=dataset or _prompts(), processing_class=_tokenizer(),
+                                generator=generator or FixedCompletions(6))
+
+
+def test_grpo_reward_returning_nan_or_the_wrong_length_is_an_error_naming_it(model_dir, tmp_path):
+    def nan_reward(completions, **kw):
+        return [float("nan")] * len(completions)
+
+    def short_reward(completions, **kw):
+        return [1.0]
+
+    for func, match in ((nan_reward, "'nan_reward' returned nan"), (short_reward, "'short_reward' returned 1 ")):
+        with pytest.raises(ValueError, match=match):
+            _trainer(model_dir, tmp_path, [func]).train()
+
+
+def test_grpo_a_reward_raising_on_a_sample_skips_it_counted(model_dir, tmp_path):
+    def picky_reward(completions, **kw):
+        if any(len(c.split()) == 1 for c in completions):
+            raise RuntimeError("one word")
+        return [1.0] * len(completions)
+
+    trainer = _trainer(model_dir, tmp_path, [picky_reward, length_reward])
+    trainer.train()
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    assert log["rewards/picky_reward/skipped"] > 0
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_generations=3), r"generation_batch_size \(8.*divisible by num_generations \(3\)"),
+    (dict(use_vllm=True), "use_vllm=True not supported"),
+    (dict(loss_type="cispo"), "loss_type='cispo'"),
+])
+def test_grpo_config_refuses_what_cannot_run(tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _config(vlmtrain.GRPOConfig, tmp_path, **kw)
+
+
+def test_grpo_a_prompt_leaving_no_room_for_the_completion_is_an_error(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="max_completion_length=62"):
+        _trainer(model_dir, tmp_path, [length_reward], max_completion_length=62).train()
+
+
+def test_grpo_samples_with_the_policy_generate(model_dir, tmp_path):
+    """The default rollout: the policy's own generate (sampling), every completion within the limit."""
+    trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs="tests.test_grpo:length_reward",
+                                   args=_config(vlmtrain.GRPOConfig, tmp_path, max_steps=1, reward_weights=None,
+                                                log_completions=True),
+                                   train_dataset=_prompts(), processing_class=_tokenizer())
+    trainer.train()
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    assert 1 <= log["completions/max_length"] <= 6
+    assert len(log["completions"]) == 8 and {"prompt", "completion", "reward", "advantage"} <= set(log["completions"][0])
