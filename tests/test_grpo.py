@@ -94,14 +94,18 @@ def _run(framework: str, model_dir, out, **kw):
                                                                    policy.state_dict().items()}
 
 
-CASES = [("dapo", 0.0, 1), ("grpo", 0.0, 2), ("dr_grpo", 0.0, 1), ("dapo", 0.1, 1), ("grpo", 0.1, 1),
-         ("dr_grpo", 0.1, 1)]
+CASES = [("dapo", 0.0, 1, 1), ("grpo", 0.0, 2, 1), ("dr_grpo", 0.0, 1, 1), ("dapo", 0.1, 1, 1), ("grpo", 0.1, 1, 1),
+         ("dr_grpo", 0.1, 1, 1), ("dapo", 0.0, 1, 2), ("grpo", 0.0, 1, 2)]
 
 
 @requires("trl", "dev")
-@pytest.mark.parametrize("loss_type,beta,num_iterations", CASES, ids=[f"{t}-beta{b}-mu{m}" for t, b, m in CASES])
-def test_grpo_equals_trl(model_dir, tmp_path, loss_type, beta, num_iterations):
-    kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+@pytest.mark.parametrize("loss_type,beta,num_iterations,accum", CASES,
+                         ids=[f"{t}-beta{b}-mu{m}-accum{a}" for t, b, m, a in CASES])
+def test_grpo_equals_trl(model_dir, tmp_path, loss_type, beta, num_iterations, accum):
+    """(With 2 accumulation steps TRL shuffles the generation batch before splitting it: each micro-batch's loss
+    differs, the step's loss and weights do not.)"""
+    kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations, gradient_accumulation_steps=accum,
+              per_device_train_batch_size=8 // accum)
     trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", **kw)
     logs, weights = _run("ours", model_dir, tmp_path / "ours", **kw)
     assert len(logs) == len(trl_logs) == 4
