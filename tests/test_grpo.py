@@ -94,8 +94,8 @@ def _run(framework: str, model_dir, out, **kw):
                                                                    policy.state_dict().items()}
 
 
-CASES = [("dapo", 0.0, 1, 1), ("grpo", 0.0, 2, 1), ("dr_grpo", 0.0, 1, 1), ("dapo", 0.1, 1, 1), ("grpo", 0.1, 1, 1),
-         ("dr_grpo", 0.1, 1, 1), ("dapo", 0.0, 1, 2), ("grpo", 0.0, 1, 2)]
+CASES = [("dapo", 0.0, 1, 1), ("grpo", 0.0, 2, 1), ("dr_grpo", 0.0, 1, 1), ("dapo", 0.1, 2, 1), ("grpo", 0.1, 1, 1),
+         ("dr_grpo", 0.1, 2, 1), ("dapo", 0.0, 1, 2), ("grpo", 0.0, 1, 2)]
 
 
 @requires("trl", "dev")

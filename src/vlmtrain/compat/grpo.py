@@ -96,7 +96,8 @@ class GRPOTrainer(Trainer):
         objective = GRPOObjective(model, ref_model, beta=args.beta, epsilon=args.epsilon,
                                   epsilon_high=args.epsilon_high, loss_type=args.loss_type,
                                   importance_sampling_level=args.importance_sampling_level,
-                                  max_completion_length=args.max_completion_length, temperature=args.temperature)
+                                  max_completion_length=args.max_completion_length, temperature=args.temperature,
+                                  use_bias_correction_kl=args.use_bias_correction_kl)
         eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else (
             tokenizer.eos_token_id)
         self.eos_token_ids = eos if isinstance(eos, list) else [eos]

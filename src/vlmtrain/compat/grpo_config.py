@@ -14,7 +14,7 @@ UNSUPPORTED = {  # TRL 1.16's GRPOConfig options vlmtrain does not implement yet
     "use_vllm": False, "use_transformers_continuous_batching": False, "delta": None,
     "multi_objective_aggregation": "sum_then_normalize", "sync_ref_model": False, "top_entropy_quantile": 1.0,
     "entropy_coef": 0.0, "use_adaptive_entropy": False, "off_policy_mask_threshold": None,
-    "use_bias_correction_kl": False, "cast_lm_head_to_fp32": False, "num_generations_eval": None,
+"cast_lm_head_to_fp32": False, "num_generations_eval": None,
     "max_tool_calling_iterations": None, "log_completions_hub_repo": None, "chat_template_kwargs": None,
 }
 
@@ -56,6 +56,8 @@ class GRPOConfig(TrainingArguments):
     epsilon_high: float | None = None
     """Upper clipping bound (None: ``epsilon``; DAPO recommends 0.28)."""
     importance_sampling_level: str = "token"
+    use_bias_correction_kl: bool = True
+    """Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient; TRL's default)."""
     reward_weights: list[float] | None = None
     scale_rewards: str | bool = "group"
     loss_type: str = "dapo"

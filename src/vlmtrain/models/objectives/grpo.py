@@ -72,7 +72,7 @@ class GRPOObjective(nn.Module):
 
     def __init__(self, policy: nn.Module, ref_model: nn.Module | None, *, beta: float, epsilon: float,
                  epsilon_high: float | None, loss_type: str, importance_sampling_level: str,
-                 max_completion_length: int, temperature: float) -> None:
+                 max_completion_length: int, temperature: float, use_bias_correction_kl: bool = True) -> None:
         super().__init__()
         if loss_type not in LOSS_TYPES:
             raise ConfigError(f"loss_type={loss_type!r}: vlmtrain's GRPO has {LOSS_TYPES} (TRL's other loss types "
@@ -87,6 +87,7 @@ class GRPOObjective(nn.Module):
         self.beta, self.loss_type, self.level = beta, loss_type, importance_sampling_level
         self.epsilon_low, self.epsilon_high = epsilon, epsilon if epsilon_high is None else epsilon_high
         self.max_completion_length, self.temperature = max_completion_length, temperature
+        self.use_bias_correction_kl = use_bias_correction_kl
 
     def train(self, mode: bool = True) -> GRPOObjective:
         super().train(mode)
@@ -130,6 +131,8 @@ class GRPOObjective(nn.Module):
         if self.beta != 0.0:
             diff = ref_per_token_logps - logps
             per_token_kl = torch.exp(diff) - diff - 1
+            if self.use_bias_correction_kl:  # (TRL's default: the ratio's gradient counts even where it is 1)
+                per_token_kl = per_token_kl * coef_1
             per_token_loss = per_token_loss + self.beta * per_token_kl
             metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
         loss, num_items = self._reduce(per_token_loss, mask)
