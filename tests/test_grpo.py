@@ -154,6 +154,12 @@ def test_grpo_a_reward_raising_on_a_sample_skips_it_counted(model_dir, tmp_path)
     log = next(e for e in trainer.state.log_history if "loss" in e)
     assert log["rewards/picky_reward/skipped"] > 0
 
+    def broken_reward(completions, **kw):
+        raise TypeError("bad signature")
+
+    with pytest.raises(RuntimeError, match="'broken_reward' raised on every completion"):
+        _trainer(model_dir, tmp_path, [broken_reward]).train()
+
 
 @pytest.mark.parametrize("kw,match", [
     (dict(num_generations=3), r"generation_batch_size \(8.*divisible by num_generations \(3\)"),

@@ -77,14 +77,11 @@ class GRPOConfig(TrainingArguments):
         for name, value, allowed in (("loss_type", self.loss_type, LOSS_TYPES),
                                      ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
                                      ("importance_sampling_level", self.importance_sampling_level,
-                                      IMPORTANCE_SAMPLING_LEVELS)):
-            if value not in allowed:
+                                      IMPORTANCE_SAMPLING_LEVELS),
+                                     ("pad_to_multiple_of", self.pad_to_multiple_of, ("auto", None))):
+            if value not in allowed:  # (pad_to_multiple_of: rows are padded to the batch's longest)
                 raise ConfigError(f"{name}={value!r}: vlmtrain's GRPO has {allowed}.")
-        if self.pad_to_multiple_of not in ("auto", None):
-            raise ConfigError(f"pad_to_multiple_of={self.pad_to_multiple_of!r}: vlmtrain's GRPO pads to the longest "
-                              "row; set pad_to_multiple_of=None.")
-        self.pad_to_multiple_of = None
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        self.bf16, self.pad_to_multiple_of = (not self.fp16 if self.bf16 is None else self.bf16), None
         super().__post_init__()
         self._resolve_generation_batch()
 

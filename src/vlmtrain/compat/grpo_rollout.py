@@ -119,8 +119,8 @@ def score(funcs: list[Callable], names: list[str], prompts: list, completions: l
         kwargs = {**columns, **extra}
         try:
             out = list(f(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
-        except Exception:  # noqa: BLE001 - found per sample below: a failing sample is skipped, counted
-            out = []
+        except Exception as batch_err:  # noqa: BLE001 - found per sample below: a failing sample is skipped, counted
+            out, failures = [], 0
             for i in range(len(prompts)):
                 try:
                     out += list(f(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
@@ -132,7 +132,11 @@ def score(funcs: list[Callable], names: list[str], prompts: list, completions: l
                                        "scored by it (counted in rewards/%s/skipped)", name, type(err).__name__,
                                        err, name)
                     skipped[name] = skipped.get(name, 0) + 1
+                    failures += 1
                     out.append(None)
+            if failures == len(prompts):  # (a broken function, not a bad sample: never a batch without rewards)
+                raise RuntimeError(f"The reward function '{name}' raised on every completion of the batch "
+                                   f"({type(batch_err).__name__}: {batch_err}).") from batch_err
         if len(out) != len(prompts):
             raise ValueError(f"The reward function '{name}' returned {len(out)} rewards, but {len(prompts)} were "
                              "expected (one per prompt-completion pair).")
