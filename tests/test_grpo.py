@@ -18,12 +18,19 @@ from vlmtrain.errors import ConfigError
 EOS, VOCAB = 3, len(SPECIALS) + len(WORDS)
 
 
-def _prompts(n: int = 12, seed: int = 0):
+def _prompts(n: int = 12, seed: int = 0, conversational: bool = False):
     from datasets import Dataset
 
     rng = random.Random(seed)
-    return Dataset.from_list([{"prompt": " ".join(rng.choice(WORDS[:40]) for _ in range(rng.randint(2, 6))),
-                               "target": f"w{rng.randint(0, 9)}"} for _ in range(n)])
+    rows = [{"prompt": " ".join(rng.choice(WORDS[:40]) for _ in range(rng.randint(2, 6))),
+             "target": f"w{rng.randint(0, 9)}"} for _ in range(n)]
+    if conversational:
+        rows = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows]
+    return Dataset.from_list(rows)
+
+
+def _text(completion) -> str:
+    return completion[0]["content"] if isinstance(completion, list) else completion
 
 
 class FixedCompletions:
@@ -48,16 +55,22 @@ class FixedCompletions:
         return self.completions(len(prompt_ids))
 
     def trl(self, prompts, trainer):  # TRL's rollout_func
-        ids = trainer.processing_class(text=prompts)["input_ids"]
+        tok = trainer.processing_class
+        ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for p in prompts] if isinstance(prompts[0], list) else tok(text=prompts)["input_ids"]
         return {"prompt_ids": ids, "completion_ids": self.completions(len(prompts)), "logprobs": None}
 
 
+COMPLETION_TYPES: set[type] = set()  # what length_reward was given (messages for conversational prompts)
+
+
 def length_reward(completions, **kwargs):
-    return [float(len(c.split()) % 3) for c in completions]
+    COMPLETION_TYPES.add(type(completions[0]))
+    return [float(len(_text(c).split()) % 3) for c in completions]
 
 
 def target_reward(completions, target, **kwargs):
-    return [1.0 if t in c.split() else 0.0 for c, t in zip(completions, target, strict=True)]
+    return [1.0 if t in _text(c).split() else 0.0 for c, t in zip(completions, target, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +89,19 @@ def _config(cls, out, **kw):
     return cls(str(out), **{**base, **kw})
 
 
-def _run(framework: str, model_dir, out, **kw):
+def _run(framework: str, model_dir, out, conversational: bool = False, **kw):
     rollout = FixedCompletions(6)
     funcs = [length_reward, target_reward]
     if framework == "trl":
         import trl
 
         trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs, args=_config(trl.GRPOConfig, out, **kw),
-                                  train_dataset=_prompts(), processing_class=_tokenizer(), rollout_func=rollout.trl)
+                                  train_dataset=_prompts(conversational=conversational), processing_class=_tokenizer(),
+                                  rollout_func=rollout.trl)
     else:
         trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
-                                       args=_config(vlmtrain.GRPOConfig, out, **kw), train_dataset=_prompts(),
+                                       args=_config(vlmtrain.GRPOConfig, out, **kw),
+                                       train_dataset=_prompts(conversational=conversational),
                                        processing_class=_tokenizer(), generator=rollout)
     trainer.train()
     policy = trainer.model if framework == "trl" else trainer.policy
@@ -94,20 +109,24 @@ def _run(framework: str, model_dir, out, **kw):
                                                                    policy.state_dict().items()}
 
 
-CASES = [("dapo", 0.0, 1, 1), ("grpo", 0.0, 2, 1), ("dr_grpo", 0.0, 1, 1), ("dapo", 0.1, 2, 1), ("grpo", 0.1, 1, 1),
-         ("dr_grpo", 0.1, 2, 1), ("dapo", 0.0, 1, 2), ("grpo", 0.0, 1, 2)]
+CASES = [("dapo", 0.0, 1, 1, False), ("grpo", 0.0, 2, 1, False), ("dr_grpo", 0.0, 1, 1, True),
+         ("dapo", 0.1, 2, 1, False), ("grpo", 0.1, 1, 1, True), ("dr_grpo", 0.1, 2, 1, False),
+         ("dapo", 0.0, 1, 2, False), ("grpo", 0.0, 1, 2, False)]
 
 
 @requires("trl", "dev")
-@pytest.mark.parametrize("loss_type,beta,num_iterations,accum", CASES,
-                         ids=[f"{t}-beta{b}-mu{m}-accum{a}" for t, b, m, a in CASES])
-def test_grpo_equals_trl(model_dir, tmp_path, loss_type, beta, num_iterations, accum):
+@pytest.mark.parametrize("loss_type,beta,num_iterations,accum,conversational", CASES,
+                         ids=[f"{t}-beta{b}-mu{m}-accum{a}" + ("-conversational" if c else "")
+                              for t, b, m, a, c in CASES])
+def test_grpo_equals_trl(model_dir, tmp_path, loss_type, beta, num_iterations, accum, conversational):
     """(With 2 accumulation steps TRL shuffles the generation batch before splitting it: each micro-batch's loss
     differs, the step's loss and weights do not.)"""
     kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations, gradient_accumulation_steps=accum,
               per_device_train_batch_size=8 // accum)
-    trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", **kw)
-    logs, weights = _run("ours", model_dir, tmp_path / "ours", **kw)
+    trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", conversational, **kw)
+    COMPLETION_TYPES.clear()
+    logs, weights = _run("ours", model_dir, tmp_path / "ours", conversational, **kw)
+    assert COMPLETION_TYPES == {list if conversational else str}
     assert len(logs) == len(trl_logs) == 4
     keys = ["loss", "reward", "reward_std", "rewards/length_reward/mean", "rewards/target_reward/mean",
             "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
