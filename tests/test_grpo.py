@@ -89,7 +89,7 @@ def _config(cls, out, **kw):
     return cls(str(out), **{**base, **kw})
 
 
-def _run(framework: str, model_dir, out, conversational: bool = False, **kw):
+def _run(framework: str, model_dir, out, conversational: bool = False, peft_config=None, **kw):
     rollout = FixedCompletions(6)
     funcs = [length_reward, target_reward]
     if framework == "trl":
@@ -97,12 +97,12 @@ def _run(framework: str, model_dir, out, conversational: bool = False, **kw):
 
         trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs, args=_config(trl.GRPOConfig, out, **kw),
                                   train_dataset=_prompts(conversational=conversational), processing_class=_tokenizer(),
-                                  rollout_func=rollout.trl)
+                                  rollout_func=rollout.trl, peft_config=peft_config)
     else:
         trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
                                        args=_config(vlmtrain.GRPOConfig, out, **kw),
                                        train_dataset=_prompts(conversational=conversational),
-                                       processing_class=_tokenizer(), generator=rollout)
+                                       processing_class=_tokenizer(), generator=rollout, peft_config=peft_config)
     trainer.train()
     policy = trainer.model if framework == "trl" else trainer.policy
     return [e for e in trainer.state.log_history if "loss" in e], {k: v.detach().clone() for k, v in
@@ -141,6 +141,24 @@ def test_grpo_equals_trl(model_dir, tmp_path, loss_type, beta, num_iterations, a
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     first = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     assert any(not torch.equal(first[k], weights[k]) for k in first)  # (it trained)
+
+
+@requires("trl", "dev")
+def test_grpo_lora_reference_is_the_policy_without_adapters_as_in_trl(model_dir, tmp_path):
+    """With peft_config and beta > 0 no copy is made: the reference is the policy with its adapters off."""
+    from peft import LoraConfig
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    kw = dict(loss_type="dapo", beta=0.1, num_iterations=2, max_steps=3, learning_rate=1e-2)
+    trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", peft_config=LoraConfig(**lora), **kw)
+    logs, weights = _run("ours", model_dir, tmp_path / "ours", peft_config=LoraConfig(**lora), **kw)
+    assert logs[-1]["kl"] > 0
+    for ours, theirs in zip(logs, trl_logs, strict=True):
+        for key in ("loss", "kl", "entropy"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours["step"])
+    assert any("lora_A" in k for k in trl_weights)
+    for name, value in trl_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _trainer(model_dir, out, funcs, dataset=None, generator=None, **kw):
