@@ -58,8 +58,8 @@ def test_torchvision_is_installed_as_the_installed_torchs_build():
 
 # -- the python blocks ------------------------------------------------------------------------------------------
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-USES = re.compile(r"^\s*(from|import) transformers\b|\b(Trainer|DPOTrainer|RewardTrainer)\b", re.M)
-HUB_ID = re.compile(r"""from_pretrained\(\s*["']([^"']+)["']""")
+USES = re.compile(r"^\s*(from|import) transformers\b|\b(Trainer|DPOTrainer|RewardTrainer|GRPOTrainer)\b", re.M)
+HUB_ID = re.compile(r"""(?:from_pretrained\(\s*|\bmodel=)["']([^"'/]+/[^"']+)["']""")  # (a Hub id: owner/name)
 # Blocks that transformers cannot run on a machine without torchvision, as written (their processor is the
 # Hub checkpoint's real class, whose video processor needs it): run where torchvision imports.
 NEEDS_TORCHVISION = {"AutoProcessor.from_pretrained("}

@@ -12,7 +12,8 @@ __version__ = "0.1.0"
 # answer without importing torch, transformers or peft.
 _EXPORTS = {
     "TrainingArguments": "vlmtrain.compat.arguments", "EarlyStoppingCallback": "vlmtrain.compat.callbacks",
-    "DPOConfig": "vlmtrain.compat.dpo", "DPOTrainer": "vlmtrain.compat.dpo", "RewardConfig": "vlmtrain.compat.reward",
+    "DPOConfig": "vlmtrain.compat.dpo", "DPOTrainer": "vlmtrain.compat.dpo",
+    "GRPOConfig": "vlmtrain.compat.grpo_config", "GRPOTrainer": "vlmtrain.compat.grpo", "RewardConfig": "vlmtrain.compat.reward",
     "RewardTrainer": "vlmtrain.compat.reward", "Seq2SeqTrainer": "vlmtrain.compat.seq2seq", "Seq2SeqTrainingArguments": "vlmtrain.compat.seq2seq",
     "Trainer": "vlmtrain.compat.trainer", "InferenceModel": "vlmtrain.inference", "load_for_inference": "vlmtrain.inference",
     "attach_heads": "vlmtrain.models.files.head_files", "EvalPrediction": "vlmtrain.trainer", "PredictionOutput": "vlmtrain.trainer",
@@ -20,7 +21,7 @@ _EXPORTS = {
     "TrainOutput": "vlmtrain.trainer",
 }
 __all__ = [
-    "DPOConfig", "DPOTrainer", "EarlyStoppingCallback", "EvalPrediction", "InferenceModel", "PredictionOutput", "Trainer",
+    "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "EarlyStoppingCallback", "EvalPrediction", "InferenceModel", "PredictionOutput", "Trainer",
     "TrainerCallback", "TrainerControl", "TrainerParts", "TrainerState", "TrainOutput", "TrainingArguments", "__version__",
     "attach_heads", "load_for_inference", "Seq2SeqTrainer", "Seq2SeqTrainingArguments", "RewardConfig", "RewardTrainer",
 ]
@@ -28,6 +29,8 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (mk
     from .compat.arguments import TrainingArguments
     from .compat.callbacks import EarlyStoppingCallback
     from .compat.dpo import DPOConfig, DPOTrainer
+    from .compat.grpo import GRPOTrainer
+    from .compat.grpo_config import GRPOConfig
     from .compat.reward import RewardConfig, RewardTrainer
     from .compat.seq2seq import Seq2SeqTrainer, Seq2SeqTrainingArguments
     from .compat.trainer import Trainer

@@ -1,0 +1,247 @@
+"""TRL 1.16's GRPOTrainer on vlmtrain's Trainer, for causal language models: a TRL GRPO script runs with only its
+import changed. Each generation batch (``per_device_train_batch_size x steps_per_generation`` rows, each prompt
+``num_generations`` times: grpo_rollout.GroupSampler) is rolled out by the :class:`~.grpo_rollout.Generator`,
+scored by the reward functions, turned into group-relative advantages and buffered; the micro-steps of the next
+``steps_per_generation x num_iterations`` take their slices of it. The objective (models/objectives/grpo.py) returns
+the loss with TRL's metrics; the rollout's metrics (``reward``, ``completions/mean_length``, ...) join the logs."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from ..errors import ConfigError
+from ..models.objectives import disable_dropout
+from ..models.objectives.grpo import GRPOObjective, group_advantages, nanstd
+from .dpo import _load_model
+from .dpo_reference import PolicyTrainer
+from .grpo_config import GRPOConfig
+from .grpo_rollout import (
+    Generator,
+    GroupSampler,
+    HFGenerate,
+    left_pad,
+    resolve_reward_funcs,
+    right_pad,
+    score,
+)
+from .trainer import Trainer
+
+
+def _rows(samples: list[dict]) -> dict[str, list[dict]]:
+    return {"rows": samples}  # (a generation batch stays its dataset rows: the rollout processes them)
+
+
+class GRPOTrainer(Trainer):
+    """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer: ``reward_funcs``
+    (callables or ``module:function`` strings, weighted by ``args.reward_weights``) score the completions of a
+    dataset with a ``prompt`` column (text, or conversational messages); its other columns reach the functions as
+    keyword arguments. ``generator``: the rollout engine (default: the policy's ``generate``). The reference: none
+    with ``beta`` 0, else the policy with its adapters off (a peft model, or ``peft_config``), else a frozen copy.
+    ``self.model`` is the :class:`GRPOObjective`; ``self.policy`` the model trained."""
+
+    parts = PolicyTrainer.parts  # (checkpoints hold the policy alone)
+
+    def __init__(self, model: str | nn.Module, reward_funcs: Any, args: GRPOConfig | None = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 reward_processing_classes: Any = None, callbacks: list | None = None,
+                 optimizers: tuple = (None, None), peft_config: Any = None, generator: Generator | None = None,
+                 **trl_only: Any) -> None:
+        from transformers import AutoTokenizer, GenerationConfig, set_seed
+
+        if trl_only:
+            raise ConfigError(f"GRPOTrainer: {', '.join(sorted(trl_only))} not supported by vlmtrain's GRPO yet.")
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required")
+        if eval_dataset is not None:
+            raise ConfigError("eval_dataset: vlmtrain's GRPO does not evaluate yet; pass eval_dataset=None.")
+        if reward_processing_classes is not None:
+            raise ConfigError("reward_processing_classes: reward models are not supported by vlmtrain's GRPO yet.")
+        first = next(iter(train_dataset))
+        if "prompt" not in first:
+            raise ConfigError(f"GRPO's dataset needs a 'prompt' column (its columns: {sorted(first)}).")
+        self.reward_funcs, self.reward_func_names = resolve_reward_funcs(reward_funcs)
+        weights = args.reward_weights or [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise ConfigError(f"reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward "
+                              "functions: give one per function.")
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        set_seed(args.seed)
+        if isinstance(model, str):
+            model = _load_model(model, args.model_init_kwargs or {})
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.tokenizer = tokenizer
+        if peft_config is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft_config)
+        ref_model = None
+        if args.beta != 0.0 and not hasattr(model, "disable_adapter"):
+            ref_model = copy.deepcopy(model)
+        if args.disable_dropout:
+            disable_dropout(model, ref_model)
+        objective = GRPOObjective(model, ref_model, beta=args.beta, epsilon=args.epsilon,
+                                  epsilon_high=args.epsilon_high, loss_type=args.loss_type,
+                                  importance_sampling_level=args.importance_sampling_level,
+                                  max_completion_length=args.max_completion_length, temperature=args.temperature,
+                                  use_bias_correction_kl=args.use_bias_correction_kl)
+        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else (
+            tokenizer.eos_token_id)
+        self.eos_token_ids = eos if isinstance(eos, list) else [eos]
+        if generator is None:
+            config = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=True,
+                                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=self.eos_token_ids, temperature=args.temperature,
+                                      top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                      repetition_penalty=args.repetition_penalty, **(args.generation_kwargs or {}))
+            generator = HFGenerate(config, tokenizer.pad_token_id, self.eos_token_ids)
+        self.generator = generator
+        self._buffer: list[dict] | None = None
+        self._micro = 0
+        self._rollout_metrics: dict[str, list[float]] = defaultdict(list)
+        self._skipped: dict[str, int] = {}
+        self._table: list[dict] = []
+        super().__init__(model=objective, args=args, data_collator=_rows, train_dataset=train_dataset,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
+
+    @property
+    def policy(self) -> nn.Module:
+        """The model trained (the objective's policy)."""
+        return self.model.policy
+
+    @property
+    def ref_model(self) -> nn.Module | None:
+        return self.model.ref_model
+
+    def get_train_dataloader(self) -> StatefulDataLoader:
+        """Generation batches in TRL's order (grpo_rollout.GroupSampler), each a list of dataset rows."""
+        args = self.args
+        sampler = GroupSampler(len(self.train_dataset), args.num_generations,
+                               args.generation_batch_size // args.num_generations,
+                               args.num_iterations * args.steps_per_generation, args.shuffle_dataset, args.seed)
+        return StatefulDataLoader(self.train_dataset, batch_size=args.per_device_train_batch_size
+                                  * args.steps_per_generation, sampler=sampler, collate_fn=_rows)
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """One micro-step on this step's slice of the buffered generation batch, rolled out first where the
+        buffer is spent (every ``steps_per_generation x num_iterations`` micro-steps)."""
+        args = self.args
+        if self._micro % (args.steps_per_generation * args.num_iterations) == 0 or self._buffer is None:
+            self._buffer = self._split(self._generate_and_score(inputs["rows"]), args.steps_per_generation)
+        batch = self._buffer[self._micro % args.steps_per_generation]
+        self._micro += 1
+        return super().training_step(model, batch, num_items_in_batch)
+
+    @staticmethod
+    def _split(batch: dict[str, torch.Tensor], chunks: int) -> list[dict[str, torch.Tensor]]:
+        size = len(batch["advantages"]) // chunks
+        return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(chunks)]
+
+    def _prompt_ids(self, prompts: list) -> list[list[int]]:
+        if isinstance(prompts[0], list):  # conversational: the chat template with the generation prompt
+            return [self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+                    ["input_ids"] for p in prompts]
+        return self.tokenizer(text=prompts)["input_ids"]
+
+    @torch.no_grad()
+    def _generate_and_score(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        args, device, policy = self.args, self.device, self.model.policy
+        prompts = [r["prompt"] for r in rows]
+        prompt_ids = self._prompt_ids(prompts)
+        positions = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
+        longest = max(len(p) for p in prompt_ids)
+        if positions is not None and longest + args.max_completion_length > positions:
+            raise ConfigError(f"a prompt of {longest} tokens leaves no room for max_completion_length="
+                              f"{args.max_completion_length} within the model's {positions} positions: shorten "
+                              "the prompts or lower max_completion_length.")
+        completion_ids = self.generator(policy, prompt_ids)
+        conversational = isinstance(prompts[0], list)
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        per_func = score(self.reward_funcs, self.reward_func_names, prompts, completions, completion_ids, columns,
+                         self._skipped, trainer_state=self.state)
+        unscorable = torch.isnan(per_func).all(dim=1)
+        rewards = (per_func * self.reward_weights).nansum(dim=1)
+        rewards[unscorable] = float("nan")
+        advantages, std_zero = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        p_ids, p_mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, device)
+        c_ids, c_mask = right_pad(completion_ids, self.tokenizer.pad_token_id, device)
+        ends = set(self.eos_token_ids) | {self.tokenizer.pad_token_id}
+        truncated = torch.tensor([not c or c[-1] not in ends for c in completion_ids], device=device)
+        if args.mask_truncated_completions:
+            c_mask = c_mask * (~truncated).unsqueeze(1).long()
+        batch = {"input_ids": torch.cat([p_ids, c_ids], 1), "attention_mask": torch.cat([p_mask, c_mask], 1),
+                 "completion_mask": c_mask, "advantages": advantages.to(device)}
+        generate_every = args.steps_per_generation * args.num_iterations
+        objective = self.model
+        if args.gradient_accumulation_steps % generate_every != 0:  # (as TRL: the policy moves before use)
+            batch["old_per_token_logps"] = self._chunked(objective.policy_logps, batch, c_ids)
+        if args.beta != 0.0:
+            batch["ref_per_token_logps"] = self._chunked(objective.reference_logps, batch, c_ids)
+        self._log_rollout(per_func, rewards, std_zero, completion_ids, truncated, prompts, completions, advantages)
+        return batch
+
+    def _chunked(self, fn: Any, batch: dict[str, torch.Tensor], completion_ids: torch.Tensor) -> torch.Tensor:
+        size = self.args.per_device_train_batch_size
+        return torch.cat([fn(batch["input_ids"][i:i + size], batch["attention_mask"][i:i + size],
+                             completion_ids[i:i + size]) for i in range(0, len(completion_ids), size)])
+
+    def _log_rollout(self, per_func: torch.Tensor, rewards: torch.Tensor, std_zero: torch.Tensor,
+                     completion_ids: list[list[int]], truncated: torch.Tensor, prompts: list, completions: list,
+                     advantages: torch.Tensor) -> None:
+        """TRL's rollout metrics, averaged over a logging window in :meth:`log`; with log_completions, a sample
+        of the completions table."""
+        m = self._rollout_metrics
+        lengths = torch.tensor([float(len(c)) for c in completion_ids])
+        m["completions/mean_length"].append(lengths.mean().item())
+        m["completions/min_length"].append(lengths.min().item())
+        m["completions/max_length"].append(lengths.max().item())
+        m["completions/clipped_ratio"].append(truncated.float().mean().item())
+        ended = lengths[~truncated.cpu()]
+        ended = ended if len(ended) else torch.zeros(1)
+        m["completions/mean_terminated_length"].append(ended.mean().item())
+        m["completions/min_terminated_length"].append(ended.min().item())
+        m["completions/max_terminated_length"].append(ended.max().item())
+        for i, name in enumerate(self.reward_func_names):
+            m[f"rewards/{name}/mean"].append(torch.nanmean(per_func[:, i]).item())
+            m[f"rewards/{name}/std"].append(nanstd(per_func[:, i]).item())
+        m["reward"].append(torch.nanmean(rewards).item())
+        m["reward_std"].append(nanstd(rewards).item())
+        m["frac_reward_zero_std"].append(std_zero.float().mean().item())
+        if self.args.log_completions:
+            count = self.args.num_completions_to_print or len(prompts)
+            self._table = [{"prompt": p, "completion": c, "reward": r, "advantage": a}
+                           for p, c, r, a in zip(prompts[:count], completions[:count], rewards.tolist(),
+                                                 advantages.tolist(), strict=False)]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer.log with the rollout metrics of the window (and skipped reward calls, per function); with
+        log_completions, ``completions``: a sample of the last generation's table (metrics.jsonl keeps it)."""
+        if "loss" in logs:
+            for key, values in self._rollout_metrics.items():
+                valid = [v for v in values if v == v]
+                logs[key] = sum(valid) / len(valid) if valid else None
+            for name, n in self._skipped.items():
+                logs[f"rewards/{name}/skipped"] = n
+            self._rollout_metrics.clear()
+            if self._table:
+                logs["completions"] = self._table
+                self._table = []
+        if any(v is None for v in logs.values()):
+            warnings.warn("GRPO: a rollout metric had no finite value in this window.", stacklevel=2)
+            logs = {k: v for k, v in logs.items() if v is not None}
+        super().log(logs, start_time)

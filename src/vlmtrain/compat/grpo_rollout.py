@@ -1,0 +1,148 @@
+"""GRPO's rollouts: the :class:`Generator` protocol (token ids of prompts in, completion ids out) with the policy's
+own ``generate`` as the default (:class:`HFGenerate`: batched, left padding, KV cache, synchronous with training),
+the place a vLLM engine plugs in; the prompt sampler that repeats each prompt ``num_generations`` times
+(TRL's RepeatSampler order), and the reward functions' calls."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.data import Sampler
+
+from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class Generator(Protocol):
+    """Completions for a batch of prompts: ``prompt_ids`` (one list of token ids per row, each prompt already
+    repeated for its group) -> one list of completion token ids per row, each ending at its first EOS (kept) or
+    at the length limit. A vLLM engine (weights synced from the policy before each call) is one of these."""
+
+    def __call__(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]: ...
+
+
+class HFGenerate:
+    """The policy's own ``generate``: the rows left-padded into one batch, sampled with ``generation_config``
+    (KV cache on), each completion cut after its first EOS."""
+
+    def __init__(self, generation_config: Any, pad_token_id: int, eos_token_ids: Sequence[int]) -> None:
+        self.generation_config, self.pad, self.eos = generation_config, pad_token_id, list(eos_token_ids)
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
+        device = next(model.parameters()).device
+        ids, mask = left_pad(prompt_ids, self.pad, device)
+        was_training = model.training
+        model.eval()
+        try:
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=self.generation_config)
+        finally:
+            model.train(was_training)
+        completions = []
+        for row in out[:, ids.shape[1]:].tolist():
+            end = next((i for i, t in enumerate(row) if t in self.eos), None)
+            completions.append(row if end is None else row[:end + 1])
+        return completions
+
+
+def left_pad(rows: list[list[int]], pad: int, device: torch.device | str = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
+def right_pad(rows: list[list[int]], pad: int, device: torch.device | str = "cpu"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
+class GroupSampler(Sampler[int]):
+    """TRL's RepeatSampler order: a seeded permutation of the prompts cut into generation batches of
+    ``batch_size`` prompts (a partial last one dropped), each batch repeated ``repeat_count`` times (the
+    micro-steps and iterations it feeds), each prompt ``mini_repeat_count`` times in a row (its group)."""
+
+    def __init__(self, size: int, mini_repeat_count: int, batch_size: int, repeat_count: int, shuffle: bool,
+                 seed: int) -> None:
+        self.size, self.mini, self.batch, self.repeat = size, mini_repeat_count, batch_size, repeat_count
+        self.shuffle, self.generator = shuffle, torch.Generator().manual_seed(seed)
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.size, generator=self.generator).tolist() if self.shuffle else range(self.size)
+        order = list(order)
+        for start in range(0, self.size - self.batch + 1, self.batch):
+            for _ in range(self.repeat):
+                for index in order[start:start + self.batch]:
+                    yield from [index] * self.mini
+
+    def __len__(self) -> int:
+        return (self.size // self.batch) * self.batch * self.mini * self.repeat
+
+
+def resolve_reward_funcs(reward_funcs: Any) -> tuple[list[Callable], list[str]]:
+    """The reward functions (callables, or ``module:function`` strings imported here) and their names."""
+    funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    resolved = []
+    for f in funcs:
+        if isinstance(f, str):
+            if ":" not in f:
+                raise ConfigError(f"reward function {f!r}: vlmtrain's GRPO takes Python callables or "
+                                  "'module:function' strings (reward models are not supported yet).")
+            module, name = f.split(":", 1)
+            f = getattr(importlib.import_module(module), name)
+        if isinstance(f, nn.Module) or not callable(f):
+            raise ConfigError(f"reward function {f!r}: vlmtrain's GRPO takes Python callables (reward models are "
+                              "not supported yet).")
+        resolved.append(f)
+    return resolved, [getattr(f, "__name__", type(f).__name__) for f in resolved]
+
+
+def score(funcs: list[Callable], names: list[str], prompts: list, completions: list, completion_ids: list,
+          columns: dict[str, list], skipped: dict[str, int], **extra: Any) -> torch.Tensor:
+    """Rewards [N, F] of each function for each completion (TRL's call: ``prompts``, ``completions``,
+    ``completion_ids``, the dataset's other columns as keyword arguments; None means not scored: NaN). A function
+    that raises is retried per sample: a sample on which it raises is not scored by it, counted in ``skipped``
+    under its name; a wrong number of rewards or a NaN reward is an error naming it."""
+    rewards = torch.full((len(prompts), len(funcs)), float("nan"))
+    for j, (f, name) in enumerate(zip(funcs, names, strict=True)):
+        kwargs = {**columns, **extra}
+        try:
+            out = list(f(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
+        except Exception as batch_err:  # noqa: BLE001 - found per sample below: a failing sample is skipped, counted
+            out, failures = [], 0
+            for i in range(len(prompts)):
+                try:
+                    out += list(f(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
+                                  completion_ids=completion_ids[i:i + 1],
+                                  **{k: v[i:i + 1] for k, v in columns.items()}, **extra))
+                except Exception as err:  # noqa: BLE001
+                    if not skipped.get(name):
+                        logger.warning("reward function %r raised on a sample (%s: %s): that sample is not "
+                                       "scored by it (counted in rewards/%s/skipped)", name, type(err).__name__,
+                                       err, name)
+                    skipped[name] = skipped.get(name, 0) + 1
+                    failures += 1
+                    out.append(None)
+            if failures == len(prompts):  # (a broken function, not a bad sample: never a batch without rewards)
+                raise RuntimeError(f"The reward function '{name}' raised on every completion of the batch "
+                                   f"({type(batch_err).__name__}: {batch_err}).") from batch_err
+        if len(out) != len(prompts):
+            raise ValueError(f"The reward function '{name}' returned {len(out)} rewards, but {len(prompts)} were "
+                             "expected (one per prompt-completion pair).")
+        bad = [i for i, r in enumerate(out) if r is not None and not math.isfinite(float(r))]
+        if bad:
+            raise ValueError(f"The reward function '{name}' returned {out[bad[0]]} for completion {bad[0]}: rewards "
+                             "must be finite numbers (None: not scored by this function).")
+        rewards[:, j] = torch.tensor([float("nan") if r is None else float(r) for r in out])
+    return rewards

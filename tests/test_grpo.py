@@ -1,0 +1,225 @@
+"""vlmtrain.GRPOTrainer equals TRL 1.16's GRPOTrainer on a tiny causal LM given the same completions (a rollout
+that both sides share: TRL's ``rollout_func``, vlmtrain's ``generator``), and refuses bad input clearly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import vlmtrain
+from tests.optional_extras import requires
+from tests.test_dpo import SPECIALS, WORDS, _tokenizer
+from tests.tiny import tiny_llama
+from vlmtrain.errors import ConfigError
+
+EOS, VOCAB = 3, len(SPECIALS) + len(WORDS)
+
+
+def _prompts(n: int = 12, seed: int = 0, conversational: bool = False):
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = [{"prompt": " ".join(rng.choice(WORDS[:40]) for _ in range(rng.randint(2, 6))),
+             "target": f"w{rng.randint(0, 9)}"} for _ in range(n)]
+    if conversational:
+        rows = [{**r, "prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows]
+    return Dataset.from_list(rows)
+
+
+def _text(completion) -> str:
+    return completion[0]["content"] if isinstance(completion, list) else completion
+
+
+class FixedCompletions:
+    """Deterministic completions per call and row (some end with EOS, others run to the limit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.calls, self.limit = 0, limit
+
+    def completions(self, count: int) -> list[list[int]]:
+        rng = random.Random(self.calls)
+        self.calls += 1
+        rows = []
+        for _ in range(count):
+            n = rng.randint(1, self.limit)
+            row = [rng.randrange(4, 4 + 12) for _ in range(n)]
+            if n < self.limit and rng.random() < 0.7:
+                row[-1] = EOS
+            rows.append(row)
+        return rows
+
+    def __call__(self, model, prompt_ids):  # vlmtrain's Generator
+        return self.completions(len(prompt_ids))
+
+    def trl(self, prompts, trainer):  # TRL's rollout_func
+        tok = trainer.processing_class
+        ids = [tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+               for p in prompts] if isinstance(prompts[0], list) else tok(text=prompts)["input_ids"]
+        return {"prompt_ids": ids, "completion_ids": self.completions(len(prompts)), "logprobs": None}
+
+
+COMPLETION_TYPES: set[type] = set()  # what length_reward was given (messages for conversational prompts)
+
+
+def length_reward(completions, **kwargs):
+    COMPLETION_TYPES.add(type(completions[0]))
+    return [float(len(_text(c).split()) % 3) for c in completions]
+
+
+def target_reward(completions, target, **kwargs):
+    return [1.0 if t in _text(c).split() else 0.0 for c, t in zip(completions, target, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama_grpo")
+    tiny_llama(vocab_size=VOCAB, pad_token_id=0, eos_token_id=EOS).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+def _config(cls, out, **kw):
+    base = dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=6, max_steps=4,
+                learning_rate=1e-3, weight_decay=0.1, logging_steps=1, seed=7, bf16=False,
+                gradient_checkpointing=False, report_to="none", save_strategy="no", use_cpu=True,
+                dataloader_num_workers=0, disable_tqdm=True, reward_weights=[1.0, 0.5])
+    return cls(str(out), **{**base, **kw})
+
+
+def _run(framework: str, model_dir, out, conversational: bool = False, peft_config=None, **kw):
+    rollout = FixedCompletions(6)
+    funcs = [length_reward, target_reward]
+    if framework == "trl":
+        import trl
+
+        trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs, args=_config(trl.GRPOConfig, out, **kw),
+                                  train_dataset=_prompts(conversational=conversational), processing_class=_tokenizer(),
+                                  rollout_func=rollout.trl, peft_config=peft_config)
+    else:
+        trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
+                                       args=_config(vlmtrain.GRPOConfig, out, **kw),
+                                       train_dataset=_prompts(conversational=conversational),
+                                       processing_class=_tokenizer(), generator=rollout, peft_config=peft_config)
+    trainer.train()
+    policy = trainer.model if framework == "trl" else trainer.policy
+    return [e for e in trainer.state.log_history if "loss" in e], {k: v.detach().clone() for k, v in
+                                                                   policy.state_dict().items()}
+
+
+CASES = [("dapo", 0.0, 1, 1, False), ("grpo", 0.0, 2, 1, False), ("dr_grpo", 0.0, 1, 1, True),
+         ("dapo", 0.1, 2, 1, False), ("grpo", 0.1, 1, 1, True), ("dr_grpo", 0.1, 2, 1, False),
+         ("dapo", 0.0, 1, 2, False), ("grpo", 0.0, 1, 2, False)]
+
+
+@requires("trl", "dev")
+@pytest.mark.parametrize("loss_type,beta,num_iterations,accum,conversational", CASES,
+                         ids=[f"{t}-beta{b}-mu{m}-accum{a}" + ("-conversational" if c else "")
+                              for t, b, m, a, c in CASES])
+def test_grpo_equals_trl(model_dir, tmp_path, loss_type, beta, num_iterations, accum, conversational):
+    """(With 2 accumulation steps TRL shuffles the generation batch before splitting it: each micro-batch's loss
+    differs, the step's loss and weights do not.)"""
+    kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations, gradient_accumulation_steps=accum,
+              per_device_train_batch_size=8 // accum)
+    trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", conversational, **kw)
+    COMPLETION_TYPES.clear()
+    logs, weights = _run("ours", model_dir, tmp_path / "ours", conversational, **kw)
+    assert COMPLETION_TYPES == {list if conversational else str}
+    assert len(logs) == len(trl_logs) == 4
+    keys = ["loss", "reward", "reward_std", "rewards/length_reward/mean", "rewards/target_reward/mean",
+            "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean",
+            "entropy"] + (["kl"] if beta else [])
+    for ours, theirs in zip(logs, trl_logs, strict=True):
+        for key in keys:
+            assert (key in ours) == (key in theirs), (key, ours["step"])  # (rollout metrics: steps that generate)
+            if key not in theirs:
+                continue
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours["step"])
+    for name, value in trl_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    first = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert any(not torch.equal(first[k], weights[k]) for k in first)  # (it trained)
+
+
+@requires("trl", "dev")
+def test_grpo_lora_reference_is_the_policy_without_adapters_as_in_trl(model_dir, tmp_path):
+    """With peft_config and beta > 0 no copy is made: the reference is the policy with its adapters off."""
+    from peft import LoraConfig
+
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    kw = dict(loss_type="dapo", beta=0.1, num_iterations=2, max_steps=3, learning_rate=1e-2)
+    trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", peft_config=LoraConfig(**lora), **kw)
+    logs, weights = _run("ours", model_dir, tmp_path / "ours", peft_config=LoraConfig(**lora), **kw)
+    assert logs[-1]["kl"] > 0
+    for ours, theirs in zip(logs, trl_logs, strict=True):
+        for key in ("loss", "kl", "entropy"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours["step"])
+    assert any("lora_A" in k for k in trl_weights)
+    for name, value in trl_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _trainer(model_dir, out, funcs, dataset=None, generator=None, **kw):
+    return vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
+                                args=_config(vlmtrain.GRPOConfig, out, max_steps=1, reward_weights=None, **kw),
+                                train_dataset=dataset or _prompts(), processing_class=_tokenizer(),
+                                generator=generator or FixedCompletions(6))
+
+
+def test_grpo_reward_returning_nan_or_the_wrong_length_is_an_error_naming_it(model_dir, tmp_path):
+    def nan_reward(completions, **kw):
+        return [float("nan")] * len(completions)
+
+    def short_reward(completions, **kw):
+        return [1.0]
+
+    for func, match in ((nan_reward, "'nan_reward' returned nan"), (short_reward, "'short_reward' returned 1 ")):
+        with pytest.raises(ValueError, match=match):
+            _trainer(model_dir, tmp_path, [func]).train()
+
+
+def test_grpo_a_reward_raising_on_a_sample_skips_it_counted(model_dir, tmp_path):
+    def picky_reward(completions, **kw):
+        if any(len(c.split()) == 1 for c in completions):
+            raise RuntimeError("one word")
+        return [1.0] * len(completions)
+
+    trainer = _trainer(model_dir, tmp_path, [picky_reward, length_reward])
+    trainer.train()
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    assert log["rewards/picky_reward/skipped"] > 0
+
+    def broken_reward(completions, **kw):
+        raise TypeError("bad signature")
+
+    with pytest.raises(RuntimeError, match="'broken_reward' raised on every completion"):
+        _trainer(model_dir, tmp_path, [broken_reward]).train()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_generations=3), r"generation_batch_size \(8.*divisible by num_generations \(3\)"),
+    (dict(use_vllm=True), "use_vllm=True not supported"),
+    (dict(loss_type="cispo"), "loss_type='cispo'"),
+])
+def test_grpo_config_refuses_what_cannot_run(tmp_path, kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _config(vlmtrain.GRPOConfig, tmp_path, **kw)
+
+
+def test_grpo_a_prompt_leaving_no_room_for_the_completion_is_an_error(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="max_completion_length=62"):
+        _trainer(model_dir, tmp_path, [length_reward], max_completion_length=62).train()
+
+
+def test_grpo_samples_with_the_policy_generate(model_dir, tmp_path):
+    """The default rollout: the policy's own generate (sampling), every completion within the limit."""
+    trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs="tests.test_grpo:length_reward",
+                                   args=_config(vlmtrain.GRPOConfig, tmp_path, max_steps=1, reward_weights=None,
+                                                log_completions=True),
+                                   train_dataset=_prompts(), processing_class=_tokenizer())
+    trainer.train()
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    assert 1 <= log["completions/max_length"] <= 6
+    assert len(log["completions"]) == 8 and {"prompt", "completion", "reward", "advantage"} <= set(log["completions"][0])
