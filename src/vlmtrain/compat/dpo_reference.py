@@ -154,19 +154,12 @@ def _policy(model: nn.Module) -> nn.Module:
     return model.policy if isinstance(model, DPOObjective) else model
 
 
-class PolicyTrainer(Trainer):
-    """A Trainer of a :class:`DPOObjective`: checkpoints hold the policy alone (:class:`PolicyFiles`) and, with
-    ``args.precompute_ref_log_probs``, the reference's log-probs of the train and eval pairs, computed once when
-    ``train()`` starts (or read from the checkpoint it resumes) and given to the objective as the pairs'
-    ``ref_chosen_logps`` / ``ref_rejected_logps``. vlmtrain.DPOTrainer's base, and the Trainer of a YAML config's
-    `train.objective: dpo`."""
+class PolicyObjectiveTrainer(Trainer):
+    """A Trainer whose model is an objective around a policy (DPO's, GRPO's): checkpoints hold the policy alone
+    (:class:`PolicyFiles`, sharded by :class:`PolicySharding` under FSDP)."""
 
     parts = dataclasses.replace(Trainer.parts, model_files=PolicyFiles(Trainer.parts.model_files),
                                 sharding=PolicySharding(Trainer.parts.sharding))
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._ref_logps: dict[str, dict] = {}  # precompute_ref_log_probs: per dataset name, saved in checkpoints
-        super().__init__(*args, **kwargs)
 
     @property
     def policy(self) -> nn.Module:
@@ -175,9 +168,21 @@ class PolicyTrainer(Trainer):
 
     @property
     def ref_model(self) -> nn.Module | None:
-        """The frozen reference (None where the policy's adapters switched off give it, or where the policy
-        itself gave the precomputed log-probs before training)."""
+        """The frozen reference (None where the policy's adapters switched off give it, where none is needed, or
+        where the policy itself gave the precomputed log-probs before training)."""
         return self.model.ref_model
+
+
+class PolicyTrainer(PolicyObjectiveTrainer):
+    """A Trainer of a :class:`DPOObjective`: the policy alone in checkpoints and, with
+    ``args.precompute_ref_log_probs``, the reference's log-probs of the train and eval pairs, computed once when
+    ``train()`` starts (or read from the checkpoint it resumes) and given to the objective as the pairs'
+    ``ref_chosen_logps`` / ``ref_rejected_logps``. vlmtrain.DPOTrainer's base, and the Trainer of a YAML config's
+    `train.objective: dpo`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._ref_logps: dict[str, dict] = {}  # precompute_ref_log_probs: per dataset name, saved in checkpoints
+        super().__init__(*args, **kwargs)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """Trainer.train. A resumed run is built as the first was (``model`` the original model: the reference

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..models.objectives import disable_dropout
 from ..models.objectives.grpo import GRPOObjective, group_advantages, nanstd
 from .dpo import _load_model
-from .dpo_reference import PolicyTrainer
+from .dpo_reference import PolicyObjectiveTrainer
 from .grpo_config import GRPOConfig
 from .grpo_rollout import (
     Generator,
@@ -31,22 +31,19 @@ from .grpo_rollout import (
     right_pad,
     score,
 )
-from .trainer import Trainer
 
 
 def _rows(samples: list[dict]) -> dict[str, list[dict]]:
     return {"rows": samples}  # (a generation batch stays its dataset rows: the rollout processes them)
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(PolicyObjectiveTrainer):
     """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer: ``reward_funcs``
     (callables or ``module:function`` strings, weighted by ``args.reward_weights``) score the completions of a
     dataset with a ``prompt`` column (text, or conversational messages); its other columns reach the functions as
     keyword arguments. ``generator``: the rollout engine (default: the policy's ``generate``). The reference: none
     with ``beta`` 0, else the policy with its adapters off (a peft model, or ``peft_config``), else a frozen copy.
     ``self.model`` is the :class:`GRPOObjective`; ``self.policy`` the model trained."""
-
-    parts = PolicyTrainer.parts  # (checkpoints hold the policy alone)
 
     def __init__(self, model: str | nn.Module, reward_funcs: Any, args: GRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
@@ -116,15 +113,6 @@ class GRPOTrainer(Trainer):
         self._table: list[dict] = []
         super().__init__(model=objective, args=args, data_collator=_rows, train_dataset=train_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
-
-    @property
-    def policy(self) -> nn.Module:
-        """The model trained (the objective's policy)."""
-        return self.model.policy
-
-    @property
-    def ref_model(self) -> nn.Module | None:
-        return self.model.ref_model
 
     def get_train_dataloader(self) -> StatefulDataLoader:
         """Generation batches in TRL's order (grpo_rollout.GroupSampler), each a list of dataset rows."""
