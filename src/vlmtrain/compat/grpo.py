@@ -26,9 +26,8 @@ from .grpo_rollout import (
     Generator,
     GroupSampler,
     HFGenerate,
-    left_pad,
+    pad_rows,
     resolve_reward_funcs,
-    right_pad,
     score,
 )
 
@@ -166,8 +165,8 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         rewards = (per_func * self.reward_weights).nansum(dim=1)
         rewards[unscorable] = float("nan")
         advantages, std_zero = group_advantages(rewards, args.num_generations, args.scale_rewards)
-        p_ids, p_mask = left_pad(prompt_ids, self.tokenizer.pad_token_id, device)
-        c_ids, c_mask = right_pad(completion_ids, self.tokenizer.pad_token_id, device)
+        p_ids, p_mask = pad_rows(prompt_ids, self.tokenizer.pad_token_id, "left", device)
+        c_ids, c_mask = pad_rows(completion_ids, self.tokenizer.pad_token_id, "right", device)
         ends = set(self.eos_token_ids) | {self.tokenizer.pad_token_id}
         truncated = torch.tensor([not c or c[-1] not in ends for c in completion_ids], device=device)
         if args.mask_truncated_completions:

@@ -38,7 +38,7 @@ class HFGenerate:
     @torch.no_grad()
     def __call__(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
         device = next(model.parameters()).device
-        ids, mask = left_pad(prompt_ids, self.pad, device)
+        ids, mask = pad_rows(prompt_ids, self.pad, "left", device)
         was_training = model.training
         model.eval()
         try:
@@ -52,19 +52,17 @@ class HFGenerate:
         return completions
 
 
-def left_pad(rows: list[list[int]], pad: int, device: torch.device | str = "cpu"
+def pad_rows(rows: list[list[int]], pad: int, side: str, device: torch.device | str = "cpu"
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long, device=device)
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
-    return ids, mask
-
-
-def right_pad(rows: list[list[int]], pad: int, device: torch.device | str = "cpu"
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows padded on ``side`` ("left": prompts, "right": completions) to the longest (at least 1, an
+    empty completion still a column), and their attention mask."""
     width = max(1, max(len(r) for r in rows))
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+    def padded(row: list[int], fill: int) -> list[int]:
+        return [fill] * (width - len(row)) + row if side == "left" else row + [fill] * (width - len(row))
+
+    ids = torch.tensor([padded(r, pad) for r in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([padded([1] * len(r), 0) for r in rows], dtype=torch.long, device=device)
     return ids, mask
 
 
