@@ -174,7 +174,7 @@ def greedy_run(qwen3_vl, tmp_path_factory):
                    generation_kwargs={"do_sample": False})
     trainer = vlmtrain.GRPOTrainer(model=model, reward_funcs=[letters_reward, target_reward], args=args,
                                    train_dataset=_prompts(), processing_class=processor)
-    counter = TowerCounter(model.model.visual)
+    counter, prefill = TowerCounter(model.model.visual), _first_logits(model)
     ref_counter = TowerCounter(trainer.ref_model.model.visual)
     recorded, generate = [], trainer.generator
 
@@ -185,7 +185,14 @@ def greedy_run(qwen3_vl, tmp_path_factory):
 
     trainer.generator = recording
     trainer.train()
-    return {"counter": counter, "ref_counter": ref_counter, "recorded": recorded}
+    return {"counter": counter, "ref_counter": ref_counter, "recorded": recorded, "prefill": prefill}
+
+
+def _first_logits(model) -> list[torch.Tensor]:
+    """The logits of ``model``'s first forward (a rollout's prefill: the next-token logits of every row)."""
+    first: list[torch.Tensor] = []
+    model.lm_head.register_forward_hook(lambda m, args, out: None if first else first.append(out.detach().clone()))
+    return first
 
 
 def test_vision_grpo_encodes_each_groups_images_once(greedy_run):
@@ -203,7 +210,8 @@ def test_vision_grpo_encodes_each_groups_images_once(greedy_run):
 
 def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run, qwen3_vl):
     """The rollout's completions (images encoded once per group, the features shared by its rows) equal greedy
-    generate over the 8 rows, each with its own copy of its prompt's images (the processor over the rows)."""
+    generate over the 8 rows, each with its own copy of its prompt's images (the processor over the rows), and
+    so do the logits of the prefill."""
     from transformers import AutoModelForImageTextToText
 
     path, processor = qwen3_vl
@@ -218,6 +226,7 @@ def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run, qwen3_v
                           return_tensors="pt")
     finally:
         processor.tokenizer.padding_side = "right"
+    prefill = _first_logits(model)
     out = model.generate(**plain, max_new_tokens=6, do_sample=False, pad_token_id=256, eos_token_id=[EOS],
                          suppress_tokens=[model.config.image_token_id])
     expected = []
@@ -226,6 +235,8 @@ def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run, qwen3_v
         expected.append(row if end is None else row[:end + 1])
     (_, _, completions), = greedy_run["recorded"]
     assert completions == expected
+    # (the prefill's logits too, which tokens alone would hide: image features and rotary positions agree)
+    torch.testing.assert_close(greedy_run["prefill"][0], prefill[0], rtol=1e-5, atol=1e-6)
     assert len({tuple(c) for c in expected}) == 2  # (greedy: one completion per prompt, the two differ)
 
 
