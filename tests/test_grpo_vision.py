@@ -161,13 +161,13 @@ def test_vision_grpo_equals_trl(qwen3_vl, tmp_path, loss_type, beta, num_iterati
         assert any(not torch.equal(first[k.removeprefix("base_model.model.")], weights[k]) for k in vision)
 
 
-@pytest.fixture(scope="module")
-def greedy_run(qwen3_vl, tmp_path_factory):
-    """One step of vlmtrain's GRPO with its own rollout (greedy), the vision tower's calls counted and the
-    rollout's inputs and completions recorded."""
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+def greedy_run(request, tiny_hub, tmp_path_factory):
+    """Two steps (one generation) of vlmtrain's GRPO with its own rollout (greedy), the vision tower's calls
+    counted and the rollout's completions and prefill logits recorded."""
     from transformers import AutoModelForImageTextToText
 
-    path, processor = qwen3_vl
+    _, path, processor = tiny_hub(request.param)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     args = _config(vlmtrain.GRPOConfig, tmp_path_factory.mktemp("greedy"), max_steps=2, num_generations=4,
                    per_device_train_batch_size=4, steps_per_generation=2, max_completion_length=6, beta=0.1,
@@ -185,7 +185,8 @@ def greedy_run(qwen3_vl, tmp_path_factory):
 
     trainer.generator = recording
     trainer.train()
-    return {"counter": counter, "ref_counter": ref_counter, "recorded": recorded, "prefill": prefill}
+    return {"counter": counter, "ref_counter": ref_counter, "recorded": recorded, "prefill": prefill,
+            "model": (path, processor)}
 
 
 def _first_logits(model) -> list[torch.Tensor]:
@@ -208,13 +209,13 @@ def test_vision_grpo_encodes_each_groups_images_once(greedy_run):
     assert (greedy_run["ref_counter"].calls, greedy_run["ref_counter"].images) == (1, 1)
 
 
-def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run, qwen3_vl):
+def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run):
     """The rollout's completions (images encoded once per group, the features shared by its rows) equal greedy
     generate over the 8 rows, each with its own copy of its prompt's images (the processor over the rows), and
     so do the logits of the prefill."""
     from transformers import AutoModelForImageTextToText
 
-    path, processor = qwen3_vl
+    path, processor = greedy_run["model"]
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     rows = [r for r in list(_prompts())[:2] for _ in range(4)]
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
