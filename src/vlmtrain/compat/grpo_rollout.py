@@ -37,16 +37,25 @@ class HFGenerate:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
-        device = next(model.parameters()).device
-        ids, mask = pad_rows(prompt_ids, self.pad, "left", device)
+        ids, mask = pad_rows(prompt_ids, self.pad, "left", next(model.parameters()).device)
+        return self.generate(model, {"input_ids": ids, "attention_mask": mask})
+
+    def prepare(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """``generate``'s keyword arguments from the padded rows (in evaluation mode, without gradients)."""
+        return inputs
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, inputs: dict[str, Any]) -> list[list[int]]:
+        """The completions of the left-padded rows ``inputs`` (``input_ids``, ``attention_mask``, ...), each cut
+        after its first EOS; the model in evaluation mode meanwhile."""
         was_training = model.training
         model.eval()
         try:
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=self.generation_config)
+            out = model.generate(**self.prepare(model, inputs), generation_config=self.generation_config)
         finally:
             model.train(was_training)
         completions = []
-        for row in out[:, ids.shape[1]:].tolist():
+        for row in out[:, inputs["input_ids"].shape[1]:].tolist():
             end = next((i for i, t in enumerate(row) if t in self.eos), None)
             completions.append(row if end is None else row[:end + 1])
         return completions

@@ -32,7 +32,7 @@ from ..data.preference_vision import _images_of as sample_images
 from ..data.preference_vision import _with_image_parts as with_image_parts
 from ..errors import ConfigError
 from ..models.objectives.vision_pairs import with_pair_images
-from .grpo_rollout import pad_rows
+from .grpo_rollout import HFGenerate, pad_rows
 
 VIDEO_COLUMNS = ("video", "videos")
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")
@@ -137,31 +137,21 @@ def rows_of(batch: Mapping[str, Any], start: int, end: int) -> dict[str, Any]:
     return out
 
 
-class VisionGenerate:
+class VisionGenerate(HFGenerate):
     """The policy's own ``generate`` for prompts with images (the default generator of a VLM): every row
     left-padded into one batch, each group's images encoded once (one vision tower call per rollout) and their
     features given to each of its rows, sampled with ``generation_config``, each completion cut after its first
     EOS. A custom generator for a VLM is called the same way: ``generator(model, prompt_ids, vision=groups)``
     (``groups``: the :class:`VisionGroups` of the rows)."""
 
-    def __init__(self, generation_config: Any, pad_token_id: int, eos_token_ids: Sequence[int]) -> None:
-        self.generation_config, self.pad, self.eos = generation_config, pad_token_id, list(eos_token_ids)
-
     @torch.no_grad()
     def __call__(self, model: nn.Module, prompt_ids: list[list[int]], vision: VisionGroups) -> list[list[int]]:
         device = next(model.parameters()).device
         ids, mask = pad_rows(prompt_ids, self.pad, "left", device)
-        inputs = {"input_ids": ids, "attention_mask": mask,
-                  "mm_token_type_ids": vision.token_type_rows(ids.shape[1], 0).to(device),
-                  **vision.inputs(0, len(prompt_ids), device)}
-        was_training = model.training
-        model.eval()
-        try:
-            out = model.generate(**with_pair_images(model, inputs), generation_config=self.generation_config)
-        finally:
-            model.train(was_training)
-        completions = []
-        for row in out[:, ids.shape[1]:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.eos), None)
-            completions.append(row if end is None else row[:end + 1])
-        return completions
+        return self.generate(model, {"input_ids": ids, "attention_mask": mask,
+                                     "mm_token_type_ids": vision.token_type_rows(ids.shape[1], 0).to(device),
+                                     **vision.inputs(0, len(prompt_ids), device)})
+
+    def prepare(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The groups' images encoded once, each row given its group's features (``mm_encoder_outputs``)."""
+        return with_pair_images(model, inputs)
