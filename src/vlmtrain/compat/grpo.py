@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ..data.preference_vision import is_vision_pairs
 from ..errors import ConfigError
 from ..models.objectives import disable_dropout
 from ..models.objectives.grpo import VISION_KEYS, GRPOObjective, group_advantages, nanstd
@@ -35,7 +36,6 @@ from .grpo_vision import (
     check_vision_dataset,
     check_vision_model,
     encode_groups,
-    is_vision_dataset,
     rows_of,
 )
 
@@ -45,7 +45,8 @@ def _rows(samples: list[dict]) -> dict[str, list[dict]]:
 
 
 class GRPOTrainer(PolicyObjectiveTrainer):
-    """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer: ``reward_funcs``
+    """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer, or a Qwen-VL model
+    and its processor (prompts with images, each group's encoded once: grpo_vision.py): ``reward_funcs``
     (callables or ``module:function`` strings, weighted by ``args.reward_weights``) score the completions of a
     dataset with a ``prompt`` column (text, or conversational messages); its other columns reach the functions as
     keyword arguments. ``generator``: the rollout engine (default: the policy's ``generate``). The reference: none
@@ -73,7 +74,7 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         first = next(iter(train_dataset))
         if "prompt" not in first:
             raise ConfigError(f"GRPO's dataset needs a 'prompt' column (its columns: {sorted(first)}).")
-        vision = is_vision_dataset(first)
+        vision = is_vision_pairs(first)  # (TRL's rule: an images / image column; videos are refused)
         if vision:  # (before the model loads)
             check_vision_dataset(first)
         self.reward_funcs, self.reward_func_names = resolve_reward_funcs(reward_funcs)

@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 class Generator(Protocol):
     """Completions for a batch of prompts: ``prompt_ids`` (one list of token ids per row, each prompt already
     repeated for its group) -> one list of completion token ids per row, each ending at its first EOS (kept) or
-    at the length limit. A vLLM engine (weights synced from the policy before each call) is one of these."""
+    at the length limit. A vLLM engine (weights synced from the policy before each call) is one of these. For a
+    vision-language model's prompts it is also given ``vision=`` (compat/grpo_vision.py's ``VisionGroups``)."""
 
     def __call__(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]: ...
 

@@ -39,11 +39,6 @@ FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 """Families whose processors give pixel inputs per image patch with ``image_grid_thw`` (sliced per group here)."""
 
 
-def is_vision_dataset(sample: Mapping[str, Any]) -> bool:
-    """Whether a dataset row carries images (TRL's rule: an ``images`` or ``image`` column) or videos."""
-    return any(k in sample for k in ("images", "image", *VIDEO_COLUMNS))
-
-
 def check_vision_dataset(sample: Mapping[str, Any]) -> None:
     """TRL 1.16's rules for a dataset with images, refused in one line before the model loads: no videos (TRL's
     GRPO takes none either), conversational prompts."""
