@@ -111,18 +111,25 @@ def _run(framework: str, qwen3_vl, out, peft_config=None, **kw):
                                                                    policy.state_dict().items()}
 
 
-CASES = [("grpo", 0.1, 2, False), ("dapo", 0.0, 1, False), ("dr_grpo", 0.05, 1, False), ("dapo", 0.1, 1, True)]
+CASES = [("grpo", 0.1, 2, False, 1), ("dapo", 0.0, 1, False, 1), ("dr_grpo", 0.05, 1, False, 1),
+         ("dapo", 0.1, 1, True, 1), ("dapo", 0.0, 1, False, 2)]
 
 
 @requires("trl", "dev")
-@pytest.mark.parametrize("loss_type,beta,num_iterations,lora", CASES,
-                         ids=[f"{t}-beta{b}-mu{m}" + ("-lora" if lo else "") for t, b, m, lo in CASES])
-def test_vision_grpo_equals_trl(qwen3_vl, tmp_path, loss_type, beta, num_iterations, lora):
+@pytest.mark.parametrize("loss_type,beta,num_iterations,lora,accum", CASES,
+                         ids=[f"{t}-beta{b}-mu{m}" + ("-lora" if lo else "") + (f"-accum{a}" if a > 1 else "")
+                              for t, b, m, lo, a in CASES])
+def test_vision_grpo_equals_trl(qwen3_vl, tmp_path, loss_type, beta, num_iterations, lora, accum):
     """Per-step loss, rewards, KL, entropy and clip ratio and the final weights (the vision tower's included) as
-    TRL's, over 4 steps of AdamW with weight decay on prompts with 0, 1 and 2 images (one micro-batch text-only)."""
+    TRL's, over 4 steps of AdamW with weight decay on prompts with 0, 1 and 2 images (one micro-batch text-only).
+    With 2 accumulation steps a group of 4 spans 2 micro-batches of 2 rows (each encodes the group's images once;
+    TRL shuffles the generation batch before splitting it: the micro-batches differ, the steps do not; beta 0, as
+    a KL averaged over micro-batches would differ with them)."""
     from peft import LoraConfig
 
     kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+    if accum > 1:
+        kw.update(gradient_accumulation_steps=accum, per_device_train_batch_size=2, num_generations=4)
     if lora:
         kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "qkv"])
     trl_logs, trl_weights = _run("trl", qwen3_vl, tmp_path / "trl", **kw)
