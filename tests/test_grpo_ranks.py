@@ -52,6 +52,7 @@ def _problem(tmp: Path, case: str, output: str) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_grpo_on_two_ranks_equals_one_process(tmp_path, model_dir, one_thread):  # noqa: F811
     from tests.grpo_ranks_worker import run
 
