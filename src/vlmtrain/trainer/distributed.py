@@ -204,21 +204,3 @@ def maybe_no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextMan
     if sync or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()
-
-
-def all_gather_padded(tensor: torch.Tensor, pad: float = -100) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (same ndim and dtype on every rank; shapes may differ), in rank order, as tensors
-    through the gloo metrics group (no pickling): the shapes first, then one all_gather of the tensors padded
-    with ``pad`` to the largest shape. Each comes back with its own rows (dim 0), padded along the other dims."""
-    if not is_distributed():
-        return [tensor]
-    group = metrics_group()
-    shape = torch.tensor(tensor.shape, dtype=torch.long)
-    shapes = [torch.empty_like(shape) for _ in range(world_size())]
-    dist.all_gather(shapes, shape, group=group)
-    largest = torch.stack(shapes).amax(0).tolist()
-    padded = tensor.new_full(largest, pad)
-    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
-    out = [torch.empty_like(padded) for _ in shapes]
-    dist.all_gather(out, padded, group=group)
-    return [t[:int(s[0])] for t, s in zip(out, shapes)]

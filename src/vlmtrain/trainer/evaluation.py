@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from . import distributed as dist
+from .parts import Refused
 from .predictions import Collected, combine_eval_metrics, plain_numbers, select_outputs
 from .sharding import sharding_of
 from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, StepOutput
@@ -41,29 +42,6 @@ class _EvalTally:
             self.losses.add({"loss": loss, **extras}, weight if weight is not None else float(size), counts)
         self.preds.add(pred)
         self.labels.add(label)
-
-    def gather_shards(self, interleave: bool) -> None:
-        """Every rank's results, combined on every rank (see _gather_shards)."""
-        self.losses, self.samples, self.skipped = _gather_shards(self.losses, self.preds, self.labels, self.samples,
-                                                                 self.skipped, interleave)
-
-
-def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, samples: int, skipped: Counter,
-                   interleave: bool) -> tuple[LossAverager, int, Counter]:
-    """Every rank's evaluation results, combined on every rank (``preds`` and ``labels`` in place). Rows come
-    back in dataset order: rank r evaluated samples r, r + W, r + 2W, ... (interleave), or in rank order for a
-    stream. Counts and tensor layouts go as small pickles; predictions and labels as tensors (all_gather)."""
-    mine = {"losses": losses.state_dict(), "preds": preds.layout(), "labels": labels.layout(), "samples": samples,
-            "skipped": dict(skipped)}
-    everyone = dist.all_gather_objects(mine)
-    total = LossAverager()
-    for part in everyone:
-        shard = LossAverager()
-        shard.load_state_dict(part["losses"])
-        total.merge(shard)
-    preds.gather([part["preds"] for part in everyone], interleave)
-    labels.gather([part["labels"] for part in everyone], interleave)
-    return total, sum(p["samples"] for p in everyone), sum((Counter(p["skipped"]) for p in everyone), Counter())
 
 
 _LARGE_VOCAB = 4096  # a last dim this long on 3-d predictions: LM logits over a vocabulary
@@ -156,9 +134,13 @@ class EvaluationMixin:
 
     def _eval_sharding(self, dataset: Any) -> str | None:
         """'strided' (we split a map-style set), 'stream' (the dataset splits itself per rank) or None (every
-        rank evaluates the whole set: one process, a stream that does not split, or an FSDP model whose
-        generate cannot keep the ranks in step)."""
+        rank evaluates the whole set: one process, no eval_gather part to put the shares together, a stream that
+        does not split, or an FSDP model whose generate cannot keep the ranks in step)."""
         if self.world_size <= 1:
+            return None
+        if self.parts.eval_gather is None:  # (the core alone: every rank evaluates the whole set)
+            if getattr(dataset, "splits_by_rank", False):
+                Refused("eval_gather", f"evaluating {type(dataset).__name__}, which splits across ranks,")()
             return None
         sharded = sharding_of(self.model, self.parts.sharding) is not None
         generation = self.parts.generation if sharded and self.args.predict_with_generate else None
@@ -217,8 +199,9 @@ class EvaluationMixin:
             extras = dict(rest[0] if rest else getattr(step, "extras", {}))
             tally.add(batch, loss, self._reduce_for_metrics(pred, label), label, extras)
             self.control = self._event("on_prediction_step")
-        if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
-            tally.gather_shards(interleave=sharding == "strided")
+        if sharding:  # each rank saw its share: the eval_gather part puts the whole set together on every rank
+            tally.losses, tally.samples, tally.skipped = self.parts.eval_gather(
+                tally.losses, tally.preds, tally.labels, tally.samples, tally.skipped, interleave=sharding == "strided")
         if (plan := sharding_of(model, self.parts.sharding)) is not None:  # (FSDP keeps its root gathered)
             plan.reshard(model)
         self._eval_lockstep = False

@@ -73,6 +73,10 @@ class TrainerParts:
     eval_samples: Callable[[Any, Any, Any, str], None] | None = None
     """``(trainer, dataset, output, metric_key_prefix)``: keeps one evaluated set's per-sample results for the run
     report; None: nothing kept."""
+    eval_gather: Callable[..., tuple[Any, int, Any]] | None = None
+    """``(losses, preds, labels, samples, skipped, interleave)`` -> every rank's share of an evaluation put together
+    on every rank, in dataset order (losses, samples, skipped; preds and labels in place); None: every rank
+    evaluates the whole eval set."""
     label_smoothing: Callable[[float, nn.Module], Callable | None] = Refused("label_smoothing",
                                                                             "label_smoothing_factor")
     """``(epsilon, model)`` -> ``(outputs, labels)`` -> the label-smoothed loss (label_smoothing_factor), or None
