@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from . import distributed as dist
 from .parts import Refused
 from .predictions import Collected, combine_eval_metrics, plain_numbers, select_outputs
 from .sharding import sharding_of
@@ -157,29 +156,6 @@ class EvaluationMixin:
             return None
         return "strided"
 
-    def _lockstep(self, batch: Any, stand_in: Any) -> tuple[str, Any]:
-        """Under FSDP every forward is a collective: each rank must run as many as the others, though each
-        evaluates only its share of the eval set. Every rank reports whether it still has a batch and whether
-        that batch has samples; then it is told what to do with this one: ("end", None) when no rank has a
-        batch left, ("skip", None) when no rank has a sample to run, ("real", batch), or ("stand_in", B): run
-        B (this rank's last real batch, else a batch another rank sends) and drop its results."""
-        w, r = self.world_size, self.rank
-        real = batch is not None and not is_empty_batch(batch)
-        flags = [0.0] * (3 * w)
-        flags[r], flags[w + r], flags[2 * w + r] = float(batch is not None), float(real), float(
-            not real and stand_in is None)
-        flags = dist.reduce_cpu(flags)
-        has_batch, has_samples, needs_one = flags[:w], flags[w:2 * w], flags[2 * w:]
-        if not any(has_batch):
-            return "end", None
-        if not any(has_samples):
-            return "skip", None
-        if any(has_samples[i] == 0 and needs_one[i] for i in range(w)):  # a rank with no batch to stand in
-            donor = next(i for i in range(w) if has_samples[i])
-            sent = dist.broadcast_object(batch if r == donor else None, donor)
-            stand_in = stand_in if stand_in is not None else sent
-        return ("real", batch) if real else ("stand_in", stand_in)
-
     def evaluation_loop(self, dataloader: DataLoader, description: str = "", prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """Loss, predictions, metrics and the number of samples evaluated over a loader, as transformers'
@@ -190,7 +166,7 @@ class EvaluationMixin:
         sharding = self._eval_sharding(getattr(dataloader, "dataset", None))
         model = self.model
         model.eval()
-        # FSDP with each rank on its share: ranks run forward in step (see _lockstep)
+        # FSDP with each rank on its share: ranks run forward in step (see _eval_batches)
         self._eval_lockstep = sharding is not None and sharding_of(model, self.parts.sharding) is not None
         tally = _EvalTally()
         for batch in self._eval_batches(dataloader, tally.skipped, prediction_loss_only, ignore_keys):
@@ -210,32 +186,18 @@ class EvaluationMixin:
     def _eval_batches(self, dataloader: DataLoader, skipped: Counter, prediction_loss_only: bool | None,
                       ignore_keys: list[str] | None) -> Iterator[Any]:
         """The loader's batches to evaluate, at most max_eval_batches; a batch whose samples were all bad is
-        counted in ``skipped`` and left out. In lockstep (FSDP) a rank whose share is done runs stand-in
-        batches, their results dropped, as long as another rank still evaluates (see _lockstep)."""
-        batches, stand_in = iter(dataloader), None
-        for i in itertools.count():
-            limit = self.args.max_eval_batches is not None and i >= self.args.max_eval_batches
-            batch = None if limit else next(batches, None)
-            if not self._eval_lockstep:
-                if batch is None:
-                    return
-                if is_empty_batch(batch):  # every sample of this batch was bad
-                    skipped.update(skipped_counts(batch))
-                else:
-                    yield batch
-                continue
-            if batch is not None and is_empty_batch(batch):
+        counted in ``skipped`` and left out. In lockstep (FSDP, each rank on its share) the sharding plan keeps the
+        ranks' forwards in step: a rank whose share is done runs stand-in batches, their results dropped."""
+        batches = itertools.islice(dataloader, self.args.max_eval_batches)
+        if self._eval_lockstep:
+            yield from self.parts.sharding.eval_in_step(batches, skipped, lambda batch: self.prediction_step(
+                self.model, batch, prediction_loss_only, ignore_keys))
+            return
+        for batch in batches:
+            if is_empty_batch(batch):  # every sample of this batch was bad
                 skipped.update(skipped_counts(batch))
-            what, batch = self._lockstep(batch, stand_in)
-            if what == "end":
-                return
-            if what == "skip":
-                continue
-            stand_in = batch
-            if what == "stand_in":  # this rank's share is done (or this batch was all bad): results dropped
-                self.prediction_step(self.model, batch, prediction_loss_only, ignore_keys)
-                continue
-            yield batch
+            else:
+                yield batch
 
     def _eval_output(self, tally: _EvalTally, sharding: str | None, dataloader: DataLoader,
                      metric_key_prefix: str) -> EvalLoopOutput:
