@@ -130,7 +130,7 @@ def test_the_fsdp_plan_has_every_method_the_trainer_calls():
 
     assert vlmtrain.Trainer.parts.sharding is fsdp.FSDP_PLAN
     methods = [name for name in vars(sharding.ShardingPlan) if not name.startswith("_")]
-    assert len(methods) == 8 and all(callable(getattr(fsdp.FSDP_PLAN, name, None)) for name in methods)
+    assert len(methods) == 9 and all(callable(getattr(fsdp.FSDP_PLAN, name, None)) for name in methods)
     assert sharding.sharding_of(torch.nn.Linear(2, 2), fsdp.FSDP_PLAN) is None  # unsharded: the plain path
 
 

@@ -127,9 +127,7 @@ class EvaluationMixin:
         if self._eval_sharding(dataset) == "strided":
             sampler = range(self.rank, len(dataset), self.world_size)
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
-                          collate_fn=collator, num_workers=self.dataloader_workers(),
-                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda",
-                          **self._worker_options(self.dataloader_workers()))
+                          collate_fn=collator, **self._loader_options())
 
     def _eval_sharding(self, dataset: Any) -> str | None:
         """'strided' (we split a map-style set), 'stream' (the dataset splits itself per rank) or None (every

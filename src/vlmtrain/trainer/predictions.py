@@ -58,11 +58,6 @@ def pad_cat(chunks: list[torch.Tensor], pad: int = -100) -> torch.Tensor:
                       for c in chunks])
 
 
-def pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
-    """:func:`pad_cat` as a numpy array."""
-    return pad_cat(chunks, pad).numpy()
-
-
 class Collected:
     """Per-batch predictions or labels (a tensor, a tuple, or a dict of named tensors), kept on the CPU (put
     together over ranks by the ``eval_gather`` part: vlmtrain/evaluation/gather.py)."""
@@ -88,7 +83,7 @@ class Collected:
 
     def arrays(self) -> dict[Any, np.ndarray]:
         if self._arrays is None:
-            self._arrays = {k: pad_concat(chunks) for k, chunks in self.chunks.items() if chunks}
+            self._arrays = {k: pad_cat(chunks).numpy() for k, chunks in self.chunks.items() if chunks}
         return self._arrays
 
     def result(self) -> Any:

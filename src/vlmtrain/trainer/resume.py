@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from . import distributed as dist
 from .callbacks import callback_states, restore_callback_states
 from .loader_state import load_loader_state
 from .model_files import has_sharded_weights
@@ -24,7 +22,6 @@ from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
 from .state import TrainerState
 from .world_size import loop_state_for_rank, max_steps_after, reposition, saved_world_size
 
-ASYNC_EVAL_POLL_S = 0.2  # (async_eval) seconds between polls while the ranks wait for an evaluation
 LOOP_STATE = "loop_state"  # loop_state_<rank>.pt: vlmtrain's own position and window state (transformers ignores it)
 
 
@@ -85,22 +82,10 @@ class CheckpointMixin:
 
     def _poll_async_evaluations(self, at_end: bool = False) -> None:
         """(async_eval, every rank) At a step end, or ``at_end`` of training: rank 0 logs the evaluations that
-        finished and launches the next. Where it must wait for one (async_eval_when_full: wait with no free slot;
-        at the end, until all are logged or async_eval_wait_at_end_s) every rank waits here with it, the ranks
-        agreeing once per poll through one small all-reduce: no rank sits in a collective meanwhile, so the wait
-        may last longer than ddp_timeout."""
-        if not self._async_eval_on:
-            return
-        while True:
-            waiting = False
-            if self._async_eval is not None:
-                self._log_async_evaluations(self._async_eval.poll(self.state.global_step, at_end=at_end))
-                waiting = self._async_eval.waiting
-            if self.world_size > 1:
-                waiting = dist.reduce_cpu([float(waiting)], "max")[0] > 0
-            if not waiting:
-                return
-            time.sleep(ASYNC_EVAL_POLL_S)
+        finished and launches the next; where it must wait for one, every rank waits with it (the evaluator's
+        poll_in_step)."""
+        if self._async_eval_waits is not None:
+            self._async_eval_waits.poll_in_step(self.state.global_step, at_end, self._log_async_evaluations)
 
     def _log_async_evaluations(self, rows: list[dict]) -> None:
         """(async_eval, rank 0) Log each finished evaluation at its checkpoint's step; their checkpoints may

@@ -157,23 +157,23 @@ class SetupMixin:
             sampler = StatefulDistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
                                                  shuffle=args.train_sampling_strategy != "sequential", seed=seed,
                                                  drop_last=False)
-        num_workers = self.dataloader_workers()
         # torchdata's constructor calls torch.set_vital, which torch deprecates: a warning no user can act on.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".set_vital. is deprecated", category=UserWarning)
-            return StatefulDataLoader(
-                dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                collate_fn=collator, num_workers=num_workers,
-                drop_last=args.dataloader_drop_last, pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
-                generator=torch.Generator().manual_seed(seed), **self._worker_options(num_workers))
+            return StatefulDataLoader(dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+                                      collate_fn=collator, drop_last=args.dataloader_drop_last,
+                                      generator=torch.Generator().manual_seed(seed), **self._loader_options())
 
-    def _worker_options(self, num_workers: int) -> dict[str, Any]:
-        """The arguments' worker options of a data loader (train or eval); torch refuses them without workers."""
-        if num_workers == 0:
-            return {}
-        return {"persistent_workers": self.args.dataloader_persistent_workers,
-                "prefetch_factor": self.args.dataloader_prefetch_factor,
-                "multiprocessing_context": self.args.dataloader_multiprocessing_context}
+    def _loader_options(self) -> dict[str, Any]:
+        """What the arguments set of a data loader (train or eval): its workers (with their options, which torch
+        refuses without workers) and pin_memory (on CUDA)."""
+        workers = self.dataloader_workers()
+        options = {"num_workers": workers, "pin_memory": self.args.dataloader_pin_memory and self.device.type == "cuda"}
+        if workers:
+            options.update(persistent_workers=self.args.dataloader_persistent_workers,
+                           prefetch_factor=self.args.dataloader_prefetch_factor,
+                           multiprocessing_context=self.args.dataloader_multiprocessing_context)
+        return options
 
     def _loader_data(self, dataset: Any, collator: Any, description: str) -> tuple[Any, Any]:
         """The dataset and collator a data loader reads (``description``: 'Training', 'Evaluation' or 'test'):
