@@ -8,6 +8,7 @@ itself: ``Trainer(..., parts=dataclasses.replace(Trainer.parts, flop_counter=min
 from __future__ import annotations
 
 from ..checkpointing.async_writer import AsyncCheckpointer
+from ..checkpointing.reposition import REPOSITION
 from ..data.collate import DefaultCollator
 from ..data.step_data import step_sampling
 from ..evaluation.async_eval import checkpoint_evaluator
@@ -57,6 +58,7 @@ PARTS = TrainerParts(
     model_files=MODEL_FILES,  # Hugging Face layouts, LoRA adapters, score heads, DCP shards (models/files/model_files.py)
     sharding=FSDP_PLAN,  # train.fsdp (parallel/fsdp.py)
     checkpoint_writer=AsyncCheckpointer,  # train.async_checkpoint (checkpointing/async_writer.py)
+    reposition=REPOSITION,  # resume with another number of processes or workers (checkpointing/reposition.py)
     step_position=position_from_step,  # resume of transformers' checkpoints (compat/checkpoints.py)
 )
 
