@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,8 +123,18 @@ def build_param_groups(model: nn.Module, args: TrainingArgumentsCore) -> list[di
     return list(groups.values())
 
 
-def create_optimizer(model: nn.Module, args: TrainingArgumentsCore) -> torch.optim.Optimizer:
+def create_optimizer(model: nn.Module, args: TrainingArgumentsCore,
+                     cls_and_kwargs: tuple[type, dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """args.optim's optimizer over :func:`build_param_groups`' groups; with ``cls_and_kwargs`` (Trainer(
+    optimizer_cls_and_kwargs=(cls, kwargs))) ``cls`` over them, the groups' lr and weight_decay kept unless
+    ``kwargs`` sets them."""
     groups = build_param_groups(model, args)
+    if cls_and_kwargs is not None:
+        cls, kwargs = cls_and_kwargs
+        for group in groups:
+            group.update({k: v for k, v in kwargs.items() if k in ("lr", "weight_decay")})
+        return cls(groups, **{k: v for k, v in kwargs.items() if k not in ("lr", "weight_decay")},
+                   lr=kwargs.get("lr", args.learning_rate))
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),

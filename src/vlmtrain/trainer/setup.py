@@ -22,7 +22,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from ..errors import warn_caller
 from .distributed import NamedSums
-from .optim import build_param_groups, create_optimizer, create_scheduler
+from .optim import create_optimizer, create_scheduler
 from .parts import TrainerParts
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
@@ -189,22 +189,10 @@ class SetupMixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The optimizer over ``model`` (default: the Trainer's): Trainer(optimizer_cls_and_kwargs=...)'s class, or
         args.optim's, over parameter groups with per-module learning rates."""
-        if self.optimizer is None and getattr(self, "optimizer_cls_and_kwargs", None) is not None:
-            self.optimizer = self._optimizer_from_cls_and_kwargs(model or self.model)
-        elif self.optimizer is None:
-            self.optimizer = create_optimizer(model or self.model, self.args)
+        if self.optimizer is None:
+            self.optimizer = create_optimizer(model or self.model, self.args,
+                                              getattr(self, "optimizer_cls_and_kwargs", None))
         return self.optimizer
-
-    def _optimizer_from_cls_and_kwargs(self, model: nn.Module) -> torch.optim.Optimizer:
-        """``Trainer(optimizer_cls_and_kwargs=(cls, kwargs))``: ``cls`` over vlmtrain's parameter groups (per-module
-        learning rates, weight decay except on biases and norms), the groups' lr and weight_decay kept unless
-        ``kwargs`` sets them."""
-        cls, kwargs = self.optimizer_cls_and_kwargs
-        groups = build_param_groups(model, self.args)
-        for group in groups:
-            group.update({k: v for k, v in kwargs.items() if k in ("lr", "weight_decay")})
-        return cls(groups, **{k: v for k, v in kwargs.items() if k not in ("lr", "weight_decay")},
-                   lr=kwargs.get("lr", self.args.learning_rate))
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.lr_scheduler is None:
