@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
+from ..evaluation.gather import all_gather_padded
 from ..trainer import checkpoint as ckpt
-from ..trainer import distributed
-from ..trainer.world_size import saved_world_size
+from ..trainer.resume import saved_world_size
 
 ROLLOUT_STATE = "grpo_rollout"  # grpo_rollout_<rank>.pt in checkpoint-<step>/
 
@@ -30,7 +30,7 @@ ROLLOUT_STATE = "grpo_rollout"  # grpo_rollout_<rank>.pt in checkpoint-<step>/
 def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     """Every process's rows of ``tensor`` (the same shape on each: a slice of the generation batch) in rank
     order, on CPU (through the gloo metrics group); in one process the tensor itself."""
-    return torch.cat(distributed.all_gather_padded(tensor.detach().cpu()))
+    return torch.cat(all_gather_padded(tensor.detach().cpu()))
 
 
 class RolloutCheckpoints:
