@@ -1,8 +1,9 @@
 """One rank of tests/test_eval_memory.py's 2-process gather test: `python eval_gather_worker.py RANK STORE OUT`.
 
 Each rank fills evaluation's buffers as evaluation_loop would (uneven rows, different sequence lengths, one
-buffer empty on rank 1), joins a gloo group through a file store, gathers with evaluation._gather_shards, and
-writes what it got (and whether any tensor went through all_gather_object) to OUT as JSON.
+buffer empty on rank 1), joins a gloo group through a file store, gathers with evaluation/gather.py's
+gather_shards (vlmtrain.Trainer's eval_gather part), and writes what it got (and whether any tensor went
+through all_gather_object) to OUT as JSON.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from vlmtrain.trainer.evaluation import _gather_shards
+from vlmtrain.evaluation.gather import gather_shards
 from vlmtrain.trainer.predictions import Collected
 from vlmtrain.trainer.stats import LossAverager
 
@@ -40,8 +41,8 @@ def main(rank: int, store: str, out: str) -> None:
         if rank == 0:  # rank 1 has no labels at all (e.g. its batches carried none)
             labels.add(rows * 100)
         losses.add({"loss": torch.tensor(float(rank + 1))}, float(len(ids)), {})
-    total, samples, skipped = _gather_shards(losses, preds, labels, len(sum(batches, [])), Counter(bad=rank),
-                                             interleave=True)
+    total, samples, skipped = gather_shards(losses, preds, labels, len(sum(batches, [])), Counter(bad=rank),
+                                            interleave=True)
     result = {"generated": preds.named("")["generated"].tolist(), "score": preds.named("logits_")["score"].tolist(),
               "labels": labels.result().tolist(), "loss": total.compute(across_ranks=False)["loss"],
               "samples": samples, "skipped": dict(skipped), "pickled": pickled}

@@ -21,8 +21,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from tests import preloaded
+from vlmtrain.checkpointing.reposition import reposition
 from vlmtrain.errors import CheckpointError
-from vlmtrain.trainer.world_size import reposition
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -363,6 +363,7 @@ def test_seed_000_client_runs_unchanged(tmp_path, one_thread):
 
 def test_named_outputs_gathered_from_ranks_in_dataset_order():
     """Under DDP rank r evaluated samples r, r + 2, ...: every named output comes back in dataset order."""
+    from vlmtrain.evaluation import gather
     from vlmtrain.trainer.predictions import Collected
 
     parts = []
@@ -371,9 +372,9 @@ def test_named_outputs_gathered_from_ranks_in_dataset_order():
         rows = torch.arange(rank, 5, 2)  # rank 0: samples 0 2 4; rank 1: 1 3
         for chunk in rows.split(2):
             c.add({"logits_a": chunk[:, None].float().expand(-1, 3), "logits_b": chunk, "loss_1": chunk.sum()})
-        parts.append(c.rows())
+        parts.append(gather.rows(c))
     merged = Collected()
-    merged.set_rows(parts, interleave=True)
+    gather.set_rows(merged, parts, interleave=True)
     assert merged.result()[0].tolist() == [[float(i)] * 3 for i in range(5)]
     assert merged.named("logits_")["b"].tolist() == [0, 1, 2, 3, 4]
     assert sorted(merged.named("loss_")["1"].tolist()) == [2, 4, 4]  # one value per batch: [0 2] [4] | [1 3]

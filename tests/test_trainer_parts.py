@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,14 @@ def test_the_core_alone_refuses_what_needs_a_part_naming_it(tmp_path, monkeypatc
     core = TrainerCore(tiny_llama(), vlmtrain.TrainingArguments(output_dir=str(tmp_path), report_to="none"))
     assert [type(cb).__name__ for cb in core.callback_handler.callbacks] == ["DefaultFlowCallback"]
     assert core.data_collator is None  # (torch's default_collate)
+    # a checkpoint that another number of processes wrote: the reposition part's (the core's own refuses it)
+    saving = _args(tmp_path / "ranks", max_steps=2, save_strategy="steps", save_steps=2)
+    vlmtrain.Trainer(tiny_llama(), saving, train_dataset=token_samples(8)).train()
+    checkpoint = tmp_path / "ranks" / "checkpoint-2"
+    shutil.copy(checkpoint / "loop_state_0.pt", checkpoint / "loop_state_1.pt")  # (as 2 processes write it)
+    plain = dataclasses.replace(vlmtrain.Trainer.parts, reposition=TrainerParts().reposition)
+    with pytest.raises(ConfigError, match="of dataloader_num_workers needs the trainer part 'reposition'"):
+        vlmtrain.Trainer(tiny_llama(), saving, train_dataset=token_samples(8), parts=plain).train(str(checkpoint))
     # train.fsdp with several ranks and no sharding part: a ConfigError that names it
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     with pytest.raises(ConfigError, match="need the trainer part 'sharding'"):
@@ -130,7 +139,7 @@ def test_the_fsdp_plan_has_every_method_the_trainer_calls():
 
     assert vlmtrain.Trainer.parts.sharding is fsdp.FSDP_PLAN
     methods = [name for name in vars(sharding.ShardingPlan) if not name.startswith("_")]
-    assert len(methods) == 8 and all(callable(getattr(fsdp.FSDP_PLAN, name, None)) for name in methods)
+    assert len(methods) == 9 and all(callable(getattr(fsdp.FSDP_PLAN, name, None)) for name in methods)
     assert sharding.sharding_of(torch.nn.Linear(2, 2), fsdp.FSDP_PLAN) is None  # unsharded: the plain path
 
 

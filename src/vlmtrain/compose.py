@@ -38,12 +38,12 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
         parts = kind.build(cfg, data, checkpoint)
     parts = objective_parts(cfg, kind, parts)  # (dpo: the policy and its reference, the pair collator)
     if sharded_build:  # FSDP: only rank 0 built the weights; every rank gets its shard of them
+        from vlmtrain.inference import default_device
         from vlmtrain.models.sharding import shard_from_rank0
         from vlmtrain.parallel import fsdp
-        from vlmtrain.trainer import distributed
 
         shard = functools.partial(fsdp.shard_model, bf16=cfg.train.bf16)
-        parts["model"] = shard_from_rank0(parts["model"], shard, distributed.default_device())
+        parts["model"] = shard_from_rank0(parts["model"], shard, default_device())
     if cfg.data.pack_window and getattr(parts["data_collator"], "pack_length", None):
         _window_packing(cfg, parts)
     if checkpoint is not None:

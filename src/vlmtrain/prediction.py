@@ -133,7 +133,7 @@ def predict_data(checkpoint: str, data: str | list[str], output: str = "predicti
         raise ConfigError(f"--data {data!r} holds no samples (an empty file, or shards without members): "
                           f"nothing to predict; point --data at a JSONL file or shards in the training format.")
     check_writable(os.path.dirname(output) or ".", "--output")  # (written after every sample is scored)
-    inference = load_for_inference(checkpoint, device=device or distributed.default_device(), dtype=dtype)
+    inference = load_for_inference(checkpoint, device=device, dtype=dtype)  # (None: inference's default device)
     samples = NumberedSamples(source, distributed.rank(), distributed.world_size())
     if inference.head_configs:
         rows = score_rows(inference, samples, batch_size=batch_size, num_workers=num_workers)

@@ -31,6 +31,7 @@ from .grpo_rollout import (
     resolve_reward_funcs,
     score,
 )
+from .grpo_state import RolloutCheckpoints, gather_rows
 from .grpo_vision import (
     VisionGenerate,
     check_vision_dataset,
@@ -44,7 +45,7 @@ def _rows(samples: list[dict]) -> dict[str, list[dict]]:
     return {"rows": samples}  # (a generation batch stays its dataset rows: the rollout processes them)
 
 
-class GRPOTrainer(PolicyObjectiveTrainer):
+class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
     """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer, or a Qwen-VL model
     and its processor (prompts with images, each group's encoded once: grpo_vision.py): ``reward_funcs``
     (callables or ``module:function`` strings, weighted by ``args.reward_weights``) score the completions of a
@@ -141,9 +142,11 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         args = self.args
         sampler = GroupSampler(len(self.train_dataset), args.num_generations,
                                args.generation_batch_size // args.num_generations,
-                               args.num_iterations * args.steps_per_generation, args.shuffle_dataset, args.seed)
+                               args.num_iterations * args.steps_per_generation, args.shuffle_dataset, args.seed,
+                               self.rank, self.world_size)
         return StatefulDataLoader(self.train_dataset, batch_size=args.per_device_train_batch_size
-                                  * args.steps_per_generation, sampler=sampler, collate_fn=_rows)
+                                  * args.steps_per_generation, sampler=sampler, collate_fn=_rows,
+                                  generator=torch.Generator().manual_seed(args.seed))  # (not torch's RNG: sampling's)
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """One micro-step on this step's slice of the buffered generation batch, rolled out first where the
@@ -189,10 +192,12 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
         per_func = score(self.reward_funcs, self.reward_func_names, prompts, completions, completion_ids, columns,
                          self._skipped, trainer_state=self.state)
+        per_func = gather_rows(per_func)  # (every process's: a group, or the batch, may span processes; as TRL)
         unscorable = torch.isnan(per_func).all(dim=1)
         rewards = (per_func * self.reward_weights).nansum(dim=1)
         rewards[unscorable] = float("nan")
         advantages, std_zero = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        mine = slice(self.rank * len(rows), (self.rank + 1) * len(rows))
         p_ids, p_mask = pad_rows(prompt_ids, self.tokenizer.pad_token_id, "left", device)
         c_ids, c_mask = pad_rows(completion_ids, self.tokenizer.pad_token_id, "right", device)
         ends = set(self.eos_token_ids) | {self.tokenizer.pad_token_id}
@@ -200,7 +205,7 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         if args.mask_truncated_completions:
             c_mask = c_mask * (~truncated).unsqueeze(1).long()
         batch = {"input_ids": torch.cat([p_ids, c_ids], 1), "attention_mask": torch.cat([p_mask, c_mask], 1),
-                 "completion_mask": c_mask, "advantages": advantages.to(device)}
+                 "completion_mask": c_mask, "advantages": advantages[mine].to(device)}
         if groups is not None:
             batch["mm_token_type_ids"] = groups.token_type_rows(p_ids.shape[1], c_ids.shape[1]).to(device)
             batch["vision"] = groups
@@ -210,7 +215,9 @@ class GRPOTrainer(PolicyObjectiveTrainer):
             batch["old_per_token_logps"] = self._chunked(objective.policy_logps, batch, c_ids)
         if args.beta != 0.0:
             batch["ref_per_token_logps"] = self._chunked(objective.reference_logps, batch, c_ids)
-        self._log_rollout(per_func, rewards, std_zero, completion_ids, truncated, prompts, completions, advantages)
+        lengths = gather_rows(torch.tensor([float(len(c)) for c in completion_ids]))
+        self._log_rollout(per_func, rewards, std_zero, lengths, gather_rows(truncated.float()).bool(), prompts,
+                          completions, rewards[mine], advantages[mine])
         return batch
 
     def _chunked(self, fn: Any, batch: dict[str, Any], completion_ids: torch.Tensor) -> torch.Tensor:
@@ -222,17 +229,16 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         return torch.cat(out)
 
     def _log_rollout(self, per_func: torch.Tensor, rewards: torch.Tensor, std_zero: torch.Tensor,
-                     completion_ids: list[list[int]], truncated: torch.Tensor, prompts: list, completions: list,
-                     advantages: torch.Tensor) -> None:
-        """TRL's rollout metrics, averaged over a logging window in :meth:`log`; with log_completions, a sample
-        of the completions table."""
+                     lengths: torch.Tensor, truncated: torch.Tensor, prompts: list, completions: list,
+                     own_rewards: torch.Tensor, advantages: torch.Tensor) -> None:
+        """TRL's rollout metrics of the whole generation batch (every process's rows), averaged over a logging
+        window in :meth:`log`; with log_completions, a sample of this process's completions table."""
         m = self._rollout_metrics
-        lengths = torch.tensor([float(len(c)) for c in completion_ids])
         m["completions/mean_length"].append(lengths.mean().item())
         m["completions/min_length"].append(lengths.min().item())
         m["completions/max_length"].append(lengths.max().item())
         m["completions/clipped_ratio"].append(truncated.float().mean().item())
-        ended = lengths[~truncated.cpu()]
+        ended = lengths[~truncated]
         ended = ended if len(ended) else torch.zeros(1)
         m["completions/mean_terminated_length"].append(ended.mean().item())
         m["completions/min_terminated_length"].append(ended.min().item())
@@ -246,7 +252,7 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         if self.args.log_completions:
             count = self.args.num_completions_to_print or len(prompts)
             self._table = [{"prompt": p, "completion": c, "reward": r, "advantage": a}
-                           for p, c, r, a in zip(prompts[:count], completions[:count], rewards.tolist(),
+                           for p, c, r, a in zip(prompts[:count], completions[:count], own_rewards.tolist(),
                                                  advantages.tolist(), strict=False)]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -79,23 +79,37 @@ def pad_rows(rows: list[list[int]], pad: int, side: str, device: torch.device | 
 class GroupSampler(Sampler[int]):
     """TRL's RepeatSampler order: a seeded permutation of the prompts cut into generation batches of
     ``batch_size`` prompts (a partial last one dropped), each batch repeated ``repeat_count`` times (the
-    micro-steps and iterations it feeds), each prompt ``mini_repeat_count`` times in a row (its group)."""
+    micro-steps and iterations it feeds), each prompt ``mini_repeat_count`` times in a row (its group). With
+    ``world_size`` processes each repeat of a generation batch is cut in ``world_size`` equal slices, process
+    ``rank`` taking slice ``rank`` (as accelerate hands TRL's processes their batches). The permutation is
+    the epoch's (:meth:`set_epoch`): the ``epoch + 1``-th of one generator seeded with ``seed``, as TRL's
+    sampler draws them one epoch after another, so that a resumed run finds the same order."""
 
     def __init__(self, size: int, mini_repeat_count: int, batch_size: int, repeat_count: int, shuffle: bool,
-                 seed: int) -> None:
+                 seed: int, rank: int = 0, world_size: int = 1) -> None:
         self.size, self.mini, self.batch, self.repeat = size, mini_repeat_count, batch_size, repeat_count
-        self.shuffle, self.generator = shuffle, torch.Generator().manual_seed(seed)
+        self.shuffle, self.seed, self.rank, self.world_size, self.epoch = shuffle, seed, rank, world_size, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.size))
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(self.epoch):  # (the earlier epochs' draws)
+            torch.randperm(self.size, generator=generator)
+        return torch.randperm(self.size, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.size, generator=self.generator).tolist() if self.shuffle else range(self.size)
-        order = list(order)
+        order, share = self._order(), self.batch * self.mini // self.world_size
         for start in range(0, self.size - self.batch + 1, self.batch):
+            rows = [index for index in order[start:start + self.batch] for _ in range(self.mini)]
             for _ in range(self.repeat):
-                for index in order[start:start + self.batch]:
-                    yield from [index] * self.mini
+                yield from rows[self.rank * share:(self.rank + 1) * share]
 
     def __len__(self) -> int:
-        return (self.size // self.batch) * self.batch * self.mini * self.repeat
+        return (self.size // self.batch) * self.batch * self.mini * self.repeat // self.world_size
 
 
 def resolve_reward_funcs(reward_funcs: Any) -> tuple[list[Callable], list[str]]:

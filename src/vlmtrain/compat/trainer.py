@@ -8,9 +8,11 @@ itself: ``Trainer(..., parts=dataclasses.replace(Trainer.parts, flop_counter=min
 from __future__ import annotations
 
 from ..checkpointing.async_writer import AsyncCheckpointer
+from ..checkpointing.reposition import REPOSITION
 from ..data.collate import DefaultCollator
 from ..data.step_data import step_sampling
 from ..evaluation.async_eval import checkpoint_evaluator
+from ..evaluation.gather import gather_shards
 from ..logging.eval_samples import save_eval_samples
 from ..logging.throughput import WindowRates
 from ..logging.writers import logging_callbacks
@@ -41,6 +43,7 @@ PARTS = TrainerParts(
     logging_callbacks=logging_callbacks,  # progress bar, metrics.jsonl, report_to's trackers (logging/writers.py)
     checkpoint_evaluator=checkpoint_evaluator,  # train.async_eval (evaluation/async_eval.py)
     eval_samples=save_eval_samples,  # per-sample evaluation results for the report (logging/eval_samples.py)
+    eval_gather=gather_shards,  # each rank's share of an evaluation, put together (evaluation/gather.py)
     label_smoothing=label_smoothing,  # label_smoothing_factor (compat/loss_extras.py)
     batch_eval_metrics=BatchEvalMetrics,  # batch_eval_metrics=True (compat/loss_extras.py)
     step_sampling=step_sampling,  # datasets that follow the training step (data/step_data.py)
@@ -55,6 +58,7 @@ PARTS = TrainerParts(
     model_files=MODEL_FILES,  # Hugging Face layouts, LoRA adapters, score heads, DCP shards (models/files/model_files.py)
     sharding=FSDP_PLAN,  # train.fsdp (parallel/fsdp.py)
     checkpoint_writer=AsyncCheckpointer,  # train.async_checkpoint (checkpointing/async_writer.py)
+    reposition=REPOSITION,  # resume with another number of processes or workers (checkpointing/reposition.py)
     step_position=position_from_step,  # resume of transformers' checkpoints (compat/checkpoints.py)
 )
 

@@ -26,13 +26,16 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError
 from ..logging.eval_samples import THUMBNAIL_DIR
 from ..trainer import checkpoint as ckpt
+from ..trainer.distributed import rank, reduce_cpu
 
 DIR = "async_eval"
+POLL_S = 0.2  # seconds between polls while the ranks wait for an evaluation
 DEFAULT_COMMAND = ("{python}", "-m", "vlmtrain", "eval", "--config", "{run_dir}/config.yaml", "--checkpoint",
                    "{checkpoint}", "--result-file", "{result_file}", "--train.output_dir", "{output_dir}")
 # torchrun's variables: the evaluation is a process of its own, not one more rank of the training job
@@ -262,7 +265,7 @@ class AsyncEvaluator:
         """Never blocks: rows for evaluations that finished; jobs launched for complete checkpoints that have a
         free slot (async_eval_when_full: 'skip' logs a step that has none as skipped). Afterwards :attr:`waiting`
         says whether training must not go on yet, and the caller polls again after a pause (every rank waits
-        there together, see TrainerCore._poll_async_evaluations): a complete checkpoint has no free slot
+        there together, see :meth:`poll_in_step`): a complete checkpoint has no free slot
         (async_eval_when_full: 'wait'), or, ``at_end`` (the end of training), evaluations are still queued,
         for at most async_eval_wait_at_end_s from the first such call."""
         rows, self.waiting = self._collect(current_step), False
@@ -294,6 +297,21 @@ class AsyncEvaluator:
         if at_end:
             self._wait_at_end()
         return rows
+
+    def poll_in_step(self, current_step: int, at_end: bool, log_rows: Callable[[list[dict[str, Any]]], None]) -> None:
+        """(every rank, at a step end or ``at_end`` of training) Rank 0 polls (:meth:`poll`) and hands the rows to
+        ``log_rows``. Where it must wait for an evaluation (async_eval_when_full: wait with no free slot; at the end,
+        until all are logged or async_eval_wait_at_end_s) every rank waits here with it, the ranks agreeing once per
+        poll through one small all-reduce: no rank sits in a collective meanwhile, so the wait may last longer than
+        ddp_timeout."""
+        while True:
+            waiting = False
+            if rank() == 0:
+                log_rows(self.poll(current_step, at_end=at_end))
+                waiting = self.waiting
+            if not reduce_cpu([float(waiting)], "max")[0]:
+                return
+            time.sleep(POLL_S)
 
     def _wait_at_end(self) -> None:
         """(at the end of training) Wait while anything is queued, within async_eval_wait_at_end_s."""
@@ -379,6 +397,7 @@ class AsyncEvaluator:
 
 
 def checkpoint_evaluator(args: Any) -> AsyncEvaluator | None:
-    """The trainer's ``checkpoint_evaluator``: rank 0's AsyncEvaluator when train.async_eval is on, else None."""
+    """The trainer's ``checkpoint_evaluator``: the AsyncEvaluator when train.async_eval is on (rank 0's evaluates;
+    every rank's waits with it, :meth:`AsyncEvaluator.poll_in_step`), else None."""
     return AsyncEvaluator(args) if args.async_eval else None
 

@@ -33,6 +33,8 @@ from vlmtrain.trainer import checkpoint as ckpt
 from vlmtrain.trainer.model_files import DCP_DIR, CheckpointError, has_sharded_weights
 from vlmtrain.trainer.sharding import keyed_by_name
 
+from .lockstep import eval_in_step
+
 
 def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
@@ -266,6 +268,7 @@ class FSDPPlan:
     load_model_state = staticmethod(load_model_state)
     load_optimizer_state = staticmethod(load_optimizer_state)
     save_full_model = staticmethod(save_full_model)
+    eval_in_step = staticmethod(eval_in_step)  # (lockstep.py)
 
 
 FSDP_PLAN = FSDPPlan()  # vlmtrain.Trainer's sharding part (compat/trainer.py)

@@ -170,33 +170,22 @@ def _free_at_exit() -> None:
         shutdown(wait=False)
 
 
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def wrap_model(model: nn.Module, device: torch.device, fsdp: bool = False, bf16: bool = False,
                ddp_kwargs: dict[str, Any] | None = None, sharding: ShardingPlan | None = None) -> nn.Module:
     """The module the training loop calls: with several processes, sharded in place by the ``sharding`` plan
-    (``fsdp``) or wrapped in DDP (with ``ddp_kwargs``, e.g. find_unused_parameters); else the model itself."""
+    (``fsdp``) or wrapped in DistributedDataParallel (with ``ddp_kwargs``: TrainingArguments.ddp_kwargs(), e.g.
+    find_unused_parameters); else the model itself."""
     if fsdp and world_size() > 1:
         plan = sharding_plan(sharding)
         return model if plan.is_sharded(model) else plan.shard_model(model, bf16)
     if fsdp:
         warnings.warn("train.fsdp needs several processes (torchrun): training unsharded.", stacklevel=3)
-    return wrap_ddp(model, device, **(ddp_kwargs or {}))
-
-
-def wrap_ddp(model: nn.Module, device: torch.device, **ddp_kwargs: Any) -> nn.Module:
-    """DistributedDataParallel over ``model`` when several processes train, else the model itself. ``ddp_kwargs``
-    go to DDP (TrainingArguments.ddp_kwargs(): find_unused_parameters, bucket_cap_mb, ...)."""
     if world_size() <= 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, **ddp_kwargs)
+    return DistributedDataParallel(model, device_ids=ids, **(ddp_kwargs or {}))
 
 
 def maybe_no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
@@ -204,21 +193,3 @@ def maybe_no_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextMan
     if sync or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()
-
-
-def all_gather_padded(tensor: torch.Tensor, pad: float = -100) -> list[torch.Tensor]:
-    """Every rank's ``tensor`` (same ndim and dtype on every rank; shapes may differ), in rank order, as tensors
-    through the gloo metrics group (no pickling): the shapes first, then one all_gather of the tensors padded
-    with ``pad`` to the largest shape. Each comes back with its own rows (dim 0), padded along the other dims."""
-    if not is_distributed():
-        return [tensor]
-    group = metrics_group()
-    shape = torch.tensor(tensor.shape, dtype=torch.long)
-    shapes = [torch.empty_like(shape) for _ in range(world_size())]
-    dist.all_gather(shapes, shape, group=group)
-    largest = torch.stack(shapes).amax(0).tolist()
-    padded = tensor.new_full(largest, pad)
-    padded[tuple(slice(0, n) for n in tensor.shape)] = tensor
-    out = [torch.empty_like(padded) for _ in shapes]
-    dist.all_gather(out, padded, group=group)
-    return [t[:int(s[0])] for t, s in zip(out, shapes)]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from . import distributed as dist
+from .parts import Refused
 from .predictions import Collected, combine_eval_metrics, plain_numbers, select_outputs
 from .sharding import sharding_of
 from .state import EvalLoopOutput, EvalPrediction, PredictionOutput, StepOutput
@@ -41,29 +41,6 @@ class _EvalTally:
             self.losses.add({"loss": loss, **extras}, weight if weight is not None else float(size), counts)
         self.preds.add(pred)
         self.labels.add(label)
-
-    def gather_shards(self, interleave: bool) -> None:
-        """Every rank's results, combined on every rank (see _gather_shards)."""
-        self.losses, self.samples, self.skipped = _gather_shards(self.losses, self.preds, self.labels, self.samples,
-                                                                 self.skipped, interleave)
-
-
-def _gather_shards(losses: LossAverager, preds: Collected, labels: Collected, samples: int, skipped: Counter,
-                   interleave: bool) -> tuple[LossAverager, int, Counter]:
-    """Every rank's evaluation results, combined on every rank (``preds`` and ``labels`` in place). Rows come
-    back in dataset order: rank r evaluated samples r, r + W, r + 2W, ... (interleave), or in rank order for a
-    stream. Counts and tensor layouts go as small pickles; predictions and labels as tensors (all_gather)."""
-    mine = {"losses": losses.state_dict(), "preds": preds.layout(), "labels": labels.layout(), "samples": samples,
-            "skipped": dict(skipped)}
-    everyone = dist.all_gather_objects(mine)
-    total = LossAverager()
-    for part in everyone:
-        shard = LossAverager()
-        shard.load_state_dict(part["losses"])
-        total.merge(shard)
-    preds.gather([part["preds"] for part in everyone], interleave)
-    labels.gather([part["labels"] for part in everyone], interleave)
-    return total, sum(p["samples"] for p in everyone), sum((Counter(p["skipped"]) for p in everyone), Counter())
 
 
 _LARGE_VOCAB = 4096  # a last dim this long on 3-d predictions: LM logits over a vocabulary
@@ -150,15 +127,17 @@ class EvaluationMixin:
         if self._eval_sharding(dataset) == "strided":
             sampler = range(self.rank, len(dataset), self.world_size)
         return DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, sampler=sampler,
-                          collate_fn=collator, num_workers=self.dataloader_workers(),
-                          pin_memory=self.args.dataloader_pin_memory and self.device.type == "cuda",
-                          **self._worker_options(self.dataloader_workers()))
+                          collate_fn=collator, **self._loader_options())
 
     def _eval_sharding(self, dataset: Any) -> str | None:
         """'strided' (we split a map-style set), 'stream' (the dataset splits itself per rank) or None (every
-        rank evaluates the whole set: one process, a stream that does not split, or an FSDP model whose
-        generate cannot keep the ranks in step)."""
+        rank evaluates the whole set: one process, no eval_gather part to put the shares together, a stream that
+        does not split, or an FSDP model whose generate cannot keep the ranks in step)."""
         if self.world_size <= 1:
+            return None
+        if self.parts.eval_gather is None:  # (the core alone: every rank evaluates the whole set)
+            if getattr(dataset, "splits_by_rank", False):
+                Refused("eval_gather", f"evaluating {type(dataset).__name__}, which splits across ranks,")()
             return None
         sharded = sharding_of(self.model, self.parts.sharding) is not None
         generation = self.parts.generation if sharded and self.args.predict_with_generate else None
@@ -175,29 +154,6 @@ class EvaluationMixin:
             return None
         return "strided"
 
-    def _lockstep(self, batch: Any, stand_in: Any) -> tuple[str, Any]:
-        """Under FSDP every forward is a collective: each rank must run as many as the others, though each
-        evaluates only its share of the eval set. Every rank reports whether it still has a batch and whether
-        that batch has samples; then it is told what to do with this one: ("end", None) when no rank has a
-        batch left, ("skip", None) when no rank has a sample to run, ("real", batch), or ("stand_in", B): run
-        B (this rank's last real batch, else a batch another rank sends) and drop its results."""
-        w, r = self.world_size, self.rank
-        real = batch is not None and not is_empty_batch(batch)
-        flags = [0.0] * (3 * w)
-        flags[r], flags[w + r], flags[2 * w + r] = float(batch is not None), float(real), float(
-            not real and stand_in is None)
-        flags = dist.reduce_cpu(flags)
-        has_batch, has_samples, needs_one = flags[:w], flags[w:2 * w], flags[2 * w:]
-        if not any(has_batch):
-            return "end", None
-        if not any(has_samples):
-            return "skip", None
-        if any(has_samples[i] == 0 and needs_one[i] for i in range(w)):  # a rank with no batch to stand in
-            donor = next(i for i in range(w) if has_samples[i])
-            sent = dist.broadcast_object(batch if r == donor else None, donor)
-            stand_in = stand_in if stand_in is not None else sent
-        return ("real", batch) if real else ("stand_in", stand_in)
-
     def evaluation_loop(self, dataloader: DataLoader, description: str = "", prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """Loss, predictions, metrics and the number of samples evaluated over a loader, as transformers'
@@ -208,7 +164,7 @@ class EvaluationMixin:
         sharding = self._eval_sharding(getattr(dataloader, "dataset", None))
         model = self.model
         model.eval()
-        # FSDP with each rank on its share: ranks run forward in step (see _lockstep)
+        # FSDP with each rank on its share: ranks run forward in step (see _eval_batches)
         self._eval_lockstep = sharding is not None and sharding_of(model, self.parts.sharding) is not None
         tally = _EvalTally()
         for batch in self._eval_batches(dataloader, tally.skipped, prediction_loss_only, ignore_keys):
@@ -217,8 +173,9 @@ class EvaluationMixin:
             extras = dict(rest[0] if rest else getattr(step, "extras", {}))
             tally.add(batch, loss, self._reduce_for_metrics(pred, label), label, extras)
             self.control = self._event("on_prediction_step")
-        if sharding:  # each rank saw its share: put the whole set together (in order) on every rank
-            tally.gather_shards(interleave=sharding == "strided")
+        if sharding:  # each rank saw its share: the eval_gather part puts the whole set together on every rank
+            tally.losses, tally.samples, tally.skipped = self.parts.eval_gather(
+                tally.losses, tally.preds, tally.labels, tally.samples, tally.skipped, interleave=sharding == "strided")
         if (plan := sharding_of(model, self.parts.sharding)) is not None:  # (FSDP keeps its root gathered)
             plan.reshard(model)
         self._eval_lockstep = False
@@ -227,32 +184,18 @@ class EvaluationMixin:
     def _eval_batches(self, dataloader: DataLoader, skipped: Counter, prediction_loss_only: bool | None,
                       ignore_keys: list[str] | None) -> Iterator[Any]:
         """The loader's batches to evaluate, at most max_eval_batches; a batch whose samples were all bad is
-        counted in ``skipped`` and left out. In lockstep (FSDP) a rank whose share is done runs stand-in
-        batches, their results dropped, as long as another rank still evaluates (see _lockstep)."""
-        batches, stand_in = iter(dataloader), None
-        for i in itertools.count():
-            limit = self.args.max_eval_batches is not None and i >= self.args.max_eval_batches
-            batch = None if limit else next(batches, None)
-            if not self._eval_lockstep:
-                if batch is None:
-                    return
-                if is_empty_batch(batch):  # every sample of this batch was bad
-                    skipped.update(skipped_counts(batch))
-                else:
-                    yield batch
-                continue
-            if batch is not None and is_empty_batch(batch):
+        counted in ``skipped`` and left out. In lockstep (FSDP, each rank on its share) the sharding plan keeps the
+        ranks' forwards in step: a rank whose share is done runs stand-in batches, their results dropped."""
+        batches = itertools.islice(dataloader, self.args.max_eval_batches)
+        if self._eval_lockstep:
+            yield from self.parts.sharding.eval_in_step(batches, skipped, lambda batch: self.prediction_step(
+                self.model, batch, prediction_loss_only, ignore_keys))
+            return
+        for batch in batches:
+            if is_empty_batch(batch):  # every sample of this batch was bad
                 skipped.update(skipped_counts(batch))
-            what, batch = self._lockstep(batch, stand_in)
-            if what == "end":
-                return
-            if what == "skip":
-                continue
-            stand_in = batch
-            if what == "stand_in":  # this rank's share is done (or this batch was all bad): results dropped
-                self.prediction_step(self.model, batch, prediction_loss_only, ignore_keys)
-                continue
-            yield batch
+            else:
+                yield batch
 
     def _eval_output(self, tally: _EvalTally, sharding: str | None, dataloader: DataLoader,
                      metric_key_prefix: str) -> EvalLoopOutput:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,8 +123,18 @@ def build_param_groups(model: nn.Module, args: TrainingArgumentsCore) -> list[di
     return list(groups.values())
 
 
-def create_optimizer(model: nn.Module, args: TrainingArgumentsCore) -> torch.optim.Optimizer:
+def create_optimizer(model: nn.Module, args: TrainingArgumentsCore,
+                     cls_and_kwargs: tuple[type, dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+    """args.optim's optimizer over :func:`build_param_groups`' groups; with ``cls_and_kwargs`` (Trainer(
+    optimizer_cls_and_kwargs=(cls, kwargs))) ``cls`` over them, the groups' lr and weight_decay kept unless
+    ``kwargs`` sets them."""
     groups = build_param_groups(model, args)
+    if cls_and_kwargs is not None:
+        cls, kwargs = cls_and_kwargs
+        for group in groups:
+            group.update({k: v for k, v in kwargs.items() if k in ("lr", "weight_decay")})
+        return cls(groups, **{k: v for k, v in kwargs.items() if k not in ("lr", "weight_decay")},
+                   lr=kwargs.get("lr", args.learning_rate))
     if args.optim == "sgd":
         return torch.optim.SGD(groups, lr=args.learning_rate)
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
@@ -139,34 +151,28 @@ def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return out
 
 
-# Schedules as multipliers of each group's peak learning rate (the same curves as transformers').
-def _warmup(step: int, warmup: int) -> float | None:
-    return step / max(1, warmup) if step < warmup else None
+# Schedules as multipliers of each group's peak learning rate (the same curves as transformers'), each after the
+# linear warmup they share (_warmed_up).
+def _warmed_up(schedule: Callable[..., float], step: int, warmup: int, total: int, **kwargs: float) -> float:
+    """The multiplier at ``step``: rising linearly over the first ``warmup`` steps, then ``schedule``'s."""
+    return step / max(1, warmup) if step < warmup else schedule(step, warmup, total, **kwargs)
 
 
 def _constant(step: int, warmup: int, total: int) -> float:
-    w = _warmup(step, warmup)
-    return 1.0 if w is None else w
+    return 1.0
 
 
 def _linear(step: int, warmup: int, total: int) -> float:
-    w = _warmup(step, warmup)
-    return w if w is not None else max(0.0, (total - step) / max(1, total - warmup))
+    return max(0.0, (total - step) / max(1, total - warmup))
 
 
 def _cosine(step: int, warmup: int, total: int, num_cycles: float = 0.5, min_lr_rate: float = 0.0) -> float:
-    w = _warmup(step, warmup)
-    if w is not None:
-        return w
     progress = (step - warmup) / max(1, total - warmup)
     factor = max(0.0, 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress)))
     return factor * (1 - min_lr_rate) + min_lr_rate
 
 
 def _polynomial(step: int, warmup: int, total: int, end_rate: float = 0.0, power: float = 1.0) -> float:
-    w = _warmup(step, warmup)
-    if w is not None:
-        return w
     if step > total:
         return end_rate
     remaining = 1 - (step - warmup) / max(1, total - warmup)
@@ -177,19 +183,20 @@ def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArgumentsCo
                      num_training_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = args.get_warmup_steps(num_training_steps)
     kw = dict(args.lr_scheduler_kwargs or {})
-    kind = args.lr_scheduler_type
+    kind, options = args.lr_scheduler_type, {}
     if kind == "constant":
-        fn = functools.partial(_constant, warmup=0, total=num_training_steps)
+        schedule, warmup = _constant, 0
     elif kind == "constant_with_warmup":
-        fn = functools.partial(_constant, warmup=warmup, total=num_training_steps)
+        schedule = _constant
     elif kind == "linear":
-        fn = functools.partial(_linear, warmup=warmup, total=num_training_steps)
+        schedule = _linear
     elif kind in ("cosine", "cosine_with_min_lr"):
+        schedule = _cosine
         min_rate = kw.get("min_lr_rate", kw["min_lr"] / args.learning_rate if "min_lr" in kw else 0.0)
-        fn = functools.partial(_cosine, warmup=warmup, total=num_training_steps,
-                               num_cycles=kw.get("num_cycles", 0.5), min_lr_rate=min_rate)
+        options = {"num_cycles": kw.get("num_cycles", 0.5), "min_lr_rate": min_rate}
     else:  # polynomial
+        schedule = _polynomial
         end_rate = kw.get("lr_end", 1e-7) / args.learning_rate if args.learning_rate > 0 else 0.0
-        fn = functools.partial(_polynomial, warmup=warmup, total=num_training_steps, end_rate=end_rate,
-                               power=kw.get("power", 1.0))
+        options = {"end_rate": end_rate, "power": kw.get("power", 1.0)}
+    fn = functools.partial(_warmed_up, schedule, warmup=warmup, total=num_training_steps, **options)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -73,6 +73,10 @@ class TrainerParts:
     eval_samples: Callable[[Any, Any, Any, str], None] | None = None
     """``(trainer, dataset, output, metric_key_prefix)``: keeps one evaluated set's per-sample results for the run
     report; None: nothing kept."""
+    eval_gather: Callable[..., tuple[Any, int, Any]] | None = None
+    """``(losses, preds, labels, samples, skipped, interleave)`` -> every rank's share of an evaluation put together
+    on every rank, in dataset order (losses, samples, skipped; preds and labels in place); None: every rank
+    evaluates the whole eval set."""
     label_smoothing: Callable[[float, nn.Module], Callable | None] = Refused("label_smoothing",
                                                                             "label_smoothing_factor")
     """``(epsilon, model)`` -> ``(outputs, labels)`` -> the label-smoothed loss (label_smoothing_factor), or None
@@ -111,6 +115,12 @@ class TrainerParts:
     checkpoint_writer: Callable[..., Any] | None = None
     """``(output_dir, rank, after_publish, model_files)`` -> train.async_checkpoint's background writer (save,
     poll, wait, abandon); None: checkpoints are written synchronously."""
+    reposition: Any = Refused("reposition", "resuming a checkpoint of another number of processes or of "
+                                            "dataloader_num_workers")
+    """A checkpoint of another number of processes or data loader workers resumed at its position:
+    ``load_loader_state(loader, state, path)`` (other workers), ``loop_state(states, loader, path, saved, rank,
+    world_size, accumulation)`` (other processes: the saved ranks' loop states merged, the loader positioned) and
+    ``max_steps_after(global_step, epoch_index, micro_step, steps_in_epoch, accumulation, num_train_epochs)``."""
     step_position: Callable[..., tuple[int, int]] = no_step_position
     """``(path, loop_file, loader, global_step, max_steps, steps_in_epoch, accumulation)`` -> (epoch, micro-step)
     of a checkpoint without loop state (transformers'), the loader positioned there."""

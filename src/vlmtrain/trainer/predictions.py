@@ -17,8 +17,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import distributed as dist
-
 
 def select_outputs(outputs: Any, inputs: Mapping[str, Any], ignore_keys: list[str] | None) -> tuple[Any, Any]:
     """(predictions, labels) of one batch: a tensor, or a dict of named tensors (see the module docstring)."""
@@ -60,13 +58,9 @@ def pad_cat(chunks: list[torch.Tensor], pad: int = -100) -> torch.Tensor:
                       for c in chunks])
 
 
-def pad_concat(chunks: list[torch.Tensor], pad: int = -100) -> np.ndarray:
-    """:func:`pad_cat` as a numpy array."""
-    return pad_cat(chunks, pad).numpy()
-
-
 class Collected:
-    """Per-batch predictions or labels (a tensor, a tuple, or a dict of named tensors), kept on the CPU."""
+    """Per-batch predictions or labels (a tensor, a tuple, or a dict of named tensors), kept on the CPU (put
+    together over ranks by the ``eval_gather`` part: vlmtrain/evaluation/gather.py)."""
 
     def __init__(self) -> None:
         self.kind: str | None = None  # "single" | "tuple" | "dict"
@@ -87,47 +81,9 @@ class Collected:
             if isinstance(tensor, torch.Tensor):
                 self.chunks.setdefault(key, []).append(torch.atleast_1d(tensor.detach().cpu()))
 
-    def layout(self) -> dict[str, Any]:
-        """What the other ranks need to gather this rank's :meth:`rows` as tensors: the kind and, per key,
-        the dtype and the shape of a row (small: this goes through pickling, the rows do not)."""
-        return {"kind": self.kind, "keys": {k: (c[0].dtype, tuple(c[0].shape[1:])) for k, c in self.chunks.items()
-                                            if c}}
-
-    def rows(self) -> dict[str, Any]:
-        """This rank's rows: the kind and one tensor per key (its batches concatenated, padded along dim 1)."""
-        return {"kind": self.kind, "rows": {k: pad_cat(c) for k, c in self.chunks.items() if c}}
-
-    def gather(self, layouts: list[dict[str, Any]], interleave: bool) -> None:
-        """Every rank's rows, put together on every rank (see :meth:`set_rows`) through one padded tensor
-        all_gather per key. Every rank calls it, with every rank's :meth:`layout` in rank order."""
-        mine, parts = self.rows()["rows"], [{"kind": lay["kind"], "rows": {}} for lay in layouts]
-        for key in dict.fromkeys(k for lay in layouts for k in lay["keys"]):
-            dtype, row_shape = next(lay["keys"][key] for lay in layouts if key in lay["keys"])
-            tensor = mine.get(key, torch.empty((0, *row_shape), dtype=dtype))
-            for part, lay, theirs in zip(parts, layouts, dist.all_gather_padded(tensor)):
-                if key in lay["keys"]:
-                    part["rows"][key] = theirs
-        self.set_rows(parts, interleave)
-
-    def set_rows(self, parts: list[dict[str, Any]], interleave: bool) -> None:
-        """Every rank's :meth:`rows` put together: round-robin over ranks (rank r evaluated samples r, r + W,
-        ...: dataset order) if ``interleave``, else in rank order."""
-        self.kind = next((p["kind"] for p in parts if p["kind"] is not None), None)
-        keys = list(dict.fromkeys(k for p in parts for k in p["rows"]))
-        self.chunks, self._arrays = {}, None
-        for key in keys:
-            per_rank = [p["rows"][key] for p in parts if key in p["rows"]]
-            counts = [len(t) for t in per_rank]
-            starts = [sum(counts[:r]) for r in range(len(counts))]
-            if interleave:
-                order = [starts[r] + i for i in range(max(counts)) for r in range(len(counts)) if i < counts[r]]
-            else:
-                order = list(range(sum(counts)))
-            self.chunks[key] = [pad_cat(per_rank)[order]]
-
     def arrays(self) -> dict[Any, np.ndarray]:
         if self._arrays is None:
-            self._arrays = {k: pad_concat(chunks) for k, chunks in self.chunks.items() if chunks}
+            self._arrays = {k: pad_cat(chunks).numpy() for k, chunks in self.chunks.items() if chunks}
         return self._arrays
 
     def result(self) -> Any:

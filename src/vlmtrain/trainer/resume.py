@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import time
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -15,17 +15,27 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from . import distributed as dist
 from .callbacks import callback_states, restore_callback_states
-from .loader_state import load_loader_state
 from .model_files import has_sharded_weights
 from .setup import load_model_state
 from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
 from .state import TrainerState
-from .world_size import loop_state_for_rank, max_steps_after, reposition, saved_world_size
 
-ASYNC_EVAL_POLL_S = 0.2  # (async_eval) seconds between polls while the ranks wait for an evaluation
 LOOP_STATE = "loop_state"  # loop_state_<rank>.pt: vlmtrain's own position and window state (transformers ignores it)
+_RANK_FILE = re.compile(r"^(?:loop_state|rng_state)_(\d+)\.(?:pt|pth)$")
+
+
+def saved_world_size(path: str) -> int:
+    """How many processes wrote the checkpoint ``path``: its per-rank files (loop_state_<r>.pt, else
+    rng_state_<r>.pth; transformers' rng_state.pth alone: 1)."""
+    ranks = {int(m.group(1)) for m in map(_RANK_FILE.match, os.listdir(path)) if m}
+    return max(ranks) + 1 if ranks else 1
+
+
+def saved_workers(loader_state: dict[str, Any]) -> int:
+    """The ``num_workers`` of the StatefulDataLoader that wrote ``loader_state`` (its ``state_dict()``)."""
+    snapshot = loader_state.get("_snapshot")
+    return 0 if snapshot is None else int(snapshot["_main_snapshot"]["_num_workers"])
 
 
 class CheckpointMixin:
@@ -85,22 +95,10 @@ class CheckpointMixin:
 
     def _poll_async_evaluations(self, at_end: bool = False) -> None:
         """(async_eval, every rank) At a step end, or ``at_end`` of training: rank 0 logs the evaluations that
-        finished and launches the next. Where it must wait for one (async_eval_when_full: wait with no free slot;
-        at the end, until all are logged or async_eval_wait_at_end_s) every rank waits here with it, the ranks
-        agreeing once per poll through one small all-reduce: no rank sits in a collective meanwhile, so the wait
-        may last longer than ddp_timeout."""
-        if not self._async_eval_on:
-            return
-        while True:
-            waiting = False
-            if self._async_eval is not None:
-                self._log_async_evaluations(self._async_eval.poll(self.state.global_step, at_end=at_end))
-                waiting = self._async_eval.waiting
-            if self.world_size > 1:
-                waiting = dist.reduce_cpu([float(waiting)], "max")[0] > 0
-            if not waiting:
-                return
-            time.sleep(ASYNC_EVAL_POLL_S)
+        finished and launches the next; where it must wait for one, every rank waits with it (the evaluator's
+        poll_in_step)."""
+        if self._async_eval_waits is not None:
+            self._async_eval_waits.poll_in_step(self.state.global_step, at_end, self._log_async_evaluations)
 
     def _log_async_evaluations(self, rows: list[dict]) -> None:
         """(async_eval, rank 0) Log each finished evaluation at its checkpoint's step; their checkpoints may
@@ -145,26 +143,24 @@ class CheckpointMixin:
 
     def _read_loop_state(self, path: str) -> tuple[dict | None, int]:
         """This rank's loop state in checkpoint ``path`` (None for transformers' checkpoints, which have none), the
-        train loader put at its position, and how many processes wrote it; another number of processes than this
-        run's goes on at the epoch's global sample position, or is refused (world_size.py)."""
+        train loader put at its position, and how many processes wrote it. A checkpoint of another number of
+        processes, or of data loader workers, than this run's is the ``reposition`` part's (vlmtrain.Trainer's:
+        checkpointing/reposition.py)."""
         saved = saved_world_size(path)
         if not os.path.isfile(os.path.join(path, f"{LOOP_STATE}_0.pt")):
             return None, saved
         if saved == self.world_size:
             loop = ckpt.load_torch(os.path.join(path, f"{LOOP_STATE}_{self.rank}.pt"))
-            if loop["loader"] is not None:  # (saved with another dataloader_num_workers: map-style data resumes too)
-                load_loader_state(self.train_dataloader, loop["loader"], path)
+            state = loop["loader"]
+            if state is not None and saved_workers(state) == int(getattr(self.train_dataloader, "num_workers", 0)):
+                self.train_dataloader.load_state_dict(state)
+            elif state is not None:  # (saved with another dataloader_num_workers)
+                self.parts.reposition.load_loader_state(self.train_dataloader, state, path)
             return loop, saved
         ranks = range(saved) if self.rank == 0 else [0]  # (rank 0 sums every saved rank's counts)
-        loop = loop_state_for_rank([ckpt.load_torch(os.path.join(path, f"{LOOP_STATE}_{r}.pt")) for r in ranks],
-                                   self.rank)
-        loop["micro_step"] = reposition(self.train_dataloader, loop, saved, self.world_size,
-                                        self.args.gradient_accumulation_steps, path)
-        if self.rank == 0:
-            warnings.warn(f"{path} was written by {saved} process(es), resumed by {self.world_size}: the epoch goes "
-                          f"on at its global sample position, an optimizer step now takes the samples of "
-                          f"{self.world_size} process(es).", stacklevel=4)
-        return loop, saved
+        states = [ckpt.load_torch(os.path.join(path, f"{LOOP_STATE}_{r}.pt")) for r in ranks]
+        return self.parts.reposition.loop_state(states, self.train_dataloader, path, saved, self.rank, self.world_size,
+                                                self.args.gradient_accumulation_steps), saved
 
     def _load_checkpoint(self, path: str) -> None:
         loop, saved_world = self._read_loop_state(path)  # (first: a refusal before any weight is read)
@@ -218,9 +214,9 @@ class CheckpointMixin:
         built over it, end at num_train_epochs' end in steps of the new size."""
         if self.args.max_steps > 0 or self._steps_in_epoch is None:
             return
-        self.state.max_steps = max_steps_after(global_step, loop["epoch_index"], loop["micro_step"],
-                                               self._steps_in_epoch, self.args.gradient_accumulation_steps,
-                                               self.args.num_train_epochs)
+        self.state.max_steps = self.parts.reposition.max_steps_after(
+            global_step, loop["epoch_index"], loop["micro_step"], self._steps_in_epoch,
+            self.args.gradient_accumulation_steps, self.args.num_train_epochs)
         if self.lr_scheduler is self._built_scheduler:  # (a scheduler passed in optimizers= stays as it is)
             self.lr_scheduler = self._built_scheduler = None
             self.create_scheduler(self.state.max_steps)

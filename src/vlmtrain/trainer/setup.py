@@ -22,7 +22,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from ..errors import warn_caller
 from .distributed import NamedSums
-from .optim import build_param_groups, create_optimizer, create_scheduler
+from .optim import create_optimizer, create_scheduler
 from .parts import TrainerParts
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
@@ -157,23 +157,23 @@ class SetupMixin:
             sampler = StatefulDistributedSampler(dataset, num_replicas=self.world_size, rank=self.rank,
                                                  shuffle=args.train_sampling_strategy != "sequential", seed=seed,
                                                  drop_last=False)
-        num_workers = self.dataloader_workers()
         # torchdata's constructor calls torch.set_vital, which torch deprecates: a warning no user can act on.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".set_vital. is deprecated", category=UserWarning)
-            return StatefulDataLoader(
-                dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                collate_fn=collator, num_workers=num_workers,
-                drop_last=args.dataloader_drop_last, pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
-                generator=torch.Generator().manual_seed(seed), **self._worker_options(num_workers))
+            return StatefulDataLoader(dataset, batch_size=args.per_device_train_batch_size, sampler=sampler,
+                                      collate_fn=collator, drop_last=args.dataloader_drop_last,
+                                      generator=torch.Generator().manual_seed(seed), **self._loader_options())
 
-    def _worker_options(self, num_workers: int) -> dict[str, Any]:
-        """The arguments' worker options of a data loader (train or eval); torch refuses them without workers."""
-        if num_workers == 0:
-            return {}
-        return {"persistent_workers": self.args.dataloader_persistent_workers,
-                "prefetch_factor": self.args.dataloader_prefetch_factor,
-                "multiprocessing_context": self.args.dataloader_multiprocessing_context}
+    def _loader_options(self) -> dict[str, Any]:
+        """What the arguments set of a data loader (train or eval): its workers (with their options, which torch
+        refuses without workers) and pin_memory (on CUDA)."""
+        workers = self.dataloader_workers()
+        options = {"num_workers": workers, "pin_memory": self.args.dataloader_pin_memory and self.device.type == "cuda"}
+        if workers:
+            options.update(persistent_workers=self.args.dataloader_persistent_workers,
+                           prefetch_factor=self.args.dataloader_prefetch_factor,
+                           multiprocessing_context=self.args.dataloader_multiprocessing_context)
+        return options
 
     def _loader_data(self, dataset: Any, collator: Any, description: str) -> tuple[Any, Any]:
         """The dataset and collator a data loader reads (``description``: 'Training', 'Evaluation' or 'test'):
@@ -189,22 +189,10 @@ class SetupMixin:
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The optimizer over ``model`` (default: the Trainer's): Trainer(optimizer_cls_and_kwargs=...)'s class, or
         args.optim's, over parameter groups with per-module learning rates."""
-        if self.optimizer is None and getattr(self, "optimizer_cls_and_kwargs", None) is not None:
-            self.optimizer = self._optimizer_from_cls_and_kwargs(model or self.model)
-        elif self.optimizer is None:
-            self.optimizer = create_optimizer(model or self.model, self.args)
+        if self.optimizer is None:
+            self.optimizer = create_optimizer(model or self.model, self.args,
+                                              getattr(self, "optimizer_cls_and_kwargs", None))
         return self.optimizer
-
-    def _optimizer_from_cls_and_kwargs(self, model: nn.Module) -> torch.optim.Optimizer:
-        """``Trainer(optimizer_cls_and_kwargs=(cls, kwargs))``: ``cls`` over vlmtrain's parameter groups (per-module
-        learning rates, weight decay except on biases and norms), the groups' lr and weight_decay kept unless
-        ``kwargs`` sets them."""
-        cls, kwargs = self.optimizer_cls_and_kwargs
-        groups = build_param_groups(model, self.args)
-        for group in groups:
-            group.update({k: v for k, v in kwargs.items() if k in ("lr", "weight_decay")})
-        return cls(groups, **{k: v for k, v in kwargs.items() if k not in ("lr", "weight_decay")},
-                   lr=kwargs.get("lr", self.args.learning_rate))
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
         if self.lr_scheduler is None:

@@ -6,6 +6,8 @@ The trainer calls it only for a model the plan sharded (:func:`sharding_of`) or 
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +46,12 @@ class ShardingPlan(Protocol):
 
     def save_full_model(self, model: nn.Module, directory: str, processing_class: Any, rank: int) -> None:
         """The sharded model gathered and written as an unsharded one's files (rank 0 writes)."""
+
+    def eval_in_step(self, batches: Iterator[Any], skipped: Counter, run_stand_in: Callable[[Any], Any]
+                     ) -> Iterator[Any]:
+        """This rank's share of an eval set (``batches``) to run with the sharded model, in step with the other
+        ranks (all-bad batches counted in ``skipped``; ``run_stand_in(batch)`` runs one whose results are dropped
+        while another rank still evaluates)."""
 
 
 def sharding_of(model: nn.Module, plan: ShardingPlan | None) -> ShardingPlan | None:

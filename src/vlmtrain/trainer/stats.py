@@ -152,16 +152,21 @@ RANK_SYNC_REASON = "empty_batch_on_another_rank"
 (under DDP/FSDP every rank must run the same steps). Not bad data: max_bad_sample_fraction leaves them out."""
 
 
+def batch_samples(batch: Mapping[str, Any], default: int = 0) -> int:
+    """How many samples ``batch`` holds: its ``pack_stats``' count (packed rows hold several), else the rows of its
+    ``input_ids`` or of its first tensor with a batch dimension; ``default`` when it has none."""
+    layout, ids = batch.get("pack_stats"), batch.get("input_ids")
+    if isinstance(layout, Mapping):
+        return int(layout["samples"])
+    first = ids if isinstance(ids, torch.Tensor) else next(
+        (v for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), None)
+    return int(first.shape[0]) if first is not None else default
+
+
 def dropped_for_rank_sync(batch: Mapping[str, Any]) -> dict[str, Any]:
     """``batch`` turned into an empty one whose own samples are counted under :data:`RANK_SYNC_REASON`."""
-    layout = batch.get("pack_stats")
-    if isinstance(layout, Mapping):
-        samples = int(layout["samples"])
-    else:
-        first = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim), None)
-        samples = int(first.shape[0]) if first is not None else 0
     skipped = Counter(skipped_counts(batch))
-    skipped[RANK_SYNC_REASON] += samples
+    skipped[RANK_SYNC_REASON] += batch_samples(batch)
     return {"skipped": dict(skipped), "skipped_keys": list(batch.get("skipped_keys") or [])}
 
 
@@ -203,15 +208,7 @@ class Throughput:
         self.bad_samples.update(_digest(key) for key in keys or ())
         if keys and len(self.bad_keys) < 5:
             self.bad_keys += list(keys)[: 5 - len(self.bad_keys)]
-        layout = batch.get("pack_stats") if isinstance(batch, Mapping) else None
-        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-        if isinstance(layout, Mapping):
-            self.samples += int(layout["samples"])
-        elif isinstance(ids, torch.Tensor):
-            self.samples += ids.shape[0]
-        else:
-            first = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
-            self.samples += first.shape[0] if first is not None and first.ndim else 0
+        self.samples += batch_samples(batch) if isinstance(batch, Mapping) else 0
 
     def over_ranks(self) -> tuple[Counter[str], int]:
         """This window's skipped samples by reason and its samples, summed over ranks (one collective: every rank

@@ -90,11 +90,10 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         self._preemption: PreemptionGuard | None = None
         self.preempted = False  # set when a SIGTERM/SIGUSR1 ended training early (a checkpoint was saved)
         # train.async_eval: rank 0 has saved checkpoints evaluated by other processes (vlmtrain.evaluation.async_eval;
-        # its evaluator is None when the arguments ask for none); every rank waits with it
+        # its evaluator is None when the arguments ask for none); every rank waits with it (_poll_async_evaluations)
         make_evaluator = self.parts.checkpoint_evaluator
-        evaluator = make_evaluator(self.args) if make_evaluator is not None else None
-        self._async_eval = evaluator if self.rank == 0 else None
-        self._async_eval_on = evaluator is not None
+        self._async_eval_waits = make_evaluator(self.args) if make_evaluator is not None else None
+        self._async_eval = self._async_eval_waits if self.rank == 0 else None
         self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
         self._forward_takes_loss_only = bool(getattr(self.model, LOSS_ONLY_ATTR, False))
         self._label_smoother = (self.parts.label_smoothing(self.args.label_smoothing_factor, self.model)

@@ -1,0 +1,69 @@
+"""GRPO on 2 gloo ranks (torchrun's rank environment, ddp_timeout 30 so a collective mismatch fails fast instead of
+hanging) equals one process over the same prompts and completions (tests/grpo_ranks_worker.py): ranks whose prompts
+and completions differ in length, a rank whose group is all truncated (``mask_truncated_completions``: no loss
+token there), a rank whose group's rewards are all equal (zero advantage); rewards gathered over the ranks before
+the advantages (``scale_rewards: batch`` over the global batch), ``dapo`` normalised by the global token count. Every
+case runs in one launch; the 1-process references in the test's process.
+
+Compared: the policy's final weights (AdamW with weight decay) and every step's logged loss and rollout metrics
+(TRL's names)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import preloaded
+from tests.grpo_ranks_worker import CASES
+from tests.test_grpo import model_dir  # noqa: F401 (the tiny Llama, a fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+LOGGED = ("loss", "reward", "reward_std", "rewards/length_reward/mean", "frac_reward_zero_std",
+          "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
+          "completions/mean_terminated_length")
+TOKEN_MEANS = ("kl", "entropy", "clip_ratio/region_mean")  # (dapo: micro-batches weighted by their tokens)
+
+
+def _problem(tmp: Path, case: str, output: str) -> str | None:
+    runs = {n: tmp / f"{case}-{n}.pt" for n in (2, 1)}
+    if not runs[2].is_file():
+        return f"the 2-rank run did not finish:\n{output}"
+    two, one = (torch.load(runs[n], weights_only=False) for n in (2, 1))
+    if (two["global_step"], one["global_step"]) != (3, 3):
+        return f"steps: {two['global_step']} on 2 ranks, {one['global_step']} in 1 process"
+    for name, w in one["weights"].items():
+        if not torch.allclose(two["weights"][name], w, rtol=1e-5, atol=1e-6):
+            return f"{name} differs from one process's by {float((two['weights'][name] - w).abs().max())}"
+    rows = [[r for r in run["logs"] if "loss" in r] for run in (two, one)]
+    if not len(rows[0]) == len(rows[1]) == 3:
+        return f"logged rows: {rows}"
+    keys = LOGGED + (TOKEN_MEANS if CASES[case]["loss_type"] == "dapo" else ())
+    for step, (a, b) in enumerate(zip(*rows, strict=True), 1):
+        for key in keys:
+            if (key in a) != (key in b) or (key in b and a[key] != pytest.approx(b[key], rel=1e-5, abs=1e-6)):
+                return f"step {step} {key}: {a.get(key)} (2 ranks) vs {b.get(key)} (1 process)"
+    scripted = CASES[case].get("mask_truncated_completions")  # (the text cases: KINDS's equal and truncated groups)
+    if scripted and not any(r.get("completions/clipped_ratio", 0) > 0 for r in rows[1]) or (
+            scripted and CASES[case].get("scale_rewards", "group") == "group"
+            and not any(r.get("frac_reward_zero_std", 0) > 0 for r in rows[1])):
+        return "the scripted cases (an equal-reward group, a truncated one) did not happen"
+    return None
+
+
+@pytest.mark.slow
+def test_grpo_on_two_ranks_equals_one_process(tmp_path, model_dir, tiny_hub, one_thread):  # noqa: F811
+    from tests.grpo_ranks_worker import run
+
+    _, vlm_dir, _ = tiny_hub("qwen3_vl")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    (tmp_path / "logs").mkdir()
+    _, output = preloaded.launch("tests.preloaded:run_script", [
+        str(ROOT / "tests" / "grpo_ranks_worker.py"), str(tmp_path), str(model_dir), vlm_dir, *CASES], env, 2,
+        tmp_path / "logs", timeout=300)
+    for case in CASES:
+        run(case, str(model_dir), vlm_dir, str(tmp_path))
+    problems = {case: _problem(tmp_path, case, output) for case in CASES}
+    assert not any(problems.values()), "\n".join(f"{c}: {p}" for c, p in problems.items() if p)
