@@ -255,3 +255,44 @@ def test_vision_grpo_refuses_videos_and_string_prompts_before_loading(tmp_path):
     with pytest.raises(ConfigError, match="conversational prompts"):
         vlmtrain.GRPOTrainer(model=str(tmp_path / "missing"), reward_funcs=letters_reward, args=args,
                              train_dataset=text)
+
+
+def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features(qwen3_vl):
+    """A process's slice of a generation batch may cut groups (4 completions a prompt; 6 rows from row 2 on: 2 of
+    one prompt, 4 of the next): each row still reads its own prompt's tokens and features, each group's images
+    given once, and the completion log-probs equal those of the plain forward of the rows, each with its own copy
+    of its images."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmtrain.compat.grpo_rollout import pad_rows
+    from vlmtrain.compat.grpo_vision import encode_groups
+    from vlmtrain.models.objectives.grpo import completion_logps
+
+    path, processor = qwen3_vl
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    data = list(_prompts())
+    rows = [data[4]] * 2 + [data[5]] * 4  # (2 images, then 1)
+    groups = encode_groups(processor, rows, 4, model.config.image_token_id, offset=2)
+    assert groups.row_group == [0, 0, 1, 1, 1, 1]
+    ids, mask = pad_rows(groups.row_prompt_ids(), 256, "left")
+    completions = torch.tensor([[64, 65, 66, EOS]] * 6)
+    vision = {**groups.inputs(0, 6), "mm_token_type_ids": groups.token_type_rows(ids.shape[1], 4)}
+    assert vision["vision_image_grid_thw"].shape[0] == 3  # (each group's images once: 2 + 1, not 8)
+    inputs = (torch.cat([ids, completions], 1), torch.cat([mask, torch.ones_like(completions)], 1), completions)
+    with torch.no_grad():
+        ours = completion_logps(model, *inputs, 1.0, **vision)[0]
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
+                                             + [{"type": "text", "text": r["prompt"][0]["content"]}]}],
+                                           tokenize=False, add_generation_prompt=True) for r in rows]
+    processor.tokenizer.padding_side = "left"
+    try:
+        plain = processor(text=texts, images=[im for r in rows for im in r["images"]], padding=True,
+                          return_tensors="pt")
+    finally:
+        processor.tokenizer.padding_side = "right"
+    assert torch.equal(plain["input_ids"], ids)
+    types = torch.cat([plain["mm_token_type_ids"], torch.zeros_like(completions)], 1)
+    with torch.no_grad():
+        expected = completion_logps(model, *inputs, 1.0, pixel_values=plain["pixel_values"],
+                                    image_grid_thw=plain["image_grid_thw"], mm_token_type_ids=types)[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)

@@ -175,7 +175,8 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
         prompts = [r["prompt"] for r in rows]
         groups = None
         if self._image_token_id is not None:  # (each group's prompt and images processed once)
-            groups = encode_groups(self.processing_class, rows, args.num_generations, self._image_token_id)
+            groups = encode_groups(self.processing_class, rows, args.num_generations, self._image_token_id,
+                                   offset=self.rank * len(rows))  # (this process's slice of the generation)
             prompt_ids = groups.row_prompt_ids()
         else:
             prompt_ids = self._prompt_ids(prompts)

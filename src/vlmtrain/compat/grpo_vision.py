@@ -63,52 +63,55 @@ def check_vision_model(model: nn.Module) -> None:
 
 @dataclass
 class VisionGroups:
-    """The groups of a generation batch, each prompt processed once: ``prompt_ids`` (image placeholders
+    """The groups of a generation batch's rows, each prompt processed once: ``prompt_ids`` (image placeholders
     expanded), ``token_types`` (the processor's ``mm_token_type_ids``), ``pixels`` / ``grids`` (its images'
-    ``pixel_values`` and ``image_grid_thw``, None without images) and ``image_tokens`` (its placeholder count).
-    ``size``: the rows per group (``num_generations``)."""
+    ``pixel_values`` and ``image_grid_thw``, None without images) and ``image_tokens`` (its placeholder count);
+    ``row_group``: each row's group."""
 
     prompt_ids: list[list[int]]
     token_types: list[list[int]]
     pixels: list[torch.Tensor | None]
     grids: list[torch.Tensor | None]
     image_tokens: list[int]
-    size: int
+    row_group: list[int]
 
     def row_prompt_ids(self) -> list[list[int]]:
-        """The prompt ids of every row (each group's, ``size`` times)."""
-        return [ids for ids in self.prompt_ids for _ in range(self.size)]
+        """The prompt ids of every row (its group's)."""
+        return [self.prompt_ids[g] for g in self.row_group]
 
     def token_type_rows(self, width: int, completion_width: int) -> torch.Tensor:
         """``mm_token_type_ids`` of the rows: each prompt's left-padded to ``width``, 0 on the completions."""
-        rows = [[0] * (width - len(t)) + t + [0] * completion_width for t in self.token_types for _ in range(self.size)]
-        return torch.tensor(rows, dtype=torch.long)
+        types = [self.token_types[g] for g in self.row_group]
+        return torch.tensor([[0] * (width - len(t)) + t + [0] * completion_width for t in types], dtype=torch.long)
 
     def inputs(self, start: int, end: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The vision keys of rows ``start:end`` (whole groups or not): the pixel inputs of the groups they hold,
         once (``vision_*``), each row's placeholder tokens -> those groups' feature tokens (``image_token_index``)
         and each row's images' ``image_grid_thw`` (the language model's rotary positions); {} without images."""
-        groups = [g for g in range(start // self.size, (end - 1) // self.size + 1) if self.image_tokens[g]]
+        rows = self.row_group[start:end]
+        groups = [g for g in dict.fromkeys(rows) if self.image_tokens[g]]
         if not groups:
             return {}
         first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
-        index, grids = [], []
-        for row in range(start, end):
-            g = row // self.size
-            if self.image_tokens[g]:
-                index += range(first[g], first[g] + self.image_tokens[g])
-                grids.append(self.grids[g])
+        index = [k for g in rows if self.image_tokens[g] for k in range(first[g], first[g] + self.image_tokens[g])]
         out = {VISION_PREFIX + "pixel_values": torch.cat([self.pixels[g] for g in groups]),
                VISION_PREFIX + "image_grid_thw": torch.cat([self.grids[g] for g in groups]),
-               "image_token_index": torch.tensor(index, dtype=torch.long), "image_grid_thw": torch.cat(grids)}
+               "image_token_index": torch.tensor(index, dtype=torch.long),
+               "image_grid_thw": torch.cat([self.grids[g] for g in rows if self.image_tokens[g]])}
         return {k: v.to(device) for k, v in out.items()}
 
 
-def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], size: int, image_token_id: int) -> VisionGroups:
-    """Each group's prompt (every ``size``-th row: the sampler repeats a prompt ``size`` times in a row) rendered
-    and processed once with its images."""
-    out = VisionGroups([], [], [], [], [], size)
-    for row in rows[::size]:
+def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], size: int, image_token_id: int,
+                  offset: int = 0) -> VisionGroups:
+    """Each group's prompt rendered and processed once with its images. The sampler repeats a prompt ``size``
+    times in a row; ``rows`` start at row ``offset`` of the generation batch (a process's slice of it), so a
+    group may be cut at either end."""
+    out = VisionGroups([], [], [], [], [], [])
+    for i, row in enumerate(rows):
+        if i and (offset + i) % size:
+            out.row_group.append(out.row_group[-1])
+            continue
+        out.row_group.append(len(out.prompt_ids))
         images = sample_images(row)
         messages = with_image_parts(row["prompt"], len(images))
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
