@@ -209,6 +209,19 @@ def test_vision_grpo_encodes_each_groups_images_once(greedy_run):
     assert (greedy_run["ref_counter"].calls, greedy_run["ref_counter"].images) == (1, 1)
 
 
+def _plain_rows(processor, rows: list[dict]) -> dict:
+    """The processor over the rows' prompts (left-padded), each row with its own copy of its images."""
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
+                                             + [{"type": "text", "text": r["prompt"][0]["content"]}]}],
+                                           tokenize=False, add_generation_prompt=True) for r in rows]
+    processor.tokenizer.padding_side = "left"
+    try:
+        return processor(text=texts, images=[im for r in rows for im in r["images"]], padding=True,
+                         return_tensors="pt")
+    finally:
+        processor.tokenizer.padding_side = "right"
+
+
 def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run):
     """The rollout's completions (images encoded once per group, the features shared by its rows) equal greedy
     generate over the 8 rows, each with its own copy of its prompt's images (the processor over the rows), and
@@ -218,15 +231,7 @@ def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run):
     path, processor = greedy_run["model"]
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     rows = [r for r in list(_prompts())[:2] for _ in range(4)]
-    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
-                                             + [{"type": "text", "text": r["prompt"][0]["content"]}]}],
-                                           tokenize=False, add_generation_prompt=True) for r in rows]
-    processor.tokenizer.padding_side = "left"
-    try:
-        plain = processor(text=texts, images=[im for r in rows for im in r["images"]], padding=True,
-                          return_tensors="pt")
-    finally:
-        processor.tokenizer.padding_side = "right"
+    plain = _plain_rows(processor, rows)
     prefill = _first_logits(model)
     out = model.generate(**plain, max_new_tokens=6, do_sample=False, pad_token_id=256, eos_token_id=[EOS],
                          suppress_tokens=[model.config.image_token_id])
@@ -281,15 +286,7 @@ def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features
     inputs = (torch.cat([ids, completions], 1), torch.cat([mask, torch.ones_like(completions)], 1), completions)
     with torch.no_grad():
         ours = completion_logps(model, *inputs, 1.0, **vision)[0]
-    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
-                                             + [{"type": "text", "text": r["prompt"][0]["content"]}]}],
-                                           tokenize=False, add_generation_prompt=True) for r in rows]
-    processor.tokenizer.padding_side = "left"
-    try:
-        plain = processor(text=texts, images=[im for r in rows for im in r["images"]], padding=True,
-                          return_tensors="pt")
-    finally:
-        processor.tokenizer.padding_side = "right"
+    plain = _plain_rows(processor, rows)
     assert torch.equal(plain["input_ids"], ids)
     types = torch.cat([plain["mm_token_type_ids"], torch.zeros_like(completions)], 1)
     with torch.no_grad():
