@@ -147,7 +147,8 @@ class GRPOTrainer(PolicyObjectiveTrainer):
     def _generate_and_score(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         args, device, policy = self.args, self.device, self.model.policy
         prompts = [r["prompt"] for r in rows]
-        prompt_ids = self._prompt_ids(prompts)
+        # (a YAML run's `texts` prompts come tokenized as SFT lays them out: config_grpo.prompt_rows)
+        prompt_ids = [list(r["prompt_ids"]) for r in rows] if "prompt_ids" in rows[0] else self._prompt_ids(prompts)
         positions = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
         longest = max(len(p) for p in prompt_ids)
         if positions is not None and longest + args.max_completion_length > positions:
@@ -158,7 +159,7 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         conversational = isinstance(prompts[0], list)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids", "completion", "completion_ids")}
         per_func = score(self.reward_funcs, self.reward_func_names, prompts, completions, completion_ids, columns,
                          self._skipped, trainer_state=self.state)
         unscorable = torch.isnan(per_func).all(dim=1)

@@ -1,0 +1,185 @@
+"""`train.objective: grpo` in a run config: the GRPO options of the `train` section (TRL 1.16's GRPOConfig names
+and defaults, :class:`GRPOOptions`), the checks made before any model or data is built, and the run's Trainer:
+vlmtrain.GRPOTrainer on the model the kind built and on the data source's prompts (:func:`build_trainer`), so
+that a YAML run and a Python GRPOTrainer job are one code path."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vlmtrain.compat.arguments import TrainingArguments
+from vlmtrain.errors import ConfigError
+
+KINDS = ("causal_lm",)
+"""The model kinds whose prompts :func:`prompt_rows` lays out (hub_vlm joins with the VLM rollout)."""
+INTERNAL_COLUMNS = ("__key__", "__bad__", "__error__")  # (a JSONL record's bookkeeping: never a reward's kwarg)
+
+
+@dataclass
+class GRPOOptions(TrainingArguments):
+    """TrainingArguments with the options of `train.objective: grpo` (TRL 1.16's GRPOConfig names and defaults; beta, loss_type and
+    disable_dropout are shared with dpo, their defaults TRL's for each objective)."""
+
+    reward_funcs: list[str] | None = None
+    """(grpo) The reward functions, as `module:function` strings imported when the config is read (TRL's
+    signature: `prompts`, `completions`, `completion_ids` and the prompt's other columns as keyword arguments ->
+    one float per completion, None: not scored). At least one."""
+    reward_weights: list[float] | None = None
+    """(grpo) One weight per reward function (the reward is their weighted sum); null: 1 each."""
+    num_generations: int = 8
+    """(grpo) Completions sampled per prompt (a group); per_device_train_batch_size x steps_per_generation must
+    hold whole groups."""
+    max_completion_length: int = 512
+    """(grpo) The most tokens a completion gets (one that reaches it is truncated)."""
+    generation_batch_size: int | None = None
+    """(grpo) Completions per generation (per process); null: per_device_train_batch_size x
+    steps_per_generation."""
+    steps_per_generation: int | None = None
+    """(grpo) Micro-batches each generation feeds; null: gradient_accumulation_steps."""
+    shuffle_dataset: bool = True
+    """(grpo) Shuffle the prompts (a seeded permutation, TRL's order)."""
+    temperature: float = 1.0
+    """(grpo) Sampling temperature of the rollouts (the training forward divides its logits by it too)."""
+    top_p: float = 1.0
+    """(grpo) Nucleus sampling of the rollouts."""
+    top_k: int = 0
+    """(grpo) Top-k sampling of the rollouts; 0: off."""
+    min_p: float | None = None
+    """(grpo) Min-p sampling of the rollouts; null: off."""
+    repetition_penalty: float = 1.0
+    """(grpo) Repetition penalty of the rollouts."""
+    generation_kwargs: dict | None = None
+    """(grpo) Extra keyword arguments of transformers' GenerationConfig (they override those above)."""
+    num_iterations: int = 1
+    """(grpo) Optimization passes over each generation batch (mu in the GRPO paper)."""
+    epsilon: float = 0.2
+    """(grpo) Lower clipping bound of the importance ratio (1 - epsilon)."""
+    epsilon_high: float | None = None
+    """(grpo) Upper clipping bound (1 + epsilon_high); null: epsilon (DAPO recommends 0.28)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """(grpo) One importance ratio per token, or per completion (sequence: GSPO)."""
+    use_bias_correction_kl: bool = True
+    """(grpo) Multiply the per-token KL by the importance ratio (TRL's default)."""
+    scale_rewards: str = "group"
+    """(grpo) Divide each advantage by its group's reward standard deviation (group), the batch's (batch), or not
+    (none: Dr. GRPO)."""
+    mask_truncated_completions: bool = False
+    """(grpo) Leave completions that reach max_completion_length out of the loss."""
+    log_completions: bool = False
+    """(grpo) Log a sample of each logged step's prompts, completions, rewards and advantages (`completions` in
+    metrics.jsonl, a table per step on the report page)."""
+    num_completions_to_print: int | None = None
+    """(grpo) How many completions log_completions logs; null: the whole generation batch."""
+
+
+GRPO_OPTIONS = tuple(f.name for f in dataclasses.fields(GRPOOptions)
+                     if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)})
+SHARED_DEFAULTS = {"beta": 0.0, "loss_type": "dapo", "disable_dropout": False}  # TRL's GRPOConfig defaults
+
+
+def resolve_shared(train: Any) -> None:
+    """beta, loss_type and disable_dropout at TRL's GRPO defaults where the config leaves them null."""
+    for name, default in SHARED_DEFAULTS.items():
+        if getattr(train, name) is None:
+            setattr(train, name, default)
+    if isinstance(train.loss_type, list):  # (a one-entry list, as the DPO options write it)
+        if len(train.loss_type) != 1:
+            raise ConfigError(f"train.loss_type={train.loss_type}: train.objective grpo takes one loss type.")
+        train.loss_type = train.loss_type[0]
+
+
+def check_grpo(cfg: Any) -> None:
+    """What `train.objective: grpo` cannot run, refused in one line naming the key (before any model or data);
+    the reward functions are imported here, and TRL's GRPOConfig checks (group sizes) made."""
+    from vlmtrain.data.registry import get_source
+
+    objective = "train.objective=grpo"
+    if cfg.model.kind not in KINDS:
+        raise ConfigError(f"{objective} is not supported for model.kind={cfg.model.kind} yet (model.kind: "
+                          f"{', '.join(KINDS)}).")
+    if not get_source(cfg.data.source).pairs or cfg.data.source == "stream":
+        raise ConfigError(f"{objective} samples from a prompt set it can index: data.source={cfg.data.source!r} "
+                          "cannot give one; use data.source jsonl (docs/data.md#grpo-prompts).")
+    refused = {"data.packing": (cfg.data.packing is True, "set data.packing: false (completions are generated "
+                                "per step and padded, never packed)"),
+               **{f"data.{key}": (getattr(cfg.data, key) is not None, f"remove data.{key} (nothing is packed)")
+                  for key in ("pack_length", "pack_window", "max_images_per_pack", "max_patches_per_pack")},
+               "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a GRPO evaluation "
+                                               "generates on the eval prompts and reports eval_reward)"),
+               "train.fsdp": (bool(cfg.train.fsdp), "remove train.fsdp (GRPO runs on one process or DDP)"),
+               "model.heads": (bool(cfg.model.heads), "remove model.heads (GRPO trains the language model)")}
+    for key, (value, instead) in refused.items():
+        if value:
+            raise ConfigError(f"{key} is not available with {objective}: {instead}.")
+    if not cfg.train.reward_funcs:
+        raise ConfigError(f"{objective} needs train.reward_funcs: one or more 'module:function' reward functions "
+                          "(docs/grpo.md).")
+    reward_functions(cfg.train.reward_funcs)
+    grpo_args(cfg.train)  # (TRL's checks: num_generations, generation_batch_size, loss_type, ...)
+
+
+def reward_functions(names: list[str]) -> list[Any]:
+    """Each `module:function` of train.reward_funcs imported; one that does not import is a ConfigError naming
+    it and the import error."""
+    funcs = []
+    for name in names:
+        module, _, attr = str(name).partition(":")
+        if not module or not attr:
+            raise ConfigError(f"train.reward_funcs: {name!r} is not a 'module:function' string.")
+        try:
+            funcs.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"train.reward_funcs: {name!r} does not import ({type(err).__name__}: {err}); make "
+                              f"{module!r} importable (on PYTHONPATH) with a function {attr!r}.") from None
+    return funcs
+
+
+def grpo_args(train: Any) -> Any:
+    """vlmtrain.GRPOConfig with the `train` section's values (TrainingArguments' and the GRPO options)."""
+    from vlmtrain.compat.grpo_config import GRPOConfig
+
+    names = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    names += [n for n in (*GRPO_OPTIONS, *SHARED_DEFAULTS) if n != "reward_funcs"]
+    return GRPOConfig(**{name: getattr(train, name) for name in names})
+
+
+def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str) -> list[dict[str, Any]] | None:
+    """A data source's raw samples as GRPO prompts (docs/data.md#grpo-prompts): a `prompt` (a string or chat
+    messages) is kept; vlmtrain's `texts` turns, the last one the question alone, become the prompt's tokens as
+    SFT lays the conversation out (``prompt_ids``; its text is the ``prompt`` the reward functions get). The
+    other columns stay (they reach the reward functions); the JSONL bookkeeping ones go."""
+    if records is None:
+        return None
+    from vlmtrain.data.text import TextChatProcessor
+
+    chat, rows = TextChatProcessor(tokenizer, max_length=1 << 30), []
+    for i, record in enumerate(records):
+        row = {k: v for k, v in record.items() if k not in INTERNAL_COLUMNS}
+        name = record.get("__key__", f"{key} record {i}")
+        if "prompt" not in row:
+            turns = row.pop("texts", None)
+            last = turns[-1] if isinstance(turns, list) and turns else None
+            if not isinstance(last, dict) or not isinstance(last.get("user"), str) or last.get("assistant"):
+                raise ConfigError(f"{name}: a GRPO prompt has a 'prompt' (text or messages), or 'texts' turns whose "
+                                  f"last one is the question alone ({{'user': ...}}); got {sorted(record)}.")
+            ids = chat.process({"texts": [*turns[:-1], {"user": last["user"], "assistant": ""}]})["prompt_input_ids"]
+            row.update(prompt=tokenizer.decode(ids, skip_special_tokens=True), prompt_ids=ids)
+        if row.get("images"):
+            raise ConfigError(f"{name}: images in a prompt for model.kind causal_lm (a text model).")
+        rows.append(row)
+    return rows
+
+
+def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
+    """vlmtrain.GRPOTrainer on the kind's model and tokenizer, the source's prompts and the configured reward
+    functions."""
+    from vlmtrain.compat.grpo import GRPOTrainer
+
+    tokenizer = parts["tokenizer"]
+    train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file")
+    evals = prompt_rows(parts["eval_dataset"], tokenizer, "data.eval_file") if cfg.data.num_eval > 0 else None
+    return GRPOTrainer(parts["model"], reward_functions(cfg.train.reward_funcs), args=grpo_args(cfg.train),
+                       train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)

@@ -1,0 +1,103 @@
+"""`train.objective: grpo` from a YAML config: prompts in a JSONL file (a `prompt` string, or vlmtrain's `texts`
+turns whose last one is the question) train a tiny causal LM with the same per-step loss, rollout metrics and final
+weights as vlmtrain.GRPOTrainer (itself equal to TRL's) given the same seed, so the same sampled completions; TRL's
+metric names land in metrics.jsonl; bad settings fail before any work, naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+import vlmtrain
+from tests.test_dpo import _tokenizer
+from tests.test_grpo import _prompts, length_reward, model_dir, target_reward  # noqa: F401 (model_dir: a fixture)
+from vlmtrain import cli
+from vlmtrain.config import load_run_config
+from vlmtrain.errors import ConfigError
+
+FUNCS = ["tests.test_grpo:length_reward", "tests.test_grpo:target_reward"]
+TRAIN = {"num_generations": 4, "per_device_train_batch_size": 8, "max_completion_length": 6, "max_steps": 3,
+         "learning_rate": 1e-3, "weight_decay": 0.1, "logging_steps": 1, "seed": 7, "report_to": "none",
+         "dataloader_num_workers": 0, "disable_tqdm": True, "reward_weights": [1.0, 0.5], "beta": 0.1}
+GRPO_KEYS = ("loss", "reward", "reward_std", "rewards/length_reward/mean", "rewards/target_reward/mean",
+             "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "kl", "entropy",
+             "clip_ratio/region_mean")
+
+
+def _jsonl(path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _yaml(tmp_path, model_path, rows: list[dict], name: str = "grpo", **train) -> str:
+    cfg = {"model": {"kind": "causal_lm", "pretrained": str(model_path)},
+           "data": {"source": "jsonl", "train_file": _jsonl(tmp_path / f"{name}.jsonl", rows)},
+           "train": {"output_dir": str(tmp_path / name), "objective": "grpo", "reward_funcs": FUNCS,
+                     "save_strategy": "steps", "save_steps": TRAIN["max_steps"], **TRAIN, **train}}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def python_run(model_dir, tmp_path_factory):  # noqa: F811 (the fixture)
+    """The job through vlmtrain.GRPOTrainer in Python: its logs and its policy."""
+    args = vlmtrain.GRPOConfig(str(tmp_path_factory.mktemp("python")), bf16=False, gradient_checkpointing=False,
+                               save_strategy="no", use_cpu=True, **TRAIN)
+    trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=[length_reward, target_reward], args=args,
+                                   train_dataset=_prompts().to_list(), processing_class=_tokenizer())
+    trainer.train()
+    return [e for e in trainer.state.log_history if "loss" in e], trainer.policy
+
+
+def test_grpo_from_yaml_equals_grpo_trainer(model_dir, tmp_path, one_thread, python_run):  # noqa: F811
+    """`vlmtrain train` with train.objective grpo samples the same completions as vlmtrain.GRPOTrainer (same seed,
+    same prompts: the policy's own generate), so per-step loss, rewards, KL, lengths and clip ratios equal (rel
+    1e-5) under TRL's names in metrics.jsonl, and the checkpoint holds the same policy."""
+    config = _yaml(tmp_path, model_dir, _prompts().to_list())
+    assert cli.main(["train", "--config", config]) == 0
+    logs, policy = python_run
+    ours = [r for r in _metrics(tmp_path / "grpo") if "loss" in r]
+    assert len(ours) == len(logs) == TRAIN["max_steps"]
+    for step, (mine, theirs) in enumerate(zip(ours, logs, strict=True), 1):
+        for key in GRPO_KEYS:
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (step, key)
+    assert ours[-1]["kl"] > 0  # (the policy moved off its reference)
+    saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / f"checkpoint-{TRAIN['max_steps']}",
+                                                      dtype=torch.float32).named_parameters())
+    for name, weight in policy.named_parameters():
+        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def grpo_yaml(tmp_path, model_dir):  # noqa: F811
+    return _yaml(tmp_path, model_dir, _prompts(4).to_list())
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"train.reward_funcs": ["tests.no_such_module:reward"]},
+     r"train.reward_funcs: 'tests.no_such_module:reward' does not import \(ModuleNotFoundError"),
+    ({"train.reward_funcs": ["tests.test_grpo:no_such_reward"]}, r"'tests.test_grpo:no_such_reward' does not import "
+                                                                   r"\(AttributeError"),
+    ({"train.reward_funcs": None}, "train.objective=grpo needs train.reward_funcs"),
+    ({"data.packing": True}, "data.packing is not available with train.objective=grpo: set data.packing: false"),
+    ({"train.predict_with_generate": True}, "train.predict_with_generate is not available with train.objective=grpo"),
+    ({"train.num_generations": 3}, r"divisible by num_generations \(3\)"),
+    ({"train.loss_type": "sigmoid"}, "loss_type='sigmoid'"),
+    ({"train.truncation_mode": "keep_end"}, "train.truncation_mode is an option of train.objective: dpo"),
+    ({"train.objective": "sft"}, "train.reward_funcs is an option of train.objective: grpo, but train.objective is .sft."),
+    ({"model.kind": "vlm"}, "train.objective=grpo is not supported for model.kind=vlm"),
+], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_bad_grpo_settings_fail_before_any_work_naming_the_key(grpo_yaml, overrides, message):
+    """One ConfigError when the config is read (no model, no data yet), naming the key (a reward function that
+    does not import: naming it and the import error)."""
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(grpo_yaml, overrides)
