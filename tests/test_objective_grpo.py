@@ -101,3 +101,33 @@ def test_bad_grpo_settings_fail_before_any_work_naming_the_key(grpo_yaml, overri
     does not import: naming it and the import error)."""
     with pytest.raises(ConfigError, match=message):
         load_run_config(grpo_yaml, overrides)
+
+
+SEEN: list = []  # what texts_reward was given
+
+
+def texts_reward(prompts, completions, target, **kwargs):
+    SEEN.extend(zip(prompts, target, strict=True))
+    return [float(len(c)) for c in completions]
+
+
+def test_grpo_prompts_in_both_layouts_and_data_inspect(model_dir, tmp_path, capsys):  # noqa: F811
+    """A `prompt` string and vlmtrain's `texts` turns (the last one the question alone, laid out as SFT lays out a
+    conversation: BOS, each user text and a newline, each earlier answer and EOS) train side by side, the other
+    columns reaching the reward function; a record that is neither is a counted skip. `vlmtrain data inspect
+    --config` shows each prompt's tokens as the run tokenizes them."""
+    rows = [{"texts": [{"user": "w1 w2", "assistant": "w3"}, {"user": "w4"}], "target": "w5"},
+            {"prompt": "w6 w7", "target": "w8"},
+            {"texts": [{"user": "w1", "assistant": "w2"}], "target": "w9"}]  # (the last turn has its answer)
+    config = _yaml(tmp_path, model_dir, rows * 4, reward_funcs=["tests.test_objective_grpo:texts_reward"],
+                   reward_weights=None, max_steps=1, per_device_train_batch_size=8)
+    assert cli.main(["data", "inspect", str(tmp_path / "grpo.jsonl"), "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert "bad samples: {'not_a_prompt': 4}" in out
+    assert "prompt (6): <s> w1 w2 w3 </s> w4" in out  # (the tiny word-level tokenizer has no newline token)
+    assert "prompt (2): w6 w7" in out
+    import tests.test_objective_grpo as imported  # (the module the config names: maybe not pytest's own)
+
+    imported.SEEN.clear()
+    assert cli.main(["train", "--config", config]) == 0
+    assert dict(imported.SEEN) == {"w1 w2 w3 w4": "w5", "w6 w7": "w8"}  # (the prompt's text, special tokens off)

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from vlmtrain.compat.arguments import TrainingArguments
 from vlmtrain.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("causal_lm",)
 """The model kinds whose prompts :func:`prompt_rows` lays out (hub_vlm joins with the VLM rollout)."""
@@ -146,31 +150,78 @@ def grpo_args(train: Any) -> Any:
     return GRPOConfig(**{name: getattr(train, name) for name in names})
 
 
-def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str) -> list[dict[str, Any]] | None:
-    """A data source's raw samples as GRPO prompts (docs/data.md#grpo-prompts): a `prompt` (a string or chat
-    messages) is kept; vlmtrain's `texts` turns, the last one the question alone, become the prompt's tokens as
-    SFT lays the conversation out (``prompt_ids``; its text is the ``prompt`` the reward functions get). The
-    other columns stay (they reach the reward functions); the JSONL bookkeeping ones go."""
-    if records is None:
-        return None
+def prompt_row(record: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """One raw sample as a GRPO prompt (docs/data.md#grpo-prompts): a `prompt` (a string or chat messages) is kept;
+    vlmtrain's `texts` turns, the last one the question alone, become the prompt's tokens as SFT lays the
+    conversation out (``prompt_ids``; their text is the ``prompt`` the reward functions get). The other columns
+    stay (they reach the reward functions), the JSONL bookkeeping ones go. A record that is neither raises
+    SkipSample (``not_a_prompt``); one with images for a text model, ``images_for_text_model``."""
+    from vlmtrain.data.processing import SkipSample, skip_unreadable
     from vlmtrain.data.text import TextChatProcessor
 
-    chat, rows = TextChatProcessor(tokenizer, max_length=1 << 30), []
-    for i, record in enumerate(records):
-        row = {k: v for k, v in record.items() if k not in INTERNAL_COLUMNS}
-        name = record.get("__key__", f"{key} record {i}")
-        if "prompt" not in row:
-            turns = row.pop("texts", None)
-            last = turns[-1] if isinstance(turns, list) and turns else None
-            if not isinstance(last, dict) or not isinstance(last.get("user"), str) or last.get("assistant"):
-                raise ConfigError(f"{name}: a GRPO prompt has a 'prompt' (text or messages), or 'texts' turns whose "
-                                  f"last one is the question alone ({{'user': ...}}); got {sorted(record)}.")
-            ids = chat.process({"texts": [*turns[:-1], {"user": last["user"], "assistant": ""}]})["prompt_input_ids"]
-            row.update(prompt=tokenizer.decode(ids, skip_special_tokens=True), prompt_ids=ids)
-        if row.get("images"):
-            raise ConfigError(f"{name}: images in a prompt for model.kind causal_lm (a text model).")
-        rows.append(row)
+    skip_unreadable(record)
+    row = {k: v for k, v in record.items() if k not in INTERNAL_COLUMNS}
+    if row.get("images"):
+        raise SkipSample("images_for_text_model", f"{len(row['images'])} image(s)")
+    if "prompt" in row:
+        if not row["prompt"] or not isinstance(row["prompt"], str | list):
+            raise SkipSample("not_a_prompt", f"'prompt' is {row['prompt']!r}")
+        return row
+    turns = row.pop("texts", None)
+    last = turns[-1] if isinstance(turns, list) and turns else None
+    if not isinstance(last, dict) or not isinstance(last.get("user"), str) or last.get("assistant"):
+        raise SkipSample("not_a_prompt", "no 'prompt', and no 'texts' turns whose last one is the question alone "
+                         "({'user': ...})")
+    chat = TextChatProcessor(tokenizer, max_length=1 << 30)
+    ids = chat.process({"texts": [*turns[:-1], {"user": last["user"], "assistant": ""}]})["prompt_input_ids"]
+    return {**row, "prompt": tokenizer.decode(ids, skip_special_tokens=True), "prompt_ids": ids}
+
+
+def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str) -> list[dict[str, Any]] | None:
+    """The prompts of a data source's raw samples (:func:`prompt_row`); bad ones are left out, counted in one
+    warning (none left: a ConfigError naming ``key``)."""
+    from vlmtrain.data.processing import SkipSample
+
+    if records is None:
+        return None
+    rows, skipped = [], Counter[str]()
+    for record in records:
+        try:
+            rows.append(prompt_row(record, tokenizer))
+        except SkipSample as err:
+            skipped[err.reason] += 1
+    if skipped:
+        logger.warning("GRPO: %d of %d prompts of %s skipped: %s", sum(skipped.values()), len(records), key,
+                       dict(skipped))
+    if not rows:
+        raise ConfigError(f"{key}: none of its {len(records)} samples is a GRPO prompt ({dict(skipped)}); see "
+                          "docs/data.md#grpo-prompts.")
     return rows
+
+
+def prompt_ids(tokenizer: Any, row: dict[str, Any]) -> list[int]:
+    """A prompt row's token ids as GRPOTrainer tokenizes them (a string; messages: the chat template with the
+    generation prompt), or its ``prompt_ids``."""
+    if "prompt_ids" in row:
+        return list(row["prompt_ids"])
+    if isinstance(row["prompt"], list):
+        return tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    return tokenizer(text=row["prompt"])["input_ids"]
+
+
+def prompt_check(cfg: Any) -> Any:
+    """What `vlmtrain data inspect --config` runs on each sample of a GRPO run: the prompt (SkipSample for a bad
+    one) and, under ``tokens``, its tokens as the run tokenizes them."""
+    from vlmtrain.models.kinds.causal_lm import tokenizer_for
+
+    tokenizer = tokenizer_for(cfg)
+
+    def check(sample: dict[str, Any]) -> dict[str, Any]:
+        row = prompt_row(sample, tokenizer)
+        return {**row, "tokens": {"prompt": tokenizer.convert_ids_to_tokens(prompt_ids(tokenizer, row))}}
+
+    return check
 
 
 def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
