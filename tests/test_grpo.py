@@ -223,3 +223,39 @@ def test_grpo_samples_with_the_policy_generate(model_dir, tmp_path):
     log = next(e for e in trainer.state.log_history if "loss" in e)
     assert 1 <= log["completions/max_length"] <= 6
     assert len(log["completions"]) == 8 and {"prompt", "completion", "reward", "advantage"} <= set(log["completions"][0])
+
+
+EVAL_KEYS = ["eval_loss", "eval_reward", "eval_reward_std", "eval_rewards/length_reward/mean",
+             "eval_rewards/target_reward/mean", "eval_frac_reward_zero_std", "eval_completions/mean_length",
+             "eval_completions/clipped_ratio", "eval_kl", "eval_entropy", "eval_clip_ratio/region_mean"]
+
+
+@requires("trl", "dev")
+def test_grpo_evaluate_equals_trl(model_dir, tmp_path):
+    """eval_dataset: evaluate() rolls out num_generations completions per eval prompt (TRL's seeded order, eval
+    batches of whole groups) and reports TRL's metrics with the eval_ prefix: the loss, rewards, lengths, KL and
+    entropy equal TRL's GRPOTrainer.evaluate() on the same completions (each eval batch's loss averaged over the
+    batches, as TRL's evaluation loop does, whatever the loss type). (8 eval prompts: with a count that is not a
+    multiple of per_device_eval_batch_size, accelerate's gather_for_metrics in TRL's loop cuts the last batch's
+    loss weight to len(eval_dataset) % batch size rows, a weighting vlmtrain does not copy.)"""
+    results = {}
+    for framework in ("trl", "ours"):
+        rollout, funcs = FixedCompletions(6), [length_reward, target_reward]
+        kw = dict(loss_type="dapo", beta=0.1, per_device_eval_batch_size=8, max_steps=1)
+        if framework == "trl":
+            import trl
+
+            trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
+                                      args=_config(trl.GRPOConfig, tmp_path / "trl", **kw),
+                                      train_dataset=_prompts(), eval_dataset=_prompts(8, seed=1),
+                                      processing_class=_tokenizer(), rollout_func=rollout.trl)
+        else:
+            trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
+                                           args=_config(vlmtrain.GRPOConfig, tmp_path / "ours", **kw),
+                                           train_dataset=_prompts(), eval_dataset=_prompts(8, seed=1),
+                                           processing_class=_tokenizer(), generator=rollout)
+        results[framework] = trainer.evaluate()
+        assert rollout.calls == 4  # (32 completions in eval batches of 8)
+    for key in EVAL_KEYS:
+        assert results["ours"][key] == pytest.approx(results["trl"][key], rel=1e-4, abs=1e-6), key
+    assert results["ours"]["eval_kl"] == pytest.approx(0.0, abs=1e-6)  # (the policy is still its reference)

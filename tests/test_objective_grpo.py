@@ -33,9 +33,12 @@ def _jsonl(path, rows: list[dict]) -> str:
     return str(path)
 
 
-def _yaml(tmp_path, model_path, rows: list[dict], name: str = "grpo", **train) -> str:
-    cfg = {"model": {"kind": "causal_lm", "pretrained": str(model_path)},
-           "data": {"source": "jsonl", "train_file": _jsonl(tmp_path / f"{name}.jsonl", rows)},
+def _yaml(tmp_path, model_path, rows: list[dict], name: str = "grpo", eval_rows: list[dict] | None = None,
+          **train) -> str:
+    data = {"source": "jsonl", "train_file": _jsonl(tmp_path / f"{name}.jsonl", rows)}
+    if eval_rows:
+        data["eval_file"] = _jsonl(tmp_path / f"{name}-eval.jsonl", eval_rows)
+    cfg = {"model": {"kind": "causal_lm", "pretrained": str(model_path)}, "data": data,
            "train": {"output_dir": str(tmp_path / name), "objective": "grpo", "reward_funcs": FUNCS,
                      "save_strategy": "steps", "save_steps": TRAIN["max_steps"], **TRAIN, **train}}
     path = tmp_path / f"{name}.yaml"
@@ -49,28 +52,33 @@ def _metrics(run_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def python_run(model_dir, tmp_path_factory):  # noqa: F811 (the fixture)
-    """The job through vlmtrain.GRPOTrainer in Python: its logs and its policy."""
+    """The job through vlmtrain.GRPOTrainer in Python: its logs, its policy and its final evaluation."""
     args = vlmtrain.GRPOConfig(str(tmp_path_factory.mktemp("python")), bf16=False, gradient_checkpointing=False,
                                save_strategy="no", use_cpu=True, **TRAIN)
     trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=[length_reward, target_reward], args=args,
-                                   train_dataset=_prompts().to_list(), processing_class=_tokenizer())
+                                   train_dataset=_prompts().to_list(), eval_dataset=_prompts(2, seed=1).to_list(),
+                                   processing_class=_tokenizer())
     trainer.train()
-    return [e for e in trainer.state.log_history if "loss" in e], trainer.policy
+    return [e for e in trainer.state.log_history if "loss" in e], trainer.policy, trainer.evaluate()
 
 
 def test_grpo_from_yaml_equals_grpo_trainer(model_dir, tmp_path, one_thread, python_run):  # noqa: F811
     """`vlmtrain train` with train.objective grpo samples the same completions as vlmtrain.GRPOTrainer (same seed,
     same prompts: the policy's own generate), so per-step loss, rewards, KL, lengths and clip ratios equal (rel
-    1e-5) under TRL's names in metrics.jsonl, and the checkpoint holds the same policy."""
-    config = _yaml(tmp_path, model_dir, _prompts().to_list())
+    1e-5) under TRL's names in metrics.jsonl, the checkpoint holds the same policy, and the final evaluation on
+    data.eval_file (TRL's eval_ metrics, rolled out on the eval prompts) equals GRPOTrainer.evaluate()'s."""
+    config = _yaml(tmp_path, model_dir, _prompts().to_list(), eval_rows=_prompts(2, seed=1).to_list())
     assert cli.main(["train", "--config", config]) == 0
-    logs, policy = python_run
+    logs, policy, evaluation = python_run
     ours = [r for r in _metrics(tmp_path / "grpo") if "loss" in r]
     assert len(ours) == len(logs) == TRAIN["max_steps"]
     for step, (mine, theirs) in enumerate(zip(ours, logs, strict=True), 1):
         for key in GRPO_KEYS:
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (step, key)
     assert ours[-1]["kl"] > 0  # (the policy moved off its reference)
+    final = [r for r in _metrics(tmp_path / "grpo") if "eval_loss" in r][-1]
+    for key in GRPO_KEYS:
+        assert final[f"eval_{key}"] == pytest.approx(evaluation[f"eval_{key}"], rel=1e-5, abs=1e-7), key
     saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / f"checkpoint-{TRAIN['max_steps']}",
                                                       dtype=torch.float32).named_parameters())
     for name, weight in policy.named_parameters():
@@ -91,6 +99,8 @@ def grpo_yaml(tmp_path, model_dir):  # noqa: F811
     ({"data.packing": True}, "data.packing is not available with train.objective=grpo: set data.packing: false"),
     ({"train.predict_with_generate": True}, "train.predict_with_generate is not available with train.objective=grpo"),
     ({"train.num_generations": 3}, r"divisible by num_generations \(3\)"),
+    ({"data.eval_file": "EVAL", "train.per_device_eval_batch_size": 6}, r"global eval batch size \(6 \* 1\) must be "
+                                                                       r"divisible by the number of generations"),
     ({"train.loss_type": "sigmoid"}, "loss_type='sigmoid'"),
     ({"train.truncation_mode": "keep_end"}, "train.truncation_mode is an option of train.objective: dpo"),
     ({"train.objective": "sft"}, "train.reward_funcs is an option of train.objective: grpo, but train.objective is .sft."),
@@ -99,6 +109,8 @@ def grpo_yaml(tmp_path, model_dir):  # noqa: F811
 def test_bad_grpo_settings_fail_before_any_work_naming_the_key(grpo_yaml, overrides, message):
     """One ConfigError when the config is read (no model, no data yet), naming the key (a reward function that
     does not import: naming it and the import error)."""
+    if overrides.get("data.eval_file") == "EVAL":
+        overrides = {**overrides, "data.eval_file": grpo_yaml.replace(".yaml", ".jsonl")}
     with pytest.raises(ConfigError, match=message):
         load_run_config(grpo_yaml, overrides)
 

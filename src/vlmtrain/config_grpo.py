@@ -122,7 +122,11 @@ def check_grpo(cfg: Any) -> None:
         raise ConfigError(f"{objective} needs train.reward_funcs: one or more 'module:function' reward functions "
                           "(docs/grpo.md).")
     reward_functions(cfg.train.reward_funcs)
-    grpo_args(cfg.train)  # (TRL's checks: num_generations, generation_batch_size, loss_type, ...)
+    args = grpo_args(cfg.train)  # (TRL's checks: num_generations, generation_batch_size, loss_type, ...)
+    if cfg.data.eval_file:
+        from vlmtrain.compat.grpo_eval import check_eval_batch
+
+        check_eval_batch(args)
 
 
 def reward_functions(names: list[str]) -> list[Any]:

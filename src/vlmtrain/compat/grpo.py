@@ -22,6 +22,7 @@ from ..models.objectives.grpo import GRPOObjective, group_advantages, nanstd
 from .dpo import _load_model
 from .dpo_reference import PolicyObjectiveTrainer
 from .grpo_config import GRPOConfig
+from .grpo_eval import GRPOEvaluation, check_eval_batch
 from .grpo_rollout import (
     Generator,
     GroupSampler,
@@ -36,7 +37,7 @@ def _rows(samples: list[dict]) -> dict[str, list[dict]]:
     return {"rows": samples}  # (a generation batch stays its dataset rows: the rollout processes them)
 
 
-class GRPOTrainer(PolicyObjectiveTrainer):
+class GRPOTrainer(GRPOEvaluation, PolicyObjectiveTrainer):
     """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer: ``reward_funcs``
     (callables or ``module:function`` strings, weighted by ``args.reward_weights``) score the completions of a
     dataset with a ``prompt`` column (text, or conversational messages); its other columns reach the functions as
@@ -58,8 +59,8 @@ class GRPOTrainer(PolicyObjectiveTrainer):
             args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
-        if eval_dataset is not None:
-            raise ConfigError("eval_dataset: vlmtrain's GRPO does not evaluate yet; pass eval_dataset=None.")
+        if eval_dataset is not None:  # (evaluated as TRL evaluates: compat/grpo_eval.py)
+            check_eval_batch(args)
         if reward_processing_classes is not None:
             raise ConfigError("reward_processing_classes: reward models are not supported by vlmtrain's GRPO yet.")
         first = next(iter(train_dataset))
@@ -108,9 +109,11 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         self._buffer: list[dict] | None = None
         self._micro = 0
         self._rollout_metrics: dict[str, list[float]] = defaultdict(list)
+        self._eval_rollout_metrics: dict[str, list[float]] = defaultdict(list)
         self._skipped: dict[str, int] = {}
         self._table: list[dict] = []
         super().__init__(model=objective, args=args, data_collator=_rows, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
 
     def get_train_dataloader(self) -> StatefulDataLoader:
@@ -193,7 +196,7 @@ class GRPOTrainer(PolicyObjectiveTrainer):
                      advantages: torch.Tensor) -> None:
         """TRL's rollout metrics, averaged over a logging window in :meth:`log`; with log_completions, a sample
         of the completions table."""
-        m = self._rollout_metrics
+        m = self._rollout_metrics if self.model.training else self._eval_rollout_metrics
         lengths = torch.tensor([float(len(c)) for c in completion_ids])
         m["completions/mean_length"].append(lengths.mean().item())
         m["completions/min_length"].append(lengths.min().item())
@@ -210,7 +213,7 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         m["reward"].append(torch.nanmean(rewards).item())
         m["reward_std"].append(nanstd(rewards).item())
         m["frac_reward_zero_std"].append(std_zero.float().mean().item())
-        if self.args.log_completions:
+        if self.args.log_completions and self.model.training:
             count = self.args.num_completions_to_print or len(prompts)
             self._table = [{"prompt": p, "completion": c, "reward": r, "advantage": a}
                            for p, c, r, a in zip(prompts[:count], completions[:count], rewards.tolist(),
@@ -232,4 +235,5 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         if any(v is None for v in logs.values()):
             warnings.warn("GRPO: a rollout metric had no finite value in this window.", stacklevel=2)
             logs = {k: v for k, v in logs.items() if v is not None}
+        self._log_eval_rollout(logs)
         super().log(logs, start_time)
