@@ -163,7 +163,7 @@ def test_grpo_lora_reference_is_the_policy_without_adapters_as_in_trl(model_dir,
 
 def _trainer(model_dir, out, funcs, dataset=None, generator=None, **kw):
     return vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
-                                args=_config(vlmtrain.GRPOConfig, out, max_steps=1, reward_weights=None, **kw),
+                                args=_config(vlmtrain.GRPOConfig, out, **{"max_steps": 1, "reward_weights": None, **kw}),
                                 train_dataset=dataset or _prompts(), processing_class=_tokenizer(),
                                 generator=generator or FixedCompletions(6))
 
@@ -259,3 +259,19 @@ def test_grpo_evaluate_equals_trl(model_dir, tmp_path):
     for key in EVAL_KEYS:
         assert results["ours"][key] == pytest.approx(results["trl"][key], rel=1e-4, abs=1e-6), key
     assert results["ours"]["eval_kl"] == pytest.approx(0.0, abs=1e-6)  # (the policy is still its reference)
+
+
+def test_grpo_logs_the_completions_it_trains_on_per_second(model_dir, tmp_path):
+    """samples_per_second counts the completions trained on and tokens_per_second the tokens of their training
+    forwards (each prompt's and completion's real tokens), as vlmtrain's SFT counts a batch's: their ratio is a
+    step's mean prompt + completion length."""
+    import json
+
+    _trainer(model_dir, tmp_path, [length_reward], max_steps=2, log_completions=True).train()
+    tok = _tokenizer()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for log in [r for r in rows if "loss" in r]:  # (the per-step figures: metrics.jsonl, not log_history)
+        prompts = [len(tok(text=row["prompt"])["input_ids"]) for row in log["completions"]]
+        expected = sum(prompts) / len(prompts) + log["completions/mean_length"]
+        assert log["samples_per_second"] > 0
+        assert log["tokens_per_second"] / log["samples_per_second"] == pytest.approx(expected, rel=1e-2)

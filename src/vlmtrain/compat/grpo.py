@@ -133,6 +133,8 @@ class GRPOTrainer(GRPOEvaluation, PolicyObjectiveTrainer):
             self._buffer = self._split(self._generate_and_score(inputs["rows"]), args.steps_per_generation)
         batch = self._buffer[self._micro % args.steps_per_generation]
         self._micro += 1
+        # (the loader's batch is dataset rows: the window's samples and tokens are the completions trained on)
+        self._throughput.add_batch({k: batch[k] for k in ("input_ids", "attention_mask")}, 0.0)
         return super().training_step(model, batch, num_items_in_batch)
 
     @staticmethod
