@@ -261,17 +261,45 @@ def test_grpo_evaluate_equals_trl(model_dir, tmp_path):
     assert results["ours"]["eval_kl"] == pytest.approx(0.0, abs=1e-6)  # (the policy is still its reference)
 
 
-def test_grpo_logs_the_completions_it_trains_on_per_second(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def logged_run(model_dir, tmp_path_factory):
+    """Two logged steps with log_completions: the run directory."""
+    out = tmp_path_factory.mktemp("grpo_logged")
+    _trainer(model_dir, out, [length_reward], max_steps=2, log_completions=True).train()
+    return out
+
+
+def _rows_logged(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_logs_the_completions_it_trains_on_per_second(logged_run):
     """samples_per_second counts the completions trained on and tokens_per_second the tokens of their training
     forwards (each prompt's and completion's real tokens), as vlmtrain's SFT counts a batch's: their ratio is a
     step's mean prompt + completion length."""
-    import json
-
-    _trainer(model_dir, tmp_path, [length_reward], max_steps=2, log_completions=True).train()
     tok = _tokenizer()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    for log in [r for r in rows if "loss" in r]:  # (the per-step figures: metrics.jsonl, not log_history)
+    logs = [r for r in _rows_logged(logged_run) if "loss" in r]  # (the per-step figures: metrics.jsonl)
+    assert len(logs) == 2
+    for log in logs:
         prompts = [len(tok(text=row["prompt"])["input_ids"]) for row in log["completions"]]
         expected = sum(prompts) / len(prompts) + log["completions/mean_length"]
         assert log["samples_per_second"] > 0
         assert log["tokens_per_second"] / log["samples_per_second"] == pytest.approx(expected, rel=1e-2)
+
+
+def test_grpo_report_page_shows_the_completions_table_per_logged_step(logged_run):
+    """`vlmtrain report` of a run with log_completions: a table per logged step, each row a prompt, its
+    completion, its reward and advantage (HTML-escaped)."""
+    import html
+
+    from vlmtrain import cli
+
+    assert cli.main(["report", str(logged_run)]) == 0
+    page = (logged_run / "report.html").read_text()
+    for log in [r for r in _rows_logged(logged_run) if "completions" in r]:
+        assert f"Completions at step {log['step']}" in page
+        row = log["completions"][-1]
+        assert html.escape(row["prompt"]) in page and html.escape(row["completion"]) in page
+        assert f"{row['reward']:.4g}" in page
