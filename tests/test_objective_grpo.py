@@ -143,3 +143,12 @@ def test_grpo_prompts_in_both_layouts_and_data_inspect(model_dir, tmp_path, caps
     imported.SEEN.clear()
     assert cli.main(["train", "--config", config]) == 0
     assert dict(imported.SEEN) == {"w1 w2 w3 w4": "w5", "w6 w7": "w8"}  # (the prompt's text, special tokens off)
+
+
+def test_exact_answer_reward_compares_stripped_texts():
+    """The shipped reward function (configs/smollm2-grpo.yaml): a string or a conversational completion against
+    the prompt's `answer` column."""
+    from vlmtrain.evaluation.rewards import exact_answer
+
+    completions = [" 4\n", [{"role": "assistant", "content": "7 "}], "5"]
+    assert exact_answer(completions, answer=["4", "7", "6"], prompts=["a", "b", "c"]) == [1.0, 1.0, 0.0]
