@@ -103,7 +103,7 @@ def grpo_yaml(tmp_path, model_dir):  # noqa: F811
                                                                        r"divisible by the number of generations"),
     ({"train.loss_type": "sigmoid"}, "loss_type='sigmoid'"),
     ({"train.truncation_mode": "keep_end"}, "train.truncation_mode is an option of train.objective: dpo"),
-    ({"train.objective": "sft"}, "train.reward_funcs is an option of train.objective: grpo, but train.objective is .sft."),
+    ({"train.objective": "sft"}, r"train.reward_\w+ is an option of train.objective: grpo, but train.objective is .sft."),
     ({"model.kind": "vlm"}, "train.objective=grpo is not supported for model.kind=vlm"),
 ], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
 def test_bad_grpo_settings_fail_before_any_work_naming_the_key(grpo_yaml, overrides, message):

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from vlmtrain.config_grpo import GRPO_OPTIONS, GRPOOptions, check_grpo, resolve_shared
+from vlmtrain.compat.grpo_options import GRPOOptions
+from vlmtrain.config_grpo import GRPO_OPTIONS, check_grpo, resolve_shared
 from vlmtrain.errors import ConfigError
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -29,6 +30,10 @@ class TrainConfig(GRPOOptions):
     the language-model loss. grpo (model.kind causal_lm): Group Relative Policy Optimization on prompts
     (docs/data.md#grpo-prompts), completions sampled by the model and scored by train.reward_funcs
     (docs/grpo.md)."""
+    reward_funcs: list[str] | None = None
+    """(grpo) The reward functions, as `module:function` strings imported when the config is read (TRL's
+    signature: `prompts`, `completions`, `completion_ids` and the prompt's other columns as keyword arguments ->
+    one float per completion, None: not scored). At least one."""
     beta: float | None = None
     """(dpo, grpo) dpo: temperature of the DPO loss (ipo: its regularization parameter tau); null: 0.1. grpo: the
     KL coefficient to the reference; null: 0.0 (no reference model is built or run)."""
