@@ -152,3 +152,59 @@ def test_exact_answer_reward_compares_stripped_texts():
 
     completions = [" 4\n", [{"role": "assistant", "content": "7 "}], "5"]
     assert exact_answer(completions, answer=["4", "7", "6"], prompts=["a", "b", "c"]) == [1.0, 1.0, 0.0]
+
+
+def vision_reward(completions, target, **kwargs):
+    return [float(t in (c[0]["content"] if isinstance(c, list) else c)) + 0.1 * len(str(c)) % 3
+            for c, t in zip(completions, target, strict=True)]
+
+
+def test_grpo_from_yaml_on_a_hub_vlm_equals_grpo_trainer(tiny_hub, tmp_path, one_thread, capsys):
+    """model.kind hub_vlm (a tiny Qwen3-VL): prompts with images in a JSONL file, in vlmtrain's `texts` layout and
+    TRL's conversational one, train as vlmtrain.GRPOTrainer trains the same rows as TRL's VLM layout (messages
+    and PIL images), same seed: the same per-step loss, rewards and KL (rel 1e-5). `vlmtrain data inspect
+    --config` shows each prompt's tokens as the processor makes them, image tokens expanded."""
+    import random
+
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    _, path, processor = tiny_hub("qwen3_vl")
+    rng, rows, python_rows = random.Random(0), [], []
+    for i, n in enumerate([1, 0, 2, 1]):
+        images = []
+        for j in range(n):
+            image = tmp_path / f"img{i}-{j}.png"
+            Image.new("RGB", (32, 32), tuple(rng.randrange(256) for _ in range(3))).save(image)
+            images.append(str(image))
+        question, target = f"what {rng.choice(['red', 'blue'])}", rng.choice(["red", "blue", "green"])
+        own = i % 2 == 0
+        rows.append({"texts": [{"user": question}], "images": images, "target": target} if own else
+                    {"prompt": [{"role": "user", "content": question}], "images": images, "target": target})
+        python_rows.append({"prompt": [{"role": "user", "content": question}],
+                            "images": [Image.open(p).convert("RGB") for p in images], "target": target})
+    train = {"num_generations": 2, "per_device_train_batch_size": 4, "max_completion_length": 4, "max_steps": 2,
+             "learning_rate": 3e-3, "weight_decay": 0.1, "logging_steps": 1, "seed": 7, "report_to": "none",
+             "dataloader_num_workers": 0, "disable_tqdm": True, "beta": 0.1, "shuffle_dataset": False}
+    config = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
+              "data": {"source": "jsonl", "train_file": _jsonl(tmp_path / "vlm.jsonl", rows)},
+              "train": {"output_dir": str(tmp_path / "run"), "objective": "grpo", "save_strategy": "no",
+                        "reward_funcs": ["tests.test_objective_grpo:vision_reward"], **train}}
+    (tmp_path / "vlm.yaml").write_text(yaml.safe_dump(config))
+    assert cli.main(["data", "inspect", str(tmp_path / "vlm.jsonl"), "--config", str(tmp_path / "vlm.yaml")]) == 0
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("prompt (")]
+    assert len(shown) == 4 and [line.count("<|image_pad|>") > 0 for line in shown] == [True, False, True, True]
+    assert cli.main(["train", "--config", str(tmp_path / "vlm.yaml")]) == 0
+    ours = [r for r in _metrics(tmp_path / "run") if "loss" in r]
+
+    args = vlmtrain.GRPOConfig(str(tmp_path / "python"), bf16=False, gradient_checkpointing=False,
+                               save_strategy="no", use_cpu=True, **train)
+    trainer = vlmtrain.GRPOTrainer(model=AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32),
+                                   reward_funcs=[vision_reward], args=args, train_dataset=python_rows,
+                                   processing_class=processor)
+    trainer.train()
+    theirs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(ours) == len(theirs) == 2
+    for step, (mine, log) in enumerate(zip(ours, theirs, strict=True), 1):
+        for key in ("loss", "reward", "completions/mean_length", "kl", "entropy"):
+            assert mine[key] == pytest.approx(log[key], rel=1e-5, abs=1e-7), (step, key)

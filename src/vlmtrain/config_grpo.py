@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from vlmtrain.compat.arguments import TrainingArguments
@@ -17,8 +19,8 @@ from vlmtrain.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("causal_lm",)
-"""The model kinds whose prompts :func:`prompt_rows` lays out (hub_vlm joins with the VLM rollout)."""
+KINDS = ("causal_lm", "hub_vlm")
+"""The model kinds whose prompts :func:`prompt_rows` lays out (hub_vlm: conversational prompts with images)."""
 INTERNAL_COLUMNS = ("__key__", "__bad__", "__error__")  # (a JSONL record's bookkeeping: never a reward's kwarg)
 
 
@@ -97,19 +99,24 @@ def grpo_args(train: Any) -> Any:
     return GRPOConfig(**{name: getattr(train, name) for name in names})
 
 
-def prompt_row(record: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+def prompt_row(record: dict[str, Any], tokenizer: Any, vision: bool = False) -> dict[str, Any]:
     """One raw sample as a GRPO prompt (docs/data.md#grpo-prompts): a `prompt` (a string or chat messages) is kept;
     vlmtrain's `texts` turns, the last one the question alone, become the prompt's tokens as SFT lays the
-    conversation out (``prompt_ids``; their text is the ``prompt`` the reward functions get). The other columns
-    stay (they reach the reward functions), the JSONL bookkeeping ones go. A record that is neither raises
-    SkipSample (``not_a_prompt``); one with images for a text model, ``images_for_text_model``."""
+    conversation out (``prompt_ids``; their text is the ``prompt`` the reward functions get), or for a VLM
+    (``vision``) chat messages, its `images` going first in the first user turn as TRL places them. The other
+    columns stay (they reach the reward functions), the JSONL bookkeeping ones go. A record that is neither raises
+    SkipSample (``not_a_prompt``); one with images for a text model, ``images_for_text_model``; a missing image
+    file, ``missing_image``."""
     from vlmtrain.data.processing import SkipSample, skip_unreadable
     from vlmtrain.data.text import TextChatProcessor
 
     skip_unreadable(record)
     row = {k: v for k, v in record.items() if k not in INTERNAL_COLUMNS}
-    if row.get("images"):
+    if row.get("images") and not vision:
         raise SkipSample("images_for_text_model", f"{len(row['images'])} image(s)")
+    for image in row.get("images") or []:
+        if isinstance(image, str) and not os.path.isfile(image):
+            raise SkipSample("missing_image", image)
     if "prompt" in row:
         if not row["prompt"] or not isinstance(row["prompt"], str | list):
             raise SkipSample("not_a_prompt", f"'prompt' is {row['prompt']!r}")
@@ -119,14 +126,34 @@ def prompt_row(record: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     if not isinstance(last, dict) or not isinstance(last.get("user"), str) or last.get("assistant"):
         raise SkipSample("not_a_prompt", "no 'prompt', and no 'texts' turns whose last one is the question alone "
                          "({'user': ...})")
+    if vision:  # (the chat messages TRL's VLM layout takes: the processor's template renders them)
+        messages = [m for t in turns[:-1] for m in ({"role": "user", "content": t["user"]},
+                                                     {"role": "assistant", "content": t["assistant"]})]
+        return {**row, "prompt": [*messages, {"role": "user", "content": last["user"]}]}
     chat = TextChatProcessor(tokenizer, max_length=1 << 30)
     ids = chat.process({"texts": [*turns[:-1], {"user": last["user"], "assistant": ""}]})["prompt_input_ids"]
     return {**row, "prompt": tokenizer.decode(ids, skip_special_tokens=True), "prompt_ids": ids}
 
 
-def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str) -> list[dict[str, Any]] | None:
-    """The prompts of a data source's raw samples (:func:`prompt_row`); bad ones are left out, counted in one
-    warning (none left: a ConfigError naming ``key``)."""
+class PromptRows(Sequence):
+    """GRPO prompts whose images (paths in a JSONL file) are opened when a row is read, not all at once."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
+        from vlmtrain.data.processing import load_image
+
+        row = self.rows[index]
+        return {**row, "images": [load_image(i) for i in row["images"]]} if row.get("images") else row
+
+
+def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str, vision: bool = False) -> Any:
+    """The prompts of a data source's raw samples (:func:`prompt_row`, a :class:`PromptRows`); bad ones are left
+    out, counted in one warning (none left: a ConfigError naming ``key``)."""
     from vlmtrain.data.processing import SkipSample
 
     if records is None:
@@ -134,7 +161,7 @@ def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str) 
     rows, skipped = [], Counter[str]()
     for record in records:
         try:
-            rows.append(prompt_row(record, tokenizer))
+            rows.append(prompt_row(record, tokenizer, vision))
         except SkipSample as err:
             skipped[err.reason] += 1
     if skipped:
@@ -143,7 +170,7 @@ def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str) 
     if not rows:
         raise ConfigError(f"{key}: none of its {len(records)} samples is a GRPO prompt ({dict(skipped)}); see "
                           "docs/data.md#grpo-prompts.")
-    return rows
+    return PromptRows(rows)
 
 
 def prompt_ids(tokenizer: Any, row: dict[str, Any]) -> list[int]:
@@ -159,7 +186,9 @@ def prompt_ids(tokenizer: Any, row: dict[str, Any]) -> list[int]:
 
 def prompt_check(cfg: Any) -> Any:
     """What `vlmtrain data inspect --config` runs on each sample of a GRPO run: the prompt (SkipSample for a bad
-    one) and, under ``tokens``, its tokens as the run tokenizes them."""
+    one) and, under ``tokens``, its tokens as the run tokenizes them (a VLM's: its processor's, images expanded)."""
+    if cfg.model.kind == "hub_vlm":
+        return _vision_prompt_check(cfg)
     from vlmtrain.models.kinds.causal_lm import tokenizer_for
 
     tokenizer = tokenizer_for(cfg)
@@ -171,13 +200,28 @@ def prompt_check(cfg: Any) -> Any:
     return check
 
 
+def _vision_prompt_check(cfg: Any) -> Any:
+    from vlmtrain.compat.grpo_vision import encode_groups
+    from vlmtrain.models.families import family_of
+
+    processor = family_of(cfg.model.pretrained, key="model.pretrained").load_processor(cfg.model.pretrained)
+
+    def check(sample: dict[str, Any]) -> dict[str, Any]:
+        row = PromptRows([prompt_row(sample, processor, vision=True)])[0]
+        ids = encode_groups(processor, [row], 1, -1).prompt_ids[0]
+        return {**row, "tokens": {"prompt": processor.tokenizer.convert_ids_to_tokens(ids)}}
+
+    return check
+
+
 def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
     """vlmtrain.GRPOTrainer on the kind's model and tokenizer, the source's prompts and the configured reward
     functions."""
     from vlmtrain.compat.grpo import GRPOTrainer
 
     tokenizer = parts["tokenizer"]
-    train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file")
-    evals = prompt_rows(parts["eval_dataset"], tokenizer, "data.eval_file") if cfg.data.num_eval > 0 else None
+    vision = cfg.model.kind == "hub_vlm"
+    train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file", vision)
+    evals = prompt_rows(parts["eval_dataset"], tokenizer, "data.eval_file", vision) if cfg.data.num_eval > 0 else None
     return GRPOTrainer(parts["model"], reward_functions(cfg.train.reward_funcs), args=grpo_args(cfg.train),
                        train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)

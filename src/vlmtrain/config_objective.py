@@ -27,7 +27,7 @@ class TrainConfig(GRPOOptions):
     switched off, else a frozen copy of the model as training starts. The checkpoints hold the trained model
     alone (loadable as an SFT run's). reward (model.kind hub_vlm): the model's `reward` score heads
     (model.heads) learn from preference pairs, Bradley-Terry on each pair's chosen and rejected sample, without
-    the language-model loss. grpo (model.kind causal_lm): Group Relative Policy Optimization on prompts
+    the language-model loss. grpo (model.kind causal_lm or hub_vlm): Group Relative Policy Optimization on prompts
     (docs/data.md#grpo-prompts), completions sampled by the model and scored by train.reward_funcs
     (docs/grpo.md)."""
     reward_funcs: list[str] | None = None
