@@ -161,10 +161,11 @@ def test_grpo_lora_reference_is_the_policy_without_adapters_as_in_trl(model_dir,
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _trainer(model_dir, out, funcs, dataset=None, generator=None, **kw):
+def _trainer(model_dir, out, funcs, dataset=None, generator=None, eval_dataset=None, **kw):
     return vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
                                 args=_config(vlmtrain.GRPOConfig, out, **{"max_steps": 1, "reward_weights": None, **kw}),
-                                train_dataset=dataset or _prompts(), processing_class=_tokenizer(),
+                                train_dataset=dataset or _prompts(), eval_dataset=eval_dataset,
+                                processing_class=_tokenizer(),
                                 generator=generator or FixedCompletions(6))
 
 
@@ -303,3 +304,16 @@ def test_grpo_report_page_shows_the_completions_table_per_logged_step(logged_run
         row = log["completions"][-1]
         assert html.escape(row["prompt"]) in page and html.escape(row["completion"]) in page
         assert f"{row['reward']:.4g}" in page
+
+
+def test_grpo_evaluating_during_training_keeps_each_rollouts_metrics_apart(model_dir, tmp_path):
+    """eval_strategy steps: every training row logs its own rollout's reward, every evaluation row its eval
+    rollouts' (the rollout after an evaluation is a training one again, the policy back in training mode)."""
+    trainer = _trainer(model_dir, tmp_path, [length_reward], eval_dataset=_prompts(2, seed=1), max_steps=2,
+                       eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
+    trainer.train()
+    train = [e for e in trainer.state.log_history if "loss" in e]
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in train] == [e["step"] for e in evals] == [1, 2]
+    assert all("reward" in e and "completions/mean_length" in e for e in train)
+    assert all("eval_reward" in e and "reward" not in e for e in evals)

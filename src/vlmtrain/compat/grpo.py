@@ -151,6 +151,7 @@ class GRPOTrainer(GRPOEvaluation, PolicyObjectiveTrainer):
         """One micro-step on this step's slice of the buffered generation batch, rolled out first where the
         buffer is spent (every ``steps_per_generation x num_iterations`` micro-steps)."""
         args = self.args
+        model.train()  # (before the rollout, as transformers' training_step: an evaluation left it in eval mode)
         if self._micro % (args.steps_per_generation * args.num_iterations) == 0 or self._buffer is None:
             self._buffer = self._split(self._generate_and_score(inputs["rows"]), args.steps_per_generation)
         batch = self._buffer[self._micro % args.steps_per_generation]
