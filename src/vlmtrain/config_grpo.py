@@ -1,5 +1,6 @@
-"""`train.objective: grpo` in a run config: the GRPO options of the `train` section (TRL 1.16's GRPOConfig names
-and defaults, :class:`GRPOOptions`), the checks made before any model or data is built, and the run's Trainer:
+"""`train.objective: grpo` in a run config: what the `train` section adds to the GRPO options it shares with
+vlmtrain.GRPOConfig (compat/grpo_options.py; here: `reward_funcs`, and beta / loss_type / disable_dropout at TRL's
+GRPO defaults), the checks made before any model or data is built, the prompts, and the run's Trainer:
 vlmtrain.GRPOTrainer on the model the kind built and on the data source's prompts (:func:`build_trainer`), so
 that a YAML run and a Python GRPOTrainer job are one code path."""
 
@@ -58,7 +59,7 @@ def check_grpo(cfg: Any) -> None:
                   for key in ("pack_length", "pack_window", "max_images_per_pack", "max_patches_per_pack")},
                "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a GRPO evaluation "
                                                "generates on the eval prompts and reports eval_reward)"),
-               "train.fsdp": (bool(cfg.train.fsdp), "remove train.fsdp (GRPO runs on one process or DDP)"),
+               "train.fsdp": (bool(cfg.train.fsdp), "remove train.fsdp (GRPO does not shard the model yet)"),
                "model.heads": (bool(cfg.model.heads), "remove model.heads (GRPO trains the language model)")}
     for key, (value, instead) in refused.items():
         if value:
