@@ -1,7 +1,8 @@
 """vlmtrain's public Trainer: the trainer core (vlmtrain/trainer/trainer.py: the loop, evaluation, checkpoints)
-with transformers' counts (counts.py), its dropping of unused dataset columns (columns.py), what its evaluation
-and predict report (evaluation.py) and its extra public methods (trainer_methods.py), and :data:`PARTS`: every part
-the core takes from the layers above it (trainer/parts.py), set here and nowhere else. A Trainer swaps one for
+with transformers' model_init (model_init.py), counts (counts.py), its dropping of unused dataset columns
+(columns.py), what its evaluation and predict report (evaluation.py) and its extra public methods
+(trainer_methods.py), and :data:`PARTS`: every part the core takes from the layers above it (trainer/parts.py), set
+here and nowhere else. A Trainer swaps one for
 itself: ``Trainer(..., parts=dataclasses.replace(Trainer.parts, flop_counter=mine))``, or in a subclass
 ``parts = dataclasses.replace(vlmtrain.Trainer.parts, flop_counter=mine)``."""
 
@@ -34,6 +35,7 @@ from .columns import TransformersColumns
 from .counts import TransformersCounts
 from .evaluation import TransformersEvaluation
 from .loss_extras import BatchEvalMetrics, label_smoothing
+from .model_init import TransformersModelInit
 from .trainer_internals import TransformersTrainerInternals
 from .trainer_methods import TransformersTrainerMethods
 
@@ -63,7 +65,7 @@ PARTS = TrainerParts(
 )
 
 
-class Trainer(AutoBatchSize, TransformersTrainerInternals, TransformersTrainerMethods, TransformersCounts,
+class Trainer(AutoBatchSize, TransformersModelInit, TransformersTrainerInternals, TransformersTrainerMethods, TransformersCounts,
               TransformersEvaluation, TransformersColumns,
               TrainerCore):
     """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, or a tuple `(loss, ...)`,
