@@ -20,8 +20,8 @@ from ..logging.writers import logging_callbacks
 from ..models.files.model_files import MODEL_FILES
 from ..models.generation import GREEDY
 from ..models.speed.flops import flop_counter
-from ..models.speed.fused_elementwise import fuse_elementwise
-from ..models.speed.liger import apply_liger_kernel
+from ..models.speed.fused_elementwise import fuse_elementwise_part
+from ..models.speed.liger import liger_kernel_part
 from ..models.speed.lm_loss import causal_lm_targets
 from ..models.speed.training_prep import compile_model, enable_activation_checkpointing
 from ..parallel.fsdp import FSDP_PLAN
@@ -52,8 +52,8 @@ PARTS = TrainerParts(
     loss_targets=causal_lm_targets,  # a transformers causal LM's target count (models/speed/lm_loss.py)
     flop_counter=flop_counter,  # tflops_per_second and mfu (models/speed/flops.py)
     window_rates=WindowRates,  # samples, tokens, FLOPs per second, data wait, pack fill (logging/throughput.py)
-    liger_kernel=apply_liger_kernel,  # use_liger_kernel (models/speed/liger.py)
-    fuse_elementwise=fuse_elementwise,  # norms, gated MLPs, rotary compiled one by one (models/speed/fused_elementwise.py)
+    liger_kernel=liger_kernel_part,  # use_liger_kernel (models/speed/liger.py)
+    fuse_elementwise=fuse_elementwise_part,  # norms, gated MLPs, rotary compiled one by one (models/speed/fused_elementwise.py)
     activation_checkpointing=enable_activation_checkpointing,  # (models/speed/training_prep.py)
     compile_model=compile_model,  # torch_compile, layer by layer where a model asks for it (models/speed/training_prep.py)
     generation=GREEDY,  # predict_with_generate (models/generation.py)

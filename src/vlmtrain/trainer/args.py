@@ -143,42 +143,9 @@ class TrainingArgumentsCore(CoreArguments):
                 isinstance(self.dataloader_num_workers, int) and self.dataloader_num_workers >= 0):
             raise ConfigError(f"dataloader_num_workers must be a number >= 0 or 'auto', got "
                               f"{self.dataloader_num_workers!r}.")
-        self._check_liger()
-        self._check_fuse()
         if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
             raise ConfigError("dataloader_prefetch_factor needs dataloader_num_workers > 0 (batches are loaded ahead "
                               "by worker processes); unset it or add workers.")
-
-    def _check_liger(self) -> None:
-        """liger_kernel_config needs use_liger_kernel and keeps the loss kernels off (the model and device are
-        checked where the Trainer prepares the model: the ``liger_kernel`` part, models/speed/liger.py)."""
-        config = self.liger_kernel_config
-        if config is None:
-            return
-        if not self.use_liger_kernel:
-            raise ConfigError(f"liger_kernel_config={config!r} configures Liger's kernels, but use_liger_kernel is "
-                              f"false: set use_liger_kernel: true, or drop liger_kernel_config.")
-        if not isinstance(config, dict) or not all(isinstance(v, bool) for v in config.values()):
-            raise ConfigError(f"liger_kernel_config must map Liger's options to true/false (e.g. {{'rope': false}}), "
-                              f"got {config!r}.")
-        on = [k for k in ("fused_linear_cross_entropy", "cross_entropy") if config.get(k)]
-        if on:
-            raise ConfigError(f"liger_kernel_config[{on[0]!r}]=true: vlmtrain computes the LM loss itself (chunked, "
-                              f"at the target tokens only), so Liger's loss kernels stay off. Drop the key, or set "
-                              f"it false.")
-
-    def _check_fuse(self) -> None:
-        """fuse_elementwise is compile or None, and not with another way of fusing the same modules."""
-        if self.fuse_elementwise is None:
-            return
-        check_choice("fuse_elementwise", self.fuse_elementwise, ("compile",))
-        if self.torch_compile or self.torch_compile_backend or self.torch_compile_mode:
-            raise ConfigError("fuse_elementwise='compile' with torch_compile: torch_compile compiles every "
-                              "transformer layer whole, its norms, MLPs and rotary embeddings included; set one of "
-                              "them.")
-        if self.use_liger_kernel:
-            raise ConfigError("fuse_elementwise='compile' with use_liger_kernel: Liger's kernels already replace the "
-                              "norms, MLPs and rotary embeddings it would compile; set one of them.")
 
     def _check_steps(self, name: str, strategy: str) -> None:
         """logging/save/eval_steps as transformers takes them: > 0; a float in (0, 1) is a ratio of the total

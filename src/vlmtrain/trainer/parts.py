@@ -96,9 +96,11 @@ class TrainerParts:
     """``(flops, peak_tflops)`` -> a logging window's rates (samples, tokens and FLOPs per second, data wait, pack
     fill): add_batch, exclude, reset, compute; None: only skipped samples are logged."""
     liger_kernel: Callable[[nn.Module, Any], None] = Refused("liger_kernel", "use_liger_kernel=True")
-    """``(model, liger_kernel_config)``: use_liger_kernel's kernels patched into the model, in place."""
+    """``(model, args)``: use_liger_kernel's kernels patched into the model, in place, as liger_kernel_config
+    asks; Liger arguments that cannot apply refused (called when use_liger_kernel or liger_kernel_config is set)."""
     fuse_elementwise: Callable[[nn.Module, str], Any] = Refused("fuse_elementwise", "fuse_elementwise='compile'")
-    """``(model, mode)``: fuse_elementwise's norms, gated MLPs and rotary embeddings compiled in the model, in place."""
+    """``(model, args)``: fuse_elementwise's norms, gated MLPs and rotary embeddings compiled in the model, in place
+    (or the arguments refused where they cannot apply)."""
     activation_checkpointing: Callable[[nn.Module, Any], None] = Refused("activation_checkpointing",
                                                                          "activation_checkpointing=True")
     """``(model, activation_checkpointing_kwargs)``: activation checkpointing on in the model, in place."""

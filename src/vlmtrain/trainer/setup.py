@@ -105,10 +105,10 @@ class SetupMixin:
         compiled (fuse_elementwise), and activation checkpointing on where the arguments ask for them (before
         DDP/FSDP wrap it in train(); all are parts, parts.py)."""
         model = model.to(self.device)
-        if self.args.use_liger_kernel:
-            self.parts.liger_kernel(model, self.args.liger_kernel_config)
+        if self.args.use_liger_kernel or self.args.liger_kernel_config is not None:
+            self.parts.liger_kernel(model, self.args)  # (the part checks the Liger arguments too)
         if self.args.fuse_elementwise:
-            self.parts.fuse_elementwise(model, self.args.fuse_elementwise)
+            self.parts.fuse_elementwise(model, self.args)
         if self.args.activation_checkpointing:
             self.parts.activation_checkpointing(model, self.args.activation_checkpointing_kwargs)
         return model
