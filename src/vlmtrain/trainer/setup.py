@@ -26,7 +26,7 @@ from .parts import TrainerParts
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
 from .stats import LossAverager, NonfiniteSteps, Throughput, skip_summary
-from .step import vision_inputs
+from .step import step_hooks
 
 
 def set_seed(seed: int) -> None:
@@ -212,7 +212,7 @@ class SetupMixin:
         self._throughput = Throughput(count_flops(self.model) if count_flops else None, args.peak_tflops,
                                       self.parts.window_rates)
         self._step_losses = LossAverager()
-        self._vision_inputs = vision_inputs(self.model)  # (models with a dummy vision input: step.py)
+        self._step_hooks = step_hooks(self.model)  # (models/protocol.py's STEP_HOOK_ATTR: step.py)
         self._count_names = NamedSums()  # (the losses count_items counts, agreed over ranks)
         self._nonfinite = NonfiniteSteps(args.max_consecutive_nonfinite_steps)
         self.model.zero_grad(set_to_none=True)
