@@ -15,7 +15,7 @@ from ..data.step_data import step_sampling
 from ..evaluation.async_eval import checkpoint_evaluator
 from ..evaluation.gather import gather_shards
 from ..logging.eval_samples import save_eval_samples
-from ..logging.throughput import WindowRates
+from ..logging.throughput import Throughput
 from ..logging.writers import logging_callbacks
 from ..models.files.model_files import MODEL_FILES
 from ..models.generation import GREEDY
@@ -51,7 +51,7 @@ PARTS = TrainerParts(
     step_sampling=step_sampling,  # datasets that follow the training step (data/step_data.py)
     loss_targets=causal_lm_targets,  # a transformers causal LM's target count (models/speed/lm_loss.py)
     flop_counter=flop_counter,  # tflops_per_second and mfu (models/speed/flops.py)
-    window_rates=WindowRates,  # samples, tokens, FLOPs per second, data wait, pack fill (logging/throughput.py)
+    window_stats=Throughput,  # samples, skips, tokens, FLOPs per second, data wait, pack fill (logging/throughput.py)
     liger_kernel=liger_kernel_part,  # use_liger_kernel (models/speed/liger.py)
     fuse_elementwise=fuse_elementwise_part,  # norms, gated MLPs, rotary compiled one by one (models/speed/fused_elementwise.py)
     activation_checkpointing=enable_activation_checkpointing,  # (models/speed/training_prep.py)

@@ -19,13 +19,12 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from ..errors import warn_caller
 from .distributed import NamedSums
 from .optim import create_optimizer, create_scheduler
 from .parts import TrainerParts
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
-from .stats import LossAverager, NonfiniteSteps, Throughput, skip_summary
+from .stats import LossAverager, NonfiniteSteps
 from .step import step_hooks
 
 
@@ -209,8 +208,7 @@ class SetupMixin:
         self._epoch_cut = False
         self._train_losses, self._run_loss = LossAverager(), LossAverager()
         count_flops = self.parts.flop_counter  # (model -> batch FLOPs; None: no tflops_per_second, mfu)
-        self._throughput = Throughput(count_flops(self.model) if count_flops else None, args.peak_tflops,
-                                      self.parts.window_rates)
+        self._throughput = self.parts.window_stats(count_flops(self.model) if count_flops else None, args.peak_tflops)
         self._step_losses = LossAverager()
         self._step_hooks = step_hooks(self.model)  # (models/protocol.py's STEP_HOOK_ATTR: step.py)
         self._count_names = NamedSums()  # (the losses count_items counts, agreed over ranks)
@@ -230,13 +228,8 @@ class SetupMixin:
         metrics.update(total_flos=self.state.total_flos, train_loss=train_loss)
         if self._nonfinite.total:
             metrics["train_nonfinite_steps"] = self._nonfinite.total
-        skipped = self._throughput.total_over_ranks()
-        bad = self._throughput.bad_samples_over_ranks()
-        if skipped:  # samples the collator dropped, by reason, over the whole run (resumes included) and ranks
-            metrics.update({f"train_skipped_{reason}": n for reason, n in sorted(skipped.items())})
-            metrics["train_bad_samples"] = bad
-            if self.rank == 0:
-                warn_caller(skip_summary(skipped, bad))
+        # samples the collator dropped, by reason, over the whole run (resumes included) and ranks
+        metrics.update(self._throughput.run_totals(self.rank == 0))
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             load_model_state(self.model, self.state.best_model_checkpoint, self.parts)
