@@ -146,8 +146,9 @@ def render() -> str:
         "\nInvalid combinations fail when the arguments are built, with a message that says what to change (for "
         "example\n`load_best_model_at_end=True needs save_steps (500) to be a multiple of eval_steps (300)`).\n",
         "### `objective` and its options\n",
-        "The training objective; the options of `objective: dpo` have TRL 1.16's DPOConfig names and defaults "
-        "(a key marked (dpo)\nis an error with another objective). See [Preference training](preference.md).\n",
+        "The training objective; the options of `objective: dpo` have TRL 1.16's DPOConfig names and defaults, "
+        "those of\n`objective: grpo` its GRPOConfig's (a key marked (dpo) or (grpo) is an error with another "
+        "objective). See\n[Preference training](preference.md) and [RL with verifiable rewards](grpo.md).\n",
         table([(f, doc) for f, doc in _documented(train) if f.name not in _ARGUMENTS]),
         "",
         "### transformers' other TrainingArguments names\n",

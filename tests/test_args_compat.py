@@ -291,3 +291,36 @@ def test_tf32_without_a_gpu_warns_and_trains(tmp_path):
         warnings.simplefilter("always")
         Trainer(tiny_llama(0), _args(tmp_path, tf32=True))
     assert any("tf32=True has no effect without a CUDA device" in str(w.message) for w in caught)
+
+
+# Each range-checked argument, a value outside its range and the exact message (one table in trainer/args.py)
+OUT_OF_RANGE = [
+    ("per_device_train_batch_size", 0, "per_device_train_batch_size must be >= 1, got 0."),
+    ("per_device_eval_batch_size", 0, "per_device_eval_batch_size must be >= 1, got 0."),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be >= 1, got 0."),
+    ("learning_rate", -1.0, "learning_rate must be >= 0, got -1.0."),
+    ("warmup_ratio", 1.0, "warmup_ratio must be in [0, 1), got 1.0."),
+    ("warmup_steps", -1, "warmup_steps must be >= 0, got -1."),
+    ("max_grad_norm", -0.5, "max_grad_norm must be >= 0 (0 disables clipping), got -0.5."),
+    ("save_total_limit", 0, "save_total_limit must be >= 1, or None to keep every checkpoint."),
+    ("max_eval_batches", 0, "max_eval_batches must be >= 1, or None for the whole eval set."),
+    ("peak_tflops", 0.0, "peak_tflops must be > 0 (the device's peak TFLOP/s), or None; got 0.0."),
+    ("preemption_grace_s", 0, "preemption_grace_s must be >= 1 second, got 0."),
+    ("ddp_timeout", 0, "ddp_timeout must be >= 1 second, got 0."),
+    ("max_consecutive_nonfinite_steps", -1, "max_consecutive_nonfinite_steps must be >= 0 (0: never stop)."),
+    ("max_bad_sample_fraction", 0.0, "max_bad_sample_fraction must be in (0, 1], got 0.0."),
+    ("label_smoothing_factor", 1.0, "label_smoothing_factor must be in [0, 1), got 1.0."),
+]
+
+
+@pytest.mark.parametrize("name,value,message", OUT_OF_RANGE, ids=[case[0] for case in OUT_OF_RANGE])
+def test_an_argument_out_of_its_range_is_one_message_naming_it(name, value, message):
+    with pytest.raises(ConfigError) as e:
+        TrainingArguments(output_dir="x", report_to="none", **{name: value})
+    assert str(e.value) == message
+
+
+def test_the_range_checks_are_one_table():
+    from vlmtrain.trainer import args
+
+    assert list(args.RANGES) == [name for name, _, _ in OUT_OF_RANGE]

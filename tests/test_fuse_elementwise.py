@@ -110,8 +110,10 @@ def test_fused_regions_train_as_the_plain_model_without_recompiling(tmp_path, ti
     ({"fuse_elementwise": "compile", "use_liger_kernel": True}, "with use_liger_kernel: Liger's kernels already"),
 ])
 def test_settings_that_cannot_apply_are_an_error(tmp_path, kw, message):
+    # refused where the model is fused, before the first step (as use_liger_kernel: not by the arguments)
+    args = vlmtrain.TrainingArguments(output_dir=str(tmp_path), report_to="none", **kw)
     with pytest.raises(ConfigError) as e:
-        vlmtrain.TrainingArguments(output_dir=str(tmp_path), **kw)
+        vlmtrain.Trainer(tiny_llama(), args)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

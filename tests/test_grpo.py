@@ -161,10 +161,11 @@ def test_grpo_lora_reference_is_the_policy_without_adapters_as_in_trl(model_dir,
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _trainer(model_dir, out, funcs, dataset=None, generator=None, **kw):
+def _trainer(model_dir, out, funcs, dataset=None, generator=None, eval_dataset=None, **kw):
     return vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
-                                args=_config(vlmtrain.GRPOConfig, out, max_steps=1, reward_weights=None, **kw),
-                                train_dataset=dataset or _prompts(), processing_class=_tokenizer(),
+                                args=_config(vlmtrain.GRPOConfig, out, **{"max_steps": 1, "reward_weights": None, **kw}),
+                                train_dataset=dataset or _prompts(), eval_dataset=eval_dataset,
+                                processing_class=_tokenizer(),
                                 generator=generator or FixedCompletions(6))
 
 
@@ -223,3 +224,96 @@ def test_grpo_samples_with_the_policy_generate(model_dir, tmp_path):
     log = next(e for e in trainer.state.log_history if "loss" in e)
     assert 1 <= log["completions/max_length"] <= 6
     assert len(log["completions"]) == 8 and {"prompt", "completion", "reward", "advantage"} <= set(log["completions"][0])
+
+
+EVAL_KEYS = ["eval_loss", "eval_reward", "eval_reward_std", "eval_rewards/length_reward/mean",
+             "eval_rewards/target_reward/mean", "eval_frac_reward_zero_std", "eval_completions/mean_length",
+             "eval_completions/clipped_ratio", "eval_kl", "eval_entropy", "eval_clip_ratio/region_mean"]
+
+
+@requires("trl", "dev")
+def test_grpo_evaluate_equals_trl(model_dir, tmp_path):
+    """eval_dataset: evaluate() rolls out num_generations completions per eval prompt (TRL's seeded order, eval
+    batches of whole groups) and reports TRL's metrics with the eval_ prefix: the loss, rewards, lengths, KL and
+    entropy equal TRL's GRPOTrainer.evaluate() on the same completions (each eval batch's loss averaged over the
+    batches, as TRL's evaluation loop does, whatever the loss type). (8 eval prompts: with a count that is not a
+    multiple of per_device_eval_batch_size, accelerate's gather_for_metrics in TRL's loop cuts the last batch's
+    loss weight to len(eval_dataset) % batch size rows, a weighting vlmtrain does not copy.)"""
+    results = {}
+    for framework in ("trl", "ours"):
+        rollout, funcs = FixedCompletions(6), [length_reward, target_reward]
+        kw = dict(loss_type="dapo", beta=0.1, per_device_eval_batch_size=8, max_steps=1)
+        if framework == "trl":
+            import trl
+
+            trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
+                                      args=_config(trl.GRPOConfig, tmp_path / "trl", **kw),
+                                      train_dataset=_prompts(), eval_dataset=_prompts(8, seed=1),
+                                      processing_class=_tokenizer(), rollout_func=rollout.trl)
+        else:
+            trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
+                                           args=_config(vlmtrain.GRPOConfig, tmp_path / "ours", **kw),
+                                           train_dataset=_prompts(), eval_dataset=_prompts(8, seed=1),
+                                           processing_class=_tokenizer(), generator=rollout)
+        results[framework] = trainer.evaluate()
+        assert rollout.calls == 4  # (32 completions in eval batches of 8)
+    for key in EVAL_KEYS:
+        assert results["ours"][key] == pytest.approx(results["trl"][key], rel=1e-4, abs=1e-6), key
+    assert results["ours"]["eval_kl"] == pytest.approx(0.0, abs=1e-6)  # (the policy is still its reference)
+
+
+@pytest.fixture(scope="module")
+def logged_run(model_dir, tmp_path_factory):
+    """Two logged steps with log_completions: the run directory."""
+    out = tmp_path_factory.mktemp("grpo_logged")
+    _trainer(model_dir, out, [length_reward], max_steps=2, log_completions=True).train()
+    return out
+
+
+def _rows_logged(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_logs_the_completions_it_trains_on_per_second(logged_run):
+    """samples_per_second counts the completions trained on and tokens_per_second the tokens of their training
+    forwards (each prompt's and completion's real tokens), as vlmtrain's SFT counts a batch's: their ratio is a
+    step's mean prompt + completion length."""
+    tok = _tokenizer()
+    logs = [r for r in _rows_logged(logged_run) if "loss" in r]  # (the per-step figures: metrics.jsonl)
+    assert len(logs) == 2
+    for log in logs:
+        prompts = [len(tok(text=row["prompt"])["input_ids"]) for row in log["completions"]]
+        expected = sum(prompts) / len(prompts) + log["completions/mean_length"]
+        assert log["samples_per_second"] > 0
+        assert log["tokens_per_second"] / log["samples_per_second"] == pytest.approx(expected, rel=1e-2)
+
+
+def test_grpo_report_page_shows_the_completions_table_per_logged_step(logged_run):
+    """`vlmtrain report` of a run with log_completions: a table per logged step, each row a prompt, its
+    completion, its reward and advantage (HTML-escaped)."""
+    import html
+
+    from vlmtrain import cli
+
+    assert cli.main(["report", str(logged_run)]) == 0
+    page = (logged_run / "report.html").read_text()
+    for log in [r for r in _rows_logged(logged_run) if "completions" in r]:
+        assert f"Completions at step {log['step']}" in page
+        row = log["completions"][-1]
+        assert html.escape(row["prompt"]) in page and html.escape(row["completion"]) in page
+        assert f"{row['reward']:.4g}" in page
+
+
+def test_grpo_evaluating_during_training_keeps_each_rollouts_metrics_apart(model_dir, tmp_path):
+    """eval_strategy steps: every training row logs its own rollout's reward, every evaluation row its eval
+    rollouts' (the rollout after an evaluation is a training one again, the policy back in training mode)."""
+    trainer = _trainer(model_dir, tmp_path, [length_reward], eval_dataset=_prompts(2, seed=1), max_steps=2,
+                       eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
+    trainer.train()
+    train = [e for e in trainer.state.log_history if "loss" in e]
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert [e["step"] for e in train] == [e["step"] for e in evals] == [1, 2]
+    assert all("reward" in e and "completions/mean_length" in e for e in train)
+    assert all("eval_reward" in e and "reward" not in e for e in evals)

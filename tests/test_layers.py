@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "vlmtrain.config_checks": 6,
     "vlmtrain.config": 6,
     "vlmtrain.config_objective": 6,
+    "vlmtrain.config_grpo": 6,
     "vlmtrain.compose": 6,
     "vlmtrain.memory": 6,
     "vlmtrain.inference": 6,

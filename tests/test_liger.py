@@ -53,8 +53,10 @@ def _args(tmp_path, **kw):
     ({"use_liger_kernel": True, "liger_kernel_config": {"rope": "no"}}, "must map Liger's options to true/false"),
 ])
 def test_liger_kernel_config_that_cannot_apply_is_an_error(tmp_path, kw, message):
+    # refused where the kernels are applied, before the first step (transformers' arguments do not check it either)
+    args = vlmtrain.TrainingArguments(output_dir=str(tmp_path), report_to="none", **kw)
     with pytest.raises(ConfigError, match=r"liger_kernel_config") as e:
-        vlmtrain.TrainingArguments(output_dir=str(tmp_path), **kw)
+        vlmtrain.Trainer(tiny_llama(), args)
     assert message in str(e.value)
 
 

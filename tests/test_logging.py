@@ -131,20 +131,19 @@ def test_torch_compile_without_the_compile_model_part_compiles_the_whole_model(t
 
 
 def test_a_windows_rates_come_from_the_logging_layer():
-    """The trainer's Throughput counts samples and skipped samples; the rates (here the pack fill of collated
-    rows) come from logging/throughput.py through the window_rates part, and without it are not logged."""
+    """The window_stats part (logging/throughput.py's Throughput) counts samples and skipped samples; the rates
+    (here the pack fill of collated rows) come from its WindowRates, and without them are not logged."""
     from vlmtrain import Trainer
-    from vlmtrain.logging.throughput import WindowRates
-    from vlmtrain.trainer.stats import Throughput
+    from vlmtrain.logging.throughput import Throughput
 
-    assert Trainer.parts.window_rates is WindowRates
+    assert Trainer.parts.window_stats is Throughput
     batch = {"skipped": {"bad_image": 1},
              "pack_stats": {"samples": 3, "tokens": 30, "rows": 2, "capacity": 40, "images": 4}}
-    throughput = Throughput(make_rates=Trainer.parts.window_rates)
+    throughput = Throughput()
     throughput.add_batch(batch, 0.0)
     figures = throughput.compute()
     assert (figures["pack_fill"], figures["padding_fraction"], figures["images_per_pack"]) == (0.75, 0.25, 2.0)
     assert figures["tokens_per_second"] > 0 and figures["skipped_bad_image"] == 1 and throughput.samples == 3
-    bare = Throughput()
+    bare = Throughput(make_rates=None)
     bare.add_batch(batch, 0.0)
     assert bare.compute() == {"skipped_bad_image": 1} and bare.samples == 3

@@ -43,6 +43,34 @@ def test_the_attribute_names_models_set_are_the_ones_the_trainer_reads():
                                                                          "head": ("lm_head",)}
 
 
+def test_a_step_hook_runs_before_each_optimizer_step(tmp_path):
+    """A module carrying protocol.STEP_HOOK_ATTR (as the dummy vision input's VisionInput): cleared as training
+    starts, then called on every optimizer step before clipping and the step; here it drops lm_head's gradient,
+    and AdamW with weight decay leaves that weight as it was."""
+    class DropHead:
+        def __init__(self):
+            self.calls = []
+
+        def clear(self):
+            self.calls.append("clear")
+
+        def before_optimizer_step(self, module, any_rank):
+            self.calls.append(any_rank(True))
+            module.lm_head.weight.grad = None
+
+    from vlmtrain.trainer import step
+
+    assert protocol.STEP_HOOK_ATTR == step.STEP_HOOK_ATTR
+    model, hook = tiny_llama(), DropHead()
+    setattr(model, protocol.STEP_HOOK_ATTR, hook)
+    before = model.lm_head.weight.detach().clone()
+    args = vlmtrain.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4,
+                                      weight_decay=0.1, save_strategy="no", report_to="none", disable_tqdm=True)
+    vlmtrain.Trainer(model, args, train_dataset=token_samples(8)).train()
+    assert hook.calls == ["clear", True, True]
+    assert torch.equal(model.lm_head.weight, before) and not torch.equal(model.model.norm.weight, torch.ones(32))
+
+
 def test_vlmtrain_trainer_has_every_part_the_models_provide():
     parts = vlmtrain.Trainer.parts
     assert parts.flop_counter is flops.flop_counter

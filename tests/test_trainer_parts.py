@@ -116,6 +116,11 @@ def test_the_core_alone_refuses_what_needs_a_part_naming_it(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match="activation_checkpointing=True needs the trainer part "
                                           "'activation_checkpointing'"):
         TrainerCore(tiny_llama(), _args(tmp_path, activation_checkpointing=True))
+    stats = TrainerParts().window_stats(None, None)  # the core's: skipped samples not counted, logged or saved
+    stats.add_batch({"skipped": {"bad_image": 1}}, 0.0)
+    assert stats.compute(stats.over_ranks()) == stats.run_totals(True) == stats.state_dict() == {}
+    with pytest.raises(RuntimeError, match="model_init is vlmtrain.Trainer's"):  # (transformers': compat/)
+        TrainerCore(model_init=tiny_llama, args=_args(tmp_path))
     core = TrainerCore(tiny_llama(), vlmtrain.TrainingArguments(output_dir=str(tmp_path), report_to="none"))
     assert [type(cb).__name__ for cb in core.callback_handler.callbacks] == ["DefaultFlowCallback"]
     assert core.data_collator is None  # (torch's default_collate)

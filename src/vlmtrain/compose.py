@@ -21,6 +21,7 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     """Build the data (cfg.data.source), the model and its processing (cfg.model.kind, initialized under
     cfg.train.seed) and a Trainer; with checkpoint, the model weights are loaded from that directory."""
     from vlmtrain.compat.trainer import Trainer
+    from vlmtrain.config_objective import objective_trainer
     from vlmtrain.data.registry import get_source
     from vlmtrain.models.hub.local_paths import check_local_model
     from vlmtrain.models.kinds import get_kind
@@ -50,6 +51,9 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
         # (dpo: into the policy; the reference stays the model as configured)
         Trainer.parts.model_files.load_model_weights(parts.get("policy", parts["model"]), checkpoint)
 
+    make_trainer = objective_trainer(cfg.train.objective)
+    if make_trainer is not None:  # (grpo: vlmtrain.GRPOTrainer, its rollouts from the policy)
+        return make_trainer(cfg, parts)
     # The kinds' and sources' metrics score generated answers (exact match). Without generation evaluation
     # keeps only the losses (and head outputs): never the B x L x vocab logits of the whole eval set.
     metrics = parts["compute_metrics"] if cfg.train.predict_with_generate else None

@@ -4,33 +4,41 @@ transformers script builds) stays free of them; this subclass is what the YAML c
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from vlmtrain.compat.arguments import TrainingArguments
+from vlmtrain.compat.grpo_options import GRPOOptions
+from vlmtrain.config_grpo import GRPO_OPTIONS, check_grpo, resolve_shared
 from vlmtrain.errors import ConfigError
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
 
 
 @dataclass
-class TrainConfig(TrainingArguments):
+class TrainConfig(GRPOOptions):
     """TrainingArguments (transformers' names) with `objective` and its options (TRL 1.16's names).
 
-    For `objective: dpo`, TRL 1.16's DPO options and defaults (docs/preference.md). The first line is the group's
-    heading in --help."""
+    For `objective: dpo`, TRL 1.16's DPO options and defaults (docs/preference.md); for `objective: grpo`, its
+    GRPO options and defaults (docs/grpo.md). The first line is the group's heading in --help."""
 
-    objective: Literal["sft", "dpo", "reward"] = "sft"
+    objective: Literal["sft", "dpo", "reward", "grpo"] = "sft"
     """sft: the language-model loss on the answers. dpo: Direct Preference Optimization on preference pairs
     (docs/data.md#preference-pairs) against a reference model: with model.lora the model with its adapters
     switched off, else a frozen copy of the model as training starts. The checkpoints hold the trained model
     alone (loadable as an SFT run's). reward (model.kind hub_vlm): the model's `reward` score heads
     (model.heads) learn from preference pairs, Bradley-Terry on each pair's chosen and rejected sample, without
-    the language-model loss."""
-    beta: float = 0.1
-    """(dpo) Temperature of the DPO loss (ipo: its regularization parameter tau)."""
-    loss_type: list[str] | str = field(default_factory=lambda: ["sigmoid"])
-    """(dpo) One or several of sigmoid, ipo, hinge, sft (sft: the chosen answers' NLL per token, beside a DPO loss; several: summed, weighted by loss_weights)."""
+    the language-model loss. grpo (model.kind causal_lm or hub_vlm): Group Relative Policy Optimization on prompts
+    (docs/data.md#grpo-prompts), completions sampled by the model and scored by train.reward_funcs
+    (docs/grpo.md)."""
+    reward_funcs: list[str] | None = None
+    """(grpo) The reward functions, as `module:function` strings imported when the config is read (TRL's
+    signature: `prompts`, `completions`, `completion_ids` and the prompt's other columns as keyword arguments ->
+    one float per completion, None: not scored). At least one."""
+    beta: float | None = None
+    """(dpo, grpo) dpo: temperature of the DPO loss (ipo: its regularization parameter tau); null: 0.1. grpo: the
+    KL coefficient to the reference; null: 0.0 (no reference model is built or run)."""
+    loss_type: list[str] | str | None = None
+    """(dpo, grpo) dpo: one or several of sigmoid, ipo, hinge, sft (sft: the chosen answers' NLL per token, beside a DPO loss; several: summed, weighted by loss_weights); null: sigmoid. grpo: one of dapo, grpo, dr_grpo, bnpo; null: dapo."""
     loss_weights: list[float] | None = None
     """(dpo) One weight per loss_type; null: 1 each."""
     label_smoothing: float = 0.0
@@ -44,18 +52,29 @@ class TrainConfig(TrainingArguments):
     precompute_ref_batch_size: int | None = None
     """(dpo) The batch size of that pass; null: per_device_train_batch_size (train pairs), per_device_eval_batch_size
     (eval pairs)."""
-    disable_dropout: bool = True
-    """(dpo) Set every dropout of the model and its reference to 0."""
+    disable_dropout: bool | None = None
+    """(dpo, grpo) Set every dropout of the model and its reference to 0; null: true with dpo, false with grpo."""
 
     def __post_init__(self) -> None:
+        for objective, options in (("dpo", DPO_OPTIONS), ("grpo", GRPO_OPTIONS)):
+            if self.objective == objective:
+                continue
+            shared = SHARED if self.objective in ("dpo", "grpo") else ()  # (each resolves them to its defaults)
+            given = [f.name for f in fields(TrainConfig) if f.name in options and f.name not in shared
+                     and getattr(self, f.name) not in (_default(f), DPO_DEFAULTS.get(f.name))]
+            if given:
+                raise ConfigError(f"train.{given[0]} is an option of train.objective: {objective}, but "
+                                  f"train.objective is {self.objective!r}: remove train.{given[0]}, or set "
+                                  f"train.objective: {objective}.")
+        if self.objective == "grpo":
+            resolve_shared(self)
+            super().__post_init__()
+            return
+        for key, value in DPO_DEFAULTS.items():  # (sft and reward too: the values DPO's options always had)
+            if getattr(self, key) is None:
+                setattr(self, key, list(value) if isinstance(value, list) else value)
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
-        if self.objective != "dpo":
-            given = [f.name for f in fields(TrainConfig) if f.name in DPO_OPTIONS
-                     and getattr(self, f.name) != _default(f)]
-            if given:
-                raise ConfigError(f"train.{given[0]} is an option of train.objective: dpo, but train.objective is "
-                                  f"{self.objective!r}: remove train.{given[0]}, or set train.objective: dpo.")
         # (imported here: --help and a mistyped key need no torch)
         from vlmtrain.models.objectives.dpo import LOSS_TYPES
 
@@ -69,8 +88,24 @@ class TrainConfig(TrainingArguments):
         super().__post_init__()
 
 
+SHARED = ("beta", "loss_type", "disable_dropout")  # (dpo and grpo options: each objective's TRL default)
+DPO_DEFAULTS: dict[str, Any] = {"beta": 0.1, "loss_type": ["sigmoid"], "disable_dropout": True}
 DPO_OPTIONS = ("beta", "loss_type", "loss_weights", "label_smoothing", "truncation_mode", "precompute_ref_log_probs",
                "precompute_ref_batch_size", "disable_dropout")
+
+
+TRAINERS = {"grpo": "vlmtrain.config_grpo:build_trainer"}
+"""train.objective -> builder(cfg, parts) of its own Trainer (one with a rollout); the others take compose's."""
+
+
+def objective_trainer(objective: str) -> Any:
+    """The Trainer builder of ``objective`` (see TRAINERS), or None."""
+    import importlib
+
+    if objective not in TRAINERS:
+        return None
+    module, name = TRAINERS[objective].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _default(f: Any) -> Any:
@@ -81,6 +116,9 @@ def check_objective(cfg: Any) -> None:
     """Cross-section checks of train.objective (before any model or data is built): the model kind must have pair
     processing, the data source must give raw samples, and what DPO does not do yet is refused."""
     if cfg.train.objective == "sft":
+        return
+    if cfg.train.objective == "grpo":
+        check_grpo(cfg)
         return
     from vlmtrain.data.registry import get_source
     from vlmtrain.models.kinds import get_kind

@@ -221,7 +221,11 @@ def inspect_checks(config: str | None, model: str | None) -> tuple[Any, Any]:
             model, key = cfg.model.pretrained, "model.pretrained"
         kind = get_kind(cfg.model.kind)
         check = kind.record_check(cfg) if kind.record_check is not None else None
-        if cfg.train.objective != "sft":  # (a pair's processing, with its tokens to show)
+        if cfg.train.objective == "grpo":  # (a prompt as the run tokenizes it)
+            from vlmtrain.config_grpo import prompt_check
+
+            check = prompt_check(cfg)
+        elif cfg.train.objective != "sft":  # (a pair's processing, with its tokens to show)
             from vlmtrain.data.pairs import pair_check
 
             check = pair_check(kind.pairs(cfg))

@@ -23,6 +23,7 @@ from ..models.objectives.grpo import VISION_KEYS, GRPOObjective, group_advantage
 from .dpo import _enable_dummy_vision, _load_model, _load_processing_class
 from .dpo_reference import PolicyObjectiveTrainer
 from .grpo_config import GRPOConfig
+from .grpo_eval import GRPOEvaluation, check_eval_batch
 from .grpo_rollout import (
     Generator,
     GroupSampler,
@@ -45,7 +46,7 @@ def _rows(samples: list[dict]) -> dict[str, list[dict]]:
     return {"rows": samples}  # (a generation batch stays its dataset rows: the rollout processes them)
 
 
-class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
+class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
     """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer, or a Qwen-VL model
     and its processor (prompts with images, each group's encoded once: grpo_vision.py): ``reward_funcs``
     (callables or ``module:function`` strings, weighted by ``args.reward_weights``) score the completions of a
@@ -68,8 +69,8 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
             args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
-        if eval_dataset is not None:
-            raise ConfigError("eval_dataset: vlmtrain's GRPO does not evaluate yet; pass eval_dataset=None.")
+        if eval_dataset is not None:  # (evaluated as TRL evaluates: compat/grpo_eval.py)
+            check_eval_batch(args)
         if reward_processing_classes is not None:
             raise ConfigError("reward_processing_classes: reward models are not supported by vlmtrain's GRPO yet.")
         first = next(iter(train_dataset))
@@ -132,9 +133,11 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
         self._buffer: list[dict] | None = None
         self._micro = 0
         self._rollout_metrics: dict[str, list[float]] = defaultdict(list)
+        self._eval_rollout_metrics: dict[str, list[float]] = defaultdict(list)
         self._skipped: dict[str, int] = {}
         self._table: list[dict] = []
         super().__init__(model=objective, args=args, data_collator=_rows, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers)
 
     def get_train_dataloader(self) -> StatefulDataLoader:
@@ -152,10 +155,13 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
         """One micro-step on this step's slice of the buffered generation batch, rolled out first where the
         buffer is spent (every ``steps_per_generation x num_iterations`` micro-steps)."""
         args = self.args
+        model.train()  # (before the rollout, as transformers' training_step: an evaluation left it in eval mode)
         if self._micro % (args.steps_per_generation * args.num_iterations) == 0 or self._buffer is None:
             self._buffer = self._split(self._generate_and_score(inputs["rows"]), args.steps_per_generation)
         batch = self._buffer[self._micro % args.steps_per_generation]
         self._micro += 1
+        # (the loader's batch is dataset rows: the window's samples and tokens are the completions trained on)
+        self._throughput.add_batch({k: batch[k] for k in ("input_ids", "attention_mask")}, 0.0)
         return super().training_step(model, batch, num_items_in_batch)
 
     @staticmethod
@@ -178,6 +184,8 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
             groups = encode_groups(self.processing_class, rows, args.num_generations, self._image_token_id,
                                    offset=self.rank * len(rows))  # (this process's slice of the generation)
             prompt_ids = groups.row_prompt_ids()
+        elif "prompt_ids" in rows[0]:  # (a YAML run's `texts` prompts, laid out as SFT: config_grpo.prompt_row)
+            prompt_ids = [list(r["prompt_ids"]) for r in rows]
         else:
             prompt_ids = self._prompt_ids(prompts)
         positions = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
@@ -190,7 +198,7 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
         conversational = isinstance(prompts[0], list)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids", "completion", "completion_ids")}
         per_func = score(self.reward_funcs, self.reward_func_names, prompts, completions, completion_ids, columns,
                          self._skipped, trainer_state=self.state)
         per_func = gather_rows(per_func)  # (every process's: a group, or the batch, may span processes; as TRL)
@@ -233,8 +241,9 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
                      lengths: torch.Tensor, truncated: torch.Tensor, prompts: list, completions: list,
                      own_rewards: torch.Tensor, advantages: torch.Tensor) -> None:
         """TRL's rollout metrics of the whole generation batch (every process's rows), averaged over a logging
-        window in :meth:`log`; with log_completions, a sample of this process's completions table."""
-        m = self._rollout_metrics
+        window in :meth:`log` (an evaluation's into its own window); with log_completions, a sample of this
+        process's completions table."""
+        m = self._rollout_metrics if self.model.training else self._eval_rollout_metrics
         m["completions/mean_length"].append(lengths.mean().item())
         m["completions/min_length"].append(lengths.min().item())
         m["completions/max_length"].append(lengths.max().item())
@@ -250,7 +259,7 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
         m["reward"].append(torch.nanmean(rewards).item())
         m["reward_std"].append(nanstd(rewards).item())
         m["frac_reward_zero_std"].append(std_zero.float().mean().item())
-        if self.args.log_completions:
+        if self.args.log_completions and self.model.training:
             count = self.args.num_completions_to_print or len(prompts)
             self._table = [{"prompt": p, "completion": c, "reward": r, "advantage": a}
                            for p, c, r, a in zip(prompts[:count], completions[:count], own_rewards.tolist(),
@@ -272,4 +281,5 @@ class GRPOTrainer(RolloutCheckpoints, PolicyObjectiveTrainer):
         if any(v is None for v in logs.values()):
             warnings.warn("GRPO: a rollout metric had no finite value in this window.", stacklevel=2)
             logs = {k: v for k, v in logs.items() if v is not None}
+        self._log_eval_rollout(logs)
         super().log(logs, start_time)

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..models.objectives.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
-from .arguments import TrainingArguments
+from .grpo_options import GRPOOptions
 
 UNSUPPORTED = {  # TRL 1.16's GRPOConfig options vlmtrain does not implement yet, at TRL's defaults
     "use_vllm": False, "use_transformers_continuous_batching": False, "delta": None,
@@ -20,7 +20,7 @@ UNSUPPORTED = {  # TRL 1.16's GRPOConfig options vlmtrain does not implement yet
 
 
 @dataclass
-class GRPOConfig(TrainingArguments):
+class GRPOConfig(GRPOOptions):
     """TrainingArguments with TRL 1.16's GRPOConfig options and defaults (TRL's defaults differ from transformers'
     for learning_rate 1e-6, logging_steps 10, gradient_checkpointing True, bf16: on unless fp16 is set, and
     remove_unused_columns False: the dataset's other columns reach the reward functions)."""
@@ -33,37 +33,9 @@ class GRPOConfig(TrainingArguments):
     model_init_kwargs: dict[str, Any] | None = None
     """Keyword arguments of ``from_pretrained`` when the model is given as a path."""
     disable_dropout: bool = False
-    num_generations: int = 8
-    """Completions sampled per prompt (a group); the generation batch must hold whole groups."""
-    max_completion_length: int = 512
-    generation_batch_size: int | None = None
-    """Completions per generation (per process); None: per_device_train_batch_size x steps_per_generation."""
-    steps_per_generation: int | None = None
-    """Micro-batches each generation feeds (None: gradient_accumulation_steps)."""
-    shuffle_dataset: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    generation_kwargs: dict | None = None
-    """Extra keyword arguments of ``GenerationConfig`` (they override those above)."""
     beta: float = 0.0
     """KL coefficient; 0 (TRL's default): no reference model is built or run."""
-    num_iterations: int = 1
-    """Optimization passes over each generation batch (mu in the GRPO paper)."""
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    """Upper clipping bound (None: ``epsilon``; DAPO recommends 0.28)."""
-    importance_sampling_level: str = "token"
-    use_bias_correction_kl: bool = True
-    """Multiply the per-token KL by the importance ratio (unbiased reverse-KL gradient; TRL's default)."""
-    reward_weights: list[float] | None = None
-    scale_rewards: str | bool = "group"
     loss_type: str = "dapo"
-    mask_truncated_completions: bool = False
-    log_completions: bool = False
-    num_completions_to_print: int | None = None
     pad_to_multiple_of: int | str | None = "auto"
     unsupported: dict[str, Any] = field(default_factory=dict, repr=False)
     """(internal) TRL options given that vlmtrain does not implement: refused in ``__post_init__``."""

@@ -1,7 +1,8 @@
 """vlmtrain's public Trainer: the trainer core (vlmtrain/trainer/trainer.py: the loop, evaluation, checkpoints)
-with transformers' counts (counts.py), its dropping of unused dataset columns (columns.py), what its evaluation
-and predict report (evaluation.py) and its extra public methods (trainer_methods.py), and :data:`PARTS`: every part
-the core takes from the layers above it (trainer/parts.py), set here and nowhere else. A Trainer swaps one for
+with transformers' model_init (model_init.py), counts (counts.py), its dropping of unused dataset columns
+(columns.py), what its evaluation and predict report (evaluation.py) and its extra public methods
+(trainer_methods.py), and :data:`PARTS`: every part the core takes from the layers above it (trainer/parts.py), set
+here and nowhere else. A Trainer swaps one for
 itself: ``Trainer(..., parts=dataclasses.replace(Trainer.parts, flop_counter=mine))``, or in a subclass
 ``parts = dataclasses.replace(vlmtrain.Trainer.parts, flop_counter=mine)``."""
 
@@ -14,13 +15,13 @@ from ..data.step_data import step_sampling
 from ..evaluation.async_eval import checkpoint_evaluator
 from ..evaluation.gather import gather_shards
 from ..logging.eval_samples import save_eval_samples
-from ..logging.throughput import WindowRates
+from ..logging.throughput import Throughput
 from ..logging.writers import logging_callbacks
 from ..models.files.model_files import MODEL_FILES
 from ..models.generation import GREEDY
 from ..models.speed.flops import flop_counter
-from ..models.speed.fused_elementwise import fuse_elementwise
-from ..models.speed.liger import apply_liger_kernel
+from ..models.speed.fused_elementwise import fuse_elementwise_part
+from ..models.speed.liger import liger_kernel_part
 from ..models.speed.lm_loss import causal_lm_targets
 from ..models.speed.training_prep import compile_model, enable_activation_checkpointing
 from ..parallel.fsdp import FSDP_PLAN
@@ -34,6 +35,7 @@ from .columns import TransformersColumns
 from .counts import TransformersCounts
 from .evaluation import TransformersEvaluation
 from .loss_extras import BatchEvalMetrics, label_smoothing
+from .model_init import TransformersModelInit
 from .trainer_internals import TransformersTrainerInternals
 from .trainer_methods import TransformersTrainerMethods
 
@@ -49,9 +51,9 @@ PARTS = TrainerParts(
     step_sampling=step_sampling,  # datasets that follow the training step (data/step_data.py)
     loss_targets=causal_lm_targets,  # a transformers causal LM's target count (models/speed/lm_loss.py)
     flop_counter=flop_counter,  # tflops_per_second and mfu (models/speed/flops.py)
-    window_rates=WindowRates,  # samples, tokens, FLOPs per second, data wait, pack fill (logging/throughput.py)
-    liger_kernel=apply_liger_kernel,  # use_liger_kernel (models/speed/liger.py)
-    fuse_elementwise=fuse_elementwise,  # norms, gated MLPs, rotary compiled one by one (models/speed/fused_elementwise.py)
+    window_stats=Throughput,  # samples, skips, tokens, FLOPs per second, data wait, pack fill (logging/throughput.py)
+    liger_kernel=liger_kernel_part,  # use_liger_kernel (models/speed/liger.py)
+    fuse_elementwise=fuse_elementwise_part,  # norms, gated MLPs, rotary compiled one by one (models/speed/fused_elementwise.py)
     activation_checkpointing=enable_activation_checkpointing,  # (models/speed/training_prep.py)
     compile_model=compile_model,  # torch_compile, layer by layer where a model asks for it (models/speed/training_prep.py)
     generation=GREEDY,  # predict_with_generate (models/generation.py)
@@ -63,7 +65,7 @@ PARTS = TrainerParts(
 )
 
 
-class Trainer(AutoBatchSize, TransformersTrainerInternals, TransformersTrainerMethods, TransformersCounts,
+class Trainer(AutoBatchSize, TransformersModelInit, TransformersTrainerInternals, TransformersTrainerMethods, TransformersCounts,
               TransformersEvaluation, TransformersColumns,
               TrainerCore):
     """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, or a tuple `(loss, ...)`,

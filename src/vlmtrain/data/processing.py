@@ -46,7 +46,7 @@ SKIP_REASONS = ("empty_conversation", "malformed_text", "malformed_json", "missi
                 "placeholder_in_assistant", "bad_aspect_ratio", "image_too_small", "processor_error",
                 "video_unreadable", "video_no_frames", "video_too_short", "video_placeholder_mismatch",
                 "video_over_token_cap", "too_many_patches", "not_a_pair", "identical_answers",
-                "prompt_fills_max_length")
+                "prompt_fills_max_length", "not_a_prompt")
 
 
 class SkipSample(Exception):

@@ -159,7 +159,8 @@ def inspect_source(spec: str, processor: Any = None, limit: int | None = None,
             if isinstance(result, dict) and "tokens" in result:  # a pair as a DPO run tokenizes it (pair_check)
                 tokens = result["tokens"]
                 pairs += [{"sample": sample_name(sample), **tokens}] if len(pairs) < examples else []
-                lengths.append(len(tokens["prompt"]) + max(len(tokens["chosen"]), len(tokens["rejected"])))
+                lengths.append(len(tokens["prompt"]) + max((len(v) for k, v in tokens.items() if k != "prompt"),
+                                                           default=0))  # (a GRPO prompt: its tokens alone)
             elif processor is not None:
                 lengths.append(len(processor.process(sample)["input_ids"]))
             elif is_pair(sample):
@@ -219,12 +220,14 @@ def format_report(report: dict[str, Any]) -> str:
                > 0 else []),
              "  images per sample: " + ", ".join(f"{k}: {v}" for k, v in report["images_per_sample"].items())]
     total = max(1, sum(report["lengths"].values()))
-    lines.append(f"  text length ({'tokens: prompt + longer answer' if report.get('pairs') else 'characters'}):")
+    shown = report.get("pairs") or []
+    unit = "tokens: prompt + longer answer" if any("chosen" in p for p in shown) else "tokens: prompt"
+    lines.append(f"  text length ({unit if shown else 'characters'}):")
     for label, n in report["lengths"].items():
         lines.append(f"    {label:>12} {n:>7} {'#' * round(40 * n / total)}")
-    for pair in report.get("pairs") or []:  # (a DPO run's config: each pair's tokens, the first `examples`)
-        lines.append(f"  pair {pair['sample']}:")
-        lines += [f"    {side} ({len(pair[side])}): {' '.join(pair[side])}" for side in ("prompt", "chosen", "rejected")]
+    for pair in shown:  # (a DPO or GRPO run's config: each pair's / prompt's tokens, the first `examples`)
+        lines.append(f"  {'pair' if 'chosen' in pair else 'prompt'} {pair['sample']}:")
+        lines += [f"    {side} ({len(pair[side])}): {' '.join(pair[side])}" for side in pair if side != "sample"]
     videos = report.get("videos") or []
     if videos:
         lines.append(f"  videos: {len(videos)} (frames chosen, their timestamps in seconds, video tokens)")

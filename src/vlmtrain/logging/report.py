@@ -228,6 +228,7 @@ def _chart_tags(charts: list[tuple[str, Any]]) -> str:
 
 def write_report(run_dir: str, max_cards: int = MAX_CARDS) -> str:
     """Write RUN_DIR/report.html and RUN_DIR/curves.png; returns the report's path."""
+    from .report_completions import completions_section
     from .report_gallery import gallery
 
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
@@ -256,6 +257,7 @@ def write_report(run_dir: str, max_cards: int = MAX_CARDS) -> str:
         warnings="".join(f'<p class="warn">{html.escape(w)}</p>' for w in warnings),
         summary=_summary(rows),
         train_charts=_chart_tags(train) or '<p class="note">No training rows in metrics.jsonl.</p>',
+        completions=completions_section(rows),
         eval_section=eval_section, gallery=gallery_html, thumbnail_styles="\n".join(styles),
         config=_config(run_dir))
     path = os.path.join(run_dir, "report.html")

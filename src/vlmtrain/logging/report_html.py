@@ -52,6 +52,7 @@ details.step > summary { cursor: pointer; font-size: 15px; font-weight: 600; pad
 .card.right .verdict { color: #2e9d4f; }
 .card.wrong .verdict { color: #c22; }
 #wrong-only:checked ~ .galleries .card.right { display: none; }
+table.completions td { text-align: left; white-space: pre-wrap; vertical-align: top; max-width: 520px; }
 pre { background: #f7f7f7; padding: 8px; overflow-x: auto; font-size: 12px; }
 $thumbnail_styles
 </style>
@@ -64,6 +65,7 @@ $warnings
 $summary
 <h2>Training curves</h2>
 <div class="charts">$train_charts</div>
+$completions
 <h2>Evaluation</h2>
 $eval_section
 <h2>Held-out samples</h2>

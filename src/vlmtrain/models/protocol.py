@@ -8,6 +8,11 @@ from torch import nn
 MODULE_GROUPS_ATTR = "vlmtrain_module_groups"
 """{alias: (parameter-name prefixes, ...)} a model kind attaches (trainer/optim.py reads it for the aliases of
 module_learning_rates; LoRA's modules_to_save and the FLOP counter read it here)."""
+STEP_HOOK_ATTR = "vlmtrain_step_hook"
+"""A module carries under this attribute an object with ``before_optimizer_step(module, any_rank)`` (called by the
+trainer on every rank at each optimizer step, before the gradients are scaled, clipped and counted;
+``any_rank(flag) -> bool``: whether the flag is set on any rank) and ``clear()`` (called where the forwards since the
+last step are dropped). The dummy vision input's VisionInput is one (models/vision/dummy_vision.py)."""
 REGIONAL_COMPILE_ATTR = "vlmtrain_regional_compile"
 """True: ``torch_compile`` compiles the model layer by layer (models/speed/training_prep.py, in the trainer's
 ``compile_model`` part)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,26 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_wi
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 SAMPLING_STRATEGIES = ("random", "sequential")
+
+# Each numeric argument's range: name -> (whether a value is in it, the end of the ConfigError's message after the
+# name; {v} is the value). Checked at construction, in this order.
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "per_device_train_batch_size": (lambda v: v >= 1, "must be >= 1, got {v}."),
+    "per_device_eval_batch_size": (lambda v: v >= 1, "must be >= 1, got {v}."),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "must be >= 1, got {v}."),
+    "learning_rate": (lambda v: v >= 0, "must be >= 0, got {v}."),
+    "warmup_ratio": (lambda v: 0 <= v < 1, "must be in [0, 1), got {v}."),
+    "warmup_steps": (lambda v: v >= 0, "must be >= 0, got {v}."),
+    "max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 disables clipping), got {v}."),
+    "save_total_limit": (lambda v: v is None or v >= 1, "must be >= 1, or None to keep every checkpoint."),
+    "max_eval_batches": (lambda v: v is None or v >= 1, "must be >= 1, or None for the whole eval set."),
+    "peak_tflops": (lambda v: v is None or v > 0, "must be > 0 (the device's peak TFLOP/s), or None; got {v}."),
+    "preemption_grace_s": (lambda v: v >= 1, "must be >= 1 second, got {v}."),
+    "ddp_timeout": (lambda v: v >= 1, "must be >= 1 second, got {v}."),
+    "max_consecutive_nonfinite_steps": (lambda v: v >= 0, "must be >= 0 (0: never stop)."),
+    "max_bad_sample_fraction": (lambda v: 0 < v <= 1, "must be in (0, 1], got {v}."),
+    "label_smoothing_factor": (lambda v: 0 <= v < 1, "must be in [0, 1), got {v}."),
+}
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
@@ -41,6 +62,7 @@ class TrainingArgumentsCore(CoreArguments):
 
     def __post_init__(self) -> None:
         self._resolve_defaults()
+        self._check_ranges()
         self._check_strategies_and_steps()
         self._check_optimization()
         self._check_best_model()
@@ -53,6 +75,12 @@ class TrainingArgumentsCore(CoreArguments):
             self.activation_checkpointing = False
         self.output_dir = os.path.expanduser("trainer_output" if self.output_dir is None else self.output_dir)
 
+    def _check_ranges(self) -> None:
+        """Every argument of RANGES in its range."""
+        for name, (allowed, message) in RANGES.items():
+            if not allowed(getattr(self, name)):
+                raise ConfigError(f"{name} {message.format(v=getattr(self, name))}")
+
     def _check_strategies_and_steps(self) -> None:
         """The choices of optimizer, schedule and strategies; batch sizes; logging/save/eval steps; a length."""
         check_choice("optim", self.optim, OPTIMIZERS)
@@ -60,9 +88,6 @@ class TrainingArgumentsCore(CoreArguments):
         check_choice("logging_strategy", self.logging_strategy, INTERVALS)
         check_choice("eval_strategy", self.eval_strategy, INTERVALS)
         check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.eval_strategy == "steps" and not self.eval_steps:  # (transformers: None or 0 -> logging_steps)
             self.eval_steps = self.logging_steps
         self._check_steps("logging_steps", self.logging_strategy)
@@ -73,19 +98,9 @@ class TrainingArgumentsCore(CoreArguments):
 
     def _check_optimization(self) -> None:
         """Learning rates, warmup, clipping, checkpoint rotation and the schedule's arguments."""
-        if self.learning_rate < 0:
-            raise ConfigError(f"learning_rate must be >= 0, got {self.learning_rate}.")
         for key, lr in (self.module_learning_rates or {}).items():
             if lr < 0:
                 raise ConfigError(f"module_learning_rates[{key!r}] must be >= 0, got {lr}.")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ConfigError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}.")
-        if self.max_grad_norm < 0:
-            raise ConfigError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ConfigError("save_total_limit must be >= 1, or None to keep every checkpoint.")
         kwargs = self.lr_scheduler_kwargs or {}
         if self.lr_scheduler_type == "cosine_with_min_lr" and "min_lr_rate" not in kwargs and "min_lr" not in kwargs:
             raise ConfigError("lr_scheduler_type='cosine_with_min_lr' needs lr_scheduler_kwargs={'min_lr_rate': 0.1} "
@@ -114,71 +129,24 @@ class TrainingArgumentsCore(CoreArguments):
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
 
     def _check_evaluation(self) -> None:
-        """Evaluation's limits."""
-        if self.max_eval_batches is not None and self.max_eval_batches < 1:
-            raise ConfigError("max_eval_batches must be >= 1, or None for the whole eval set.")
+        """Evaluation's settings beyond their ranges (RANGES): none here; vlmtrain.TrainingArguments checks its own."""
 
     def _check_runtime(self) -> None:
         """Throughput, distributed, failure, sampling, memory, loss and data loader settings."""
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"peak_tflops must be > 0 (the device's peak TFLOP/s), or None; got {self.peak_tflops}.")
-        if self.preemption_grace_s < 1:
-            raise ConfigError(f"preemption_grace_s must be >= 1 second, got {self.preemption_grace_s}.")
-        if self.ddp_timeout < 1:
-            raise ConfigError(f"ddp_timeout must be >= 1 second, got {self.ddp_timeout}.")
-        if self.max_consecutive_nonfinite_steps < 0:
-            raise ConfigError("max_consecutive_nonfinite_steps must be >= 0 (0: never stop).")
-        if not 0 < self.max_bad_sample_fraction <= 1:
-            raise ConfigError(f"max_bad_sample_fraction must be in (0, 1], got {self.max_bad_sample_fraction}.")
         check_choice("train_sampling_strategy", self.train_sampling_strategy, SAMPLING_STRATEGIES)
         if self.torch_empty_cache_steps is not None and not (
                 isinstance(self.torch_empty_cache_steps, int) and self.torch_empty_cache_steps > 0):
             raise ConfigError(f"torch_empty_cache_steps must be an integer bigger than 0, got "
                               f"{self.torch_empty_cache_steps}.")
-        if self.label_smoothing_factor < 0 or self.label_smoothing_factor >= 1:
-            raise ConfigError(f"label_smoothing_factor must be in [0, 1), got {self.label_smoothing_factor}.")
         if isinstance(self.dataloader_num_workers, str) and self.dataloader_num_workers.strip().isdigit():
             self.dataloader_num_workers = int(self.dataloader_num_workers)
         if self.dataloader_num_workers != "auto" and not (
                 isinstance(self.dataloader_num_workers, int) and self.dataloader_num_workers >= 0):
             raise ConfigError(f"dataloader_num_workers must be a number >= 0 or 'auto', got "
                               f"{self.dataloader_num_workers!r}.")
-        self._check_liger()
-        self._check_fuse()
         if self.dataloader_prefetch_factor is not None and self.dataloader_num_workers == 0:
             raise ConfigError("dataloader_prefetch_factor needs dataloader_num_workers > 0 (batches are loaded ahead "
                               "by worker processes); unset it or add workers.")
-
-    def _check_liger(self) -> None:
-        """liger_kernel_config needs use_liger_kernel and keeps the loss kernels off (the model and device are
-        checked where the Trainer prepares the model: the ``liger_kernel`` part, models/speed/liger.py)."""
-        config = self.liger_kernel_config
-        if config is None:
-            return
-        if not self.use_liger_kernel:
-            raise ConfigError(f"liger_kernel_config={config!r} configures Liger's kernels, but use_liger_kernel is "
-                              f"false: set use_liger_kernel: true, or drop liger_kernel_config.")
-        if not isinstance(config, dict) or not all(isinstance(v, bool) for v in config.values()):
-            raise ConfigError(f"liger_kernel_config must map Liger's options to true/false (e.g. {{'rope': false}}), "
-                              f"got {config!r}.")
-        on = [k for k in ("fused_linear_cross_entropy", "cross_entropy") if config.get(k)]
-        if on:
-            raise ConfigError(f"liger_kernel_config[{on[0]!r}]=true: vlmtrain computes the LM loss itself (chunked, "
-                              f"at the target tokens only), so Liger's loss kernels stay off. Drop the key, or set "
-                              f"it false.")
-
-    def _check_fuse(self) -> None:
-        """fuse_elementwise is compile or None, and not with another way of fusing the same modules."""
-        if self.fuse_elementwise is None:
-            return
-        check_choice("fuse_elementwise", self.fuse_elementwise, ("compile",))
-        if self.torch_compile or self.torch_compile_backend or self.torch_compile_mode:
-            raise ConfigError("fuse_elementwise='compile' with torch_compile: torch_compile compiles every "
-                              "transformer layer whole, its norms, MLPs and rotary embeddings included; set one of "
-                              "them.")
-        if self.use_liger_kernel:
-            raise ConfigError("fuse_elementwise='compile' with use_liger_kernel: Liger's kernels already replace the "
-                              "norms, MLPs and rotary embeddings it would compile; set one of them.")
 
     def _check_steps(self, name: str, strategy: str) -> None:
         """logging/save/eval_steps as transformers takes them: > 0; a float in (0, 1) is a ratio of the total

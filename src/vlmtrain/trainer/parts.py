@@ -38,6 +38,19 @@ class Refused:
         return self  # (a method of the missing part: calling it raises)
 
 
+class NoWindowStats:
+    """The core's window_stats: nothing counted, logged or checkpointed (skipped samples come from vlmtrain's
+    collators; vlmtrain.Trainer counts them, logging/throughput.py). Every method returns {}."""
+
+    def __init__(self, *_: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Callable[..., dict]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *_, **__: {}
+
+
 def compile_whole(model: nn.Module, wrapped: nn.Module, backend: str, mode: str | None) -> nn.Module:
     """The core's torch_compile: ``torch.compile`` of the model as DDP/FSDP wrap it (``wrapped``)."""
     return torch.compile(wrapped, backend=backend, mode=mode)
@@ -92,13 +105,17 @@ class TrainerParts:
     ``num_items`` (a transformers causal LM's shifted labels), or None; None: no count."""
     flop_counter: Callable[[nn.Module], Callable[[dict], float] | None] | None = None
     """``model`` -> (batch -> its training FLOPs), or None, for tflops_per_second and mfu; None: not logged."""
-    window_rates: Callable[[Any, float | None], Any] | None = None
-    """``(flops, peak_tflops)`` -> a logging window's rates (samples, tokens and FLOPs per second, data wait, pack
-    fill): add_batch, exclude, reset, compute; None: only skipped samples are logged."""
+    window_stats: Callable[[Any, float | None], Any] = NoWindowStats
+    """``(flops, peak_tflops)`` -> a logging window's counts and rates (samples, skipped samples by reason, tokens
+    and FLOPs per second, data wait, pack fill), the run's skipped and bad samples (kept in checkpoints) and
+    max_bad_sample_fraction's check: add_batch, exclude, reset, over_ranks, check_bad_fraction, compute,
+    run_totals, state_dict, load_state_dict; NoWindowStats: nothing counted or logged."""
     liger_kernel: Callable[[nn.Module, Any], None] = Refused("liger_kernel", "use_liger_kernel=True")
-    """``(model, liger_kernel_config)``: use_liger_kernel's kernels patched into the model, in place."""
+    """``(model, args)``: use_liger_kernel's kernels patched into the model, in place, as liger_kernel_config
+    asks; Liger arguments that cannot apply refused (called when use_liger_kernel or liger_kernel_config is set)."""
     fuse_elementwise: Callable[[nn.Module, str], Any] = Refused("fuse_elementwise", "fuse_elementwise='compile'")
-    """``(model, mode)``: fuse_elementwise's norms, gated MLPs and rotary embeddings compiled in the model, in place."""
+    """``(model, args)``: fuse_elementwise's norms, gated MLPs and rotary embeddings compiled in the model, in place
+    (or the arguments refused where they cannot apply)."""
     activation_checkpointing: Callable[[nn.Module, Any], None] = Refused("activation_checkpointing",
                                                                          "activation_checkpointing=True")
     """``(model, activation_checkpointing_kwargs)``: activation checkpointing on in the model, in place."""

@@ -1,11 +1,10 @@
-"""What happens before the first step and after the last: the model (or model_init's) and what is done to it
+"""What happens before the first step and after the last: the model and what is done to it
 (tf32, activation checkpointing and torch_compile: the last two are parts, parts.py), the train data loader,
 optimizer and scheduler, the loop's counters, and the end-of-training summary. A mixin of TrainerCore, kept
 apart so each file reads on its own."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import random
@@ -20,14 +19,13 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-from ..errors import warn_caller
 from .distributed import NamedSums
 from .optim import create_optimizer, create_scheduler
 from .parts import TrainerParts
 from .sharding import sharding_of
 from .state import TrainerState, TrainOutput
-from .stats import LossAverager, NonfiniteSteps, Throughput, skip_summary
-from .step import vision_inputs
+from .stats import LossAverager, NonfiniteSteps
+from .step import step_hooks
 
 
 def set_seed(seed: int) -> None:
@@ -84,59 +82,32 @@ class SetupMixin:
     def _resolve_model(self, model: nn.Module | None, model_init: Callable[..., nn.Module] | None,
                        compute_loss_func: Callable[..., Any] | None, optimizers: tuple[Any, Any],
                        optimizer_cls_and_kwargs: tuple[type, dict[str, Any]] | None) -> nn.Module:
-        """The model to train: ``model``, or ``model_init()`` (transformers: exactly one of them). Keeps
-        ``compute_loss_func`` ((outputs, labels, num_items_in_batch=) -> loss, replacing the model's loss) and
-        ``optimizer_cls_and_kwargs``, checked against ``optimizers`` as transformers checks them."""
-        self.model_init = model_init
+        """The model to train: ``model`` (vlmtrain.Trainer also takes transformers' ``model_init``:
+        compat/model_init.py). Keeps ``compute_loss_func`` ((outputs, labels, num_items_in_batch=) -> loss,
+        replacing the model's loss) and ``optimizer_cls_and_kwargs``."""
         self.compute_loss_func, self.optimizer_cls_and_kwargs = compute_loss_func, optimizer_cls_and_kwargs
-        if model is None and model_init is None:
-            raise RuntimeError("Trainer needs a model: Trainer(model=..., args=...) or Trainer(model_init=...).")
-        if model is not None and model_init is not None:
-            raise ValueError("Trainer takes either a `model` or a `model_init`, not both.")
-        self._check_optimizer_arguments(optimizers, optimizer_cls_and_kwargs)
-        return model if model is not None else self.call_model_init()
-
-    def _check_optimizer_arguments(self, optimizers: tuple[Any, Any], optimizer_cls_and_kwargs: Any) -> None:
-        if optimizer_cls_and_kwargs is not None and optimizers[0] is not None:
-            raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` is incompatible: pass one.")
-        if self.model_init is not None and (optimizers[0] is not None or optimizers[1] is not None):
-            raise RuntimeError("Passing a `model_init` is incompatible with the `optimizers` argument (each train() "
-                               "builds a new model): subclass Trainer and override create_optimizer_and_scheduler.")
-
-    def call_model_init(self, trial: Any = None) -> nn.Module:
-        """A fresh model from ``model_init`` (called with ``trial`` if it takes one argument)."""
-        count = len(inspect.signature(self.model_init).parameters)
-        if count > 1:
-            raise RuntimeError("model_init should have 0 or 1 argument.")
-        model = self.model_init(trial) if count == 1 else self.model_init()
-        if model is None:
-            raise RuntimeError("model_init should not return None.")
+        if model is None or model_init is not None:
+            raise RuntimeError("TrainerCore needs a model: TrainerCore(model=..., args=...); model_init is "
+                               "vlmtrain.Trainer's (transformers').")
         return model
 
     def _reinit_model(self, trial: Any = None) -> None:
-        """With ``model_init``, every train() starts from a new model (seeded by args.seed), optimizer and
-        scheduler, as in transformers."""
+        """At the start of each train(): a hyperparameter-search trial is refused; vlmtrain.Trainer builds a new
+        model there with transformers' model_init (compat/model_init.py)."""
         if trial is not None:
             raise NotImplementedError("Trainer.train(trial=...) is not supported by vlmtrain: hyperparameter-search "
                                       "trials are not supported. Instead: call train() once per setting, with "
                                       "Trainer(model_init=...).")
-        if self.model_init is None:
-            return
-        set_seed(self.args.seed)
-        self.model = self._prepare_model(self.call_model_init())
-        self.optimizer = self.lr_scheduler = self._flos_params = None
-        self.callback_handler.refs["model"] = self.model
-        self._forward_takes_use_cache = "use_cache" in inspect.signature(self.model.forward).parameters
 
     def _prepare_model(self, model: nn.Module) -> nn.Module:
         """``model`` on the Trainer's device, with Liger's kernels (use_liger_kernel) or its elementwise regions
         compiled (fuse_elementwise), and activation checkpointing on where the arguments ask for them (before
         DDP/FSDP wrap it in train(); all are parts, parts.py)."""
         model = model.to(self.device)
-        if self.args.use_liger_kernel:
-            self.parts.liger_kernel(model, self.args.liger_kernel_config)
+        if self.args.use_liger_kernel or self.args.liger_kernel_config is not None:
+            self.parts.liger_kernel(model, self.args)  # (the part checks the Liger arguments too)
         if self.args.fuse_elementwise:
-            self.parts.fuse_elementwise(model, self.args.fuse_elementwise)
+            self.parts.fuse_elementwise(model, self.args)
         if self.args.activation_checkpointing:
             self.parts.activation_checkpointing(model, self.args.activation_checkpointing_kwargs)
         return model
@@ -237,10 +208,9 @@ class SetupMixin:
         self._epoch_cut = False
         self._train_losses, self._run_loss = LossAverager(), LossAverager()
         count_flops = self.parts.flop_counter  # (model -> batch FLOPs; None: no tflops_per_second, mfu)
-        self._throughput = Throughput(count_flops(self.model) if count_flops else None, args.peak_tflops,
-                                      self.parts.window_rates)
+        self._throughput = self.parts.window_stats(count_flops(self.model) if count_flops else None, args.peak_tflops)
         self._step_losses = LossAverager()
-        self._vision_inputs = vision_inputs(self.model)  # (models with a dummy vision input: step.py)
+        self._step_hooks = step_hooks(self.model)  # (models/protocol.py's STEP_HOOK_ATTR: step.py)
         self._count_names = NamedSums()  # (the losses count_items counts, agreed over ranks)
         self._nonfinite = NonfiniteSteps(args.max_consecutive_nonfinite_steps)
         self.model.zero_grad(set_to_none=True)
@@ -258,13 +228,8 @@ class SetupMixin:
         metrics.update(total_flos=self.state.total_flos, train_loss=train_loss)
         if self._nonfinite.total:
             metrics["train_nonfinite_steps"] = self._nonfinite.total
-        skipped = self._throughput.total_over_ranks()
-        bad = self._throughput.bad_samples_over_ranks()
-        if skipped:  # samples the collator dropped, by reason, over the whole run (resumes included) and ranks
-            metrics.update({f"train_skipped_{reason}": n for reason, n in sorted(skipped.items())})
-            metrics["train_bad_samples"] = bad
-            if self.rank == 0:
-                warn_caller(skip_summary(skipped, bad))
+        # samples the collator dropped, by reason, over the whole run (resumes included) and ranks
+        metrics.update(self._throughput.run_totals(self.rank == 0))
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
             load_model_state(self.model, self.state.best_model_checkpoint, self.parts)

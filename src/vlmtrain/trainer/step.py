@@ -20,10 +20,6 @@ however it is split, for every loss the model returns.
   the run's step losses, each its step's mean over its items (as transformers' Trainer makes it).
 
 Every ``loss_<name>`` with a ``num_items_<name>`` is logged as its mean over its own items in the log window.
-
-A model whose vision tower runs on a dummy input when a batch has none (vlmtrain/models/vision/dummy_vision.py: every
-rank runs the same collectives) gives that tower an exact zero gradient; a step in which no rank had vision input
-sets those gradients to None instead (``VISION_INPUT_ATTR``), as one process without the dummy leaves them.
 """
 
 from __future__ import annotations
@@ -41,18 +37,19 @@ from . import distributed as dist
 from .optim import learning_rates
 from .stats import extra_losses, item_counts, num_items_of
 
-VISION_INPUT_ATTR = "vlmtrain_vision_input"
-"""A module whose forward runs its vision tower on a dummy input when a batch has none carries under this attribute
-an object with ``take() -> bool`` (whether a forward with gradients had real vision input since the last call) and
-``parameters(module)`` (the parameters the dummy feeds an exact zero gradient): vlmtrain/models/vision/dummy_vision.py's
-VisionInput. Found through wrappers (score heads, peft)."""
+STEP_HOOK_ATTR = "vlmtrain_step_hook"
+"""A module of the model may carry under this attribute an object with ``before_optimizer_step(module, any_rank)``,
+called on every rank at each optimizer step before the gradients are scaled, clipped and counted in grad_norm
+(``any_rank(flag) -> bool``: whether the flag is set on any rank), and ``clear()``, called where the forwards since
+the last step are dropped (training starts, a callback ends the epoch mid-window). models/protocol.py spells it
+for the models. Found through wrappers (score heads, peft)."""
 
 
-def vision_inputs(model: nn.Module) -> list[tuple[nn.Module, Any]]:
-    """(module, its VISION_INPUT_ATTR object) for each module of ``model`` that has one, their notes cleared."""
-    found = [(m, v) for m in model.modules() if (v := getattr(m, VISION_INPUT_ATTR, None)) is not None]
-    for _, v in found:
-        v.take()
+def step_hooks(model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """(module, its STEP_HOOK_ATTR object) for each module of ``model`` that has one, cleared."""
+    found = [(m, h) for m in model.modules() if (h := getattr(m, STEP_HOOK_ATTR, None)) is not None]
+    for _, hook in found:
+        hook.clear()
     return found
 
 
@@ -143,20 +140,9 @@ class StepMixin:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _drop_dummy_gradients(self) -> None:
-        """A step in which no forward on any rank had vision input: the parameters the dummy input fed (zero
-        gradients) get None, as one process without the dummy leaves them; AdamW's momentum and weight decay
-        would move them. The ranks agree by one small all-reduce on every step, whatever their data."""
-        if not self._vision_inputs:
-            return
-        seen = float(any([v.take() for _, v in self._vision_inputs]))  # (a list: every note is cleared)
-        if not dist.reduce_cpu([seen], "max")[0]:
-            for module, v in self._vision_inputs:
-                for p in v.parameters(module):
-                    p.grad = None
-
     def _optimizer_step(self, model: nn.Module) -> None:
-        self._drop_dummy_gradients()  # (before the gradients are scaled, clipped and counted in grad_norm)
+        for module, hook in self._step_hooks:  # (e.g. models/vision/dummy_vision.py's, on the dummy's gradients)
+            hook.before_optimizer_step(module, lambda flag: bool(dist.reduce_cpu([float(flag)], "max")[0]))
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         # Sum of weights over micro-batches (and ranks); DDP averages gradients, hence the world_size factor.
         grads = [p.grad for p in params]

@@ -36,7 +36,7 @@ from .stats import (
     dropped_for_rank_sync,
     is_empty_batch,
 )
-from .step import StepMixin, vision_inputs
+from .step import StepMixin, step_hooks
 
 
 class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, CountsMixin):
@@ -207,7 +207,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
                 # (transformers too moves on, but leaves that window's gradients in .grad for the next step).
                 model.zero_grad(set_to_none=True)
                 self._window_weight, self._window_counts, self._epoch_cut = None, None, True
-                self._vision_inputs = vision_inputs(self.model)  # (their notes of the dropped window cleared)
+                self._step_hooks = step_hooks(self.model)  # (their notes of the dropped window cleared)
                 break
         # The epoch is complete.
         if self._window_weight is not None:

@@ -36,6 +36,11 @@ def _tokenizer(cfg: Any, checkpoint: str | None) -> Any:
     return tokenizer
 
 
+def tokenizer_for(cfg: Any) -> Any:
+    """The tokenizer a run of ``cfg`` trains with (model.tokenizer, else model.pretrained's)."""
+    return _tokenizer(cfg, None)
+
+
 def build(cfg: Any, source: dict[str, Any], checkpoint: str | None = None) -> dict[str, Any]:
     import torch
 

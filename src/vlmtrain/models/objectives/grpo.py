@@ -159,6 +159,8 @@ class GRPOObjective(nn.Module):
         and ``bnpo`` by the window's completion tokens)."""
         rows = torch.tensor(float(mask.shape[0]), device=mask.device)
         masked = per_token_loss * mask
+        if not self.training and self.loss_type in ("dapo", "bnpo"):  # (evaluation: TRL's mean of the batches')
+            return masked.sum() / mask.sum().clamp(min=1.0), rows
         if self.loss_type == "grpo":
             return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean(), rows
         if self.loss_type == "dr_grpo":

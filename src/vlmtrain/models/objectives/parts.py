@@ -20,6 +20,8 @@ def objective_parts(cfg: Any, kind: Any, parts: dict[str, Any]) -> dict[str, Any
     t = cfg.train
     if t.objective == "sft":
         return parts
+    if t.objective == "grpo":  # (the kind's model is the policy: GRPOTrainer wraps it with its rollout)
+        return {**parts, "policy": parts["model"], "compute_metrics": None}
     if t.objective == "reward":  # (the model as built, its reward heads' loss alone: no LM targets in the batch)
         collator = kind.reward_pairs(cfg, parts["tokenizer"])
         return {**parts, "data_collator": collator, "padded_collator": collator, "compute_metrics": None}

@@ -77,6 +77,16 @@ def fuse_elementwise(model: nn.Module, mode: str = "compile", backend: str = "in
     return fused
 
 
+def fuse_elementwise_part(model: nn.Module, args: Any) -> dict[str, list[str]]:
+    """The Trainer's ``fuse_elementwise`` part (trainer/parts.py): :func:`fuse_elementwise` with the arguments' mode,
+    refused before the first step with torch_compile, which compiles whole layers, these modules included."""
+    if args.torch_compile or args.torch_compile_backend or args.torch_compile_mode:
+        raise ConfigError(f"fuse_elementwise={args.fuse_elementwise!r} with torch_compile: torch_compile compiles "
+                          f"every transformer layer whole, its norms, MLPs and rotary embeddings included; set one of "
+                          f"them.")
+    return fuse_elementwise(model, args.fuse_elementwise)
+
+
 @functools.cache
 def _compiled(fn: Any, owner: str, backend: str) -> Any:
     """``fn`` compiled with dynamic shapes, under a code object of ``owner``'s own; one per (function, owner),

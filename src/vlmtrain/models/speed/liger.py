@@ -78,12 +78,10 @@ def check_kernel_config(config: Mapping[str, Any] | None) -> dict[str, Any]:
     (one set to true is an error: vlmtrain keeps its own LM loss)."""
     if config is None:
         return {}
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"liger_kernel_config must be a mapping of Liger's options to true/false (e.g. "
-                          f"{{rope: false}}), got {config!r}.")
+    if not isinstance(config, Mapping) or not all(isinstance(v, bool) for v in config.values()):
+        raise ConfigError(f"liger_kernel_config must map Liger's options to true/false (e.g. {{'rope': false}}), "
+                          f"got {config!r}.")
     for key, value in config.items():
-        if not isinstance(value, bool):
-            raise ConfigError(f"liger_kernel_config[{key!r}] must be true or false, got {value!r}.")
         if key in LOSS_KERNELS and value:
             raise ConfigError(f"liger_kernel_config[{key!r}]=true: vlmtrain computes the LM loss itself (chunked, "
                               f"at the target tokens only, without full logits), so Liger's "
@@ -194,6 +192,21 @@ def apply_liger_kernel(model: nn.Module, liger_kernel_config: Mapping[str, Any] 
         for name in names:
             _BIND[kernel](modules[name], kernels[kernel], model_type)
     return plan
+
+
+def liger_kernel_part(model: nn.Module, args: Any) -> dict[str, list[str]]:
+    """The Trainer's ``liger_kernel`` part (trainer/parts.py): the arguments' Liger settings checked before the first
+    step (liger_kernel_config needs use_liger_kernel and keeps the loss kernels off; fuse_elementwise would compile
+    what the kernels replace), then :func:`apply_liger_kernel`. transformers checks none of them in its arguments."""
+    config = args.liger_kernel_config
+    if not args.use_liger_kernel:
+        raise ConfigError(f"liger_kernel_config={config!r} configures Liger's kernels, but use_liger_kernel is "
+                          f"false: set use_liger_kernel: true, or drop liger_kernel_config.")
+    if args.fuse_elementwise:
+        raise ConfigError(f"fuse_elementwise={args.fuse_elementwise!r} with use_liger_kernel: Liger's kernels already "
+                          f"replace the norms, MLPs and rotary embeddings it would compile; set one of them.")
+    check_kernel_config(config)  # (before apply_liger_kernel's checks of the model, the device, liger-kernel)
+    return apply_liger_kernel(model, config)
 
 
 def _transformers_version() -> str:

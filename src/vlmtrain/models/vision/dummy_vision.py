@@ -26,9 +26,9 @@ The zero gradients are for the collectives only: an optimizer step where no forw
 must leave the vision tower and projector as one process without the dummy leaves them (AdamW's momentum and
 weight decay move a parameter whose gradient is zero, and skip one whose gradient is None). So the module that
 runs the dummy carries a :class:`VisionInput` (``VISION_INPUT_ATTR``): it notes each forward with gradients that
-had real vision input and names the parameters the dummy feeds; on each optimizer step the Trainer agrees over
-ranks whether any had vision input and, where none did, sets those parameters' gradients to None before clipping
-and the step (trainer/step.py).
+had real vision input and names the parameters the dummy feeds; it is the model's step hook
+(models/protocol.py's ``STEP_HOOK_ATTR``): on each optimizer step the ranks agree whether any had vision input and,
+where none did, it sets those parameters' gradients to None before clipping and the step.
 
 Under ``data.max_patches_per_pack`` (models/vision/vision_padding.py) the dummy is not padded to the patch budget: it
 stays the family's smallest input (:func:`encoding_dummy` tells the padding hook).
@@ -46,11 +46,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..protocol import STEP_HOOK_ATTR
+
 __all__ = ["VISION_INPUT_ATTR", "VisionInput", "enable_dummy_vision", "encoding_dummy", "needed", "zero_of"]
 
-VISION_INPUT_ATTR = "vlmtrain_vision_input"
-"""A module whose forward runs the dummy path carries its :class:`VisionInput` under this attribute (the Trainer
-looks for it: trainer/step.py)."""
+VISION_INPUT_ATTR = STEP_HOOK_ATTR
+"""A module whose forward runs the dummy path carries its :class:`VisionInput` under this attribute, as its step
+hook (models/protocol.py: the Trainer calls it at each optimizer step)."""
 
 _ENCODING_DUMMY = contextvars.ContextVar("vlmtrain_encoding_dummy", default=False)
 
@@ -73,6 +75,18 @@ class VisionInput:
         """Whether a forward had vision input since the last call."""
         seen, self.seen = self.seen, False
         return seen
+
+    def clear(self) -> None:
+        """Forget the forwards so far (the Trainer dropped them: training starts, or an epoch ends mid-window)."""
+        self.seen = False
+
+    def before_optimizer_step(self, host: nn.Module, any_rank: Callable[[bool], bool]) -> None:
+        """A step in which no forward on any rank had vision input: the parameters the dummy input fed (zero
+        gradients) get None, as one process without the dummy leaves them; AdamW's momentum and weight decay
+        would move them. The ranks agree by one small all-reduce on every step, whatever their data."""
+        if not any_rank(self.take()):
+            for p in self.parameters(host):
+                p.grad = None
 
     def parameters(self, host: nn.Module) -> list[nn.Parameter]:
         """``host``'s parameters the dummy feeds (trainable or not; under FSDP the sharded ones)."""

@@ -1,0 +1,228 @@
+"""`train.objective: grpo` in a run config: what the `train` section adds to the GRPO options it shares with
+vlmtrain.GRPOConfig (compat/grpo_options.py; here: `reward_funcs`, and beta / loss_type / disable_dropout at TRL's
+GRPO defaults), the checks made before any model or data is built, the prompts, and the run's Trainer:
+vlmtrain.GRPOTrainer on the model the kind built and on the data source's prompts (:func:`build_trainer`), so
+that a YAML run and a Python GRPOTrainer job are one code path."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from vlmtrain.compat.arguments import TrainingArguments
+from vlmtrain.compat.grpo_options import GRPOOptions
+from vlmtrain.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("causal_lm", "hub_vlm")
+"""The model kinds whose prompts :func:`prompt_rows` lays out (hub_vlm: conversational prompts with images)."""
+INTERNAL_COLUMNS = ("__key__", "__bad__", "__error__")  # (a JSONL record's bookkeeping: never a reward's kwarg)
+
+
+GRPO_OPTIONS = ("reward_funcs", *(f.name for f in dataclasses.fields(GRPOOptions)
+                                   if f.name not in {g.name for g in dataclasses.fields(TrainingArguments)}))
+SHARED_DEFAULTS = {"beta": 0.0, "loss_type": "dapo", "disable_dropout": False}  # TRL's GRPOConfig defaults
+
+
+def resolve_shared(train: Any) -> None:
+    """beta, loss_type and disable_dropout at TRL's GRPO defaults where the config leaves them null."""
+    for name, default in SHARED_DEFAULTS.items():
+        if getattr(train, name) is None:
+            setattr(train, name, default)
+    if isinstance(train.loss_type, list):  # (a one-entry list, as the DPO options write it)
+        if len(train.loss_type) != 1:
+            raise ConfigError(f"train.loss_type={train.loss_type}: train.objective grpo takes one loss type.")
+        train.loss_type = train.loss_type[0]
+
+
+def check_grpo(cfg: Any) -> None:
+    """What `train.objective: grpo` cannot run, refused in one line naming the key (before any model or data);
+    the reward functions are imported here, and TRL's GRPOConfig checks (group sizes) made."""
+    from vlmtrain.data.registry import get_source
+
+    objective = "train.objective=grpo"
+    if cfg.model.kind not in KINDS:
+        raise ConfigError(f"{objective} is not supported for model.kind={cfg.model.kind} yet (model.kind: "
+                          f"{', '.join(KINDS)}).")
+    if not get_source(cfg.data.source).pairs or cfg.data.source == "stream":
+        raise ConfigError(f"{objective} samples from a prompt set it can index: data.source={cfg.data.source!r} "
+                          "cannot give one; use data.source jsonl (docs/data.md#grpo-prompts).")
+    refused = {"data.packing": (cfg.data.packing is True, "set data.packing: false (completions are generated "
+                                "per step and padded, never packed)"),
+               **{f"data.{key}": (getattr(cfg.data, key) is not None, f"remove data.{key} (nothing is packed)")
+                  for key in ("pack_length", "pack_window", "max_images_per_pack", "max_patches_per_pack")},
+               "train.predict_with_generate": (cfg.train.predict_with_generate, "set it to false (a GRPO evaluation "
+                                               "generates on the eval prompts and reports eval_reward)"),
+               "train.fsdp": (bool(cfg.train.fsdp), "remove train.fsdp (GRPO does not shard the model yet)"),
+               "model.heads": (bool(cfg.model.heads), "remove model.heads (GRPO trains the language model)")}
+    for key, (value, instead) in refused.items():
+        if value:
+            raise ConfigError(f"{key} is not available with {objective}: {instead}.")
+    if not cfg.train.reward_funcs:
+        raise ConfigError(f"{objective} needs train.reward_funcs: one or more 'module:function' reward functions "
+                          "(docs/grpo.md).")
+    reward_functions(cfg.train.reward_funcs)
+    args = grpo_args(cfg.train)  # (TRL's checks: num_generations, generation_batch_size, loss_type, ...)
+    if cfg.data.eval_file:
+        from vlmtrain.compat.grpo_eval import check_eval_batch
+
+        check_eval_batch(args)
+
+
+def reward_functions(names: list[str]) -> list[Any]:
+    """Each `module:function` of train.reward_funcs imported; one that does not import is a ConfigError naming
+    it and the import error."""
+    funcs = []
+    for name in names:
+        module, _, attr = str(name).partition(":")
+        if not module or not attr:
+            raise ConfigError(f"train.reward_funcs: {name!r} is not a 'module:function' string.")
+        try:
+            funcs.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError) as err:
+            raise ConfigError(f"train.reward_funcs: {name!r} does not import ({type(err).__name__}: {err}); make "
+                              f"{module!r} importable (on PYTHONPATH) with a function {attr!r}.") from None
+    return funcs
+
+
+def grpo_args(train: Any) -> Any:
+    """vlmtrain.GRPOConfig with the `train` section's values (TrainingArguments' and the GRPO options)."""
+    from vlmtrain.compat.grpo_config import GRPOConfig
+
+    names = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    names += [n for n in (*GRPO_OPTIONS, *SHARED_DEFAULTS) if n != "reward_funcs"]
+    return GRPOConfig(**{name: getattr(train, name) for name in names})
+
+
+def prompt_row(record: dict[str, Any], tokenizer: Any, vision: bool = False) -> dict[str, Any]:
+    """One raw sample as a GRPO prompt (docs/data.md#grpo-prompts): a `prompt` (a string or chat messages) is kept;
+    vlmtrain's `texts` turns, the last one the question alone, become the prompt's tokens as SFT lays the
+    conversation out (``prompt_ids``; their text is the ``prompt`` the reward functions get), or for a VLM
+    (``vision``) chat messages, its `images` going first in the first user turn as TRL places them. The other
+    columns stay (they reach the reward functions), the JSONL bookkeeping ones go. A record that is neither raises
+    SkipSample (``not_a_prompt``); one with images for a text model, ``images_for_text_model``; a missing image
+    file, ``missing_image``."""
+    from vlmtrain.data.processing import SkipSample, skip_unreadable
+    from vlmtrain.data.text import TextChatProcessor
+
+    skip_unreadable(record)
+    row = {k: v for k, v in record.items() if k not in INTERNAL_COLUMNS}
+    if row.get("images") and not vision:
+        raise SkipSample("images_for_text_model", f"{len(row['images'])} image(s)")
+    for image in row.get("images") or []:
+        if isinstance(image, str) and not os.path.isfile(image):
+            raise SkipSample("missing_image", image)
+    if "prompt" in row:
+        if not row["prompt"] or not isinstance(row["prompt"], str | list):
+            raise SkipSample("not_a_prompt", f"'prompt' is {row['prompt']!r}")
+        return row
+    turns = row.pop("texts", None)
+    last = turns[-1] if isinstance(turns, list) and turns else None
+    if not isinstance(last, dict) or not isinstance(last.get("user"), str) or last.get("assistant"):
+        raise SkipSample("not_a_prompt", "no 'prompt', and no 'texts' turns whose last one is the question alone "
+                         "({'user': ...})")
+    if vision:  # (the chat messages TRL's VLM layout takes: the processor's template renders them)
+        messages = [m for t in turns[:-1] for m in ({"role": "user", "content": t["user"]},
+                                                     {"role": "assistant", "content": t["assistant"]})]
+        return {**row, "prompt": [*messages, {"role": "user", "content": last["user"]}]}
+    chat = TextChatProcessor(tokenizer, max_length=1 << 30)
+    ids = chat.process({"texts": [*turns[:-1], {"user": last["user"], "assistant": ""}]})["prompt_input_ids"]
+    return {**row, "prompt": tokenizer.decode(ids, skip_special_tokens=True), "prompt_ids": ids}
+
+
+class PromptRows(Sequence):
+    """GRPO prompts whose images (paths in a JSONL file) are opened when a row is read, not all at once."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:  # type: ignore[override]
+        from vlmtrain.data.processing import load_image
+
+        row = self.rows[index]
+        return {**row, "images": [load_image(i) for i in row["images"]]} if row.get("images") else row
+
+
+def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str, vision: bool = False) -> Any:
+    """The prompts of a data source's raw samples (:func:`prompt_row`, a :class:`PromptRows`); bad ones are left
+    out, counted in one warning (none left: a ConfigError naming ``key``)."""
+    from vlmtrain.data.processing import SkipSample
+
+    if records is None:
+        return None
+    rows, skipped = [], Counter[str]()
+    for record in records:
+        try:
+            rows.append(prompt_row(record, tokenizer, vision))
+        except SkipSample as err:
+            skipped[err.reason] += 1
+    if skipped:
+        logger.warning("GRPO: %d of %d prompts of %s skipped: %s", sum(skipped.values()), len(records), key,
+                       dict(skipped))
+    if not rows:
+        raise ConfigError(f"{key}: none of its {len(records)} samples is a GRPO prompt ({dict(skipped)}); see "
+                          "docs/data.md#grpo-prompts.")
+    return PromptRows(rows)
+
+
+def prompt_ids(tokenizer: Any, row: dict[str, Any]) -> list[int]:
+    """A prompt row's token ids as GRPOTrainer tokenizes them (a string; messages: the chat template with the
+    generation prompt), or its ``prompt_ids``."""
+    if "prompt_ids" in row:
+        return list(row["prompt_ids"])
+    if isinstance(row["prompt"], list):
+        return tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"]
+    return tokenizer(text=row["prompt"])["input_ids"]
+
+
+def prompt_check(cfg: Any) -> Any:
+    """What `vlmtrain data inspect --config` runs on each sample of a GRPO run: the prompt (SkipSample for a bad
+    one) and, under ``tokens``, its tokens as the run tokenizes them (a VLM's: its processor's, images expanded)."""
+    if cfg.model.kind == "hub_vlm":
+        return _vision_prompt_check(cfg)
+    from vlmtrain.models.kinds.causal_lm import tokenizer_for
+
+    tokenizer = tokenizer_for(cfg)
+
+    def check(sample: dict[str, Any]) -> dict[str, Any]:
+        row = prompt_row(sample, tokenizer)
+        return {**row, "tokens": {"prompt": tokenizer.convert_ids_to_tokens(prompt_ids(tokenizer, row))}}
+
+    return check
+
+
+def _vision_prompt_check(cfg: Any) -> Any:
+    from vlmtrain.compat.grpo_vision import encode_groups
+    from vlmtrain.models.families import family_of
+
+    processor = family_of(cfg.model.pretrained, key="model.pretrained").load_processor(cfg.model.pretrained)
+
+    def check(sample: dict[str, Any]) -> dict[str, Any]:
+        row = PromptRows([prompt_row(sample, processor, vision=True)])[0]
+        ids = encode_groups(processor, [row], 1, -1).prompt_ids[0]
+        return {**row, "tokens": {"prompt": processor.tokenizer.convert_ids_to_tokens(ids)}}
+
+    return check
+
+
+def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
+    """vlmtrain.GRPOTrainer on the kind's model and tokenizer, the source's prompts and the configured reward
+    functions."""
+    from vlmtrain.compat.grpo import GRPOTrainer
+
+    tokenizer = parts["tokenizer"]
+    vision = cfg.model.kind == "hub_vlm"
+    train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file", vision)
+    evals = prompt_rows(parts["eval_dataset"], tokenizer, "data.eval_file", vision) if cfg.data.num_eval > 0 else None
+    return GRPOTrainer(parts["model"], reward_functions(cfg.train.reward_funcs), args=grpo_args(cfg.train),
+                       train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)
