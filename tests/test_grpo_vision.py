@@ -277,7 +277,7 @@ def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     data = list(_prompts())
     rows = [data[4]] * 2 + [data[5]] * 4  # (2 images, then 1)
-    groups = encode_groups(processor, rows, 4, model.config.image_token_id, offset=2)
+    groups = encode_groups(processor, rows, model.config.image_token_id)
     assert groups.row_group == [0, 0, 1, 1, 1, 1]
     ids, mask = pad_rows(groups.row_prompt_ids(), 256, "left")
     completions = torch.tensor([[64, 65, 66, EOS]] * 6)

@@ -181,8 +181,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         prompts = [r["prompt"] for r in rows]
         groups = None
         if self._image_token_id is not None:  # (each group's prompt and images processed once)
-            groups = encode_groups(self.processing_class, rows, args.num_generations, self._image_token_id,
-                                   offset=self.rank * len(rows))  # (this process's slice of the generation)
+            groups = encode_groups(self.processing_class, rows, self._image_token_id)
             prompt_ids = groups.row_prompt_ids()
         elif "prompt_ids" in rows[0]:  # (a YAML run's `texts` prompts, laid out as SFT: config_grpo.prompt_row)
             prompt_ids = [list(r["prompt_ids"]) for r in rows]

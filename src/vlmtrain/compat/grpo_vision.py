@@ -101,14 +101,14 @@ class VisionGroups:
         return {k: v.to(device) for k, v in out.items()}
 
 
-def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], size: int, image_token_id: int,
-                  offset: int = 0) -> VisionGroups:
-    """Each group's prompt rendered and processed once with its images. The sampler repeats a prompt ``size``
-    times in a row; ``rows`` start at row ``offset`` of the generation batch (a process's slice of it), so a
-    group may be cut at either end."""
+def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token_id: int) -> VisionGroups:
+    """Each group's prompt rendered and processed once with its images. The sampler repeats a prompt
+    ``num_generations`` times in a row, but a process's slice of a generation batch, or an eval batch, may cut a
+    group at either end: a group is a run of rows with the same prompt and images (two prompts alike that follow
+    each other share one encoding, which changes nothing)."""
     out = VisionGroups([], [], [], [], [], [])
     for i, row in enumerate(rows):
-        if i and (offset + i) % size:
+        if i and row["prompt"] == rows[i - 1]["prompt"] and sample_images(row) == sample_images(rows[i - 1]):
             out.row_group.append(out.row_group[-1])
             continue
         out.row_group.append(len(out.prompt_ids))
