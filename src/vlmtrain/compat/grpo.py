@@ -18,8 +18,8 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ..errors import ConfigError
 from ..models.objectives import disable_dropout
-from ..models.objectives.grpo import GRPOObjective, group_advantages, nanstd
-from .dpo import _load_model
+from ..models.objectives.grpo import VISION_KEYS, GRPOObjective, group_advantages, nanstd
+from .dpo import _enable_dummy_vision, _load_model, _load_processing_class
 from .dpo_reference import PolicyObjectiveTrainer
 from .grpo_config import GRPOConfig
 from .grpo_rollout import (
@@ -29,6 +29,14 @@ from .grpo_rollout import (
     pad_rows,
     resolve_reward_funcs,
     score,
+)
+from .grpo_vision import (
+    VisionGenerate,
+    check_vision_dataset,
+    check_vision_model,
+    encode_groups,
+    is_vision_dataset,
+    rows_of,
 )
 
 
@@ -65,6 +73,9 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         first = next(iter(train_dataset))
         if "prompt" not in first:
             raise ConfigError(f"GRPO's dataset needs a 'prompt' column (its columns: {sorted(first)}).")
+        vision = is_vision_dataset(first)
+        if vision:  # (before the model loads)
+            check_vision_dataset(first)
         self.reward_funcs, self.reward_func_names = resolve_reward_funcs(reward_funcs)
         weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
@@ -75,8 +86,17 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         if isinstance(model, str):
             model = _load_model(model, args.model_init_kwargs or {})
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+            processing_class = (_load_processing_class(model) if vision
+                                else AutoTokenizer.from_pretrained(model.config._name_or_path))
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        self._image_token_id = None  # (a dataset with images: each group's prompt processed with them, once)
+        if vision:
+            check_vision_model(model)
+            if getattr(processing_class, "image_processor", None) is None:
+                raise ConfigError("the dataset's prompts have images ('images' or 'image' column) but "
+                                  "processing_class is a tokenizer: pass the vision-language model's processor.")
+            self._image_token_id = model.config.image_token_id
+            _enable_dummy_vision(model)  # (several processes: a micro-batch without images runs the dummy image)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         self.tokenizer = tokenizer
@@ -98,12 +118,14 @@ class GRPOTrainer(PolicyObjectiveTrainer):
             tokenizer.eos_token_id)
         self.eos_token_ids = eos if isinstance(eos, list) else [eos]
         if generator is None:
-            config = GenerationConfig(max_new_tokens=args.max_completion_length, do_sample=True,
-                                      pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=self.eos_token_ids, temperature=args.temperature,
-                                      top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                      repetition_penalty=args.repetition_penalty, **(args.generation_kwargs or {}))
-            generator = HFGenerate(config, tokenizer.pad_token_id, self.eos_token_ids)
+            options = dict(max_new_tokens=args.max_completion_length, do_sample=True,
+                           pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                           eos_token_id=self.eos_token_ids, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+            if vision:  # (as TRL: a sampled image token would mismatch the image features)
+                options["suppress_tokens"] = [self._image_token_id]
+            config = GenerationConfig(**{**options, **(args.generation_kwargs or {})})
+            generator = (VisionGenerate if vision else HFGenerate)(config, tokenizer.pad_token_id, self.eos_token_ids)
         self.generator = generator
         self._buffer: list[dict] | None = None
         self._micro = 0
@@ -133,9 +155,9 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         return super().training_step(model, batch, num_items_in_batch)
 
     @staticmethod
-    def _split(batch: dict[str, torch.Tensor], chunks: int) -> list[dict[str, torch.Tensor]]:
+    def _split(batch: dict[str, Any], chunks: int) -> list[dict[str, torch.Tensor]]:
         size = len(batch["advantages"]) // chunks
-        return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(chunks)]
+        return [rows_of(batch, i * size, (i + 1) * size) for i in range(chunks)]
 
     def _prompt_ids(self, prompts: list) -> list[list[int]]:
         if isinstance(prompts[0], list):  # conversational: the chat template with the generation prompt
@@ -147,14 +169,19 @@ class GRPOTrainer(PolicyObjectiveTrainer):
     def _generate_and_score(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         args, device, policy = self.args, self.device, self.model.policy
         prompts = [r["prompt"] for r in rows]
-        prompt_ids = self._prompt_ids(prompts)
+        groups = None
+        if self._image_token_id is not None:  # (each group's prompt and images processed once)
+            groups = encode_groups(self.processing_class, rows, args.num_generations, self._image_token_id)
+            prompt_ids = groups.row_prompt_ids()
+        else:
+            prompt_ids = self._prompt_ids(prompts)
         positions = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
         longest = max(len(p) for p in prompt_ids)
         if positions is not None and longest + args.max_completion_length > positions:
             raise ConfigError(f"a prompt of {longest} tokens leaves no room for max_completion_length="
                               f"{args.max_completion_length} within the model's {positions} positions: shorten "
                               "the prompts or lower max_completion_length.")
-        completion_ids = self.generator(policy, prompt_ids)
+        completion_ids = self.generator(policy, prompt_ids, **({} if groups is None else {"vision": groups}))
         conversational = isinstance(prompts[0], list)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
@@ -173,6 +200,9 @@ class GRPOTrainer(PolicyObjectiveTrainer):
             c_mask = c_mask * (~truncated).unsqueeze(1).long()
         batch = {"input_ids": torch.cat([p_ids, c_ids], 1), "attention_mask": torch.cat([p_mask, c_mask], 1),
                  "completion_mask": c_mask, "advantages": advantages.to(device)}
+        if groups is not None:
+            batch["mm_token_type_ids"] = groups.token_type_rows(p_ids.shape[1], c_ids.shape[1]).to(device)
+            batch["vision"] = groups
         generate_every = args.steps_per_generation * args.num_iterations
         objective = self.model
         if args.gradient_accumulation_steps % generate_every != 0:  # (as TRL: the policy moves before use)
@@ -182,10 +212,13 @@ class GRPOTrainer(PolicyObjectiveTrainer):
         self._log_rollout(per_func, rewards, std_zero, completion_ids, truncated, prompts, completions, advantages)
         return batch
 
-    def _chunked(self, fn: Any, batch: dict[str, torch.Tensor], completion_ids: torch.Tensor) -> torch.Tensor:
-        size = self.args.per_device_train_batch_size
-        return torch.cat([fn(batch["input_ids"][i:i + size], batch["attention_mask"][i:i + size],
-                             completion_ids[i:i + size]) for i in range(0, len(completion_ids), size)])
+    def _chunked(self, fn: Any, batch: dict[str, Any], completion_ids: torch.Tensor) -> torch.Tensor:
+        size, out = self.args.per_device_train_batch_size, []
+        for i in range(0, len(completion_ids), size):
+            rows = rows_of(batch, i, i + size)
+            out.append(fn(rows["input_ids"], rows["attention_mask"], completion_ids[i:i + size],
+                          **{k: v for k, v in rows.items() if k in VISION_KEYS}))
+        return torch.cat(out)
 
     def _log_rollout(self, per_func: torch.Tensor, rewards: torch.Tensor, std_zero: torch.Tensor,
                      completion_ids: list[list[int]], truncated: torch.Tensor, prompts: list, completions: list,

@@ -16,8 +16,12 @@ import torch
 from torch import nn
 
 from ...errors import ConfigError
+from .vision_pairs import with_pair_images
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+VISION_KEYS = ("vision_pixel_values", "vision_image_grid_thw", "image_token_index", "image_grid_thw",
+               "mm_token_type_ids")
+"""A batch's vision inputs (compat/grpo_vision.py): each group's images once, encoded once per forward."""
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -51,14 +55,15 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
 
 
 def completion_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     completion_ids: torch.Tensor, temperature: float, entropy: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     completion_ids: torch.Tensor, temperature: float, entropy: bool = False,
+                     **vision: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, C] of the completion tokens (the last C of ``input_ids``) under ``model`` with its
     logits divided by ``temperature`` (as TRL scores them), and optionally their entropies; the logits of the
-    completion positions only (``logits_to_keep``)."""
+    completion positions only (``logits_to_keep``). ``vision``: the rows' :data:`VISION_KEYS` (each group's
+    images encoded once: vision_pairs.py)."""
     keep = completion_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep + 1,
-                   use_cache=False).logits[:, :-1].float() / temperature
+    inputs = with_pair_images(model, {"input_ids": input_ids, "attention_mask": attention_mask, **vision})
+    logits = model(**inputs, logits_to_keep=keep + 1, use_cache=False).logits[:, :-1].float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     token_logp = logp.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1) if entropy else None
@@ -97,28 +102,32 @@ class GRPOObjective(nn.Module):
 
     @torch.no_grad()
     def policy_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     completion_ids: torch.Tensor) -> torch.Tensor:
+                     completion_ids: torch.Tensor, **vision: torch.Tensor) -> torch.Tensor:
         """The current policy's completion log-probs, without gradients (the ``old`` ones of a buffered batch)."""
-        return completion_logps(self.policy, input_ids, attention_mask, completion_ids, self.temperature)[0]
+        return completion_logps(self.policy, input_ids, attention_mask, completion_ids, self.temperature,
+                                **vision)[0]
 
     @torch.no_grad()
     def reference_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                        completion_ids: torch.Tensor) -> torch.Tensor:
+                        completion_ids: torch.Tensor, **vision: torch.Tensor) -> torch.Tensor:
         """The reference's completion log-probs: the frozen model, else the policy with its adapters off."""
         if self.ref_model is not None:
-            return completion_logps(self.ref_model, input_ids, attention_mask, completion_ids, self.temperature)[0]
+            return completion_logps(self.ref_model, input_ids, attention_mask, completion_ids, self.temperature,
+                                    **vision)[0]
         with self.policy.disable_adapter():
-            return completion_logps(self.policy, input_ids, attention_mask, completion_ids, self.temperature)[0]
+            return completion_logps(self.policy, input_ids, attention_mask, completion_ids, self.temperature,
+                                    **vision)[0]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                 advantages: torch.Tensor, old_per_token_logps: torch.Tensor | None = None,
-                ref_per_token_logps: torch.Tensor | None = None, **_: Any) -> dict[str, Any]:
+                ref_per_token_logps: torch.Tensor | None = None, **inputs: Any) -> dict[str, Any]:
         """``input_ids`` / ``attention_mask``: each row's left-padded prompt then its right-padded completion (the
-        last ``completion_mask.shape[1]`` columns)."""
+        last ``completion_mask.shape[1]`` columns); a batch with images brings its :data:`VISION_KEYS`."""
         completion_ids = input_ids[:, -completion_mask.shape[1]:]
         mask = completion_mask.float()
+        vision = {k: v for k, v in inputs.items() if k in VISION_KEYS}
         logps, entropies = completion_logps(self.policy, input_ids, attention_mask, completion_ids,
-                                            self.temperature, entropy=True)
+                                            self.temperature, entropy=True, **vision)
         old = logps.detach() if old_per_token_logps is None else old_per_token_logps
         log_ratio = logps - old
         if self.level == "sequence":

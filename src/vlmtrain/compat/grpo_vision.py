@@ -1,0 +1,167 @@
+"""GRPO for vision-language models (TRL 1.16's layout: conversational ``prompt`` messages and an ``images`` list, or
+one ``image``, per row), each group's images encoded once.
+
+A generation batch holds each prompt ``num_generations`` times in a row (its group). :func:`encode_groups` renders
+each group's prompt once with the processor's chat template (image parts placed as TRL's
+``prepare_multimodal_messages`` places them) and runs the processor over it with its images: the prompt's token
+ids (image placeholders expanded) and its pixel inputs. The rollout and the training forward both read these, so
+they see the same tokens and the same multimodal rotary positions, and their log-probs agree.
+
+One vision pass per group is DPO's mechanism (models/objectives/vision_pairs.py): the batch gives each group's
+pixel inputs once (``vision_pixel_values``, ``vision_image_grid_thw``) and ``image_token_index`` (each row's
+placeholder token -> its group's feature token); ``with_pair_images`` encodes them in one ``get_image_features``
+call and hands each row its group's features as ``mm_encoder_outputs``. :class:`VisionGenerate` does it once per
+rollout and gives the features to ``generate`` over all the rows (a plain generate of the rows, each with its own
+copy of its images, gives the same completions: the features are memoized, not the KV cache, so Qwen's
+multimodal rotary positions (``rope_deltas``) are computed per row as ``generate`` always computes them); the
+training forward does it once per micro-batch (with gradients: the vision tower and projector train), over the
+groups that micro-batch holds (:meth:`VisionGroups.inputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data.preference_vision import VISION_PREFIX
+from ..data.preference_vision import _images_of as sample_images
+from ..data.preference_vision import _with_image_parts as with_image_parts
+from ..errors import ConfigError
+from ..models.objectives.vision_pairs import with_pair_images
+from .grpo_rollout import pad_rows
+
+VIDEO_COLUMNS = ("video", "videos")
+FAMILIES = ("qwen3_vl", "qwen2_5_vl")
+"""Families whose processors give pixel inputs per image patch with ``image_grid_thw`` (sliced per group here)."""
+
+
+def is_vision_dataset(sample: Mapping[str, Any]) -> bool:
+    """Whether a dataset row carries images (TRL's rule: an ``images`` or ``image`` column) or videos."""
+    return any(k in sample for k in ("images", "image", *VIDEO_COLUMNS))
+
+
+def check_vision_dataset(sample: Mapping[str, Any]) -> None:
+    """TRL 1.16's rules for a dataset with images, refused in one line before the model loads: no videos (TRL's
+    GRPO takes none either), conversational prompts."""
+    for key in VIDEO_COLUMNS:
+        if key in sample:
+            raise ConfigError(f"the dataset has a {key!r} column: vlmtrain's GRPO takes images ('images' or 'image'), "
+                              "not videos yet; give frames as images, or train videos with SFT or DPO.")
+    if not isinstance(sample["prompt"], list):
+        raise ConfigError("GRPO with images needs conversational prompts (lists of chat messages, as TRL requires): "
+                          "give 'prompt' as [{'role': 'user', 'content': ...}] and let the trainer apply the chat "
+                          "template.")
+
+
+def check_vision_model(model: nn.Module) -> None:
+    """The Hub VLM families GRPO with images runs on (the rows' pixel inputs are sliced per group by their
+    ``image_grid_thw``)."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ConfigError(f"GRPO with images: the model is a {model_type!r}; vlmtrain's GRPO takes images on "
+                          f"{', '.join(FAMILIES)} models so far.")
+
+
+@dataclass
+class VisionGroups:
+    """The groups of a generation batch, each prompt processed once: ``prompt_ids`` (image placeholders
+    expanded), ``token_types`` (the processor's ``mm_token_type_ids``), ``pixels`` / ``grids`` (its images'
+    ``pixel_values`` and ``image_grid_thw``, None without images) and ``image_tokens`` (its placeholder count).
+    ``size``: the rows per group (``num_generations``)."""
+
+    prompt_ids: list[list[int]]
+    token_types: list[list[int]]
+    pixels: list[torch.Tensor | None]
+    grids: list[torch.Tensor | None]
+    image_tokens: list[int]
+    size: int
+
+    def row_prompt_ids(self) -> list[list[int]]:
+        """The prompt ids of every row (each group's, ``size`` times)."""
+        return [ids for ids in self.prompt_ids for _ in range(self.size)]
+
+    def token_type_rows(self, width: int, completion_width: int) -> torch.Tensor:
+        """``mm_token_type_ids`` of the rows: each prompt's left-padded to ``width``, 0 on the completions."""
+        rows = [[0] * (width - len(t)) + t + [0] * completion_width for t in self.token_types for _ in range(self.size)]
+        return torch.tensor(rows, dtype=torch.long)
+
+    def inputs(self, start: int, end: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The vision keys of rows ``start:end`` (whole groups or not): the pixel inputs of the groups they hold,
+        once (``vision_*``), each row's placeholder tokens -> those groups' feature tokens (``image_token_index``)
+        and each row's images' ``image_grid_thw`` (the language model's rotary positions); {} without images."""
+        groups = [g for g in range(start // self.size, (end - 1) // self.size + 1) if self.image_tokens[g]]
+        if not groups:
+            return {}
+        first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
+        index, grids = [], []
+        for row in range(start, end):
+            g = row // self.size
+            if self.image_tokens[g]:
+                index += range(first[g], first[g] + self.image_tokens[g])
+                grids.append(self.grids[g])
+        out = {VISION_PREFIX + "pixel_values": torch.cat([self.pixels[g] for g in groups]),
+               VISION_PREFIX + "image_grid_thw": torch.cat([self.grids[g] for g in groups]),
+               "image_token_index": torch.tensor(index, dtype=torch.long), "image_grid_thw": torch.cat(grids)}
+        return {k: v.to(device) for k, v in out.items()}
+
+
+def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], size: int, image_token_id: int) -> VisionGroups:
+    """Each group's prompt (every ``size``-th row: the sampler repeats a prompt ``size`` times in a row) rendered
+    and processed once with its images."""
+    out = VisionGroups([], [], [], [], [], size)
+    for row in rows[::size]:
+        images = sample_images(row)
+        messages = with_image_parts(row["prompt"], len(images))
+        text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        processed = processor(text=[text], images=images or None, return_tensors="pt")
+        ids = processed["input_ids"][0].tolist()
+        out.prompt_ids.append(ids)
+        out.token_types.append(processed["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in processed
+                               else [0] * len(ids))
+        out.pixels.append(processed.get("pixel_values"))
+        out.grids.append(processed.get("image_grid_thw"))
+        out.image_tokens.append(sum(t == image_token_id for t in ids))
+    return out
+
+
+def rows_of(batch: Mapping[str, Any], start: int, end: int) -> dict[str, Any]:
+    """Rows ``start:end`` of a rolled-out batch: its per-row tensors sliced, and where it holds images
+    (``vision``: its :class:`VisionGroups`) the vision keys of those rows."""
+    out = {k: v[start:end] for k, v in batch.items() if k != "vision"}
+    if "vision" in batch:
+        out.update(batch["vision"].inputs(start, end, batch["input_ids"].device))
+    return out
+
+
+class VisionGenerate:
+    """The policy's own ``generate`` for prompts with images (the default generator of a VLM): every row
+    left-padded into one batch, each group's images encoded once (one vision tower call per rollout) and their
+    features given to each of its rows, sampled with ``generation_config``, each completion cut after its first
+    EOS. A custom generator for a VLM is called the same way: ``generator(model, prompt_ids, vision=groups)``
+    (``groups``: the :class:`VisionGroups` of the rows)."""
+
+    def __init__(self, generation_config: Any, pad_token_id: int, eos_token_ids: Sequence[int]) -> None:
+        self.generation_config, self.pad, self.eos = generation_config, pad_token_id, list(eos_token_ids)
+
+    @torch.no_grad()
+    def __call__(self, model: nn.Module, prompt_ids: list[list[int]], vision: VisionGroups) -> list[list[int]]:
+        device = next(model.parameters()).device
+        ids, mask = pad_rows(prompt_ids, self.pad, "left", device)
+        inputs = {"input_ids": ids, "attention_mask": mask,
+                  "mm_token_type_ids": vision.token_type_rows(ids.shape[1], 0).to(device),
+                  **vision.inputs(0, len(prompt_ids), device)}
+        was_training = model.training
+        model.eval()
+        try:
+            out = model.generate(**with_pair_images(model, inputs), generation_config=self.generation_config)
+        finally:
+            model.train(was_training)
+        completions = []
+        for row in out[:, ids.shape[1]:].tolist():
+            end = next((i for i, t in enumerate(row) if t in self.eos), None)
+            completions.append(row if end is None else row[:end + 1])
+        return completions
