@@ -22,6 +22,7 @@ from ..data.preference import REF_LOGPS_COLUMNS
 from ..data.processing import SkipSample
 from ..errors import ConfigError
 from ..models.objectives.dpo import DPOObjective
+from ..models.objectives.grpo import GRPOObjective
 from ..models.objectives.reward import RewardObjective
 from ..trainer import checkpoint as ckpt
 from ..trainer.sharding import sharding_of
@@ -151,7 +152,7 @@ class PolicySharding:
 def _policy(model: nn.Module) -> nn.Module:
     if isinstance(model, RewardObjective):
         return model.model
-    return model.policy if isinstance(model, DPOObjective) else model
+    return model.policy if isinstance(model, DPOObjective | GRPOObjective) else model
 
 
 class PolicyObjectiveTrainer(Trainer):
