@@ -1,7 +1,9 @@
-"""GRPO: vlmtrain's GRPOTrainer against TRL's, same tiny causal LM, same prompts, same settings.
+"""GRPO: vlmtrain's GRPOTrainer against TRL's, same tiny model, same prompts, same settings.
 
 Each contender trains in a fresh process (so each peak resident memory is its own) from the same random-init
-checkpoint (a Llama of ``--hidden`` x 2 layers, a character tokenizer) on the same prompts, with the same
+checkpoint (``--model llama``: a Llama of ``--hidden`` x 2 layers with a character tokenizer, on prompts of
+random words; ``--model qwen3_vl``: the tiny Qwen3-VL of ``build_tiny``, on one 64 px image and a colour question
+per prompt, TRL's vision layout) on the same prompts, with the same
 GRPOConfig: ``--generations`` completions per prompt of up to ``--length`` tokens, sampled at temperature 1,
 AdamW, fp32, no evaluation or checkpoints, a deterministic reward (the completion's share of vowels). A step is
 one generation batch (rollout, scoring, one optimizer step); steps/s and completion tokens/s are timed over the
@@ -10,6 +12,7 @@ steps after the warm-up. At random init few completions stop early, so both side
 
     python benchmarks/grpo.py                 # 12 steps of 4 prompts x 8 completions of up to 32 tokens
     python benchmarks/grpo.py --steps 3 --warmup 1 --hidden 32     # a smoke run (seconds)
+    python benchmarks/grpo.py --model qwen3_vl
 """
 
 from __future__ import annotations
@@ -19,12 +22,10 @@ import json
 import os
 import random
 import resource
-import subprocess
-import sys
 import tempfile
-import time
 
-CONTENDERS = ("trl", "vlmtrain")
+from contenders import add_contender_options, run_contenders, step_clock, trainer_classes
+
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,?"
 
 
@@ -35,9 +36,21 @@ def prompts(n: int, seed: int = 0) -> list[dict]:
                                 for _ in range(rng.randint(2, 4)))} for _ in range(n)]
 
 
-def vowel_share(completions: list[str], **kwargs: object) -> list[float]:
+def image_prompts(n: int, seed: int = 0) -> list[dict]:
+    """One 64 px image of a coloured shape and "What color is the shape?" per prompt (vlmtrain.tasks.shapes_pairs),
+    in TRL's vision layout."""
+    from vlmtrain.tasks.shapes_pairs import ShapesPairs
+
+    pairs = ShapesPairs("train", n, seed=seed)
+    return [{"prompt": [{"role": "user", "content": [{"type": "image"},
+                                                     {"type": "text", "text": p["texts"][0]["user"]}]}],
+             "images": p["images"]} for p in pairs]
+
+
+def vowel_share(completions: list, **kwargs: object) -> list[float]:
     """A deterministic reward with spread at random init: the share of vowels in the completion."""
-    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ch in "aeiou" for ch in t) / max(len(t), 1) for t in texts]
 
 
 def build(path: str, hidden: int) -> str:
@@ -62,22 +75,11 @@ def run_one(contender: str, path: str, opts: argparse.Namespace) -> dict:
     """Train one contender in this process; its step times, completion lengths and peak resident memory."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     torch.set_num_threads(opts.threads)
-    if contender == "trl":
-        import trl
-
-        config_class, trainer_class = trl.GRPOConfig, trl.GRPOTrainer
-    else:
-        import vlmtrain
-
-        config_class, trainer_class = vlmtrain.GRPOConfig, vlmtrain.GRPOTrainer
+    config_class, trainer_class = trainer_classes(contender, "GRPO")
     stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, D102
-            stamps.append(time.perf_counter())
 
     rows = opts.prompts * opts.generations
     with tempfile.TemporaryDirectory() as out:
@@ -86,11 +88,16 @@ def run_one(contender: str, path: str, opts: argparse.Namespace) -> dict:
                             learning_rate=1e-4, weight_decay=0.1, logging_steps=1, seed=0, bf16=False,
                             report_to="none", save_strategy="no", use_cpu=True, dataloader_num_workers=0,
                             disable_tqdm=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        trainer = trainer_class(model=model, reward_funcs=vowel_share, args=args,
-                                processing_class=AutoTokenizer.from_pretrained(path),
-                                train_dataset=Dataset.from_list(prompts(opts.steps * opts.prompts)),
-                                callbacks=[Clock()])
+        if opts.model == "llama":
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            processing, data = AutoTokenizer.from_pretrained(path), prompts(opts.steps * opts.prompts)
+        else:
+            from vlmtrain.models.families import get_family
+
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+            processing, data = get_family("qwen3_vl").load_processor(path), image_prompts(opts.steps * opts.prompts)
+        trainer = trainer_class(model=model, reward_funcs=vowel_share, args=args, processing_class=processing,
+                                train_dataset=Dataset.from_list(data), callbacks=[step_clock(stamps)])
         trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     timed = len(stamps) - opts.warmup
@@ -103,15 +110,14 @@ def run_one(contender: str, path: str, opts: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=("llama", "qwen3_vl"), default="llama")
     p.add_argument("--steps", type=int, default=12, help="generation batches (= optimizer steps)")
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     p.add_argument("--prompts", type=int, default=4, help="prompts per step")
     p.add_argument("--generations", type=int, default=8, help="num_generations: completions per prompt")
     p.add_argument("--length", type=int, default=32, help="max_completion_length")
-    p.add_argument("--hidden", type=int, default=128, help="the Llama's hidden size")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per contender")
-    p.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)
-    p.add_argument("--path", help=argparse.SUPPRESS)
+    p.add_argument("--hidden", type=int, default=128, help="the Llama's hidden size (--model llama)")
+    add_contender_options(p)
     opts = p.parse_args()
     if opts.warmup < 1 or opts.steps <= opts.warmup:
         p.error("--warmup must be >= 1 and below --steps (the timing starts after the warm-up's last step)")
@@ -119,15 +125,16 @@ def main() -> None:
         print(json.dumps(run_one(opts.one, opts.path, opts)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        path = build(os.path.join(tmp, "llama"), opts.hidden)
-        results = {}
-        for contender in CONTENDERS:
-            out = subprocess.run([sys.executable, __file__, "--one", contender, "--path", path,
-                                  *[f"--{k}={v}" for k, v in vars(opts).items() if k not in ("one", "path")]],
-                                 check=True, capture_output=True, text=True)
-            results[contender] = json.loads(out.stdout.strip().splitlines()[-1])
+        if opts.model == "llama":
+            path = build(os.path.join(tmp, "llama"), opts.hidden)
+        else:
+            from vlmtrain.models.families import get_family
+
+            path = get_family("qwen3_vl").build_tiny(os.path.join(tmp, "qwen3_vl"), seed=0)
+        results = run_contenders(__file__, path, opts)
     base = results["trl"]
-    print(f"tiny Llama (hidden {opts.hidden}, 2 layers) GRPO, {opts.prompts} prompts x {opts.generations} "
+    name = f"tiny Llama (hidden {opts.hidden}, 2 layers)" if opts.model == "llama" else "tiny Qwen3-VL (64 px images)"
+    print(f"{name} GRPO, {opts.prompts} prompts x {opts.generations} "
           f"completions of up to {opts.length} tokens per step, steps {opts.warmup + 1}-{opts.steps} timed, "
           f"{opts.threads} threads")
     print(f"{'contender':<10} {'steps/s':>8} {'x TRL':>6} {'tokens/s':>9} {'x TRL':>6} {'mean length':>12} "

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SFT_CONFIG = ROOT / "configs" / "qwen3vl-tiny-pairs-sft.yaml"
 GRPO = {  # stage 2's GRPOConfig (TRL's names)
     "num_generations": 8, "per_device_train_batch_size": 64, "max_completion_length": 8, "temperature": 0.2,
-    "learning_rate": 3e-4, "max_steps": 40, "lr_scheduler_type": "constant", "weight_decay": 0.0, "beta": 0.0,
+    "learning_rate": 3e-4, "max_steps": 60, "lr_scheduler_type": "constant", "weight_decay": 0.0, "beta": 0.0,
 }
 
 
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     result = {"sft": accuracy(stage1, held_out), "grpo": accuracy(stage2, held_out),
               "chance": 1 / len(ANSWERS["color"])}
     print(f"\nGRPO demo (seed {opts.seed}): {opts.eval} held-out questions, 'What color is the shape?'")
-    print(table([("greedy exact match", [result["sft"], result["grpo"]], result["chance"])],
-                ["after SFT", "after GRPO"]))
+    print(table([("greedy exact match", [result["sft"], result["grpo"]], result["chance"])], ["SFT", "GRPO"]))
+    print(f"  after SFT: {stage1}\n  after GRPO: {stage2}")
     return result
 
 
