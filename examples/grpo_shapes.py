@@ -1,12 +1,12 @@
 """The GRPO learning demo: a tiny random-init Qwen3-VL, SFT'd briefly, then GRPO with an exact-match reward.
 
-    python examples/grpo_shapes.py                      # seed 0, runs/grpo-shapes
-    python examples/grpo_shapes.py --seed 1 --output-dir runs/grpo-shapes-1
+    OMP_NUM_THREADS=1 python examples/grpo_shapes.py    # seed 0, runs/grpo-shapes (~5 minutes on 2 CPU cores)
+    OMP_NUM_THREADS=1 python examples/grpo_shapes.py --seed 1 --output-dir runs/grpo-shapes-1
 
 Stage 1 is the two-stage preference demo's SFT config (configs/qwen3vl-tiny-pairs-sft.yaml: one large coloured
-shape in a 64 px image, "What color is the shape?", 30 steps), which teaches the answer format and leaves the
-colours half read. Stage 2 is GRPO (vlmtrain.GRPOTrainer, TRL's vision layout: a conversational prompt with an
-image placeholder and an ``images`` column) on new questions of the same kind: each prompt is answered
+shape in a 64 px image, "What color is the shape?", 30 steps), which teaches the answer format and reads the
+colours on some seeds only. Stage 2 is GRPO (vlmtrain.GRPOTrainer, TRL's vision layout: a conversational prompt
+with an image placeholder and an ``images`` column) on new questions of the same kind: each prompt is answered
 ``num_generations`` times by sampling, and a completion earns 1 when it is exactly the right colour. The script
 prints the held-out greedy exact match after SFT and after GRPO beside chance (one colour in six). Numbers, and
 how they were measured: docs/grpo.md, "Proof that it learns".
