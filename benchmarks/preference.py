@@ -16,12 +16,9 @@ import json
 import os
 import random
 import resource
-import subprocess
-import sys
 import tempfile
-import time
 
-CONTENDERS = ("trl", "vlmtrain")
+from contenders import add_contender_options, run_contenders, step_clock, trainer_classes
 
 
 def pairs(n: int, images: int, size: int, seed: int = 0) -> list[dict]:
@@ -46,24 +43,13 @@ def run_one(contender: str, path: str, opts: argparse.Namespace) -> dict:
     """Train one contender in this process; its step times and peak resident memory."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForImageTextToText, TrainerCallback
+    from transformers import AutoModelForImageTextToText
 
     from vlmtrain.models.families import get_family
 
     torch.set_num_threads(opts.threads)
-    if contender == "trl":
-        import trl
-
-        config_class, trainer_class = trl.DPOConfig, trl.DPOTrainer
-    else:
-        import vlmtrain
-
-        config_class, trainer_class = vlmtrain.DPOConfig, vlmtrain.DPOTrainer
+    config_class, trainer_class = trainer_classes(contender, "DPO")
     stamps: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, D102
-            stamps.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
         args = config_class(out, max_length=None, per_device_train_batch_size=opts.batch, max_steps=opts.steps,
@@ -73,7 +59,7 @@ def run_one(contender: str, path: str, opts: argparse.Namespace) -> dict:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
         trainer = trainer_class(model=model, args=args, processing_class=get_family("qwen3_vl").load_processor(path),
                                 train_dataset=Dataset.from_list(pairs(opts.steps * opts.batch, opts.images, opts.size)),
-                                callbacks=[Clock()])
+                                callbacks=[step_clock(stamps)])
         trainer.train()
     timed = len(stamps) - opts.warmup
     return {"pairs_per_s": timed * opts.batch / (stamps[-1] - stamps[opts.warmup - 1]),
@@ -88,9 +74,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="pairs per step")
     p.add_argument("--images", type=int, default=2, help="images per prompt")
     p.add_argument("--size", type=int, default=224, help="image side in pixels")
-    p.add_argument("--threads", type=int, default=2, help="torch threads per contender")
-    p.add_argument("--one", choices=CONTENDERS, help=argparse.SUPPRESS)
-    p.add_argument("--path", help=argparse.SUPPRESS)
+    add_contender_options(p)
     opts = p.parse_args()
     if opts.one:  # (a child process: one contender, its result as JSON on the last line)
         print(json.dumps(run_one(opts.one, opts.path, opts)))
@@ -99,12 +83,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = get_family("qwen3_vl").build_tiny(os.path.join(tmp, "qwen3_vl"), seed=0)
-        results = {}
-        for contender in CONTENDERS:
-            out = subprocess.run([sys.executable, __file__, "--one", contender, "--path", path,
-                                  *[f"--{k}={v}" for k, v in vars(opts).items() if k not in ("one", "path")]],
-                                 check=True, capture_output=True, text=True)
-            results[contender] = json.loads(out.stdout.strip().splitlines()[-1])
+        results = run_contenders(__file__, path, opts)
     base = results["trl"]
     print(f"tiny Qwen3-VL DPO, {opts.batch} pairs/step, {opts.images} images of {opts.size}px per prompt, "
           f"steps {opts.warmup + 1}-{opts.steps} timed, {opts.threads} threads")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 import vlmtrain
@@ -131,3 +132,24 @@ def test_the_config_key(tmp_path):
     path.write_text("model: {kind: causal_lm}\ndata: {source: addition}\ntrain: {fuse_elementwise: compile}\n")
     assert load_run_config(str(path)).train.fuse_elementwise == "compile"
     assert load_run_config(str(path), {"train.fuse_elementwise": None}).train.fuse_elementwise is None
+
+
+@pytest.mark.parametrize("train, message", [
+    ({"fuse_elementwise": "compile", "torch_compile": True}, "fuse_elementwise='compile' with torch_compile"),
+    ({"fuse_elementwise": "compile", "use_liger_kernel": True}, "with use_liger_kernel: Liger's kernels already"),
+    ({"liger_kernel_config": {"rope": False}}, "but use_liger_kernel is false"),
+])
+def test_a_run_config_s_speed_settings_are_checked_before_data_or_weights(tmp_path, monkeypatch, train, message):
+    from vlmtrain import compose
+    from vlmtrain.config import load_run_config
+    from vlmtrain.data import registry
+
+    path = tmp_path / "run.yaml"
+    model = {"kind": "causal_lm", "config": {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1}}
+    path.write_text(yaml.safe_dump({"model": model, "data": {"source": "addition"},
+                                    "train": {"output_dir": str(tmp_path / "run"), **train}}))
+    cfg = load_run_config(str(path))
+    monkeypatch.setattr(registry, "get_source", lambda *a, **k: pytest.fail("the data were built"))
+    with pytest.raises(ConfigError) as e:
+        compose.build(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)

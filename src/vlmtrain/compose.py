@@ -26,11 +26,15 @@ def build(cfg: RunConfig, checkpoint: str | None = None) -> Any:
     from vlmtrain.models.hub.local_paths import check_local_model
     from vlmtrain.models.kinds import get_kind
     from vlmtrain.models.objectives.parts import objective_parts
+    from vlmtrain.models.speed.fused_elementwise import check_fuse_args
+    from vlmtrain.models.speed.liger import check_liger_args
 
     if cfg.model.pretrained:  # a missing local directory names the key, not transformers' "Repo id must be"
         check_local_model(cfg.model.pretrained, "model.pretrained")
     cfg = plan_checkpointing(cfg)  # activation_checkpointing_kwargs mode: auto (the budget's plan needs the mode)
     cfg = plan_token_budget(cfg)  # data.pack_length: auto, or a budget that cannot fit: before any data or weights
+    check_liger_args(cfg.train)  # (the speed settings alone: before any data or weights)
+    check_fuse_args(cfg.train)
     kind = get_kind(cfg.model.kind)
     if kind.validate is not None:
         kind.validate(cfg)  # e.g. an unknown model_type fails before any data is built

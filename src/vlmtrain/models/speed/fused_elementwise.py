@@ -50,13 +50,17 @@ def _rotary_names(fn: Any) -> list[str]:
                   and isinstance(fn.__globals__.get(n), types.FunctionType))
 
 
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"fuse_elementwise={mode!r}: the choices are {', '.join(MODES)} (or null: off).")
+
+
 def fuse_elementwise(model: nn.Module, mode: str = "compile", backend: str = "inductor") -> dict[str, list[str]]:
     """TrainingArguments.fuse_elementwise: the model's RMSNorms, gated MLPs and the rotary functions of its
     attention modules compiled region by region, in place. Returns what was fused: ``norm``, ``gated_mlp`` and
     ``rotary`` -> the qualified names of those modules (for ``rotary``, the attention modules). A ConfigError
     for another mode, or a model with none of them."""
-    if mode not in MODES:
-        raise ConfigError(f"fuse_elementwise={mode!r}: the choices are {', '.join(MODES)} (or null: off).")
+    _check_mode(mode)
     fused: dict[str, list[str]] = {"norm": [], "gated_mlp": [], "rotary": []}
     for name, module in model.named_modules():
         if getattr(module, FUSED, False):
@@ -77,13 +81,22 @@ def fuse_elementwise(model: nn.Module, mode: str = "compile", backend: str = "in
     return fused
 
 
-def fuse_elementwise_part(model: nn.Module, args: Any) -> dict[str, list[str]]:
-    """The Trainer's ``fuse_elementwise`` part (trainer/parts.py): :func:`fuse_elementwise` with the arguments' mode,
-    refused before the first step with torch_compile, which compiles whole layers, these modules included."""
+def check_fuse_args(args: Any) -> None:
+    """The arguments' fuse_elementwise setting on its own (no model needed; the YAML path calls it before the
+    weights load): a known mode, and not with torch_compile, which compiles whole layers, these modules included."""
+    if not args.fuse_elementwise:
+        return
+    _check_mode(args.fuse_elementwise)
     if args.torch_compile or args.torch_compile_backend or args.torch_compile_mode:
         raise ConfigError(f"fuse_elementwise={args.fuse_elementwise!r} with torch_compile: torch_compile compiles "
                           f"every transformer layer whole, its norms, MLPs and rotary embeddings included; set one of "
                           f"them.")
+
+
+def fuse_elementwise_part(model: nn.Module, args: Any) -> dict[str, list[str]]:
+    """The Trainer's ``fuse_elementwise`` part (trainer/parts.py): :func:`check_fuse_args` before the first step,
+    then :func:`fuse_elementwise` with the arguments' mode."""
+    check_fuse_args(args)
     return fuse_elementwise(model, args.fuse_elementwise)
 
 

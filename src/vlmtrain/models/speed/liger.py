@@ -194,19 +194,28 @@ def apply_liger_kernel(model: nn.Module, liger_kernel_config: Mapping[str, Any] 
     return plan
 
 
-def liger_kernel_part(model: nn.Module, args: Any) -> dict[str, list[str]]:
-    """The Trainer's ``liger_kernel`` part (trainer/parts.py): the arguments' Liger settings checked before the first
-    step (liger_kernel_config needs use_liger_kernel and keeps the loss kernels off; fuse_elementwise would compile
-    what the kernels replace), then :func:`apply_liger_kernel`. transformers checks none of them in its arguments."""
+def check_liger_args(args: Any) -> dict[str, Any] | None:
+    """The arguments' Liger settings on their own (no model needed; the YAML path calls it before the weights
+    load): liger_kernel_config needs use_liger_kernel and keeps the loss kernels off; fuse_elementwise would
+    compile what the kernels replace. Returns the checked liger_kernel_config. transformers checks none of them
+    in its arguments."""
     config = args.liger_kernel_config
+    if not (args.use_liger_kernel or config is not None):
+        return None
     if not args.use_liger_kernel:
         raise ConfigError(f"liger_kernel_config={config!r} configures Liger's kernels, but use_liger_kernel is "
                           f"false: set use_liger_kernel: true, or drop liger_kernel_config.")
     if args.fuse_elementwise:
         raise ConfigError(f"fuse_elementwise={args.fuse_elementwise!r} with use_liger_kernel: Liger's kernels already "
                           f"replace the norms, MLPs and rotary embeddings it would compile; set one of them.")
-    check_kernel_config(config)  # (before apply_liger_kernel's checks of the model, the device, liger-kernel)
-    return apply_liger_kernel(model, config)
+    return check_kernel_config(config)
+
+
+def liger_kernel_part(model: nn.Module, args: Any) -> dict[str, list[str]]:
+    """The Trainer's ``liger_kernel`` part (trainer/parts.py): :func:`check_liger_args` before the first step,
+    then :func:`apply_liger_kernel` (its checks of the model, the device, liger-kernel)."""
+    check_liger_args(args)
+    return apply_liger_kernel(model, args.liger_kernel_config)
 
 
 def _transformers_version() -> str:
