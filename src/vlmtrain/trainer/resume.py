@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .callbacks import callback_states, restore_callback_states
 from .model_files import has_sharded_weights
 from .setup import load_model_state
 from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
@@ -58,7 +57,6 @@ class CheckpointMixin:
         out, step = self._get_output_dir(None), self.state.global_step
         if self.state.best_global_step == step:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
-        self.state.stateful_callbacks = callback_states(self.callback_handler.every_callback, self.control)
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
         sharding, writer = sharding_of(self.model, self.parts.sharding), self.parts.checkpoint_writer
@@ -81,8 +79,8 @@ class CheckpointMixin:
         return self.args.output_dir  # (transformers' name, where checkpoints go; a trial is refused by train())
 
     def _load_callback_state(self) -> None:
-        """(transformers' name) The checkpoint's stateful_callbacks, now self.state's, into the running callbacks."""
-        restore_callback_states(self.callback_handler.every_callback, self.control, self.state.stateful_callbacks)
+        """(transformers' name) The checkpoint's stateful_callbacks into the running callbacks: vlmtrain.Trainer's
+        (compat/callback_states.py); the core saves no callback state."""
 
     def _rotate_checkpoints(self, at_end: bool = False) -> None:
         """Delete the checkpoints beyond save_total_limit; ``at_end`` of training, with a limit of 1 and a best
