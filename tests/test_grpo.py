@@ -111,18 +111,28 @@ def _run(framework: str, model_dir, out, conversational: bool = False, peft_conf
 
 CASES = [("dapo", 0.0, 1, 1, False), ("grpo", 0.0, 2, 1, False), ("dr_grpo", 0.0, 1, 1, True),
          ("dapo", 0.1, 2, 1, False), ("grpo", 0.1, 1, 1, True), ("dr_grpo", 0.1, 2, 1, False),
-         ("dapo", 0.0, 1, 2, False), ("grpo", 0.0, 1, 2, False)]
+         ("dapo", 0.0, 1, 2, False), ("grpo", 0.0, 1, 2, False),
+         # steps_per_generation != gradient_accumulation_steps: a generation batch feeds several optimizer steps
+         ("dapo", 0.1, 1, 1, False, 2), ("dapo", 0.0, 2, 2, False, 4), ("grpo", 0.0, 1, 1, False, 2)]
 
 
 @requires("trl", "dev")
-@pytest.mark.parametrize("loss_type,beta,num_iterations,accum,conversational", CASES,
+@pytest.mark.parametrize("loss_type,beta,num_iterations,accum,conversational,spg",
+                         [(*case, None)[:6] for case in CASES],
                          ids=[f"{t}-beta{b}-mu{m}-accum{a}" + ("-conversational" if c else "")
-                              for t, b, m, a, c in CASES])
-def test_grpo_equals_trl(model_dir, tmp_path, loss_type, beta, num_iterations, accum, conversational):
+                              + (f"-spg{rest[0]}" if rest else "") for t, b, m, a, c, *rest in CASES])
+def test_grpo_equals_trl(model_dir, tmp_path, monkeypatch, loss_type, beta, num_iterations, accum, conversational, spg):
     """(With 2 accumulation steps TRL shuffles the generation batch before splitting it: each micro-batch's loss
-    differs, the step's loss and weights do not.)"""
+    differs, the step's loss and weights do not.) ``spg``: steps_per_generation (default: the accumulation
+    steps), the generation batch 8 rows either way."""
+    if spg is not None:  # (TRL also shuffles a generation batch's rows before splitting it into the steps it
+        # feeds; vlmtrain keeps them in order, each group's rows together: compared with TRL's order kept too)
+        import trl.trainer.grpo_trainer
+
+        monkeypatch.setattr(trl.trainer.grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
+    spg = spg or accum
     kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations, gradient_accumulation_steps=accum,
-              per_device_train_batch_size=8 // accum)
+              per_device_train_batch_size=8 // spg, steps_per_generation=spg)
     trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", conversational, **kw)
     COMPLETION_TYPES.clear()
     logs, weights = _run("ours", model_dir, tmp_path / "ours", conversational, **kw)

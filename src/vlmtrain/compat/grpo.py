@@ -214,6 +214,11 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             c_mask = c_mask * (~truncated).unsqueeze(1).long()
         batch = {"input_ids": torch.cat([p_ids, c_ids], 1), "attention_mask": torch.cat([p_mask, c_mask], 1),
                  "completion_mask": c_mask, "advantages": advantages[mine].to(device)}
+        if args.loss_type == "dapo":  # (TRL's normalizer: the generation batch's completion tokens, every
+            # process's, as one micro-step's share of them: steps_per_generation need not be the accumulation steps)
+            total = gather_rows(c_mask.sum().float().reshape(1)).sum().clamp(min=1.0)
+            share = total / (args.steps_per_generation * self.world_size)
+            batch["dapo_normalizer"] = share.expand(len(rows)).to(device)
         if groups is not None:
             batch["mm_token_type_ids"] = groups.token_type_rows(p_ids.shape[1], c_ids.shape[1]).to(device)
             batch["vision"] = groups

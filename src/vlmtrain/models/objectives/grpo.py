@@ -120,9 +120,12 @@ class GRPOObjective(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
                 advantages: torch.Tensor, old_per_token_logps: torch.Tensor | None = None,
-                ref_per_token_logps: torch.Tensor | None = None, **inputs: Any) -> dict[str, Any]:
+                ref_per_token_logps: torch.Tensor | None = None, dapo_normalizer: torch.Tensor | None = None,
+                **inputs: Any) -> dict[str, Any]:
         """``input_ids`` / ``attention_mask``: each row's left-padded prompt then its right-padded completion (the
-        last ``completion_mask.shape[1]`` columns); a batch with images brings its :data:`VISION_KEYS`."""
+        last ``completion_mask.shape[1]`` columns); a batch with images brings its :data:`VISION_KEYS`.
+        ``dapo_normalizer`` (per row, all alike): a micro-step's share of its generation batch's completion tokens,
+        dapo's weight as TRL's (else the micro-batch's own tokens)."""
         completion_ids = input_ids[:, -completion_mask.shape[1]:]
         mask = completion_mask.float()
         vision = {k: v for k, v in inputs.items() if k in VISION_KEYS}
@@ -144,7 +147,7 @@ class GRPOObjective(nn.Module):
                 per_token_kl = per_token_kl * coef_1
             per_token_loss = per_token_loss + self.beta * per_token_kl
             metrics["kl"] = _masked_mean(per_token_kl.detach(), mask)
-        loss, num_items = self._reduce(per_token_loss, mask)
+        loss, num_items = self._reduce(per_token_loss, mask, dapo_normalizer)
         metrics["entropy"] = _masked_mean(entropies.detach(), mask)
         low = ((coef_1 < 1 - self.epsilon_low) & (adv < 0)).float().detach()
         high = ((coef_1 > 1 + self.epsilon_high) & (adv > 0)).float().detach()
@@ -153,10 +156,12 @@ class GRPOObjective(nn.Module):
         metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
         return {"loss": loss, "num_items": num_items, "metrics": metrics}
 
-    def _reduce(self, per_token_loss: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reduce(self, per_token_loss: torch.Tensor, mask: torch.Tensor, dapo_normalizer: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's loss as ``loss_type`` normalizes it, and its weight among the window's micro-batches
-        (the trainer averages losses by these weights: TRL's division by the accumulation steps, or for ``dapo``
-        and ``bnpo`` by the window's completion tokens)."""
+        (the trainer averages losses by these weights: TRL's division by the accumulation steps; for ``dapo`` by
+        the generation batch's completion tokens per micro-step (``dapo_normalizer``, else the window's own),
+        for ``bnpo`` by each micro-batch's)."""
         rows = torch.tensor(float(mask.shape[0]), device=mask.device)
         masked = per_token_loss * mask
         if not self.training and self.loss_type in ("dapo", "bnpo"):  # (evaluation: TRL's mean of the batches')
@@ -167,6 +172,8 @@ class GRPOObjective(nn.Module):
             return masked.sum() / (mask.shape[0] * self.max_completion_length), rows
         if self.loss_type == "bnpo":  # (the micro-batch's token mean, micro-batches weighted alike)
             return masked.sum() / mask.sum().clamp(min=1.0), rows
+        if dapo_normalizer is not None:
+            return masked.sum() / dapo_normalizer[0], dapo_normalizer[0].detach()
         tokens = mask.sum()
         return masked.sum() / tokens.clamp(min=1.0), tokens.detach()
 
