@@ -8,7 +8,6 @@ from typing import Any
 
 from vlmtrain.data.registry import DataSource
 
-
 GRPO_SEED_OFFSET = 1000
 """A GRPO run's prompts are drawn with data.seed + this: fresh scenes, not the ones stage 1 (SFT) trained on."""
 
