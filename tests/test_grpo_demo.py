@@ -62,6 +62,21 @@ def test_the_grpo_demo_reports_greedy_exact_match_after_sft_and_after_grpo_besid
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)
 
 
+def test_the_held_out_measure_counts_an_answer_right_when_it_is_the_truth(tiny_hub):
+    from vlmtrain import load_for_inference
+    from vlmtrain.evaluation.grpo_demo import exact_match
+
+    _, checkpoint, _ = tiny_hub("qwen3_vl")
+    pairs = [dict(p) for p in ShapesPairs("val", 6, seed=0)]
+    answers = load_for_inference(checkpoint, "cpu", "float32").generate(
+        [{"images": p["images"], "texts": p["texts"]} for p in pairs], max_new_tokens=8)
+    for pair, answer in zip(pairs, answers):  # its own greedy answer is the truth for 4 of the 6
+        pair["chosen"], pair["rejected"] = answer, answer + "x"
+    for pair in pairs[4:]:
+        pair["chosen"] = pair["chosen"] + "x"
+    assert exact_match(checkpoint, pairs) == pytest.approx(4 / 6)
+
+
 @pytest.mark.slow
 def test_the_grpo_demo_learns(tmp_path):
     """The two shipped configs unchanged but for their paths (seed 0, one torch thread, as docs/grpo.md runs
