@@ -24,11 +24,15 @@ CASES = {
                            per_device_train_batch_size=2, gradient_accumulation_steps=2),
     "vision-images-on-rank-0": dict(loss_type="dapo", beta=0.0, per_device_train_batch_size=4,
                                     gradient_accumulation_steps=1, vision=True),
+    # groups of 4 cut by the ranks' slices (3 prompts, 6 rows a rank: rank 1's start in the second group's middle)
+    "vision-group-across-ranks": dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=6,
+                                      gradient_accumulation_steps=1, vision=True),
 }
 ADAM_EPSILON = 1e-3
 """(As tests/rank_preference_worker.py: Adam magnifies the ranks' other summation order on a near-zero gradient;
 1e-3 bounds that, the weight decay still moves every parameter.)"""
 LIMIT = 6
+GROUP = 4  # num_generations
 # each prompt's behaviour, in dataset order: with one group per rank per generation, rank 0 gets the even prompts
 KINDS = ["short", "truncated", "equal", "long", "short", "long", "long", "short"]
 WORDS = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"]
@@ -41,8 +45,9 @@ def prompts() -> list[dict]:
 
 
 class ScriptedCompletions:
-    """A Generator: each row's completion a function of its prompt's kind, the call and its place among the call's
-    rows with that prompt, so that two ranks and one process get the same completions for a group. ``short``: 1-3
+    """A Generator: each row's completion a function of its prompt's kind, the call and its place in its group (a
+    rank's rows are its slice of the generation batch), so that two ranks and one process get the same completions
+    for a group, a group cut by the ranks' slices too. ``short``: 1-3
     tokens; ``long``: 3-6; ``truncated``: LIMIT tokens without EOS; ``equal``: 3 tokens, all ending in EOS."""
 
     def __init__(self, kinds: dict[tuple[int, ...], str], eos: int) -> None:
@@ -50,12 +55,11 @@ class ScriptedCompletions:
 
     def __call__(self, model, prompt_ids, **vision):
         self.calls += 1
-        seen: dict[tuple[int, ...], int] = {}
+        first = int(os.environ.get("RANK", "0")) * len(prompt_ids)  # (this rank's first row in the generation)
         out = []
-        for ids in prompt_ids:
+        for i, ids in enumerate(prompt_ids):
             key = tuple(ids)
-            seen[key] = seen.get(key, 0) + 1
-            rng = random.Random(f"{key}-{self.calls}-{seen[key]}")
+            rng = random.Random(f"{key}-{self.calls}-{(first + i) % GROUP + 1}")
             kind = self.kinds.get(key, "long")  # (a VLM's prompt ids: its image placeholders expanded)
             n = {"short": rng.randint(1, 3), "long": rng.randint(3, LIMIT), "truncated": LIMIT, "equal": 3}[kind]
             row = [rng.randrange(4, 16) for _ in range(n)]
@@ -91,7 +95,7 @@ def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     options["per_device_train_batch_size"] = options["per_device_train_batch_size"] * 2 // world
     args = vlmtrain.GRPOConfig(
-        os.path.join(out, f"{case}-{world}"), num_generations=4, max_completion_length=LIMIT, max_steps=3,
+        os.path.join(out, f"{case}-{world}"), num_generations=GROUP, max_completion_length=LIMIT, max_steps=3,
         shuffle_dataset=False, optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, adam_epsilon=ADAM_EPSILON,
         lr_scheduler_type="constant", logging_steps=1, seed=7, bf16=False, gradient_checkpointing=False,
         report_to="none", save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,

@@ -250,12 +250,37 @@ def test_early_stopping_state_saved_and_restored(tmp_path):
 def test_early_stopping_counter_of_an_earlier_vlmtrain_checkpoint_is_restored():
     # An earlier vlmtrain saved the callback's counter alone (no args / attributes) in trainer_state.json.
     from vlmtrain import TrainerControl
-    from vlmtrain.trainer.callbacks import restore_callback_states
+    from vlmtrain.compat.callback_states import restore_callback_states
 
     callback = EarlyStoppingCallback(3)
     restore_callback_states([callback], TrainerControl(), {"EarlyStoppingCallback": {
         "early_stopping_patience_counter": 2}})
     assert callback.early_stopping_patience_counter == 2
+
+
+def test_stateful_callbacks_are_vlmtrain_trainers_convention(tmp_path):
+    """transformers' stateful-callback convention (ExportableState, trainer_state.json's stateful_callbacks) is
+    vlmtrain.Trainer's (compat/callback_states.py); the bare trainer core saves and restores no callback state."""
+    from vlmtrain.compat.callback_states import ExportableState
+    from vlmtrain.data.collate import DefaultCollator
+    from vlmtrain.trainer import TrainerCore
+
+    class Counter(TrainerCallback, ExportableState):
+        def __init__(self, start: int = 0) -> None:
+            self.count = start
+
+        def state(self) -> dict:
+            return {"args": {"start": 0}, "attributes": {"count": self.count}}
+
+    assert issubclass(EarlyStoppingCallback, ExportableState)
+    kw = dict(max_steps=2, save_strategy="steps", save_steps=2, report_to="none", disable_tqdm=True)
+    saved = {}
+    for name, cls in (("core", TrainerCore), ("vlmtrain", Trainer)):
+        cls(tiny_llama(), TrainingArguments(output_dir=str(tmp_path / name), **kw), train_dataset=token_samples(4),
+            data_collator=DefaultCollator(0), callbacks=[Counter()]).train()
+        with open(tmp_path / name / "checkpoint-2" / "trainer_state.json") as f:
+            saved[name] = sorted(json.load(f)["stateful_callbacks"])
+    assert saved == {"core": [], "vlmtrain": ["Counter", "JsonlLoggerCallback", "TrainerControl"]}
 
 
 # -- add / pop / remove --------------------------------------------------------------------------------

@@ -56,6 +56,34 @@ def test_without_a_checkpoint_writer_async_checkpoint_saves_synchronously(tmp_pa
     assert watch.seen == [(True, False), (True, False)]  # each checkpoint complete at its save, no writer thread
 
 
+def test_the_writer_part_is_the_context_training_runs_in(tmp_path):
+    """train() makes the checkpoint_writer part's writer as it begins and runs in it as a context (a raise
+    reaches its __exit__, which lets the writer finish); the core calls save per save and wait before returning."""
+    calls = []
+
+    class Recording(AsyncCheckpointer):
+        def __enter__(self):
+            calls.append("enter")
+            return super().__enter__()
+
+        def __exit__(self, *error):
+            calls.append("exit")
+            return super().__exit__(*error)
+
+        def save(self, step, *args):
+            calls.append(f"save {step}")
+            return super().save(step, *args)
+
+        def wait(self):
+            calls.append("wait")
+            return super().wait()
+
+    Trainer(tiny_llama(0), _args(tmp_path, async_checkpoint=True), train_dataset=token_samples(16),
+            parts=dataclasses.replace(Trainer.parts, checkpoint_writer=Recording)).train()
+    assert [c for c in calls if c != "wait"] == ["enter", "save 2", "save 4", "exit"] and calls[-1] == "wait"
+    assert sorted(n for n in os.listdir(tmp_path) if "checkpoint" in n) == ["checkpoint-2", "checkpoint-4"]
+
+
 def test_without_step_position_a_checkpoint_without_loop_state_is_refused(tmp_path):
     Trainer(tiny_llama(0), _args(tmp_path, max_steps=2), train_dataset=token_samples(16)).train()
     os.remove(tmp_path / "checkpoint-2" / "loop_state_0.pt")  # as transformers' Trainer writes it

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+import tests.test_grpo as text_grpo
 import vlmtrain
 from tests.optional_extras import requires
 from tests.test_dpo_vision import TowerCounter
@@ -23,8 +24,10 @@ IMAGES_PER_PROMPT = [1, 0, 0, 0, 2, 1, 0, 1]  # (with 2 prompts a micro-batch, t
 
 
 def _image(rng: random.Random) -> Image.Image:
-    size = rng.choice([(32, 32), (48, 32), (32, 48)])
-    return Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
+    """Random pixels: a solid colour's identical patches give features whose gradients are ~0 in places, where
+    AdamW's m / sqrt(v) turns float noise into full steps."""
+    width, height = rng.choice([(32, 32), (48, 32), (32, 48)])
+    return Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3))
 
 
 def _prompts():
@@ -36,24 +39,13 @@ def _prompts():
     return Dataset.from_list(rows)
 
 
-class FixedCompletions:
-    """Deterministic completions per call and row (some end with EOS, others run to the limit); the prompt ids TRL's
-    rollout_func returns are its processor's, as TRL's own generation path tokenizes them."""
-
-    def __init__(self, limit: int) -> None:
-        self.calls, self.limit = 0, limit
+class FixedCompletions(text_grpo.FixedCompletions):
+    """test_grpo.py's deterministic completions (some end with EOS, others run to the limit) in the tiny Qwen3-VL's
+    vocabulary; the prompt ids TRL's rollout_func returns are its processor's, as TRL's own generation path
+    tokenizes them."""
 
     def completions(self, count: int) -> list[list[int]]:
-        rng = random.Random(self.calls)
-        self.calls += 1
-        rows = []
-        for _ in range(count):
-            n = rng.randint(1, self.limit)
-            row = [rng.randrange(97, 123) if rng.random() < 0.5 else 32 for _ in range(n)]
-            if n < self.limit and rng.random() < 0.7:
-                row[-1] = EOS
-            rows.append(row)
-        return rows
+        return [[EOS if t == text_grpo.EOS else 60 + t for t in row] for row in super().completions(count)]  # (a..l)
 
     def __call__(self, model, prompt_ids, **vision):  # vlmtrain's Generator
         return self.completions(len(prompt_ids))
@@ -70,7 +62,7 @@ def _text(completion) -> str:
 
 
 def letters_reward(completions, **kwargs):
-    return [float(sum(ch.isalpha() for ch in _text(c)) % 4) for c in completions]
+    return [float(sum(map(ord, _text(c))) % 5) for c in completions]
 
 
 def target_reward(completions, target, **kwargs):
@@ -85,7 +77,7 @@ def qwen3_vl(tiny_hub):
 
 def _config(cls, out, **kw):
     base = dict(num_generations=2, per_device_train_batch_size=4, max_completion_length=5, max_steps=4,
-                learning_rate=3e-3, weight_decay=0.1, logging_steps=1, seed=7, bf16=False, shuffle_dataset=False,
+                learning_rate=3e-3, weight_decay=0.1, adam_epsilon=1e-6, logging_steps=1, seed=7, bf16=False, shuffle_dataset=False,
                 gradient_checkpointing=False, report_to="none", save_strategy="no", use_cpu=True,
                 dataloader_num_workers=0, disable_tqdm=True, reward_weights=[1.0, 0.5])
     return cls(str(out), **{**base, **kw})
@@ -119,18 +111,25 @@ def _run(framework: str, qwen3_vl, out, peft_config=None, **kw):
                                                                    policy.state_dict().items()}
 
 
-CASES = [("grpo", 0.1, 2, False), ("dapo", 0.0, 1, False), ("dr_grpo", 0.05, 1, False), ("dapo", 0.1, 1, True)]
+CASES = [("grpo", 0.1, 2, False, 1), ("dapo", 0.0, 1, False, 1), ("dr_grpo", 0.05, 1, False, 1),
+         ("dapo", 0.1, 1, True, 1), ("dapo", 0.0, 1, False, 2)]
 
 
 @requires("trl", "dev")
-@pytest.mark.parametrize("loss_type,beta,num_iterations,lora", CASES,
-                         ids=[f"{t}-beta{b}-mu{m}" + ("-lora" if lo else "") for t, b, m, lo in CASES])
-def test_vision_grpo_equals_trl(qwen3_vl, tmp_path, loss_type, beta, num_iterations, lora):
+@pytest.mark.parametrize("loss_type,beta,num_iterations,lora,accum", CASES,
+                         ids=[f"{t}-beta{b}-mu{m}" + ("-lora" if lo else "") + (f"-accum{a}" if a > 1 else "")
+                              for t, b, m, lo, a in CASES])
+def test_vision_grpo_equals_trl(qwen3_vl, tmp_path, loss_type, beta, num_iterations, lora, accum):
     """Per-step loss, rewards, KL, entropy and clip ratio and the final weights (the vision tower's included) as
-    TRL's, over 4 steps of AdamW with weight decay on prompts with 0, 1 and 2 images (one micro-batch text-only)."""
+    TRL's, over 4 steps of AdamW with weight decay on prompts with 0, 1 and 2 images (one micro-batch text-only).
+    With 2 accumulation steps a group of 4 spans 2 micro-batches of 2 rows (each encodes the group's images once;
+    TRL shuffles the generation batch before splitting it: the micro-batches differ, the steps do not; beta 0, as
+    a KL averaged over micro-batches would differ with them)."""
     from peft import LoraConfig
 
     kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+    if accum > 1:
+        kw.update(gradient_accumulation_steps=accum, per_device_train_batch_size=2, num_generations=4)
     if lora:
         kw["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "qkv"])
     trl_logs, trl_weights = _run("trl", qwen3_vl, tmp_path / "trl", **kw)
@@ -144,13 +143,14 @@ def test_vision_grpo_equals_trl(qwen3_vl, tmp_path, loss_type, beta, num_iterati
             assert (key in ours) == (key in theirs), (key, ours["step"])
             if key in theirs:
                 assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours["step"])
+    assert any(e["reward_std"] > 0 for e in logs)  # (non-zero advantages: the policy-gradient term counts)
     if beta:
         assert logs[-1]["kl"] > 0
-    # atol 5e-5 (as tests/test_dpo_vision.py): a group's rows' gradients meet before the vision tower here and
-    # after it in TRL, and AdamW's m / sqrt(v) turns that summation-order noise on a near-zero gradient element
-    # into a step of its own (a few projector elements end ~2e-5 apart; every other within 1e-5)
+    # (adam_epsilon 1e-6: a group's rows' gradients meet before the vision tower here and after it in TRL, and
+    # with AdamW's 1e-8 m / sqrt(v) turns that summation-order noise on a near-zero gradient element into a full
+    # step of its own)
     for name, value in trl_weights.items():
-        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     path, _ = qwen3_vl
     from safetensors.torch import load_file
 
@@ -209,6 +209,19 @@ def test_vision_grpo_encodes_each_groups_images_once(greedy_run):
     assert (greedy_run["ref_counter"].calls, greedy_run["ref_counter"].images) == (1, 1)
 
 
+def _plain_rows(processor, rows: list[dict]) -> dict:
+    """The processor over the rows' prompts (left-padded), each row with its own copy of its images."""
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
+                                             + [{"type": "text", "text": r["prompt"][0]["content"]}]}],
+                                           tokenize=False, add_generation_prompt=True) for r in rows]
+    processor.tokenizer.padding_side = "left"
+    try:
+        return processor(text=texts, images=[im for r in rows for im in r["images"]], padding=True,
+                         return_tensors="pt")
+    finally:
+        processor.tokenizer.padding_side = "right"
+
+
 def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run):
     """The rollout's completions (images encoded once per group, the features shared by its rows) equal greedy
     generate over the 8 rows, each with its own copy of its prompt's images (the processor over the rows), and
@@ -218,15 +231,7 @@ def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run):
     path, processor = greedy_run["model"]
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     rows = [r for r in list(_prompts())[:2] for _ in range(4)]
-    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
-                                             + [{"type": "text", "text": r["prompt"][0]["content"]}]}],
-                                           tokenize=False, add_generation_prompt=True) for r in rows]
-    processor.tokenizer.padding_side = "left"
-    try:
-        plain = processor(text=texts, images=[im for r in rows for im in r["images"]], padding=True,
-                          return_tensors="pt")
-    finally:
-        processor.tokenizer.padding_side = "right"
+    plain = _plain_rows(processor, rows)
     prefill = _first_logits(model)
     out = model.generate(**plain, max_new_tokens=6, do_sample=False, pad_token_id=256, eos_token_id=[EOS],
                          suppress_tokens=[model.config.image_token_id])
@@ -238,7 +243,7 @@ def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run):
     assert completions == expected
     # (the prefill's logits too, which tokens alone would hide: image features and rotary positions agree)
     torch.testing.assert_close(greedy_run["prefill"][0], prefill[0], rtol=1e-5, atol=1e-6)
-    assert len({tuple(c) for c in expected}) == 2  # (greedy: one completion per prompt, the two differ)
+    assert not torch.allclose(prefill[0][0], prefill[0][4])  # (the two prompts' rows differ)
 
 
 def test_vision_grpo_refuses_videos_and_string_prompts_before_loading(tmp_path):
@@ -255,3 +260,36 @@ def test_vision_grpo_refuses_videos_and_string_prompts_before_loading(tmp_path):
     with pytest.raises(ConfigError, match="conversational prompts"):
         vlmtrain.GRPOTrainer(model=str(tmp_path / "missing"), reward_funcs=letters_reward, args=args,
                              train_dataset=text)
+
+
+def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features(qwen3_vl):
+    """A process's slice of a generation batch may cut groups (4 completions a prompt; 6 rows from row 2 on: 2 of
+    one prompt, 4 of the next): each row still reads its own prompt's tokens and features, each group's images
+    given once, and the completion log-probs equal those of the plain forward of the rows, each with its own copy
+    of its images."""
+    from transformers import AutoModelForImageTextToText
+
+    from vlmtrain.compat.grpo_rollout import pad_rows
+    from vlmtrain.compat.grpo_vision import encode_groups
+    from vlmtrain.models.objectives.grpo import completion_logps
+
+    path, processor = qwen3_vl
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    data = list(_prompts())
+    rows = [data[4]] * 2 + [data[5]] * 4  # (2 images, then 1)
+    groups = encode_groups(processor, rows, model.config.image_token_id)
+    assert groups.row_group == [0, 0, 1, 1, 1, 1]
+    ids, mask = pad_rows(groups.row_prompt_ids(), 256, "left")
+    completions = torch.tensor([[64, 65, 66, EOS]] * 6)
+    vision = {**groups.inputs(0, 6), "mm_token_type_ids": groups.token_type_rows(ids.shape[1], 4)}
+    assert vision["vision_image_grid_thw"].shape[0] == 3  # (each group's images once: 2 + 1, not 8)
+    inputs = (torch.cat([ids, completions], 1), torch.cat([mask, torch.ones_like(completions)], 1), completions)
+    with torch.no_grad():
+        ours = completion_logps(model, *inputs, 1.0, **vision)[0]
+    plain = _plain_rows(processor, rows)
+    assert torch.equal(plain["input_ids"], ids)
+    types = torch.cat([plain["mm_token_type_ids"], torch.zeros_like(completions)], 1)
+    with torch.no_grad():
+        expected = completion_logps(model, *inputs, 1.0, pixel_values=plain["pixel_values"],
+                                    image_grid_thw=plain["image_grid_thw"], mm_token_type_ids=types)[0]
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)

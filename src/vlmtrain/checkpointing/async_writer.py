@@ -53,7 +53,7 @@ def cpu_model_copy(model: nn.Module) -> nn.Module:
 
 class AsyncCheckpointer:
     """Writes one checkpoint at a time in a background thread; see the module docstring. Every rank makes the
-    same calls in the same order (save, poll, wait), as they hold collectives."""
+    same calls in the same order (save, poll, wait), as they hold collectives. The context training runs in."""
 
     def __init__(self, output_dir: str, rank: int, after_publish: Callable[[], None], model_files: Any) -> None:
         """``model_files``: the Trainer's format of the model's files (its ``model_files`` part)."""
@@ -116,6 +116,14 @@ class AsyncCheckpointer:
         if self._thread is not None:
             self._thread.join()
         self._thread = self._step = self._error = None
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, error_type: type | None, *_: Any) -> None:
+        """Training that raises lets the writer finish first (:meth:`abandon`): no thread outlives train()."""
+        if error_type is not None:
+            self.abandon()
 
     def _publish(self) -> str:
         self._thread.join()

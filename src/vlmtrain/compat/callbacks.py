@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ..trainer.callbacks import ExportableState, TrainerCallback
+from ..trainer.callbacks import TrainerCallback
+from .callback_states import ExportableState
 
 
 class EarlyStoppingCallback(TrainerCallback, ExportableState):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from ..data.preference_vision import is_vision_pairs
 from ..errors import ConfigError
 from ..models.objectives import disable_dropout
 from ..models.objectives.grpo import VISION_KEYS, GRPOObjective, group_advantages, nanstd
@@ -37,7 +38,6 @@ from .grpo_vision import (
     check_vision_dataset,
     check_vision_model,
     encode_groups,
-    is_vision_dataset,
     rows_of,
 )
 
@@ -47,7 +47,8 @@ def _rows(samples: list[dict]) -> dict[str, list[dict]]:
 
 
 class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
-    """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer: ``reward_funcs``
+    """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer, or a Qwen-VL model
+    and its processor (prompts with images, each group's encoded once: grpo_vision.py): ``reward_funcs``
     (callables or ``module:function`` strings, weighted by ``args.reward_weights``) score the completions of a
     dataset with a ``prompt`` column (text, or conversational messages); its other columns reach the functions as
     keyword arguments. ``generator``: the rollout engine (default: the policy's ``generate``). The reference: none
@@ -75,7 +76,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         first = next(iter(train_dataset))
         if "prompt" not in first:
             raise ConfigError(f"GRPO's dataset needs a 'prompt' column (its columns: {sorted(first)}).")
-        vision = is_vision_dataset(first)
+        vision = is_vision_pairs(first)  # (TRL's rule: an images / image column; videos are refused)
         if vision:  # (before the model loads)
             check_vision_dataset(first)
         self.reward_funcs, self.reward_func_names = resolve_reward_funcs(reward_funcs)
@@ -180,7 +181,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         prompts = [r["prompt"] for r in rows]
         groups = None
         if self._image_token_id is not None:  # (each group's prompt and images processed once)
-            groups = encode_groups(self.processing_class, rows, args.num_generations, self._image_token_id)
+            groups = encode_groups(self.processing_class, rows, self._image_token_id)
             prompt_ids = groups.row_prompt_ids()
         elif "prompt_ids" in rows[0]:  # (a YAML run's `texts` prompts, laid out as SFT: config_grpo.prompt_row)
             prompt_ids = [list(r["prompt_ids"]) for r in rows]

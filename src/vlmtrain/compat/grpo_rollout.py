@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 class Generator(Protocol):
     """Completions for a batch of prompts: ``prompt_ids`` (one list of token ids per row, each prompt already
     repeated for its group) -> one list of completion token ids per row, each ending at its first EOS (kept) or
-    at the length limit. A vLLM engine (weights synced from the policy before each call) is one of these."""
+    at the length limit. A vLLM engine (weights synced from the policy before each call) is one of these. For a
+    vision-language model's prompts it is also given ``vision=`` (compat/grpo_vision.py's ``VisionGroups``)."""
 
     def __call__(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]: ...
 
@@ -37,16 +38,25 @@ class HFGenerate:
 
     @torch.no_grad()
     def __call__(self, model: nn.Module, prompt_ids: list[list[int]]) -> list[list[int]]:
-        device = next(model.parameters()).device
-        ids, mask = pad_rows(prompt_ids, self.pad, "left", device)
+        ids, mask = pad_rows(prompt_ids, self.pad, "left", next(model.parameters()).device)
+        return self.generate(model, {"input_ids": ids, "attention_mask": mask})
+
+    def prepare(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """``generate``'s keyword arguments from the padded rows (in evaluation mode, without gradients)."""
+        return inputs
+
+    @torch.no_grad()
+    def generate(self, model: nn.Module, inputs: dict[str, Any]) -> list[list[int]]:
+        """The completions of the left-padded rows ``inputs`` (``input_ids``, ``attention_mask``, ...), each cut
+        after its first EOS; the model in evaluation mode meanwhile."""
         was_training = model.training
         model.eval()
         try:
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=self.generation_config)
+            out = model.generate(**self.prepare(model, inputs), generation_config=self.generation_config)
         finally:
             model.train(was_training)
         completions = []
-        for row in out[:, ids.shape[1]:].tolist():
+        for row in out[:, inputs["input_ids"].shape[1]:].tolist():
             end = next((i for i, t in enumerate(row) if t in self.eos), None)
             completions.append(row if end is None else row[:end + 1])
         return completions

@@ -32,16 +32,11 @@ from ..data.preference_vision import _images_of as sample_images
 from ..data.preference_vision import _with_image_parts as with_image_parts
 from ..errors import ConfigError
 from ..models.objectives.vision_pairs import with_pair_images
-from .grpo_rollout import pad_rows
+from .grpo_rollout import HFGenerate, pad_rows
 
 VIDEO_COLUMNS = ("video", "videos")
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 """Families whose processors give pixel inputs per image patch with ``image_grid_thw`` (sliced per group here)."""
-
-
-def is_vision_dataset(sample: Mapping[str, Any]) -> bool:
-    """Whether a dataset row carries images (TRL's rule: an ``images`` or ``image`` column) or videos."""
-    return any(k in sample for k in ("images", "image", *VIDEO_COLUMNS))
 
 
 def check_vision_dataset(sample: Mapping[str, Any]) -> None:
@@ -68,52 +63,55 @@ def check_vision_model(model: nn.Module) -> None:
 
 @dataclass
 class VisionGroups:
-    """The groups of a generation batch, each prompt processed once: ``prompt_ids`` (image placeholders
+    """The groups of a generation batch's rows, each prompt processed once: ``prompt_ids`` (image placeholders
     expanded), ``token_types`` (the processor's ``mm_token_type_ids``), ``pixels`` / ``grids`` (its images'
-    ``pixel_values`` and ``image_grid_thw``, None without images) and ``image_tokens`` (its placeholder count).
-    ``size``: the rows per group (``num_generations``)."""
+    ``pixel_values`` and ``image_grid_thw``, None without images) and ``image_tokens`` (its placeholder count);
+    ``row_group``: each row's group."""
 
     prompt_ids: list[list[int]]
     token_types: list[list[int]]
     pixels: list[torch.Tensor | None]
     grids: list[torch.Tensor | None]
     image_tokens: list[int]
-    size: int
+    row_group: list[int]
 
     def row_prompt_ids(self) -> list[list[int]]:
-        """The prompt ids of every row (each group's, ``size`` times)."""
-        return [ids for ids in self.prompt_ids for _ in range(self.size)]
+        """The prompt ids of every row (its group's)."""
+        return [self.prompt_ids[g] for g in self.row_group]
 
     def token_type_rows(self, width: int, completion_width: int) -> torch.Tensor:
         """``mm_token_type_ids`` of the rows: each prompt's left-padded to ``width``, 0 on the completions."""
-        rows = [[0] * (width - len(t)) + t + [0] * completion_width for t in self.token_types for _ in range(self.size)]
-        return torch.tensor(rows, dtype=torch.long)
+        types = [self.token_types[g] for g in self.row_group]
+        return torch.tensor([[0] * (width - len(t)) + t + [0] * completion_width for t in types], dtype=torch.long)
 
     def inputs(self, start: int, end: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The vision keys of rows ``start:end`` (whole groups or not): the pixel inputs of the groups they hold,
         once (``vision_*``), each row's placeholder tokens -> those groups' feature tokens (``image_token_index``)
         and each row's images' ``image_grid_thw`` (the language model's rotary positions); {} without images."""
-        groups = [g for g in range(start // self.size, (end - 1) // self.size + 1) if self.image_tokens[g]]
+        rows = self.row_group[start:end]
+        groups = [g for g in dict.fromkeys(rows) if self.image_tokens[g]]
         if not groups:
             return {}
         first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
-        index, grids = [], []
-        for row in range(start, end):
-            g = row // self.size
-            if self.image_tokens[g]:
-                index += range(first[g], first[g] + self.image_tokens[g])
-                grids.append(self.grids[g])
+        index = [k for g in rows if self.image_tokens[g] for k in range(first[g], first[g] + self.image_tokens[g])]
         out = {VISION_PREFIX + "pixel_values": torch.cat([self.pixels[g] for g in groups]),
                VISION_PREFIX + "image_grid_thw": torch.cat([self.grids[g] for g in groups]),
-               "image_token_index": torch.tensor(index, dtype=torch.long), "image_grid_thw": torch.cat(grids)}
+               "image_token_index": torch.tensor(index, dtype=torch.long),
+               "image_grid_thw": torch.cat([self.grids[g] for g in rows if self.image_tokens[g]])}
         return {k: v.to(device) for k, v in out.items()}
 
 
-def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], size: int, image_token_id: int) -> VisionGroups:
-    """Each group's prompt (every ``size``-th row: the sampler repeats a prompt ``size`` times in a row) rendered
-    and processed once with its images."""
-    out = VisionGroups([], [], [], [], [], size)
-    for row in rows[::size]:
+def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token_id: int) -> VisionGroups:
+    """Each group's prompt rendered and processed once with its images. The sampler repeats a prompt
+    ``num_generations`` times in a row, but a process's slice of a generation batch, or an eval batch, may cut a
+    group at either end: a group is a run of rows with the same prompt and images (two prompts alike that follow
+    each other share one encoding, which changes nothing)."""
+    out = VisionGroups([], [], [], [], [], [])
+    for i, row in enumerate(rows):
+        if i and row["prompt"] == rows[i - 1]["prompt"] and sample_images(row) == sample_images(rows[i - 1]):
+            out.row_group.append(out.row_group[-1])
+            continue
+        out.row_group.append(len(out.prompt_ids))
         images = sample_images(row)
         messages = with_image_parts(row["prompt"], len(images))
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -137,31 +135,21 @@ def rows_of(batch: Mapping[str, Any], start: int, end: int) -> dict[str, Any]:
     return out
 
 
-class VisionGenerate:
+class VisionGenerate(HFGenerate):
     """The policy's own ``generate`` for prompts with images (the default generator of a VLM): every row
     left-padded into one batch, each group's images encoded once (one vision tower call per rollout) and their
     features given to each of its rows, sampled with ``generation_config``, each completion cut after its first
     EOS. A custom generator for a VLM is called the same way: ``generator(model, prompt_ids, vision=groups)``
     (``groups``: the :class:`VisionGroups` of the rows)."""
 
-    def __init__(self, generation_config: Any, pad_token_id: int, eos_token_ids: Sequence[int]) -> None:
-        self.generation_config, self.pad, self.eos = generation_config, pad_token_id, list(eos_token_ids)
-
     @torch.no_grad()
     def __call__(self, model: nn.Module, prompt_ids: list[list[int]], vision: VisionGroups) -> list[list[int]]:
         device = next(model.parameters()).device
         ids, mask = pad_rows(prompt_ids, self.pad, "left", device)
-        inputs = {"input_ids": ids, "attention_mask": mask,
-                  "mm_token_type_ids": vision.token_type_rows(ids.shape[1], 0).to(device),
-                  **vision.inputs(0, len(prompt_ids), device)}
-        was_training = model.training
-        model.eval()
-        try:
-            out = model.generate(**with_pair_images(model, inputs), generation_config=self.generation_config)
-        finally:
-            model.train(was_training)
-        completions = []
-        for row in out[:, ids.shape[1]:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.eos), None)
-            completions.append(row if end is None else row[:end + 1])
-        return completions
+        return self.generate(model, {"input_ids": ids, "attention_mask": mask,
+                                     "mm_token_type_ids": vision.token_type_rows(ids.shape[1], 0).to(device),
+                                     **vision.inputs(0, len(prompt_ids), device)})
+
+    def prepare(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The groups' images encoded once, each row given its group's features (``mm_encoder_outputs``)."""
+        return with_pair_images(model, inputs)

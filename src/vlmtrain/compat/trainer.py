@@ -30,6 +30,7 @@ from ..trainer.trainer import TrainerCore
 from .arguments import TrainingArguments
 from .auto_batch_size import AutoBatchSize
 from .callback_handler import TransformersCallbackHandler
+from .callback_states import StatefulCallbacks
 from .checkpoints import position_from_step
 from .columns import TransformersColumns
 from .counts import TransformersCounts
@@ -66,7 +67,7 @@ PARTS = TrainerParts(
 
 
 class Trainer(AutoBatchSize, TransformersModelInit, TransformersTrainerInternals, TransformersTrainerMethods, TransformersCounts,
-              TransformersEvaluation, TransformersColumns,
+              TransformersEvaluation, TransformersColumns, StatefulCallbacks,
               TrainerCore):
     """Trains any module whose forward returns a mapping (or ModelOutput) with `loss`, or a tuple `(loss, ...)`,
     on any map-style or iterable dataset of dict samples. Override the named steps to change behaviour."""

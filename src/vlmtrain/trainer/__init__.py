@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigError
 
 _MODULES = {"args": "TrainingArgumentsCore", "checkpoint": "CheckpointError", "parts": "TrainerParts", "setup": "set_seed",
-            "callbacks": "CallbackHandler DefaultFlowCallback ExportableState TrainerCallback", "trainer": "TrainerCore",
+            "callbacks": "CallbackHandler DefaultFlowCallback TrainerCallback", "trainer": "TrainerCore",
             "state": "EvalLoopOutput EvalPrediction PredictionOutput TrainerControl TrainerState TrainOutput"}
 _NAMES = {name: module for module, names in _MODULES.items() for name in names.split()}  # (imported on first use)
 if TYPE_CHECKING:  # the same names, for type checkers and the API reference (mkdocstrings reads them statically)
     from .args import TrainingArgumentsCore
-    from .callbacks import CallbackHandler, DefaultFlowCallback, ExportableState, TrainerCallback
+    from .callbacks import CallbackHandler, DefaultFlowCallback, TrainerCallback
     from .checkpoint import CheckpointError
     from .parts import TrainerParts
     from .setup import set_seed
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API reference (mk
     from .trainer import TrainerCore
 __all__ = [
     "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EvalLoopOutput", "EvalPrediction",
-    "ExportableState", "PredictionOutput", "TrainerCallback", "TrainerControl", "TrainerCore", "TrainerParts",
+    "PredictionOutput", "TrainerCallback", "TrainerControl", "TrainerCore", "TrainerParts",
     "TrainerState", "TrainOutput", "TrainingArgumentsCore", "set_seed",
 ]
 

@@ -131,7 +131,7 @@ class TrainerParts:
     """train.fsdp's plan: shards the model, saves and loads its and the optimizer's state; None: no FSDP."""
     checkpoint_writer: Callable[..., Any] | None = None
     """``(output_dir, rank, after_publish, model_files)`` -> train.async_checkpoint's background writer (save,
-    poll, wait, abandon); None: checkpoints are written synchronously."""
+    poll, wait; the context train() runs in); None: checkpoints are written synchronously."""
     reposition: Any = Refused("reposition", "resuming a checkpoint of another number of processes or of "
                                             "dataloader_num_workers")
     """A checkpoint of another number of processes or data loader workers resumed at its position:

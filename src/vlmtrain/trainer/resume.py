@@ -9,13 +9,11 @@ import dataclasses
 import os
 import re
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from . import checkpoint as ckpt
-from .callbacks import callback_states, restore_callback_states
 from .model_files import has_sharded_weights
 from .setup import load_model_state
 from .sharding import ShardingPlan, keyed_by_name, sharding_of, sharding_plan
@@ -54,17 +52,25 @@ class CheckpointMixin:
 
     _async_saver: Any = None  # train.async_checkpoint: the background writer (the checkpoint_writer part's)
 
+    def _start_checkpoint_writer(self) -> contextlib.AbstractContextManager:
+        """(train() begins) train.async_checkpoint's background writer, the checkpoint_writer part's; FSDP's saves
+        stay synchronous. The writer publishes each save at a later step end (its poll), the last one before
+        train() returns (its wait), and, as the context train() runs in, lets no thread outlive a raise."""
+        writer, self._async_saver = self.parts.checkpoint_writer, None
+        if not self.args.async_checkpoint or writer is None or sharding_of(self.model, self.parts.sharding):
+            return contextlib.nullcontext()
+        self._async_saver = writer(self._get_output_dir(None), self.rank, self._rotate_checkpoints,
+                                   self.parts.model_files)
+        return self._async_saver
+
     def _save_checkpoint(self) -> str:
         out, step = self._get_output_dir(None), self.state.global_step
         if self.state.best_global_step == step:
             self.state.best_model_checkpoint = os.path.join(out, f"{ckpt.PREFIX}-{step}")
-        self.state.stateful_callbacks = callback_states(self.callback_handler.every_callback, self.control)
         if self._async_eval is not None:  # queued before the state is taken: a resume evaluates it if unlogged
             self._async_eval.enqueue(step)
-        sharding, writer = sharding_of(self.model, self.parts.sharding), self.parts.checkpoint_writer
-        if self.args.async_checkpoint and writer is not None and sharding is None:  # (FSDP's saves stay synchronous)
-            if self._async_saver is None:
-                self._async_saver = writer(out, self.rank, self._rotate_checkpoints, self.parts.model_files)
+        sharding = sharding_of(self.model, self.parts.sharding)
+        if self._async_saver is not None:  # (train.async_checkpoint: _start_checkpoint_writer)
             return self._async_saver.save(step, lambda: self._checkpoint_files(sharded=False), self.model,
                                           self.processing_class)
         files = self._checkpoint_files(sharded=sharding is not None)
@@ -81,8 +87,8 @@ class CheckpointMixin:
         return self.args.output_dir  # (transformers' name, where checkpoints go; a trial is refused by train())
 
     def _load_callback_state(self) -> None:
-        """(transformers' name) The checkpoint's stateful_callbacks, now self.state's, into the running callbacks."""
-        restore_callback_states(self.callback_handler.every_callback, self.control, self.state.stateful_callbacks)
+        """(transformers' name) The checkpoint's stateful_callbacks into the running callbacks: vlmtrain.Trainer's
+        (compat/callback_states.py); the core saves no callback state."""
 
     def _rotate_checkpoints(self, at_end: bool = False) -> None:
         """Delete the checkpoints beyond save_total_limit; ``at_end`` of training, with a limit of 1 and a best
@@ -107,26 +113,6 @@ class CheckpointMixin:
             self.log(row)
         if rows:
             self._rotate_checkpoints()
-
-    def _publish_written_checkpoint(self) -> None:
-        """At a step end (every rank): move a background-written checkpoint into place once it is on disk."""
-        if self._async_saver is not None:
-            self._async_saver.poll()
-
-    def _wait_for_checkpoint(self) -> None:
-        """Before training returns: the checkpoint in flight is written and in place (or its error raised)."""
-        if self._async_saver is not None:
-            self._async_saver.wait()
-
-    @contextlib.contextmanager
-    def _checkpoint_writer_joined(self) -> Iterator[None]:
-        """Training that raises lets the background writer finish first: no thread outlives train()."""
-        try:
-            yield
-        except BaseException:
-            if self._async_saver is not None:
-                self._async_saver.abandon()
-            raise
 
     def _checkpoint_files(self, sharded: bool) -> dict[str, Any]:
         """This rank's files of a checkpoint, no two ranks naming the same one: RNG and loop state per rank;

@@ -217,7 +217,8 @@ class SetupMixin:
         return epochs
 
     def _finish_training(self, start: float) -> TrainOutput:
-        self._wait_for_checkpoint()  # (async_checkpoint) the last save is complete before train() returns
+        if self._async_saver is not None:  # (async_checkpoint) the last save is complete before train() returns
+            self._async_saver.wait()
         self._poll_async_evaluations(at_end=True)  # (async_eval) evaluations still running, for a bounded time
         train_loss = self._run_loss.compute().get("loss", math.nan)
         steps = self.state.global_step

@@ -167,7 +167,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
             self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
             self._throughput.exclude(time.perf_counter() - paused)
         # SIGTERM/SIGUSR1: finish the step, save, return. An error waits for a checkpoint being written.
-        with PreemptionGuard() as self._preemption, self._checkpoint_writer_joined():
+        with PreemptionGuard() as self._preemption, self._start_checkpoint_writer():
             while self._epoch_index < epochs and not self.control.should_training_stop:
                 self.control = self._event("on_epoch_begin")
                 self._run_epoch(model, loader)
@@ -266,7 +266,8 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
             yield batch
 
     def _maybe_log_save_evaluate(self) -> None:
-        self._publish_written_checkpoint()  # (async_checkpoint) the previous save, once every rank wrote it
+        if self._async_saver is not None:  # (async_checkpoint) the previous save, once every rank wrote it
+            self._async_saver.poll()
         if self.control.should_log and self.state.global_step > self._last_logged_step:
             logs = self._train_losses.compute()
             self._train_losses.reset()
