@@ -69,7 +69,7 @@ LONGEST_FIRST = (
     "test_tiny_qwen3vl_learns_the_motion_in_moving_shapes",  # 435
     "test_addition_example_reaches_95_percent_on_held_out_sums",  # 235
     "test_tiny_qwen3vl_score_heads_learn_through_the_cli",  # 225
-    "test_the_grpo_demo_learns",  # 266 at load ~6 (85 CPU-s: SFT, 60 GRPO steps, two held-out evaluations)
+    "test_the_grpo_demo_learns",  # 97 at load ~4 (39 CPU-s: SFT, 60 GRPO steps, two held-out evaluations)
     "test_the_two_stage_preference_demo_learns",  # 87 at load ~3-5 (three trainings: SFT, DPO, reward head)
 )
 

@@ -1,89 +1,98 @@
-"""The GRPO learning demo (examples/grpo_shapes.py): a tiny Qwen3-VL SFT'd briefly on colour questions, then
-GRPO with an exact-match reward; its report (held-out greedy exact match after SFT, after GRPO, chance), its
-pieces (the reward, the prompts in TRL's vision layout, the held-out measure), and (slow) that the shipped
-recipe learns (docs/grpo.md, "Proof that it learns")."""
+"""The GRPO learning demo (configs/qwen3vl-tiny-pairs-grpo.yaml after configs/qwen3vl-tiny-pairs-sft.yaml): a tiny
+Qwen3-VL SFT'd briefly on colour questions, then GRPO with an exact-match reward; the prompts data.source
+shapes_pairs gives a GRPO run, the report `vlmtrain demo` prints (held-out greedy exact match after SFT, after
+GRPO, chance), and (slow) that the shipped recipe learns (docs/grpo.md, "Proof that it learns")."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from vlmtrain import run
 from vlmtrain.tasks.shapes_pairs import ShapesPairs
 
-SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "grpo_shapes.py"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {stage: ROOT / "configs" / f"qwen3vl-tiny-pairs-{stage}.yaml" for stage in ("sft", "grpo")}
 
 
-@pytest.fixture(scope="module")
-def demo():
-    spec = importlib.util.spec_from_file_location("grpo_shapes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+def test_a_grpo_run_of_shapes_pairs_gets_fresh_colour_questions_as_prompts_with_their_answer():
+    from vlmtrain.config import load_run_config
+    from vlmtrain.tasks.shapes_pairs_source import build
+
+    cfg = load_run_config(CONFIGS["grpo"], {"data.num_train": 12, "data.seed": 5})
+    built = build(cfg)
+    assert built["eval_dataset"] is None  # (the report measures greedy exact match itself: no GRPO evaluation)
+    sft = ShapesPairs("train", 12, seed=5, pairs=False)
+    rows = list(built["train_dataset"])
+    assert len(rows) == 12
+    for row in rows:
+        assert set(row) == {"images", "texts", "answer", "qtype", "id"}
+        assert row["texts"] == [{"user": "What color is the shape?"}] and len(row["images"]) == 1
+    assert [r["answer"] for r in rows] == [s["texts"][0]["assistant"] for s in sft]  # (balanced colours, in turn)
+    # fresh scenes: not the ones stage 1 trained on (the same data.seed)
+    assert all(r["images"][0].tobytes() != s["images"][0].tobytes() for r, s in zip(rows, sft))
 
 
-def test_the_prompts_are_the_sft_questions_in_trls_vision_layout_and_the_reward_is_exact_match(demo):
-    rows, sft = demo.Questions("train", 12, seed=5), ShapesPairs("train", 12, seed=5, pairs=False)
-    for row, conversation in zip(rows, sft):
-        (turn,) = conversation["texts"]
-        assert row["prompt"] == [{"role": "user", "content": [{"type": "image"},
-                                                              {"type": "text", "text": turn["user"]}]}]
-        assert row["answer"] == turn["assistant"]
-        assert row["images"][0].tobytes() == conversation["images"][0].tobytes()
-    completions = [[{"role": "assistant", "content": " red"}], [{"role": "assistant", "content": "red."}], "blue"]
-    assert demo.exact_match(completions, answer=["red", "red", "red"]) == [1.0, 0.0, 0.0]
-
-
-def test_the_held_out_measure_counts_an_answer_right_when_it_is_the_truth(demo, tiny_hub):
+def test_the_grpo_demo_reports_greedy_exact_match_after_sft_and_after_grpo_beside_chance(tmp_path, tiny_hub, capsys):
+    """Stage 2 shortened to one step at a learning rate of 1e-12 (0 is refused): its checkpoint is the stage-1
+    model, so the report must measure both the same, each from its own checkpoint."""
     from vlmtrain import load_for_inference
+
+    _, stage1, _ = tiny_hub("qwen3_vl")
+    metrics = run.demo(output_dir=str(tmp_path / "grpo"), config=str(CONFIGS["grpo"]), overrides={
+        "model.pretrained": stage1, "train.max_steps": 1, "train.save_steps": 1, "train.learning_rate": 1e-12,
+        "train.num_generations": 2, "train.per_device_train_batch_size": 4, "data.num_train": 4,
+        "data.num_eval": 6, "train.dataloader_num_workers": 0})
+    printed = capsys.readouterr().out
+    for name in ("greedy exact match", "after SFT", "after GRPO", "chance", "0.167"):
+        assert name in printed, name
+    assert metrics["eval_exact_match"] == metrics["stage1_exact_match"]
+    pairs = ShapesPairs("val", 6, seed=0)
+    answers = load_for_inference(stage1, "cpu", "float32").generate([{"images": p["images"], "texts": p["texts"]}
+                                                                      for p in pairs], max_new_tokens=8)
+    assert metrics["stage1_exact_match"] == sum(a.strip() == p["chosen"] for a, p in zip(answers, pairs)) / 6
+    from transformers import AutoModelForImageTextToText
+
+    (checkpoint,) = (tmp_path / "grpo").glob("checkpoint-*")
+    trained = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32)  # (the policy)
+    before = AutoModelForImageTextToText.from_pretrained(stage1, dtype=torch.float32)
+    for (name, a), b in zip(trained.state_dict().items(), before.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_the_held_out_measure_counts_an_answer_right_when_it_is_the_truth(tiny_hub):
+    from vlmtrain import load_for_inference
+    from vlmtrain.evaluation.grpo_demo import exact_match
 
     _, checkpoint, _ = tiny_hub("qwen3_vl")
     pairs = [dict(p) for p in ShapesPairs("val", 6, seed=0)]
     answers = load_for_inference(checkpoint, "cpu", "float32").generate(
         [{"images": p["images"], "texts": p["texts"]} for p in pairs], max_new_tokens=8)
-    for pair, answer in zip(pairs[:4], answers):  # its own greedy answer is the truth for 4 of the 6
-        pair["chosen"] = answer
-    for pair, answer in zip(pairs[4:], answers[4:]):
-        pair["chosen"] = answer + "x"
-    assert demo.accuracy(checkpoint, pairs) == pytest.approx(4 / 6)
-
-
-def test_the_demo_reports_the_sft_and_grpo_stages_beside_chance(demo, tiny_hub, tmp_path, capsys):
-    """Both stages shortened (2 SFT steps, 1 GRPO step at a learning rate of 1e-12: the GRPO checkpoint is the SFT
-    model): the report measures both the same, from their checkpoints (a GRPO checkpoint is the policy's)."""
-    _, hub, _ = tiny_hub("qwen3_vl")
-    got = demo.main(["--output-dir", str(tmp_path), "--pretrained", hub, "--eval", "4",
-                     "--sft-set", "train.max_steps=2", "--sft-set", "train.save_steps=2",
-                     "--set", "max_steps=1", "--set", "learning_rate=1e-12", "--set", "num_generations=2",
-                     "--set", "per_device_train_batch_size=4"])
-    printed = capsys.readouterr().out
-    assert "after SFT" in printed and "after GRPO" in printed and "chance" in printed
-    assert got["chance"] == pytest.approx(1 / 6) and f"{got['chance']:.3f}" in printed
-    assert got["sft"] == got["grpo"]
-    grpo = tmp_path / "grpo" / "checkpoint-1"
-    from transformers import AutoModelForImageTextToText
-
-    trained = AutoModelForImageTextToText.from_pretrained(grpo, dtype=torch.float32)  # (the policy, not GRPO's wrapper)
-    (sft,) = (tmp_path / "sft").glob("checkpoint-*")
-    before = AutoModelForImageTextToText.from_pretrained(sft, dtype=torch.float32)
-    for (name, a), b in zip(trained.state_dict().items(), before.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9, msg=name)
+    for pair, answer in zip(pairs, answers):  # its own greedy answer is the truth for 4 of the 6
+        pair["chosen"], pair["rejected"] = answer, answer + "x"
+    for pair in pairs[4:]:
+        pair["chosen"] = pair["chosen"] + "x"
+    assert exact_match(checkpoint, pairs) == pytest.approx(4 / 6)
 
 
 @pytest.mark.slow
-def test_the_grpo_demo_learns(demo, tmp_path):
-    """The shipped script as it is (seed 0, one torch thread as CI runs it): GRPO raises the held-out greedy exact
-    match well above the SFT start, which is clearly below the ceiling."""
+def test_the_grpo_demo_learns(tmp_path):
+    """The two shipped configs unchanged but for their paths (seed 0, one torch thread, as docs/grpo.md runs
+    them): GRPO raises the held-out greedy exact match well above the SFT start, which is clearly below the
+    ceiling."""
+    from vlmtrain.models.families import get_family
+
+    hub = get_family("qwen3_vl").build_tiny(str(tmp_path / "tiny-qwen3vl"), seed=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        got = demo.main(["--output-dir", str(tmp_path)])
+        run.demo(output_dir=str(tmp_path / "sft"), config=str(CONFIGS["sft"]), overrides={"model.pretrained": hub})
+        (stage1,) = (tmp_path / "sft").glob("checkpoint-*")
+        got = run.demo(output_dir=str(tmp_path / "grpo"), config=str(CONFIGS["grpo"]),
+                       overrides={"model.pretrained": str(stage1)})
     finally:
         torch.set_num_threads(threads)
-    assert got["sft"] <= 0.8
-    assert got["grpo"] >= got["sft"] + 0.2
+    assert got["stage1_exact_match"] <= 0.8
+    assert got["eval_exact_match"] >= got["stage1_exact_match"] + 0.2

@@ -100,13 +100,14 @@ class DataCore:
     """Data source: addition (synthetic 'a+b=' -> 'c' for a causal LM), shapes (synthetic shapes VQA, one or
     two images per question), shapes_scores (synthetic shapes scenes with score-head labels: object count and the
     named shape's colour, for `model.heads`), shapes_pairs (synthetic shapes questions as preference pairs, a wrong
-    answer rejected; with train.objective sft the right answers alone), jsonl (one the_cauldron-schema JSONL file, image paths relative to
+    answer rejected; with train.objective sft the right answers alone, with grpo prompts with their `answer`), jsonl (one the_cauldron-schema JSONL file, image paths relative to
     the file) or stream (the `sources` below, read as a resumable stream split across ranks and workers)."""
     num_train: int = 20000
     """Number of training samples (addition, shapes, shapes_scores, shapes_pairs)."""
     num_eval: int = 500
     """Number of held-out evaluation samples (addition, shapes_scores, shapes_pairs with pairs; shapes and
-    shapes_pairs with train.objective sft: per question type)."""
+    shapes_pairs with train.objective sft: per question type; shapes_pairs with grpo: the demo report's held-out
+    questions)."""
     seed: int = 0
     """Seed for generating the data and its train/eval split."""
     train_file: str | None = None

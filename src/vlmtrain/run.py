@@ -297,6 +297,8 @@ def demo(output_dir: str | None = None, config: str | None = None, seed: int | N
         return metrics
     if cfg.train.objective == "dpo" and cfg.model.kind == "hub_vlm" and trainer.eval_dataset is not None:
         report = _preference_report(trainer, metrics, cfg)
+    elif cfg.train.objective == "grpo" and cfg.model.kind == "hub_vlm" and cfg.data.source == "shapes_pairs":
+        report = _grpo_report(metrics, cfg)
     elif source.demo_report is not None:
         report = source.demo_report(trainer, metrics)
     else:
@@ -327,6 +329,18 @@ def _preference_report(trainer: Any, metrics: dict[str, Any], cfg: RunConfig) ->
     source = get_source(cfg.data.source)
     stage2 = resolve_checkpoint(cfg.train.output_dir, cfg.train.output_dir)
     return report(trainer, metrics, cfg.model.pretrained, stage2, source.chance() if source.chance else {})
+
+
+def _grpo_report(metrics: dict[str, Any], cfg: RunConfig) -> str:
+    """The GRPO demo's report: the SFT stage (model.pretrained) beside the trained model's last checkpoint, on
+    data.num_eval held-out questions."""
+    from vlmtrain.evaluation.grpo_demo import report
+    from vlmtrain.tasks.shapes_pairs import ShapesPairs
+    from vlmtrain.tasks.shapes_pairs_source import chance
+
+    stage2 = resolve_checkpoint(cfg.train.output_dir, cfg.train.output_dir)
+    held_out = ShapesPairs("val", cfg.data.num_eval, seed=cfg.data.seed)
+    return report(metrics, cfg.model.pretrained, stage2, held_out, chance()["exact_match"])
 
 
 def demo_console(cfg: RunConfig) -> Any:

@@ -8,19 +8,34 @@ from typing import Any
 
 from vlmtrain.data.registry import DataSource
 
+GRPO_SEED_OFFSET = 1000
+"""A GRPO run's prompts are drawn with data.seed + this: fresh scenes, not the ones stage 1 (SFT) trained on."""
+
 
 def build(cfg: Any) -> dict[str, Any]:
     """SFT (train.objective sft): training conversations and one eval set per question type (greedy exact
-    match, with train.predict_with_generate); dpo / reward: training pairs and one held-out set of pairs."""
+    match, with train.predict_with_generate); dpo / reward: training pairs and one held-out set of pairs; grpo:
+    training prompts (:func:`grpo_prompts`) and no eval set (the demo report measures data.num_eval held-out
+    questions itself: vlmtrain/evaluation/grpo_demo.py)."""
     from vlmtrain.tasks.shapes_pairs import PAIR_QTYPES, ShapesPairs
 
     d, pairs = cfg.data, cfg.train.objective != "sft"
+    if cfg.train.objective == "grpo":
+        return {"train_dataset": grpo_prompts(ShapesPairs("train", d.num_train, seed=d.seed + GRPO_SEED_OFFSET)),
+                "eval_dataset": None}
     train = ShapesPairs("train", d.num_train, seed=d.seed, pairs=pairs)
     if pairs:
         return {"train_dataset": train, "eval_dataset": ShapesPairs("val", d.num_eval, seed=d.seed)}
     return {"train_dataset": train,
             "eval_dataset": {q: ShapesPairs("val", d.num_eval, seed=d.seed, pairs=False, qtypes=(q,))
                              for q in PAIR_QTYPES}}
+
+
+def grpo_prompts(pairs: Any) -> list[dict[str, Any]]:
+    """The pairs' questions as GRPO prompts (docs/data.md#grpo-prompts): ``images``, ``texts`` (the question
+    alone) and the right answer as ``answer``, the column the exact-match reward reads."""
+    return [{k: v for k, v in {**p, "answer": p["chosen"]}.items() if k not in ("chosen", "rejected")}
+            for p in pairs]
 
 
 def chance() -> dict[str, float]:
