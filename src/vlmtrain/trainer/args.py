@@ -25,22 +25,26 @@ SAMPLING_STRATEGIES = ("random", "sequential")
 
 # Each numeric argument's range: name -> (whether a value is in it, the end of the ConfigError's message after the
 # name; {v} is the value). Checked at construction, in this order.
-RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "per_device_train_batch_size": (lambda v: v >= 1, "must be >= 1, got {v}."),
-    "per_device_eval_batch_size": (lambda v: v >= 1, "must be >= 1, got {v}."),
-    "gradient_accumulation_steps": (lambda v: v >= 1, "must be >= 1, got {v}."),
-    "learning_rate": (lambda v: v >= 0, "must be >= 0, got {v}."),
-    "warmup_ratio": (lambda v: 0 <= v < 1, "must be in [0, 1), got {v}."),
-    "warmup_steps": (lambda v: v >= 0, "must be >= 0, got {v}."),
-    "max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 disables clipping), got {v}."),
-    "save_total_limit": (lambda v: v is None or v >= 1, "must be >= 1, or None to keep every checkpoint."),
-    "max_eval_batches": (lambda v: v is None or v >= 1, "must be >= 1, or None for the whole eval set."),
-    "peak_tflops": (lambda v: v is None or v > 0, "must be > 0 (the device's peak TFLOP/s), or None; got {v}."),
-    "preemption_grace_s": (lambda v: v >= 1, "must be >= 1 second, got {v}."),
-    "ddp_timeout": (lambda v: v >= 1, "must be >= 1 second, got {v}."),
-    "max_consecutive_nonfinite_steps": (lambda v: v >= 0, "must be >= 0 (0: never stop)."),
-    "max_bad_sample_fraction": (lambda v: 0 < v <= 1, "must be in (0, 1], got {v}."),
-    "label_smoothing_factor": (lambda v: 0 <= v < 1, "must be in [0, 1), got {v}."),
+RANGES: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {  # (each section checked in its place, beside a group's own)
+    "steps": {
+        "per_device_train_batch_size": (lambda v: v >= 1, "must be >= 1, got {v}."),
+        "per_device_eval_batch_size": (lambda v: v >= 1, "must be >= 1, got {v}."),
+        "gradient_accumulation_steps": (lambda v: v >= 1, "must be >= 1, got {v}.")},
+    "optimization": {
+        "learning_rate": (lambda v: v >= 0, "must be >= 0, got {v}."),
+        "warmup_ratio": (lambda v: 0 <= v < 1, "must be in [0, 1), got {v}."),
+        "warmup_steps": (lambda v: v >= 0, "must be >= 0, got {v}."),
+        "max_grad_norm": (lambda v: v >= 0, "must be >= 0 (0 disables clipping), got {v}."),
+        "save_total_limit": (lambda v: v is None or v >= 1, "must be >= 1, or None to keep every checkpoint.")},
+    "evaluation": {
+        "max_eval_batches": (lambda v: v is None or v >= 1, "must be >= 1, or None for the whole eval set.")},
+    "runtime": {
+        "peak_tflops": (lambda v: v is None or v > 0, "must be > 0 (the device's peak TFLOP/s), or None; got {v}."),
+        "preemption_grace_s": (lambda v: v >= 1, "must be >= 1 second, got {v}."),
+        "ddp_timeout": (lambda v: v >= 1, "must be >= 1 second, got {v}."),
+        "max_consecutive_nonfinite_steps": (lambda v: v >= 0, "must be >= 0 (0: never stop)."),
+        "max_bad_sample_fraction": (lambda v: 0 < v <= 1, "must be in (0, 1], got {v}."),
+        "label_smoothing_factor": (lambda v: 0 <= v < 1, "must be in [0, 1), got {v}.")},
 }
 
 
@@ -62,7 +66,6 @@ class TrainingArgumentsCore(CoreArguments):
 
     def __post_init__(self) -> None:
         self._resolve_defaults()
-        self._check_ranges()
         self._check_strategies_and_steps()
         self._check_optimization()
         self._check_best_model()
@@ -75,9 +78,9 @@ class TrainingArgumentsCore(CoreArguments):
             self.activation_checkpointing = False
         self.output_dir = os.path.expanduser("trainer_output" if self.output_dir is None else self.output_dir)
 
-    def _check_ranges(self) -> None:
-        """Every argument of RANGES in its range."""
-        for name, (allowed, message) in RANGES.items():
+    def _check_ranges(self, section: str) -> None:
+        """Every argument of RANGES[section] in its range."""
+        for name, (allowed, message) in RANGES[section].items():
             if not allowed(getattr(self, name)):
                 raise ConfigError(f"{name} {message.format(v=getattr(self, name))}")
 
@@ -88,6 +91,7 @@ class TrainingArgumentsCore(CoreArguments):
         check_choice("logging_strategy", self.logging_strategy, INTERVALS)
         check_choice("eval_strategy", self.eval_strategy, INTERVALS)
         check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        self._check_ranges("steps")
         if self.eval_strategy == "steps" and not self.eval_steps:  # (transformers: None or 0 -> logging_steps)
             self.eval_steps = self.logging_steps
         self._check_steps("logging_steps", self.logging_strategy)
@@ -98,6 +102,7 @@ class TrainingArgumentsCore(CoreArguments):
 
     def _check_optimization(self) -> None:
         """Learning rates, warmup, clipping, checkpoint rotation and the schedule's arguments."""
+        self._check_ranges("optimization")
         for key, lr in (self.module_learning_rates or {}).items():
             if lr < 0:
                 raise ConfigError(f"module_learning_rates[{key!r}] must be >= 0, got {lr}.")
@@ -129,10 +134,12 @@ class TrainingArgumentsCore(CoreArguments):
             self.greater_is_better = not self.metric_for_best_model.endswith("loss")
 
     def _check_evaluation(self) -> None:
-        """Evaluation's settings beyond their ranges (RANGES): none here; vlmtrain.TrainingArguments checks its own."""
+        """Evaluation's limits (vlmtrain.TrainingArguments checks its own here too)."""
+        self._check_ranges("evaluation")
 
     def _check_runtime(self) -> None:
         """Throughput, distributed, failure, sampling, memory, loss and data loader settings."""
+        self._check_ranges("runtime")
         check_choice("train_sampling_strategy", self.train_sampling_strategy, SAMPLING_STRATEGIES)
         if self.torch_empty_cache_steps is not None and not (
                 isinstance(self.torch_empty_cache_steps, int) and self.torch_empty_cache_steps > 0):

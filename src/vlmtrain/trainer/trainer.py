@@ -56,7 +56,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
                  preprocess_logits_for_metrics: Any = None, parts: TrainerParts | None = None) -> None:
         self.parts = parts if parts is not None else self.parts  # (Trainer(parts=...): this Trainer's own)
         self.args = args if args is not None else self.parts.arguments_class()
-        set_seed(self.args.seed)  # (before model_init builds the model)
+        set_seed(self.args.seed)  # (at construction, as transformers: before a model is built or prepared)
         model = self._resolve_model(model, model_init, compute_loss_func, optimizers, optimizer_cls_and_kwargs)
         if eval_dataset is None:
             self._check_no_eval_needed()
