@@ -214,8 +214,10 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             c_mask = c_mask * (~truncated).unsqueeze(1).long()
         batch = {"input_ids": torch.cat([p_ids, c_ids], 1), "attention_mask": torch.cat([p_mask, c_mask], 1),
                  "completion_mask": c_mask, "advantages": advantages[mine].to(device)}
-        if args.loss_type == "dapo":  # (TRL's normalizer: the generation batch's completion tokens, every
-            # process's, as one micro-step's share of them: steps_per_generation need not be the accumulation steps)
+        if args.loss_type == "dapo" and args.steps_per_generation != args.gradient_accumulation_steps:
+            # (TRL's normalizer: the generation batch's completion tokens, every process's, one micro-step's share of
+            # them. Where a window is the whole generation batch, its own tokens are those: the metrics then stay
+            # weighted by each micro-batch's tokens, as one process weighs them)
             total = gather_rows(c_mask.sum().float().reshape(1)).sum().clamp(min=1.0)
             share = total / (args.steps_per_generation * self.world_size)
             batch["dapo_normalizer"] = share.expand(len(rows)).to(device)
