@@ -7,7 +7,6 @@ that a YAML run and a Python GRPOTrainer job are one code path."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 from collections import Counter
@@ -76,19 +75,11 @@ def check_grpo(cfg: Any) -> None:
 
 
 def reward_functions(names: list[str]) -> list[Any]:
-    """Each `module:function` of train.reward_funcs imported; one that does not import is a ConfigError naming
-    it and the import error."""
-    funcs = []
-    for name in names:
-        module, _, attr = str(name).partition(":")
-        if not module or not attr:
-            raise ConfigError(f"train.reward_funcs: {name!r} is not a 'module:function' string.")
-        try:
-            funcs.append(getattr(importlib.import_module(module), attr))
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"train.reward_funcs: {name!r} does not import ({type(err).__name__}: {err}); make "
-                              f"{module!r} importable (on PYTHONPATH) with a function {attr!r}.") from None
-    return funcs
+    """Each `module:function` of train.reward_funcs imported (grpo_rollout.resolve_reward_funcs); one that does not
+    import is a ConfigError naming it and the import error."""
+    from vlmtrain.compat.grpo_rollout import resolve_reward_funcs
+
+    return resolve_reward_funcs([str(name) for name in names], where="train.reward_funcs")[0]
 
 
 def grpo_args(train: Any) -> Any:

@@ -112,22 +112,32 @@ class GroupSampler(Sampler[int]):
         return (self.size // self.batch) * self.batch * self.mini * self.repeat // self.world_size
 
 
-def resolve_reward_funcs(reward_funcs: Any) -> tuple[list[Callable], list[str]]:
-    """The reward functions (callables, or ``module:function`` strings imported here) and their names."""
+def resolve_reward_funcs(reward_funcs: Any, where: str = "reward function") -> tuple[list[Callable], list[str]]:
+    """The reward functions (callables, or ``module:function`` strings imported here) and their names; ``where``
+    names the setting in errors (a run config: ``train.reward_funcs``)."""
     funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
     resolved = []
     for f in funcs:
         if isinstance(f, str):
-            if ":" not in f:
-                raise ConfigError(f"reward function {f!r}: vlmtrain's GRPO takes Python callables or "
-                                  "'module:function' strings (reward models are not supported yet).")
-            module, name = f.split(":", 1)
-            f = getattr(importlib.import_module(module), name)
+            f = _import_reward(f, where)
         if isinstance(f, nn.Module) or not callable(f):
-            raise ConfigError(f"reward function {f!r}: vlmtrain's GRPO takes Python callables (reward models are "
+            raise ConfigError(f"{where} {f!r}: vlmtrain's GRPO takes Python callables (reward models are "
                               "not supported yet).")
         resolved.append(f)
     return resolved, [getattr(f, "__name__", type(f).__name__) for f in resolved]
+
+
+def _import_reward(name: str, where: str) -> Callable:
+    """A ``module:function`` string's function; one that does not import is a ConfigError naming it and why."""
+    module, _, attr = name.partition(":")
+    if not module or not attr:
+        raise ConfigError(f"{where} {name!r}: vlmtrain's GRPO takes Python callables or 'module:function' strings "
+                          "(reward models are not supported yet).")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"{where}: {name!r} does not import ({type(err).__name__}: {err}); make {module!r} "
+                          f"importable (on PYTHONPATH) with a function {attr!r}.") from None
 
 
 def score(funcs: list[Callable], names: list[str], prompts: list, completions: list, completion_ids: list,
