@@ -165,29 +165,19 @@ def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str, 
     return PromptRows(rows)
 
 
-def prompt_ids(tokenizer: Any, row: dict[str, Any]) -> list[int]:
-    """A prompt row's token ids as GRPOTrainer tokenizes them (a string; messages: the chat template with the
-    generation prompt), or its ``prompt_ids``."""
-    if "prompt_ids" in row:
-        return list(row["prompt_ids"])
-    if isinstance(row["prompt"], list):
-        return tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
-                                             return_dict=True)["input_ids"]
-    return tokenizer(text=row["prompt"])["input_ids"]
-
-
 def prompt_check(cfg: Any) -> Any:
     """What `vlmtrain data inspect --config` runs on each sample of a GRPO run: the prompt (SkipSample for a bad
     one) and, under ``tokens``, its tokens as the run tokenizes them (a VLM's: its processor's, images expanded)."""
     if cfg.model.kind == "hub_vlm":
         return _vision_prompt_check(cfg)
+    from vlmtrain.compat.grpo_rollout import prompt_token_ids
     from vlmtrain.models.kinds.causal_lm import tokenizer_for
 
     tokenizer = tokenizer_for(cfg)
 
     def check(sample: dict[str, Any]) -> dict[str, Any]:
         row = prompt_row(sample, tokenizer)
-        return {**row, "tokens": {"prompt": tokenizer.convert_ids_to_tokens(prompt_ids(tokenizer, row))}}
+        return {**row, "tokens": {"prompt": tokenizer.convert_ids_to_tokens(prompt_token_ids(tokenizer, [row])[0])}}
 
     return check
 

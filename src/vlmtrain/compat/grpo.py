@@ -29,6 +29,7 @@ from .grpo_rollout import (
     GroupSampler,
     HFGenerate,
     pad_rows,
+    prompt_token_ids,
     resolve_reward_funcs,
     score,
 )
@@ -169,12 +170,6 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         size = len(batch["advantages"]) // chunks
         return [rows_of(batch, i * size, (i + 1) * size) for i in range(chunks)]
 
-    def _prompt_ids(self, prompts: list) -> list[list[int]]:
-        if isinstance(prompts[0], list):  # conversational: the chat template with the generation prompt
-            return [self.tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
-                    ["input_ids"] for p in prompts]
-        return self.tokenizer(text=prompts)["input_ids"]
-
     @torch.no_grad()
     def _generate_and_score(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         args, device, policy = self.args, self.device, self.model.policy
@@ -183,10 +178,8 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         if self._image_token_id is not None:  # (each group's prompt and images processed once)
             groups = encode_groups(self.processing_class, rows, self._image_token_id)
             prompt_ids = groups.row_prompt_ids()
-        elif "prompt_ids" in rows[0]:  # (a YAML run's `texts` prompts, laid out as SFT: config_grpo.prompt_row)
-            prompt_ids = [list(r["prompt_ids"]) for r in rows]
         else:
-            prompt_ids = self._prompt_ids(prompts)
+            prompt_ids = prompt_token_ids(self.tokenizer, rows)
         positions = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
         longest = max(len(p) for p in prompt_ids)
         if positions is not None and longest + args.max_completion_length > positions:

@@ -112,6 +112,19 @@ class GroupSampler(Sampler[int]):
         return (self.size // self.batch) * self.batch * self.mini * self.repeat // self.world_size
 
 
+def prompt_token_ids(tokenizer: Any, rows: Sequence[dict[str, Any]]) -> list[list[int]]:
+    """Each row's prompt token ids: its ``prompt_ids`` where it has them (a YAML run's `texts` prompts, laid out
+    as SFT lays them out: config_grpo.prompt_row); for chat messages the chat template with the generation
+    prompt; else the tokenizer's ids of the string."""
+    if "prompt_ids" in rows[0]:
+        return [list(r["prompt_ids"]) for r in rows]
+    prompts = [r["prompt"] for r in rows]
+    if isinstance(prompts[0], list):
+        return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)
+                ["input_ids"] for p in prompts]
+    return tokenizer(text=prompts)["input_ids"]
+
+
 def resolve_reward_funcs(reward_funcs: Any, where: str = "reward function") -> tuple[list[Callable], list[str]]:
     """The reward functions (callables, or ``module:function`` strings imported here) and their names; ``where``
     names the setting in errors (a run config: ``train.reward_funcs``)."""
