@@ -75,11 +75,20 @@ def check_grpo(cfg: Any) -> None:
 
 
 def reward_functions(names: list[str]) -> list[Any]:
-    """Each `module:function` of train.reward_funcs imported (grpo_rollout.resolve_reward_funcs); one that does not
-    import is a ConfigError naming it and the import error."""
+    """train.reward_funcs' entries: a directory is a reward model (grpo_reward_models.check_reward_model_dir:
+    checked here without loading it, kept as its path for GRPOTrainer to load); a `module:function` is imported
+    (grpo_rollout.resolve_reward_funcs; one that does not import is a ConfigError naming it and the import error)."""
+    from vlmtrain.compat.grpo_reward_models import check_reward_model_dir
     from vlmtrain.compat.grpo_rollout import resolve_reward_funcs
 
-    return resolve_reward_funcs([str(name) for name in names], where="train.reward_funcs")[0]
+    where, funcs = "train.reward_funcs", []
+    for name in map(str, names):
+        if os.path.isdir(name):
+            check_reward_model_dir(name, where)
+            funcs.append(name)
+        else:
+            funcs += resolve_reward_funcs([name], where=where, models=False)[0]
+    return funcs
 
 
 def grpo_args(train: Any) -> Any:
