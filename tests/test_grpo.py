@@ -92,7 +92,7 @@ def _config(cls, out, **kw):
 def _run(framework: str, model_dir, out, conversational: bool = False, peft_config=None, funcs=None,
          reward_processing_classes=None, **kw):
     rollout = FixedCompletions(6)
-    funcs = funcs() if funcs else [length_reward, target_reward]
+    funcs = funcs(framework) if funcs else [length_reward, target_reward]
     rpc = dict(reward_processing_classes=reward_processing_classes) if reward_processing_classes else {}
     if framework == "trl":
         import trl
@@ -183,6 +183,7 @@ def reward_model_dir(tmp_path_factory):
     torch.manual_seed(3)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_labels=1,
+                         attention_dropout=0.1,  # (scored in eval mode, as TRL: no dropout)
                          pad_token_id=0)
     LlamaForSequenceClassification(config).save_pretrained(path)
     _tokenizer().save_pretrained(path)
@@ -195,13 +196,15 @@ def test_grpo_with_a_reward_model_equals_trl(model_dir, reward_model_dir, tmp_pa
     """A sequence-classification reward model in reward_funcs, as TRL scores it (prompt + completion, the chat
     template for messages, right padding, its logit; named after its path): alone as a path, or as a model object
     with its reward_processing_classes tokenizer beside a weighted function: rewards, loss, metrics and final
-    weights equal TRL's GRPOTrainer's."""
+    weights equal TRL's GRPOTrainer's. (The model object is given to vlmtrain in training mode: it scores in eval
+    mode, without its dropout, as TRL's from_pretrained model does.)"""
     from transformers import AutoModelForSequenceClassification
 
-    def funcs():
+    def funcs(framework):
         if not mixed:
             return [str(reward_model_dir)]
-        return [AutoModelForSequenceClassification.from_pretrained(reward_model_dir), length_reward]
+        model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)  # (eval mode, for TRL)
+        return [model.train() if framework == "ours" else model, length_reward]  # (ours: put in eval mode)
 
     kw = dict(loss_type="grpo", beta=0.1, reward_weights=[1.0, 0.5] if mixed else None, funcs=funcs,
               reward_processing_classes=[_tokenizer(), None] if mixed else None)
