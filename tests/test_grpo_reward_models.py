@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import vlmtrain
-from tests.test_grpo import _prompts, model_dir, reward_model_dir  # noqa: F401 (model_dir, reward_model_dir: fixtures)
+from tests.test_grpo import _prompts, _trainer, model_dir, reward_model_dir  # noqa: F401 (model_dir, reward_model_dir: fixtures)
 from tests.test_objective_grpo import _metrics, _yaml
 from tests.test_reward_head import _reward_yaml
 from vlmtrain import cli
@@ -22,7 +22,7 @@ def test_grpo_scores_with_the_reward_model_a_reward_run_trained(model_dir, tiny_
     """A reward run (a tiny Qwen3-VL's reward head, 2 steps) then a GRPO run of a causal LM whose
     train.reward_funcs is that run's directory, both through `vlmtrain train`: each logged completion's reward
     is the reward head's score of its prompt and completion (load_for_inference(...).score), logged under
-    rewards/<directory name>/mean."""
+    rewards/<directory name>/mean; the same in Python with the loaded checkpoint in reward_funcs."""
     reward_config = _reward_yaml(tmp_path, tiny_hub("qwen3_vl")[1])
     cfg = yaml.safe_load(open(reward_config))
     del cfg["data"]["eval_file"]  # (no evaluation needed here)
@@ -40,6 +40,18 @@ def test_grpo_scores_with_the_reward_model_a_reward_run_trained(model_dir, tiny_
     assert [r["reward"] for r in table] == pytest.approx([w["reward"] for w in want], abs=1e-5)
     assert log["rewards/run/mean"] == pytest.approx(sum(w["reward"] for w in want) / 8, abs=1e-5)
     assert len({round(w["reward"], 6) for w in want}) > 1  # (the head tells the completions apart)
+
+    # in Python: the checkpoint loaded with load_for_inference is the reward_funcs entry (its path is refused,
+    # naming that), the same scores
+    with pytest.raises(ConfigError, match=r"is a vlmtrain checkpoint with a reward head: pass "
+                                          r"vlmtrain.load_for_inference\("):
+        _trainer(model_dir, tmp_path / "python", [run])
+    trainer = _trainer(model_dir, tmp_path / "python", [scorer], log_completions=True)
+    trainer.train()
+    [log] = [e for e in trainer.state.log_history if "loss" in e]
+    want = scorer.score([{"texts": [{"user": r["prompt"], "assistant": r["completion"]}]} for r in log["completions"]])
+    assert [r["reward"] for r in log["completions"]] == pytest.approx([w["reward"] for w in want], abs=1e-5)
+    assert "rewards/run/mean" in log  # (named after the run, not its checkpoint-N)
 
 
 def test_a_reward_funcs_directory_must_hold_a_reward_model(model_dir, reward_model_dir, tmp_path,  # noqa: F811

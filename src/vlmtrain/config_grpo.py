@@ -214,5 +214,20 @@ def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
     vision = cfg.model.kind == "hub_vlm"
     train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file", vision)
     evals = prompt_rows(parts["eval_dataset"], tokenizer, "data.eval_file", vision) if cfg.data.num_eval > 0 else None
-    return GRPOTrainer(parts["model"], reward_functions(cfg.train.reward_funcs), args=grpo_args(cfg.train),
-                       train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)
+    args = grpo_args(cfg.train)
+    return GRPOTrainer(parts["model"], [_head_reward(f, args) for f in reward_functions(cfg.train.reward_funcs)],
+                       args=args, train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)
+
+
+def _head_reward(entry: Any, args: Any) -> Any:
+    """A train.reward_funcs directory holding a vlmtrain checkpoint with a reward head, loaded on the policy's
+    device and named after the entry (GRPOTrainer loads the other reward models itself); other entries as they
+    are."""
+    from vlmtrain.compat.grpo_reward_models import HeadReward, reward_head
+    from vlmtrain.inference import load_for_inference
+
+    head = reward_head(entry) if isinstance(entry, str) else None
+    if head is None:
+        return entry
+    return HeadReward(load_for_inference(entry, device=args.device), head, args.per_device_train_batch_size,
+                      name=entry.rstrip("/").split("/")[-1])

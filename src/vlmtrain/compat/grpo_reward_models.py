@@ -1,8 +1,9 @@
 """Reward models in GRPO's ``reward_funcs``, as reward functions: TRL 1.16's sequence-classification models with
 one label (a path or Hub id, or a model object; each prompt + completion scored by its logit), and vlmtrain's own
-checkpoints with a ``reward`` score head (the output of a ``train.objective: reward`` run; each prompt +
-completion scored as a training sample, with the row's images). Both score in evaluation mode without gradients,
-in batches, on the policy's device; each process holds its own copy."""
+checkpoints with a ``reward`` score head (the output of a ``train.objective: reward`` run, given as
+``vlmtrain.load_for_inference(path)``; each prompt + completion scored as a training sample, with the row's
+images). Both score in evaluation mode without gradients, in batches, on the device they were loaded on (the
+policy's: ``args.device``, in a run config); each process holds its own copy."""
 
 from __future__ import annotations
 
@@ -62,17 +63,20 @@ class SequenceClassifierReward:
 
 
 class HeadReward:
-    """A vlmtrain checkpoint's ``reward`` score head (``head``) as a reward function: each prompt (its user and
-    assistant turns' text) + completion is a training sample (``texts`` turns, the completion the last answer;
-    the row's ``images`` / ``image``), processed and scored as :func:`vlmtrain.load_for_inference`'s ``score``
-    does; a sample its processing skips (too long, ...) is not scored (None)."""
+    """A vlmtrain checkpoint's ``reward`` score head as a reward function: ``inference`` is the checkpoint loaded
+    with :func:`vlmtrain.load_for_inference` (on the device it scores on); each prompt (its user and assistant
+    turns' text) + completion is a training sample (``texts`` turns, the completion the last answer; the row's
+    ``images`` / ``image``), processed and scored as its ``score`` does; a sample its processing skips (too long,
+    ...) is not scored (None). ``__name__``: ``name``, else the checkpoint's (its run directory's for a
+    ``checkpoint-N``)."""
 
-    def __init__(self, path: str, head: str, device: torch.device | str, batch_size: int) -> None:
-        from ..inference import load_for_inference
-
-        self.inference = load_for_inference(path, device=device)
-        self.inference.model.requires_grad_(False)
-        self.head, self.batch_size, self.__name__ = head, max(1, batch_size), _name(path)
+    def __init__(self, inference: Any, head: str, batch_size: int, name: str | None = None) -> None:
+        self.inference, self.head, self.batch_size = inference, head, max(1, batch_size)
+        self.inference.model.eval().requires_grad_(False)
+        path = str(inference.checkpoint or "").rstrip("/")
+        if os.path.basename(path).startswith("checkpoint-"):
+            path = os.path.dirname(path)
+        self.__name__ = name or _name(path) or head
 
     def __call__(self, prompts: list, completions: list, images: list | None = None, image: list | None = None,
                  **kwargs: Any) -> list[float | None]:
@@ -143,19 +147,25 @@ def check_reward_model_dir(path: str, where: str) -> str | None:
     return None
 
 
-def load_reward_model(entry: str | nn.Module, processing_class: Any, init_kwargs: dict[str, Any] | None,
+def load_reward_model(entry: Any, processing_class: Any, init_kwargs: dict[str, Any] | None,
                       device: torch.device | str, batch_size: int, where: str) -> Any:
-    """A reward_funcs entry that is a model (a directory, a Hub id, or a model object) as a reward function: a
-    vlmtrain checkpoint with a reward head (:class:`HeadReward`), else a sequence-classification model loaded with
-    one label as TRL loads it (:class:`SequenceClassifierReward`), scored with ``processing_class`` (default: the
-    model's tokenizer)."""
+    """A reward_funcs entry that is a model as a reward function: a :func:`vlmtrain.load_for_inference` model with
+    a reward head (:class:`HeadReward`), else a sequence-classification model (an object, or a path or Hub id
+    loaded with one label as TRL loads it: :class:`SequenceClassifierReward` on ``device``), scored with
+    ``processing_class`` (default: the model's tokenizer). A checkpoint directory with a reward head is refused:
+    the caller loads it (load_for_inference is above this layer)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    if hasattr(entry, "head_configs") and hasattr(entry, "score"):  # (an InferenceModel)
+        head = next((n for n, c in entry.head_configs.items() if c.type == "reward"), None)
+        if head is None:
+            raise ConfigError(f"{where} {entry.checkpoint!r} has no reward head (its heads: "
+                              f"{sorted(entry.head_configs)}): train one with train.objective: reward.")
+        return HeadReward(entry, head, batch_size)
     if isinstance(entry, str):
-        if os.path.isdir(entry):
-            head = check_reward_model_dir(entry, where)
-            if head is not None:
-                return HeadReward(entry, head, device, batch_size)
+        if os.path.isdir(entry) and check_reward_model_dir(entry, where) is not None:
+            raise ConfigError(f"{where} {entry!r} is a vlmtrain checkpoint with a reward head: pass "
+                              f"vlmtrain.load_for_inference({entry!r}) in reward_funcs.")
         entry = AutoModelForSequenceClassification.from_pretrained(entry, num_labels=1, **(init_kwargs or {}))
     if not hasattr(entry, "config"):
         raise ConfigError(f"{where} {type(entry).__name__}: a reward model is a transformers sequence-classification "

@@ -131,8 +131,8 @@ def resolve_reward_funcs(reward_funcs: Any, where: str = "reward function", proc
                          batch_size: int = 8, models: bool = True) -> tuple[list[Callable], list[str]]:
     """The reward functions (callables, or ``module:function`` strings imported here) and their names; ``where``
     names the setting in errors (a run config: ``train.reward_funcs``). With ``models``, an entry that is a
-    model (an ``nn.Module``, a directory, or a string without ``:``: a Hub id, as TRL reads it) is loaded as a
-    reward function (compat/grpo_reward_models.py) on ``device``, scored with its ``processing_classes`` entry
+    model (an ``nn.Module``, a directory, a string without ``:``: a Hub id, as TRL reads it, or a
+    ``vlmtrain.load_for_inference`` model with a reward head) is loaded as a reward function (compat/grpo_reward_models.py) on ``device``, scored with its ``processing_classes`` entry
     (one per reward function, or one for all; None: the model's tokenizer) in batches of ``batch_size``."""
     from .grpo_reward_models import load_reward_model
 
@@ -144,7 +144,8 @@ def resolve_reward_funcs(reward_funcs: Any, where: str = "reward function", proc
                           f"reward functions ({len(funcs)}).")
     resolved = []
     for f, processing_class in zip(funcs, classes, strict=True):
-        if models and (isinstance(f, nn.Module) or isinstance(f, str) and (os.path.isdir(f) or ":" not in f)):
+        if models and (isinstance(f, nn.Module) or hasattr(f, "head_configs")
+                       or isinstance(f, str) and (os.path.isdir(f) or ":" not in f)):
             f = load_reward_model(f, processing_class, init_kwargs, device, batch_size, where)
         elif isinstance(f, str):
             f = _import_reward(f, where)
