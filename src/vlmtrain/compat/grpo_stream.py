@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -207,6 +208,8 @@ def stream_loader(trainer: Any) -> Any:
         prompts = prompts.shuffle(seed=args.seed)
     groups = GroupStream(prompts, args.num_generations, args.generation_batch_size // args.num_generations,
                          args.num_iterations * args.steps_per_generation, trainer.rank, trainer.world_size)
-    # (a generator of its own: a loader's seed drawn from torch's RNG would move the rollouts' sampling)
-    return StatefulDataLoader(groups, batch_size=None, collate_fn=_as_is,
-                              generator=torch.Generator().manual_seed(args.seed))
+    with warnings.catch_warnings():  # (torchdata calls torch.set_vital, which torch deprecates)
+        warnings.filterwarnings("ignore", message=".set_vital. is deprecated", category=UserWarning)
+        # (a generator of its own: a loader's seed drawn from torch's RNG would move the rollouts' sampling)
+        return StatefulDataLoader(groups, batch_size=None, collate_fn=_as_is,
+                                  generator=torch.Generator().manual_seed(args.seed))
