@@ -13,8 +13,9 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import vlmtrain
+from tests.optional_extras import requires
 from tests.test_dpo import _tokenizer
-from tests.test_grpo import _prompts, length_reward, model_dir, target_reward  # noqa: F401 (model_dir: a fixture)
+from tests.test_grpo import _prompts, _run, length_reward, model_dir, target_reward  # noqa: F401 (model_dir: a fixture)
 from tests.test_objective_grpo import FUNCS, GRPO_KEYS, TRAIN, _jsonl, _metrics
 from vlmtrain import cli, run
 from vlmtrain.config import load_run_config
@@ -95,3 +96,21 @@ def test_a_stream_source_without_prompts_or_a_stream_without_max_steps_is_refuse
         vlmtrain.GRPOTrainer(model="no/such-model", reward_funcs=length_reward, args=args,
                              train_dataset=_prompts(5).to_iterable_dataset(), processing_class=_tokenizer())
 
+
+
+@requires("trl", "dev")
+def test_grpo_on_a_datasets_iterable_dataset_equals_trl(model_dir, tmp_path, one_thread):  # noqa: F811
+    """Given a datasets.IterableDataset (12 prompts, 2 a generation: 6 steps an epoch), vlmtrain.GRPOTrainer trains
+    as TRL 1.16's GRPOTrainer does with the same completions (rel 1e-4): TRL's buffered shuffle by the seed
+    (shuffle_dataset, reshuffled in the second epoch) and TRL's repeat order of the stream."""
+    kw = dict(loss_type="dapo", beta=0.1, num_iterations=2, max_steps=8, iterable=True)
+    trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", **kw)
+    logs, weights = _run("ours", model_dir, tmp_path / "ours", **kw)
+    assert len(logs) == len(trl_logs) == 8
+    for ours, theirs in zip(logs, trl_logs, strict=True):
+        for key in ("loss", "reward", "completions/mean_length", "kl", "entropy"):
+            assert (key in ours) == (key in theirs), (key, ours["step"])  # (rollout metrics: steps that generate)
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours["step"])
+    for name, value in trl_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5)

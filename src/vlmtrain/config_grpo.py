@@ -217,7 +217,7 @@ def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
 
 def stream_prompts(cfg: Any, stream: Any, tokenizer: Any, vision: bool) -> Any:
     """data.source: stream's records as GRPO prompts (:func:`prompt_row`; compat/grpo_stream.PromptStream: read
-    whole by every process, bad ones counted), the shards in order with train.shuffle_dataset false. Each source
+    whole by every process, bad ones counted; train.shuffle_dataset false: its shards in order). Each source
     is read first up to its first prompt: one without any is a ConfigError naming it (data.sources[i])."""
     import functools
 
@@ -233,5 +233,4 @@ def stream_prompts(cfg: Any, stream: Any, tokenizer: Any, vision: bool) -> Any:
             continue
         alone = StreamingDataset([source], seed=cfg.data.seed, filters=stream.filters)
         next(iter(PromptStream(alone, convert, name=f"data.sources[{i}]")))
-    stream.shuffle = cfg.train.shuffle_dataset
     return PromptStream(stream, convert, name="data.sources")

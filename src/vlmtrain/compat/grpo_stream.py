@@ -198,13 +198,16 @@ class GroupStream(IterableDataset):
 
 def stream_loader(trainer: Any) -> Any:
     """GRPOTrainer's train loader over a stream: a StatefulDataLoader (its position is the checkpoint's) over a
-    :class:`GroupStream`; a ``datasets.IterableDataset`` with ``shuffle_dataset`` first shuffled by ``seed`` in a
-    buffer, as TRL shuffles it (datasets' default buffer, 1,000 prompts; reshuffled per epoch)."""
+    :class:`GroupStream`. ``shuffle_dataset``: a StreamingDataset's shards are shuffled per epoch (else read in
+    order); a ``datasets.IterableDataset`` is shuffled by ``seed`` in a buffer, as TRL shuffles it (datasets'
+    default buffer, 1,000 prompts; reshuffled per epoch); another iterable is read as it comes."""
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     args, prompts = trainer.args, trainer.train_dataset
-    if args.shuffle_dataset and _hf_iterable(prompts):
+    if isinstance(prompts, PromptStream):  # (its shards reshuffled per epoch, by the stream's own seed)
+        prompts.stream.shuffle = args.shuffle_dataset
+    elif args.shuffle_dataset and _hf_iterable(prompts):
         prompts = prompts.shuffle(seed=args.seed)
     groups = GroupStream(prompts, args.num_generations, args.generation_batch_size // args.num_generations,
                          args.num_iterations * args.steps_per_generation, trainer.rank, trainer.world_size)
