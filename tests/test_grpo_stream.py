@@ -46,8 +46,8 @@ def _weights(run_dir) -> dict[str, torch.Tensor]:
 
 
 def test_grpo_from_a_stream_equals_the_same_prompts_from_a_jsonl_file(model_dir, tmp_path, one_thread):  # noqa: F811
-    """One JSONL file, read as data.train_file and as a stream's only source (shuffle_dataset false: the file's
-    order both ways), trains alike: every logged step's loss, rewards, KL, lengths (rel 1e-5) and the checkpoint's
+    """One JSONL file, read as data.train_file, as a stream's only source and as WebDataset shards (shuffle_dataset
+    false: the file's order each way), trains alike: every logged step's loss, rewards, KL, lengths (rel 1e-5) and the checkpoint's
     weights; the record without a prompt is skipped and counted in the stream's metrics. vlmtrain.GRPOTrainer given
     the good rows as a datasets.IterableDataset trains alike too."""
     train_file = _jsonl(tmp_path / "prompts.jsonl", _rows())
@@ -55,15 +55,21 @@ def test_grpo_from_a_stream_equals_the_same_prompts_from_a_jsonl_file(model_dir,
                                                 {"source": "jsonl", "train_file": train_file})]) == 0
     assert cli.main(["train", "--config", _yaml(tmp_path, model_dir, "stream", {
         "source": "stream", "sources": [{"kind": "jsonl", "path": train_file}]})]) == 0
-    from_file, streamed = ([r for r in _metrics(tmp_path / n) if "loss" in r] for n in ("file", "stream"))
-    assert len(from_file) == len(streamed) == STEPS
-    for step, (ours, theirs) in enumerate(zip(streamed, from_file, strict=True), 1):
+    # the same records as WebDataset shards (KEY.json each; every sample has an `images` list, empty here)
+    assert cli.main(["data", "to-wds", train_file, str(tmp_path / "wds"), "--shard-size", "10"]) == 0
+    assert cli.main(["train", "--config", _yaml(tmp_path, model_dir, "wds", {
+        "source": "stream", "sources": [{"kind": "wds", "path": str(tmp_path / "wds" / "shard-000000.tar")}]})]) == 0
+    from_file, streamed, wds = ([r for r in _metrics(tmp_path / n) if "loss" in r] for n in ("file", "stream", "wds"))
+    assert len(from_file) == len(streamed) == len(wds) == STEPS
+    for step, (ours, from_wds, theirs) in enumerate(zip(streamed, wds, from_file, strict=True), 1):
         for key in GRPO_KEYS:
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (step, key)
+            assert from_wds[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), ("wds", step, key)
     assert [r.get("skipped_not_a_prompt") for r in streamed] == [None, 1, None]  # (read with the second batch)
     expected = _weights(tmp_path / "file")
-    for name, weight in _weights(tmp_path / "stream").items():
-        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-6)
+    for run_dir in ("stream", "wds"):
+        for name, weight in _weights(tmp_path / run_dir).items():
+            torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-6)
 
     args = vlmtrain.GRPOConfig(str(tmp_path / "python"), bf16=False, gradient_checkpointing=False, use_cpu=True,
                                save_strategy="no", **{**TRAIN, "max_steps": STEPS, "shuffle_dataset": False})
