@@ -109,6 +109,8 @@ def prompt_row(record: dict[str, Any], tokenizer: Any, vision: bool = False) -> 
     row = {k: v for k, v in record.items() if k not in INTERNAL_COLUMNS}
     if row.get("images") and not vision:
         raise SkipSample("images_for_text_model", f"{len(row['images'])} image(s)")
+    if "images" in row and not row["images"] and not vision:  # (a WebDataset sample's empty list: no image column)
+        del row["images"]
     for image in row.get("images") or []:
         if isinstance(image, str) and not os.path.isfile(image):
             raise SkipSample("missing_image", image)
