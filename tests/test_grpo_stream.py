@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 import vlmtrain
@@ -46,8 +47,8 @@ def _weights(run_dir) -> dict[str, torch.Tensor]:
 
 
 def test_grpo_from_a_stream_equals_the_same_prompts_from_a_jsonl_file(model_dir, tmp_path, one_thread):  # noqa: F811
-    """One JSONL file, read as data.train_file, as a stream's only source and as WebDataset shards (shuffle_dataset
-    false: the file's order each way), trains alike: every logged step's loss, rewards, KL, lengths (rel 1e-5) and the checkpoint's
+    """One JSONL file, read as data.train_file, as a stream's only source, as WebDataset shards and as a Hugging
+    Face dataset (shuffle_dataset false: the file's order each way), trains alike: every logged step's loss, rewards, KL, lengths (rel 1e-5) and the checkpoint's
     weights; the record without a prompt is skipped and counted in the stream's metrics. vlmtrain.GRPOTrainer given
     the good rows as a datasets.IterableDataset trains alike too."""
     train_file = _jsonl(tmp_path / "prompts.jsonl", _rows())
@@ -59,15 +60,20 @@ def test_grpo_from_a_stream_equals_the_same_prompts_from_a_jsonl_file(model_dir,
     assert cli.main(["data", "to-wds", train_file, str(tmp_path / "wds"), "--shard-size", "10"]) == 0
     assert cli.main(["train", "--config", _yaml(tmp_path, model_dir, "wds", {
         "source": "stream", "sources": [{"kind": "wds", "path": str(tmp_path / "wds" / "shard-000000.tar")}]})]) == 0
-    from_file, streamed, wds = ([r for r in _metrics(tmp_path / n) if "loss" in r] for n in ("file", "stream", "wds"))
-    assert len(from_file) == len(streamed) == len(wds) == STEPS
-    for step, (ours, from_wds, theirs) in enumerate(zip(streamed, wds, from_file, strict=True), 1):
-        for key in GRPO_KEYS:
-            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (step, key)
-            assert from_wds[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), ("wds", step, key)
-    assert [r.get("skipped_not_a_prompt") for r in streamed] == [None, 1, None]  # (read with the second batch)
+    # and as a Hugging Face dataset on disk (the record without a prompt: prompt None, its question a column)
+    Dataset.from_list(_rows()).save_to_disk(str(tmp_path / "hf"))
+    assert cli.main(["train", "--config", _yaml(tmp_path, model_dir, "hf", {
+        "source": "stream", "sources": [{"kind": "hf", "path": str(tmp_path / "hf")}]})]) == 0
+    runs = {n: [r for r in _metrics(tmp_path / n) if "loss" in r] for n in ("file", "stream", "wds", "hf")}
+    from_file = runs.pop("file")
+    assert len(from_file) == STEPS and all(len(logs) == STEPS for logs in runs.values())
+    for name, logs in runs.items():
+        for step, (ours, theirs) in enumerate(zip(logs, from_file, strict=True), 1):
+            for key in GRPO_KEYS:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (name, step, key)
+        assert [r.get("skipped_not_a_prompt") for r in logs] == [None, 1, None], name  # (read with batch 2)
     expected = _weights(tmp_path / "file")
-    for run_dir in ("stream", "wds"):
+    for run_dir in runs:
         for name, weight in _weights(tmp_path / run_dir).items():
             torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-6)
 
