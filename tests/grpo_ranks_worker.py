@@ -27,6 +27,9 @@ CASES = {
     # groups of 4 cut by the ranks' slices (3 prompts, 6 rows a rank: rank 1's start in the second group's middle)
     "vision-group-across-ranks": dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=6,
                                       gradient_accumulation_steps=1, vision=True),
+    # the prompts from a stream (StreamingDataset over a JSONL file): every rank reads it whole, takes its slice
+    "stream-dapo-accum-mu2": dict(loss_type="dapo", beta=0.1, num_iterations=2, mask_truncated_completions=True,
+                                  per_device_train_batch_size=2, gradient_accumulation_steps=2, stream=True),
 }
 ADAM_EPSILON = 1e-3
 """(As tests/rank_preference_worker.py: Adam magnifies the ranks' other summation order on a near-zero gradient;
@@ -84,6 +87,18 @@ def vision_prompts() -> list[dict]:
             for i in range(8)]
 
 
+def _stream(rows: list[dict], out: str, case: str):
+    """The prompts as vlmtrain's StreamingDataset over a JSONL file (one file per process: none reads another's)."""
+    import json
+
+    from vlmtrain.data.sources import JsonlSource, StreamingDataset
+
+    path = os.path.join(out, f"{case}-{os.environ.get('WORLD_SIZE', '1')}-{os.environ.get('RANK', '0')}.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return StreamingDataset([JsonlSource(path)], seed=7)
+
+
 def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
     from datasets import Dataset
 
@@ -91,7 +106,7 @@ def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
     from tests.test_dpo import _tokenizer
 
     options = dict(CASES[case])
-    vision = options.pop("vision", False)
+    vision, stream = options.pop("vision", False), options.pop("stream", False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     options["per_device_train_batch_size"] = options["per_device_train_batch_size"] * 2 // world
     args = vlmtrain.GRPOConfig(
@@ -114,7 +129,8 @@ def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
         assert len(kinds) == len(rows), "two prompts alike"
         eos = tokenizer.eos_token_id
     trainer = vlmtrain.GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
-                                   train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                                   train_dataset=_stream(rows, out, case) if stream else Dataset.from_list(rows),
+                                   processing_class=tokenizer,
                                    generator=ScriptedCompletions(kinds, eos))
     result = trainer.train()
     if trainer.rank == 0:

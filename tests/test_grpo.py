@@ -90,20 +90,22 @@ def _config(cls, out, **kw):
 
 
 def _run(framework: str, model_dir, out, conversational: bool = False, peft_config=None, funcs=None,
-         reward_processing_classes=None, **kw):
+         reward_processing_classes=None, iterable: bool = False, **kw):
     rollout = FixedCompletions(6)
     funcs = funcs(framework) if funcs else [length_reward, target_reward]
     rpc = dict(reward_processing_classes=reward_processing_classes) if reward_processing_classes else {}
+    prompts = _prompts(conversational=conversational)
+    prompts = prompts.to_iterable_dataset() if iterable else prompts  # (a stream: tests/test_grpo_stream.py)
     if framework == "trl":
         import trl
 
         trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs, args=_config(trl.GRPOConfig, out, **kw),
-                                  train_dataset=_prompts(conversational=conversational), processing_class=_tokenizer(),
+                                  train_dataset=prompts, processing_class=_tokenizer(),
                                   rollout_func=rollout.trl, peft_config=peft_config, **rpc)
     else:
         trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
                                        args=_config(vlmtrain.GRPOConfig, out, **kw),
-                                       train_dataset=_prompts(conversational=conversational),
+                                       train_dataset=prompts,
                                        processing_class=_tokenizer(), generator=rollout, peft_config=peft_config, **rpc)
     trainer.train()
     policy = trainer.model if framework == "trl" else trainer.policy

@@ -154,7 +154,13 @@ def test_exact_answer_reward_compares_stripped_texts():
     assert exact_answer(completions, answer=["4", "7", "6"], prompts=["a", "b", "c"]) == [1.0, 1.0, 0.0]
 
 
-def vision_reward(completions, target, **kwargs):
+OPENED: list = []  # (whether each image vision_reward was given is an opened PIL image: as the prompts' rows hold it)
+
+
+def vision_reward(completions, target, images=None, **kwargs):
+    from PIL import Image
+
+    OPENED.extend(isinstance(i, Image.Image) for row in images or [] for i in row)
     return [float(t in (c[0]["content"] if isinstance(c, list) else c)) + 0.1 * len(str(c)) % 3
             for c, t in zip(completions, target, strict=True)]
 
@@ -162,7 +168,8 @@ def vision_reward(completions, target, **kwargs):
 def test_grpo_from_yaml_on_a_hub_vlm_equals_grpo_trainer(tiny_hub, tmp_path, one_thread, capsys):
     """model.kind hub_vlm (a tiny Qwen3-VL): prompts with images in a JSONL file, in vlmtrain's `texts` layout and
     TRL's conversational one, train as vlmtrain.GRPOTrainer trains the same rows as TRL's VLM layout (messages
-    and PIL images), same seed: the same per-step loss, rewards and KL (rel 1e-5). `vlmtrain data inspect
+    and PIL images), same seed: the same per-step loss, rewards and KL (rel 1e-5); so does the file read as a
+    stream (data.source: stream, its images opened by the process that takes their rows). `vlmtrain data inspect
     --config` shows each prompt's tokens as the processor makes them, image tokens expanded."""
     import random
 
@@ -196,6 +203,16 @@ def test_grpo_from_yaml_on_a_hub_vlm_equals_grpo_trainer(tiny_hub, tmp_path, one
     assert len(shown) == 4 and [line.count("<|image_pad|>") > 0 for line in shown] == [True, False, True, True]
     assert cli.main(["train", "--config", str(tmp_path / "vlm.yaml")]) == 0
     ours = [r for r in _metrics(tmp_path / "run") if "loss" in r]
+    # the same JSONL file as a stream's source (data.source: stream; the file's order, shuffle_dataset false)
+    config["data"] = {"source": "stream", "sources": [{"kind": "jsonl", "path": str(tmp_path / "vlm.jsonl")}]}
+    config["train"]["output_dir"] = str(tmp_path / "stream")
+    (tmp_path / "stream.yaml").write_text(yaml.safe_dump(config))
+    import tests.test_objective_grpo as imported  # (the module the config names: maybe not pytest's own)
+
+    imported.OPENED.clear()
+    assert cli.main(["train", "--config", str(tmp_path / "stream.yaml")]) == 0
+    assert imported.OPENED and all(imported.OPENED)
+    streamed = [r for r in _metrics(tmp_path / "stream") if "loss" in r]
 
     args = vlmtrain.GRPOConfig(str(tmp_path / "python"), bf16=False, gradient_checkpointing=False,
                                save_strategy="no", use_cpu=True, **train)
@@ -204,7 +221,8 @@ def test_grpo_from_yaml_on_a_hub_vlm_equals_grpo_trainer(tiny_hub, tmp_path, one
                                    processing_class=processor)
     trainer.train()
     theirs = [e for e in trainer.state.log_history if "loss" in e]
-    assert len(ours) == len(theirs) == 2
-    for step, (mine, log) in enumerate(zip(ours, theirs, strict=True), 1):
+    assert len(ours) == len(streamed) == len(theirs) == 2
+    for step, (mine, stream, log) in enumerate(zip(ours, streamed, theirs, strict=True), 1):
         for key in ("loss", "reward", "completions/mean_length", "kl", "entropy"):
             assert mine[key] == pytest.approx(log[key], rel=1e-5, abs=1e-7), (step, key)
+            assert stream[key] == pytest.approx(log[key], rel=1e-5, abs=1e-7), ("stream", step, key)

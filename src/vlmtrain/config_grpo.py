@@ -49,9 +49,12 @@ def check_grpo(cfg: Any) -> None:
     if cfg.model.kind not in KINDS:
         raise ConfigError(f"{objective} is not supported for model.kind={cfg.model.kind} yet (model.kind: "
                           f"{', '.join(KINDS)}).")
-    if not get_source(cfg.data.source).pairs or cfg.data.source == "stream":
-        raise ConfigError(f"{objective} samples from a prompt set it can index: data.source={cfg.data.source!r} "
-                          "cannot give one; use data.source jsonl (docs/data.md#grpo-prompts).")
+    if not get_source(cfg.data.source).pairs:
+        raise ConfigError(f"{objective} trains on prompts: data.source={cfg.data.source!r} cannot give them; use "
+                          "data.source jsonl or stream (docs/data.md#grpo-prompts).")
+    if cfg.data.source == "stream" and cfg.train.max_steps <= 0:
+        raise ConfigError(f"train.max_steps={cfg.train.max_steps}: {objective} with data.source=stream needs "
+                          "train.max_steps (a stream has no length to count epochs in).")
     refused = {"data.packing": (cfg.data.packing is True, "set data.packing: false (completions are generated "
                                 "per step and padded, never packed)"),
                **{f"data.{key}": (getattr(cfg.data, key) is not None, f"remove data.{key} (nothing is packed)")
@@ -115,6 +118,8 @@ def prompt_row(record: dict[str, Any], tokenizer: Any, vision: bool = False) -> 
     row = {k: v for k, v in record.items() if k not in INTERNAL_COLUMNS}
     if row.get("images") and not vision:
         raise SkipSample("images_for_text_model", f"{len(row['images'])} image(s)")
+    if "images" in row and not row["images"] and not vision:  # (a WebDataset sample's empty list: no image column)
+        del row["images"]
     for image in row.get("images") or []:
         if isinstance(image, str) and not os.path.isfile(image):
             raise SkipSample("missing_image", image)
@@ -212,7 +217,10 @@ def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
 
     tokenizer = parts["tokenizer"]
     vision = cfg.model.kind == "hub_vlm"
-    train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file", vision)
+    if cfg.data.source == "stream":
+        train = stream_prompts(cfg, parts["train_dataset"], tokenizer, vision)
+    else:
+        train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file", vision)
     evals = prompt_rows(parts["eval_dataset"], tokenizer, "data.eval_file", vision) if cfg.data.num_eval > 0 else None
     args = grpo_args(cfg.train)
     return GRPOTrainer(parts["model"], [_head_reward(f, args) for f in reward_functions(cfg.train.reward_funcs)],
@@ -231,3 +239,24 @@ def _head_reward(entry: Any, args: Any) -> Any:
         return entry
     return HeadReward(load_for_inference(entry, device=args.device), head, args.per_device_train_batch_size,
                       name=entry.rstrip("/").split("/")[-1])
+
+
+def stream_prompts(cfg: Any, stream: Any, tokenizer: Any, vision: bool) -> Any:
+    """data.source: stream's records as GRPO prompts (:func:`prompt_row`; compat/grpo_stream.PromptStream: read
+    whole by every process, bad ones counted; train.shuffle_dataset false: its shards in order). Each source
+    is read first up to its first prompt: one without any is a ConfigError naming it (data.sources[i])."""
+    import functools
+
+    from vlmtrain.compat.grpo_stream import PromptStream
+    from vlmtrain.data.sources import StreamingDataset
+    from vlmtrain.data.streams import make_source
+
+    convert = functools.partial(prompt_row, tokenizer=tokenizer, vision=vision)
+    for i, spec in enumerate(cfg.data.sources):
+        try:
+            source = make_source(spec, cfg.data.seed)
+        except Exception:  # noqa: BLE001 - left out of the stream already, with its reason logged
+            continue
+        alone = StreamingDataset([source], seed=cfg.data.seed, filters=stream.filters)
+        next(iter(PromptStream(alone, convert, name=f"data.sources[{i}]")))
+    return PromptStream(stream, convert, name="data.sources")

@@ -34,6 +34,7 @@ from .grpo_rollout import (
     score,
 )
 from .grpo_state import RolloutCheckpoints, gather_rows
+from .grpo_stream import is_stream, stream_loader, streamed_prompts
 from .grpo_vision import (
     VisionGenerate,
     check_vision_dataset,
@@ -70,6 +71,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             args = GRPOConfig(f"{str(name).split('/')[-1]}-GRPO")
         if train_dataset is None:
             raise ValueError("`train_dataset` is required")
+        train_dataset = streamed_prompts(train_dataset, args.max_steps)  # (a stream: read whole by each process)
         if eval_dataset is not None:  # (evaluated as TRL evaluates: compat/grpo_eval.py)
             check_eval_batch(args)
         first = next(iter(train_dataset))
@@ -144,6 +146,8 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
     def get_train_dataloader(self) -> StatefulDataLoader:
         """Generation batches in TRL's order (grpo_rollout.GroupSampler), each a list of dataset rows."""
         args = self.args
+        if is_stream(self.train_dataset):  # (TRL's order over a stream: grpo_stream.GroupStream)
+            return stream_loader(self)
         sampler = GroupSampler(len(self.train_dataset), args.num_generations,
                                args.generation_batch_size // args.num_generations,
                                args.num_iterations * args.steps_per_generation, args.shuffle_dataset, args.seed,

@@ -26,7 +26,8 @@ class GRPOOptions(TrainingArguments):
     steps_per_generation: int | None = None
     """(grpo) Micro-batches each generation feeds; null: gradient_accumulation_steps."""
     shuffle_dataset: bool = True
-    """(grpo) Shuffle the prompts (a seeded permutation, TRL's order)."""
+    """(grpo) Shuffle the prompts (a seeded permutation, TRL's order). From data.source stream: the shards
+    reshuffled each epoch (data.seed), false: in order."""
     temperature: float = 1.0
     """(grpo) Sampling temperature of the rollouts (the training forward divides its logits by it too)."""
     top_p: float = 1.0
