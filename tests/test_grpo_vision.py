@@ -278,13 +278,15 @@ def test_vision_grpo_encodes_each_groups_images_once(greedy_run):
 
 
 def _plain_rows(processor, rows: list[dict]) -> dict:
-    """The processor over the rows' prompts (left-padded), each row with its own copy of its images."""
+    """The processor over the rows' prompts (left-padded), each row with its own copy of its images, the template's
+    tokens only (as TRL's prompt ids: Gemma 3's tokenizer would add a second BOS)."""
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
                                              + [{"type": "text", "text": r["prompt"][0]["content"]}]}],
                                            tokenize=False, add_generation_prompt=True) for r in rows]
     processor.tokenizer.padding_side = "left"
     try:
-        return processor(text=texts, images=[r["images"] for r in rows], padding=True, return_tensors="pt")
+        return processor(text=texts, images=[r["images"] for r in rows], padding=True, return_tensors="pt",
+                         add_special_tokens=False)
     finally:
         processor.tokenizer.padding_side = "right"
 
@@ -343,13 +345,14 @@ def test_vision_grpo_refuses_a_model_no_family_covers(qwen3_vl, tmp_path):
                              processing_class=qwen3_vl[1])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features(tiny_hub, family):
+@pytest.mark.parametrize("family", [*FAMILIES, "smolvlm"])
+def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features(tiny_hub, tmp_path, family):
     """A process's slice of a generation batch may cut groups (4 completions a prompt; 8 rows from row 2 on: 2 of a
     prompt with 2 images, 4 of one with 1, 2 of a text-only one), and micro-batches of 4 rows cut them again (the
     1-image group spans both): each row still reads its own prompt's tokens and features, each micro-batch gives
     the images of the groups it holds once (one vision tower call), and the completion log-probs equal those of the
-    plain forward of the 8 rows, each with its own copy of its images, on every family."""
+    plain forward of the 8 rows, each with its own copy of its images, on every family (SmolVLM2: the idefics3
+    family's other model type, its own processor)."""
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.compat.grpo_rollout import pad_rows
@@ -357,8 +360,14 @@ def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features
     from vlmtrain.data.preference_vision import ROW_TOKEN_KEYS
     from vlmtrain.models.objectives.grpo import completion_logps, vision_inputs
 
-    _, path, processor = tiny_hub(family)
+    if family == "smolvlm":
+        fam, _, _ = tiny_hub("idefics3")
+        path = fam.build_tiny(str(tmp_path), model_type="smolvlm")
+        processor = fam.load_processor(path)
+    else:
+        _, path, processor = tiny_hub(family)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    assert model.config.model_type == family
     data = list(_prompts())
     rows = [data[4]] * 2 + [data[5]] * 4 + [data[6]] * 2  # (2 images, 1, none)
     groups = encode_groups(processor, rows, model.config.image_token_id, check_vision_model(model).batch_layout)
