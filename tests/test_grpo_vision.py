@@ -1,10 +1,12 @@
 """vlmtrain.GRPOTrainer on a vision-language model with TRL 1.16's layout (conversational prompts, an ``images``
-column): equal to TRL's GRPOTrainer on a tiny Qwen3-VL given the same completions, a mixed generation batch (prompts
-with 0, 1 and 2 images, a micro-batch without any) included; each group's images encoded once per rollout and
-once per training forward, the completions those of a plain per-row generate."""
+column): equal to TRL's GRPOTrainer on a tiny Qwen3-VL, Gemma 3 and Idefics3 given the same completions, a mixed
+generation batch (prompts with 0, 1 and 2 images, a micro-batch without any) included; on every Hub VLM family each
+group's images encoded once per rollout and once per training forward, the completions those of a plain per-row
+generate."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -19,6 +21,7 @@ from tests.test_dpo_vision import TowerCounter
 from vlmtrain.errors import ConfigError
 
 EOS = 258  # the tiny Qwen3-VL's <|im_end|>
+FAMILIES = ["qwen3_vl", "qwen2_5_vl", "idefics3", "gemma3", "llava_onevision"]
 WORDS = ["red", "blue", "green", "square", "circle", "two", "three", "how", "many", "what"]
 IMAGES_PER_PROMPT = [1, 0, 0, 0, 2, 1, 0, 1]  # (with 2 prompts a micro-batch, the second one has no image)
 
@@ -40,20 +43,26 @@ def _prompts():
 
 
 class FixedCompletions(text_grpo.FixedCompletions):
-    """test_grpo.py's deterministic completions (some end with EOS, others run to the limit) in the tiny Qwen3-VL's
-    vocabulary; the prompt ids TRL's rollout_func returns are its processor's, as TRL's own generation path
-    tokenizes them."""
+    """test_grpo.py's deterministic completions (some end with ``eos``, others run to the limit) in the tiny VLMs'
+    vocabularies (ids 64..75: no special token in any of them); the prompt ids TRL's rollout_func returns are its
+    processor's, as TRL's own generation path tokenizes them."""
+
+    def __init__(self, limit: int, eos: int = EOS) -> None:
+        super().__init__(limit)
+        self.eos = eos
 
     def completions(self, count: int) -> list[list[int]]:
-        return [[EOS if t == text_grpo.EOS else 60 + t for t in row] for row in super().completions(count)]  # (a..l)
+        return [[self.eos if t == text_grpo.EOS else 60 + t for t in row] for row in super().completions(count)]
 
     def __call__(self, model, prompt_ids, **vision):  # vlmtrain's Generator
         return self.completions(len(prompt_ids))
 
     def trl(self, prompts, trainer):  # TRL's rollout_func
-        proc = trainer.processing_class
-        ids = [proc.apply_chat_template([p], add_generation_prompt=True, tokenize=True, return_dict=True)
-               ["input_ids"][0] for p in prompts]
+        from trl.data_utils import prepare_multimodal_messages
+
+        proc = trainer.processing_class  # (string content as blocks, as TRL's own path gives a VLM's processor)
+        ids = [proc.apply_chat_template([prepare_multimodal_messages(p)], add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"][0] for p in prompts]
         return {"prompt_ids": ids, "completion_ids": self.completions(len(prompts)), "logprobs": None}
 
 
@@ -75,6 +84,28 @@ def qwen3_vl(tiny_hub):
     return path, processor
 
 
+def _eos(model) -> int:
+    """The end of an assistant turn the tiny model's generation stops at (its generation config's first EOS)."""
+    eos = model.generation_config.eos_token_id
+    return eos[0] if isinstance(eos, list) else eos
+
+
+class ImageCounter(TowerCounter):
+    """TowerCounter on any family's vision tower (``model.model``'s ``visual``, ``vision_tower`` or
+    ``vision_model``): its calls and what they encode (Qwen's images: rows of ``grid_thw``; another family's
+    crops, tiles or images: the first dimension of its pixels)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        inner = model.model
+        super().__init__(next(getattr(inner, n) for n in ("visual", "vision_tower", "vision_model") if hasattr(inner, n)))
+
+    def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if "grid_thw" in kwargs or len(args) > 1:
+            return super()._count(module, args, kwargs)
+        self.calls += 1
+        self.images += int(kwargs.get("pixel_values", args[0] if args else None).shape[0])
+
+
 def _config(cls, out, **kw):
     base = dict(num_generations=2, per_device_train_batch_size=4, max_completion_length=5, max_steps=4,
                 learning_rate=3e-3, weight_decay=0.1, adam_epsilon=1e-6, logging_steps=1, seed=7, bf16=False, shuffle_dataset=False,
@@ -83,12 +114,32 @@ def _config(cls, out, **kw):
     return cls(str(out), **{**base, **kw})
 
 
+@contextlib.contextmanager
+def _template_tokens_only(processor):
+    """TRL 1.16's forward runs the processor over the rendered prompts again for the pixel inputs and per-token
+    keys, with ``add_special_tokens`` at its default: Gemma 3's tokenizer then adds a BOS to a template that holds
+    one, so the ``token_type_ids`` TRL passes are a token longer than its prompt ids and Gemma 3's bidirectional
+    image block lands a token late. Its rows, and vlmtrain's, are the template's tokens: the TRL side runs with no
+    token added (nothing changes for a tokenizer that adds none)."""
+    base = type(processor)
+
+    class Processor(base):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **{"add_special_tokens": False, **kwargs})
+
+    processor.__class__ = Processor
+    try:
+        yield
+    finally:
+        processor.__class__ = base
+
+
 def _run(framework: str, qwen3_vl, out, peft_config=None, **kw):
     from transformers import AutoModelForImageTextToText
 
     path, processor = qwen3_vl
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    rollout, funcs = FixedCompletions(5), [letters_reward, target_reward]
+    rollout, funcs = FixedCompletions(5, _eos(model)), [letters_reward, target_reward]
     if framework == "trl":
         import trl
 
@@ -98,7 +149,8 @@ def _run(framework: str, qwen3_vl, out, peft_config=None, **kw):
             trainer = trl.GRPOTrainer(model=model, reward_funcs=funcs, args=_config(trl.GRPOConfig, out, **kw),
                                       train_dataset=_prompts(), processing_class=processor, rollout_func=rollout.trl,
                                       peft_config=peft_config)
-            trainer.train()
+            with _template_tokens_only(processor):
+                trainer.train()
         finally:
             processor.tokenizer.padding_side = "right"
     else:
@@ -111,21 +163,30 @@ def _run(framework: str, qwen3_vl, out, peft_config=None, **kw):
                                                                    policy.state_dict().items()}
 
 
-CASES = [("grpo", 0.1, 2, False, 1), ("dapo", 0.0, 1, False, 1), ("dr_grpo", 0.05, 1, False, 1),
-         ("dapo", 0.1, 1, True, 1), ("dapo", 0.0, 1, False, 2)]
+CASES = [("qwen3_vl", "grpo", 0.1, 2, False, 1), ("qwen3_vl", "dapo", 0.0, 1, False, 1),
+         ("qwen3_vl", "dr_grpo", 0.05, 1, False, 1), ("qwen3_vl", "dapo", 0.1, 1, True, 1),
+         ("qwen3_vl", "dapo", 0.0, 1, False, 2), ("gemma3", "grpo", 0.1, 2, False, 1),
+         ("idefics3", "dapo", 0.0, 1, False, 2)]
 
 
 @requires("trl", "dev")
-@pytest.mark.parametrize("loss_type,beta,num_iterations,lora,accum", CASES,
-                         ids=[f"{t}-beta{b}-mu{m}" + ("-lora" if lo else "") + (f"-accum{a}" if a > 1 else "")
-                              for t, b, m, lo, a in CASES])
-def test_vision_grpo_equals_trl(qwen3_vl, tmp_path, loss_type, beta, num_iterations, lora, accum):
+@pytest.mark.parametrize("family,loss_type,beta,num_iterations,lora,accum", CASES,
+                         ids=[f"{f}-{t}-beta{b}-mu{m}" + ("-lora" if lo else "") + (f"-accum{a}" if a > 1 else "")
+                              for f, t, b, m, lo, a in CASES])
+def test_vision_grpo_equals_trl(tiny_hub, tmp_path, family, loss_type, beta, num_iterations, lora, accum):
     """Per-step loss, rewards, KL, entropy and clip ratio and the final weights (the vision tower's included) as
     TRL's, over 4 steps of AdamW with weight decay on prompts with 0, 1 and 2 images (one micro-batch text-only).
     With 2 accumulation steps a group of 4 spans 2 micro-batches of 2 rows (each encodes the group's images once;
     TRL shuffles the generation batch before splitting it: the micro-batches differ, the steps do not; beta 0, as
-    a KL averaged over micro-batches would differ with them)."""
+    a KL averaged over micro-batches would differ with them). Gemma 3 ([images, tokens, hidden] features, its
+    image tokens attending each other) and Idefics3 (images cut into crops, batched per sample) as Qwen3-VL.
+    LLaVA-OneVision is not compared: TRL 1.16's GRPOTrainer does not run on it (its forward passes the processor's
+    ``batch_num_images`` on to ``_get_per_token_logps_and_entropies``, a TypeError); its rollout and log-probs are
+    checked against the plain per-row generate and forward below."""
     from peft import LoraConfig
+
+    fam, path, processor = tiny_hub(family)
+    qwen3_vl = (path, processor)
 
     kw = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations)
     if accum > 1:
@@ -151,31 +212,37 @@ def test_vision_grpo_equals_trl(qwen3_vl, tmp_path, loss_type, beta, num_iterati
     # step of its own)
     for name, value in trl_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
-    path, _ = qwen3_vl
-    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
 
-    first = load_file(os.path.join(path, "model.safetensors"))
-    vision = [k for k in weights if ".visual." in k and ("lora_A" in k if lora else k.endswith("qkv.weight"))]
+    first = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).state_dict()
+    vision = [k for k in weights if k.removeprefix("base_model.model.").startswith(fam.module_groups["vision"])
+              and ("lora_A" in k if lora else k.endswith("weight"))]
     assert vision
     if not lora:  # (the vision tower trained: gradients reach it through the shared features)
         assert any(not torch.equal(first[k.removeprefix("base_model.model.")], weights[k]) for k in vision)
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def greedy_run(request, tiny_hub, tmp_path_factory):
     """Two steps (one generation) of vlmtrain's GRPO with its own rollout (greedy), the vision tower's calls
-    counted and the rollout's completions and prefill logits recorded."""
+    counted and the rollout's completions and prefill logits recorded; ``one_image``: what the tower encodes for
+    the first prompt's image alone (an image, or its crops or tiles)."""
     from transformers import AutoModelForImageTextToText
 
     _, path, processor = tiny_hub(request.param)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    counter = ImageCounter(model)
+    first = _plain_rows(processor, list(_prompts())[:1])
+    with torch.no_grad():
+        model.get_image_features(**{k: v for k, v in first.items() if k not in (
+            "input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")})
+    one_image, counter.calls, counter.images = counter.images, 0, 0
     args = _config(vlmtrain.GRPOConfig, tmp_path_factory.mktemp("greedy"), max_steps=2, num_generations=4,
                    per_device_train_batch_size=4, steps_per_generation=2, max_completion_length=6, beta=0.1,
                    generation_kwargs={"do_sample": False})
     trainer = vlmtrain.GRPOTrainer(model=model, reward_funcs=[letters_reward, target_reward], args=args,
                                    train_dataset=_prompts(), processing_class=processor)
-    counter, prefill = TowerCounter(model.model.visual), _first_logits(model)
-    ref_counter = TowerCounter(trainer.ref_model.model.visual)
+    prefill, ref_counter = _first_logits(model), ImageCounter(trainer.ref_model)
     recorded, generate = [], trainer.generator
 
     def recording(model, prompt_ids, **vision):
@@ -186,7 +253,7 @@ def greedy_run(request, tiny_hub, tmp_path_factory):
     trainer.generator = recording
     trainer.train()
     return {"counter": counter, "ref_counter": ref_counter, "recorded": recorded, "prefill": prefill,
-            "model": (path, processor)}
+            "model": (path, processor), "one_image": one_image, "eos": _eos(model)}
 
 
 def _first_logits(model) -> list[torch.Tensor]:
@@ -201,23 +268,25 @@ def test_vision_grpo_encodes_each_groups_images_once(greedy_run):
     (one optimizer step each): the rollout makes one vision tower call encoding the 1 image once (not 4 times);
     so do the old log-probs of the first 4 rows (the policy moves before the second micro-batch trains: computed
     with the rollout, as TRL) and its training forward; the reference (beta > 0) one call. The text-only rows
-    encode nothing."""
+    encode nothing. On every family (Idefics3's crops, LLaVA-OneVision's tiles, Gemma 3's images: ``one``)."""
     (calls, images, _), = greedy_run["recorded"]
-    counter = greedy_run["counter"]
-    assert (calls, images) == (1, 1)  # the rollout
-    assert (counter.calls, counter.images) == (3, 3)  # + the old log-probs and the first micro-batch's forward
-    assert (greedy_run["ref_counter"].calls, greedy_run["ref_counter"].images) == (1, 1)
+    counter, one = greedy_run["counter"], greedy_run["one_image"]
+    assert one >= 1
+    assert (calls, images) == (1, one)  # the rollout
+    assert (counter.calls, counter.images) == (3, 3 * one)  # + the old log-probs and the first micro-batch's forward
+    assert (greedy_run["ref_counter"].calls, greedy_run["ref_counter"].images) == (1, one)
 
 
 def _plain_rows(processor, rows: list[dict]) -> dict:
-    """The processor over the rows' prompts (left-padded), each row with its own copy of its images."""
+    """The processor over the rows' prompts (left-padded), each row with its own copy of its images, the template's
+    tokens only (as TRL's prompt ids: Gemma 3's tokenizer would add a second BOS)."""
     texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * len(r["images"])
                                              + [{"type": "text", "text": r["prompt"][0]["content"]}]}],
                                            tokenize=False, add_generation_prompt=True) for r in rows]
     processor.tokenizer.padding_side = "left"
     try:
-        return processor(text=texts, images=[im for r in rows for im in r["images"]], padding=True,
-                         return_tensors="pt")
+        return processor(text=texts, images=[r["images"] for r in rows], padding=True, return_tensors="pt",
+                         add_special_tokens=False)
     finally:
         processor.tokenizer.padding_side = "right"
 
@@ -231,13 +300,14 @@ def test_vision_grpo_rollout_equals_a_plain_per_row_generate(greedy_run):
     path, processor = greedy_run["model"]
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     rows = [r for r in list(_prompts())[:2] for _ in range(4)]
-    plain = _plain_rows(processor, rows)
+    plain, eos = _plain_rows(processor, rows), model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
     prefill = _first_logits(model)
-    out = model.generate(**plain, max_new_tokens=6, do_sample=False, pad_token_id=256, eos_token_id=[EOS],
-                         suppress_tokens=[model.config.image_token_id])
+    out = model.generate(**plain, max_new_tokens=6, do_sample=False, pad_token_id=processor.tokenizer.pad_token_id,
+                         eos_token_id=eos, suppress_tokens=[model.config.image_token_id])
     expected = []
     for row in out[:, plain["input_ids"].shape[1]:].tolist():
-        end = next((i for i, t in enumerate(row) if t == EOS), None)
+        end = next((i for i, t in enumerate(row) if t in eos), None)
         expected.append(row if end is None else row[:end + 1])
     (_, _, completions), = greedy_run["recorded"]
     assert completions == expected
@@ -262,34 +332,63 @@ def test_vision_grpo_refuses_videos_and_string_prompts_before_loading(tmp_path):
                              train_dataset=text)
 
 
-def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features(qwen3_vl):
-    """A process's slice of a generation batch may cut groups (4 completions a prompt; 6 rows from row 2 on: 2 of
-    one prompt, 4 of the next): each row still reads its own prompt's tokens and features, each group's images
-    given once, and the completion log-probs equal those of the plain forward of the rows, each with its own copy
-    of its images."""
+def test_vision_grpo_refuses_a_model_no_family_covers(qwen3_vl, tmp_path):
+    """Prompts with images for a model no Hub VLM family covers (a text-only Llama): one line naming the model
+    types GRPO takes images on."""
+    from tests.tiny import tiny_llama
+
+    args = _config(vlmtrain.GRPOConfig, tmp_path, reward_weights=None)
+    with pytest.raises(ConfigError, match=r"the model is a 'llama'; vlmtrain's GRPO takes images on the Hub VLM "
+                                          r"families' models \(gemma3, idefics3, llava_onevision, qwen2_5_vl, "
+                                          r"qwen3_vl, smolvlm\)"):
+        vlmtrain.GRPOTrainer(model=tiny_llama(), reward_funcs=letters_reward, args=args, train_dataset=_prompts(),
+                             processing_class=qwen3_vl[1])
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "smolvlm"])
+def test_vision_groups_cut_by_a_process_slice_give_each_row_its_prompts_features(tiny_hub, tmp_path, family):
+    """A process's slice of a generation batch may cut groups (4 completions a prompt; 8 rows from row 2 on: 2 of a
+    prompt with 2 images, 4 of one with 1, 2 of a text-only one), and micro-batches of 4 rows cut them again (the
+    1-image group spans both): each row still reads its own prompt's tokens and features, each micro-batch gives
+    the images of the groups it holds once (one vision tower call), and the completion log-probs equal those of the
+    plain forward of the 8 rows, each with its own copy of its images, on every family (SmolVLM2: the idefics3
+    family's other model type, its own processor)."""
     from transformers import AutoModelForImageTextToText
 
     from vlmtrain.compat.grpo_rollout import pad_rows
-    from vlmtrain.compat.grpo_vision import encode_groups
-    from vlmtrain.models.objectives.grpo import completion_logps
+    from vlmtrain.compat.grpo_vision import check_vision_model, encode_groups, rows_of
+    from vlmtrain.data.preference_vision import ROW_TOKEN_KEYS
+    from vlmtrain.models.objectives.grpo import completion_logps, vision_inputs
 
-    path, processor = qwen3_vl
+    if family == "smolvlm":
+        fam, _, _ = tiny_hub("idefics3")
+        path = fam.build_tiny(str(tmp_path), model_type="smolvlm")
+        processor = fam.load_processor(path)
+    else:
+        _, path, processor = tiny_hub(family)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    assert model.config.model_type == family
     data = list(_prompts())
-    rows = [data[4]] * 2 + [data[5]] * 4  # (2 images, then 1)
-    groups = encode_groups(processor, rows, model.config.image_token_id)
-    assert groups.row_group == [0, 0, 1, 1, 1, 1]
-    ids, mask = pad_rows(groups.row_prompt_ids(), 256, "left")
-    completions = torch.tensor([[64, 65, 66, EOS]] * 6)
-    vision = {**groups.inputs(0, 6), "mm_token_type_ids": groups.token_type_rows(ids.shape[1], 4)}
-    assert vision["vision_image_grid_thw"].shape[0] == 3  # (each group's images once: 2 + 1, not 8)
-    inputs = (torch.cat([ids, completions], 1), torch.cat([mask, torch.ones_like(completions)], 1), completions)
-    with torch.no_grad():
-        ours = completion_logps(model, *inputs, 1.0, **vision)[0]
+    rows = [data[4]] * 2 + [data[5]] * 4 + [data[6]] * 2  # (2 images, 1, none)
+    groups = encode_groups(processor, rows, model.config.image_token_id, check_vision_model(model).batch_layout)
+    assert groups.row_group == [0, 0, 1, 1, 1, 1, 2, 2]
+    pad = processor.tokenizer.pad_token_id
+    ids, mask = pad_rows(groups.row_prompt_ids(), pad, "left")
+    completions = torch.tensor([[64, 65, 66, _eos(model)]] * 8)
+    batch = {"input_ids": torch.cat([ids, completions], 1), "attention_mask": torch.cat(
+        [mask, torch.ones_like(completions)], 1), **groups.token_rows(ids.shape[1], 4), "vision": groups}
     plain = _plain_rows(processor, rows)
     assert torch.equal(plain["input_ids"], ids)
-    types = torch.cat([plain["mm_token_type_ids"], torch.zeros_like(completions)], 1)
+    assert groups.inputs(0, 8)["vision_pixel_values"].shape[0] < plain["pixel_values"].shape[0]  # (each group once)
+    counter, ours = ImageCounter(model), []
     with torch.no_grad():
-        expected = completion_logps(model, *inputs, 1.0, pixel_values=plain["pixel_values"],
-                                    image_grid_thw=plain["image_grid_thw"], mm_token_type_ids=types)[0]
-    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+        for start in (0, 4):
+            micro = rows_of(batch, start, start + 4)
+            ours.append(completion_logps(model, micro["input_ids"], micro["attention_mask"], completions[:4], 1.0,
+                                         **vision_inputs(micro))[0])
+        assert counter.calls == 2
+        extra = {k: torch.cat([v, torch.zeros_like(completions)], 1) if k in ROW_TOKEN_KEYS else v
+                 for k, v in plain.items() if k not in ("input_ids", "attention_mask")}
+        expected = completion_logps(model, batch["input_ids"], batch["attention_mask"], completions, 1.0, **extra)[0]
+    torch.testing.assert_close(torch.cat(ours), expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(expected[0], expected[2])  # (the groups' rows differ)

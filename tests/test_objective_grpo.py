@@ -165,18 +165,23 @@ def vision_reward(completions, target, images=None, **kwargs):
             for c, t in zip(completions, target, strict=True)]
 
 
-def test_grpo_from_yaml_on_a_hub_vlm_equals_grpo_trainer(tiny_hub, tmp_path, one_thread, capsys):
-    """model.kind hub_vlm (a tiny Qwen3-VL): prompts with images in a JSONL file, in vlmtrain's `texts` layout and
-    TRL's conversational one, train as vlmtrain.GRPOTrainer trains the same rows as TRL's VLM layout (messages
-    and PIL images), same seed: the same per-step loss, rewards and KL (rel 1e-5); so does the file read as a
-    stream (data.source: stream, its images opened by the process that takes their rows). `vlmtrain data inspect
-    --config` shows each prompt's tokens as the processor makes them, image tokens expanded."""
+@pytest.mark.parametrize("family", ["qwen3_vl", "idefics3", "gemma3"])
+def test_grpo_from_yaml_on_a_hub_vlm_equals_grpo_trainer(tiny_hub, tmp_path, one_thread, capsys, family):
+    """model.kind hub_vlm (a tiny Qwen3-VL, Idefics3 or Gemma 3): prompts with images in a JSONL file, in
+    vlmtrain's `texts` layout and TRL's conversational one, train as vlmtrain.GRPOTrainer trains the same rows as
+    TRL's VLM layout (messages and PIL images), same seed: the same per-step loss, rewards and KL (rel 1e-5); so
+    does the file read as a stream (data.source: stream, its images opened by the process that takes their rows).
+    `vlmtrain data inspect --config` shows each prompt's tokens as the processor makes them, image tokens
+    expanded."""
     import random
 
     from PIL import Image
     from transformers import AutoModelForImageTextToText
 
-    _, path, processor = tiny_hub("qwen3_vl")
+    from vlmtrain.data.preference_vision import image_token_id
+
+    _, path, processor = tiny_hub(family)
+    image_token = processor.tokenizer.convert_ids_to_tokens(image_token_id(processor))
     rng, rows, python_rows = random.Random(0), [], []
     for i, n in enumerate([1, 0, 2, 1]):
         images = []
@@ -200,7 +205,7 @@ def test_grpo_from_yaml_on_a_hub_vlm_equals_grpo_trainer(tiny_hub, tmp_path, one
     (tmp_path / "vlm.yaml").write_text(yaml.safe_dump(config))
     assert cli.main(["data", "inspect", str(tmp_path / "vlm.jsonl"), "--config", str(tmp_path / "vlm.yaml")]) == 0
     shown = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("prompt (")]
-    assert len(shown) == 4 and [line.count("<|image_pad|>") > 0 for line in shown] == [True, False, True, True]
+    assert len(shown) == 4 and [line.count(image_token) > 0 for line in shown] == [True, False, True, True]
     assert cli.main(["train", "--config", str(tmp_path / "vlm.yaml")]) == 0
     ours = [r for r in _metrics(tmp_path / "run") if "loss" in r]
     # the same JSONL file as a stream's source (data.source: stream; the file's order, shuffle_dataset false)

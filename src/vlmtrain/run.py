@@ -240,6 +240,8 @@ def inspect_checks(config: str | None, model: str | None) -> tuple[Any, Any]:
         if key == "model.pretrained":  # (the config's model is no Hub VLM, e.g. a causal LM: no video planning)
             return check, settings
         raise
+    if family.video is None and key == "model.pretrained":  # (the config's model takes no videos: no planning)
+        return check, settings
     if family.video is None:
         raise ConfigError(f"--model {model}: the {family.name} family has no video support in vlmtrain "
                           f"(video: Qwen3-VL, Qwen2.5-VL).")

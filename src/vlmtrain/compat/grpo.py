@@ -19,7 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from ..data.preference_vision import is_vision_pairs
 from ..errors import ConfigError
 from ..models.objectives import disable_dropout
-from ..models.objectives.grpo import VISION_KEYS, GRPOObjective, group_advantages, nanstd
+from ..models.objectives.grpo import GRPOObjective, group_advantages, nanstd, vision_inputs
 from .dpo import _enable_dummy_vision, _load_model, _load_processing_class
 from .dpo_reference import PolicyObjectiveTrainer
 from .grpo_config import GRPOConfig
@@ -49,8 +49,8 @@ def _rows(samples: list[dict]) -> dict[str, list[dict]]:
 
 
 class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
-    """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer, or a Qwen-VL model
-    and its processor (prompts with images, each group's encoded once: grpo_vision.py): ``reward_funcs``
+    """TRL's GRPOTrainer for a causal language model (an object or a path) and its tokenizer, or a Hub VLM family's
+    model and its processor (prompts with images, each group's encoded once: grpo_vision.py): ``reward_funcs``
     (callables or ``module:function`` strings, weighted by ``args.reward_weights``) score the completions of a
     dataset with a ``prompt`` column (text, or conversational messages); its other columns reach the functions as
     keyword arguments. ``generator``: the rollout engine (default: the policy's ``generate``). The reference: none
@@ -97,7 +97,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         self._image_token_id = None  # (a dataset with images: each group's prompt processed with them, once)
         if vision:
-            check_vision_model(model)
+            self._image_layout = check_vision_model(model).batch_layout
             if getattr(processing_class, "image_processor", None) is None:
                 raise ConfigError("the dataset's prompts have images ('images' or 'image' column) but "
                                   "processing_class is a tokenizer: pass the vision-language model's processor.")
@@ -180,7 +180,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         prompts = [r["prompt"] for r in rows]
         groups = None
         if self._image_token_id is not None:  # (each group's prompt and images processed once)
-            groups = encode_groups(self.processing_class, rows, self._image_token_id)
+            groups = encode_groups(self.processing_class, rows, self._image_token_id, self._image_layout)
             prompt_ids = groups.row_prompt_ids()
         else:
             prompt_ids = prompt_token_ids(self.tokenizer, rows)
@@ -219,7 +219,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             share = total / (args.steps_per_generation * self.world_size)
             batch["dapo_normalizer"] = share.expand(len(rows)).to(device)
         if groups is not None:
-            batch["mm_token_type_ids"] = groups.token_type_rows(p_ids.shape[1], c_ids.shape[1]).to(device)
+            batch.update({k: v.to(device) for k, v in groups.token_rows(p_ids.shape[1], c_ids.shape[1]).items()})
             batch["vision"] = groups
         generate_every = args.steps_per_generation * args.num_iterations
         objective = self.model
@@ -237,7 +237,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         for i in range(0, len(completion_ids), size):
             rows = rows_of(batch, i, i + size)
             out.append(fn(rows["input_ids"], rows["attention_mask"], completion_ids[i:i + size],
-                          **{k: v for k, v in rows.items() if k in VISION_KEYS}))
+                          **vision_inputs(rows)))
         return torch.cat(out)
 
     def _log_rollout(self, per_func: torch.Tensor, rewards: torch.Tensor, std_zero: torch.Tensor,

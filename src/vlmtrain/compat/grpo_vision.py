@@ -1,42 +1,45 @@
 """GRPO for vision-language models (TRL 1.16's layout: conversational ``prompt`` messages and an ``images`` list, or
-one ``image``, per row), each group's images encoded once.
+one ``image``, per row), each group's images encoded once, on every Hub VLM family (models/families/).
 
 A generation batch holds each prompt ``num_generations`` times in a row (its group). :func:`encode_groups` renders
 each group's prompt once with the processor's chat template (image parts placed as TRL's
 ``prepare_multimodal_messages`` places them) and runs the processor over it with its images: the prompt's token
-ids (image placeholders expanded) and its pixel inputs. The rollout and the training forward both read these, so
-they see the same tokens and the same multimodal rotary positions, and their log-probs agree.
+ids (image placeholders expanded), its per-token keys and its image inputs per processor key. The rollout and the
+training forward both read these, so they see the same tokens and the same multimodal rotary positions, and their
+log-probs agree.
 
-One vision pass per group is DPO's mechanism (models/objectives/vision_pairs.py): the batch gives each group's
-pixel inputs once (``vision_pixel_values``, ``vision_image_grid_thw``) and ``image_token_index`` (each row's
-placeholder token -> its group's feature token); ``with_pair_images`` encodes them in one ``get_image_features``
-call and hands each row its group's features as ``mm_encoder_outputs``. :class:`VisionGenerate` does it once per
-rollout and gives the features to ``generate`` over all the rows (a plain generate of the rows, each with its own
-copy of its images, gives the same completions: the features are memoized, not the KV cache, so Qwen's
-multimodal rotary positions (``rope_deltas``) are computed per row as ``generate`` always computes them); the
-training forward does it once per micro-batch (with gradients: the vision tower and projector train), over the
-groups that micro-batch holds (:meth:`VisionGroups.inputs`).
+One vision pass per group is DPO's mechanism (models/objectives/vision_pairs.py): the batch gives the image inputs
+of the groups it holds once (``vision_<key>``), batched as the family's processor batches samples
+(``Family.batch_layout``: Qwen's patches concatenated, Idefics3's crops padded per sample, LLaVA-OneVision's tiles,
+Gemma 3's images), and ``image_token_index`` (each row's placeholder token -> its group's feature token);
+``with_pair_images`` encodes them in one ``get_image_features`` call and hands each row its group's features as
+``mm_encoder_outputs``. :class:`VisionGenerate` does it once per rollout and gives the features to ``generate``
+over all the rows (a plain generate of the rows, each with its own copy of its images, gives the same
+completions: the features are memoized, not the KV cache, so Qwen's multimodal rotary positions (``rope_deltas``)
+are computed per row as ``generate`` always computes them); the training forward does it once per micro-batch
+(with gradients: the vision tower and projector train), over the groups that micro-batch holds
+(:meth:`VisionGroups.inputs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..data.preference_vision import VISION_PREFIX
+from ..data.hub_packing import pad_images
+from ..data.preference_vision import ROW_IMAGE_KEYS, ROW_TOKEN_KEYS, VISION_PREFIX
 from ..data.preference_vision import _images_of as sample_images
 from ..data.preference_vision import _with_image_parts as with_image_parts
 from ..errors import ConfigError
+from ..models.families import REGISTRY, Family, Layout, get_family
 from ..models.objectives.vision_pairs import with_pair_images
 from .grpo_rollout import HFGenerate, pad_rows
 
 VIDEO_COLUMNS = ("video", "videos")
-FAMILIES = ("qwen3_vl", "qwen2_5_vl")
-"""Families whose processors give pixel inputs per image patch with ``image_grid_thw`` (sliced per group here)."""
 
 
 def check_vision_dataset(sample: Mapping[str, Any]) -> None:
@@ -52,61 +55,81 @@ def check_vision_dataset(sample: Mapping[str, Any]) -> None:
                           "template.")
 
 
-def check_vision_model(model: nn.Module) -> None:
-    """The Hub VLM families GRPO with images runs on (the rows' pixel inputs are sliced per group by their
-    ``image_grid_thw``)."""
+def check_vision_model(model: nn.Module) -> Family:
+    """The Hub VLM family of a model GRPO takes images on (its record says how each group's pixel inputs batch);
+    a ConfigError naming the supported model types for another model."""
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ConfigError(f"GRPO with images: the model is a {model_type!r}; vlmtrain's GRPO takes images on "
-                          f"{', '.join(FAMILIES)} models so far.")
+    if model_type not in REGISTRY:
+        raise ConfigError(f"GRPO with images: the model is a {model_type!r}; vlmtrain's GRPO takes images on the Hub "
+                          f"VLM families' models ({', '.join(sorted(REGISTRY))}).")
+    return get_family(model_type)
+
+
+def _batched(how: Layout | None, values: list[torch.Tensor]) -> torch.Tensor:
+    """The groups' tensors of one image key batched as the family's processor batches its samples' (an undeclared
+    key: concatenated, Qwen's per-patch layout)."""
+    if callable(how):
+        return how(values)
+    if how == "pad_images":
+        return pad_images(values, values[0])
+    return torch.stack(values) if how == "stack" else torch.cat(values)
 
 
 @dataclass
 class VisionGroups:
     """The groups of a generation batch's rows, each prompt processed once: ``prompt_ids`` (image placeholders
-    expanded), ``token_types`` (the processor's ``mm_token_type_ids``), ``pixels`` / ``grids`` (its images'
-    ``pixel_values`` and ``image_grid_thw``, None without images) and ``image_tokens`` (its placeholder count);
-    ``row_group``: each row's group."""
+    expanded), ``token_types`` (its per-token processor outputs: Qwen's ``mm_token_type_ids``, Gemma 3's
+    ``token_type_ids``), ``images`` (its image inputs per processor key as one sample's, {} without images),
+    ``image_tokens`` (its placeholder count); ``row_group``: each row's group; ``layout``: how the family batches
+    each image key (``Family.batch_layout``)."""
 
     prompt_ids: list[list[int]]
-    token_types: list[list[int]]
-    pixels: list[torch.Tensor | None]
-    grids: list[torch.Tensor | None]
+    token_types: list[dict[str, list[int]]]
+    images: list[dict[str, torch.Tensor]]
     image_tokens: list[int]
     row_group: list[int]
+    layout: Mapping[str, Layout] = field(default_factory=dict)
 
     def row_prompt_ids(self) -> list[list[int]]:
         """The prompt ids of every row (its group's)."""
         return [self.prompt_ids[g] for g in self.row_group]
 
-    def token_type_rows(self, width: int, completion_width: int) -> torch.Tensor:
-        """``mm_token_type_ids`` of the rows: each prompt's left-padded to ``width``, 0 on the completions."""
-        types = [self.token_types[g] for g in self.row_group]
-        return torch.tensor([[0] * (width - len(t)) + t + [0] * completion_width for t in types], dtype=torch.long)
+    def token_rows(self, width: int, completion_width: int) -> dict[str, torch.Tensor]:
+        """The per-token keys of the rows: each prompt's left-padded to ``width``, 0 on the completions."""
+        keys = dict.fromkeys(k for types in self.token_types for k in types)
+        return {k: torch.tensor([[0] * (width - len(self.prompt_ids[g]))
+                                 + self.token_types[g].get(k, [0] * len(self.prompt_ids[g])) + [0] * completion_width
+                                 for g in self.row_group], dtype=torch.long) for k in keys}
 
     def inputs(self, start: int, end: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The vision keys of rows ``start:end`` (whole groups or not): the pixel inputs of the groups they hold,
-        once (``vision_*``), each row's placeholder tokens -> those groups' feature tokens (``image_token_index``)
-        and each row's images' ``image_grid_thw`` (the language model's rotary positions); {} without images."""
+        """The vision keys of rows ``start:end`` (whole groups or not): the image inputs of the groups they hold,
+        once, batched by the family's layout (``vision_*``), each row's placeholder tokens -> those groups' feature
+        tokens (``image_token_index``) and each row's images' per-image keys the language model reads (Qwen's
+        ``image_grid_thw``, for its rotary positions); {} without images."""
         rows = self.row_group[start:end]
         groups = [g for g in dict.fromkeys(rows) if self.image_tokens[g]]
         if not groups:
             return {}
         first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
         index = [k for g in rows if self.image_tokens[g] for k in range(first[g], first[g] + self.image_tokens[g])]
-        out = {VISION_PREFIX + "pixel_values": torch.cat([self.pixels[g] for g in groups]),
-               VISION_PREFIX + "image_grid_thw": torch.cat([self.grids[g] for g in groups]),
-               "image_token_index": torch.tensor(index, dtype=torch.long),
-               "image_grid_thw": torch.cat([self.grids[g] for g in rows if self.image_tokens[g]])}
+        out = {VISION_PREFIX + k: _batched(self.layout.get(k), [self.images[g][k] for g in groups])
+               for k in self.images[groups[0]]}
+        out["image_token_index"] = torch.tensor(index, dtype=torch.long)
+        for key in ROW_IMAGE_KEYS:
+            if key in self.images[groups[0]]:
+                out[key] = torch.cat([self.images[g][key] for g in rows if self.image_tokens[g]])
         return {k: v.to(device) for k, v in out.items()}
 
 
-def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token_id: int) -> VisionGroups:
+def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token_id: int,
+                  layout: Mapping[str, Layout] | None = None) -> VisionGroups:
     """Each group's prompt rendered and processed once with its images. The sampler repeats a prompt
     ``num_generations`` times in a row, but a process's slice of a generation batch, or an eval batch, may cut a
     group at either end: a group is a run of rows with the same prompt and images (two prompts alike that follow
-    each other share one encoding, which changes nothing)."""
-    out = VisionGroups([], [], [], [], [], [])
+    each other share one encoding, which changes nothing). ``layout``: the family's ``batch_layout`` (a key
+    batched per sample, not concatenated, loses the processor's leading batch dimension of 1 here)."""
+    layout = dict(layout or {})
+    out = VisionGroups([], [], [], [], [], layout)
     for i, row in enumerate(rows):
         if i and row["prompt"] == rows[i - 1]["prompt"] and sample_images(row) == sample_images(rows[i - 1]):
             out.row_group.append(out.row_group[-1])
@@ -115,13 +138,16 @@ def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token
         images = sample_images(row)
         messages = with_image_parts(row["prompt"], len(images))
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        processed = processor(text=[text], images=images or None, return_tensors="pt")
+        # (nested, one list per text: LLaVA-OneVision expands a prompt's several images as one sample's, not tiled;
+        # the template already holds the special tokens: Gemma 3's tokenizer would add a second BOS)
+        processed = processor(text=[text], images=[images] if images else None, return_tensors="pt",
+                              add_special_tokens=False)
         ids = processed["input_ids"][0].tolist()
         out.prompt_ids.append(ids)
-        out.token_types.append(processed["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in processed
-                               else [0] * len(ids))
-        out.pixels.append(processed.get("pixel_values"))
-        out.grids.append(processed.get("image_grid_thw"))
+        out.token_types.append({k: processed[k][0].tolist() for k in ROW_TOKEN_KEYS if k in processed})
+        image_keys = [k for k in processed if k not in ("input_ids", "attention_mask", *ROW_TOKEN_KEYS)]
+        out.images.append({k: processed[k] if layout.get(k, "concat") == "concat" or callable(layout[k])
+                           else processed[k][0] for k in image_keys} if images else {})
         out.image_tokens.append(sum(t == image_token_id for t in ids))
     return out
 
@@ -146,8 +172,8 @@ class VisionGenerate(HFGenerate):
     def __call__(self, model: nn.Module, prompt_ids: list[list[int]], vision: VisionGroups) -> list[list[int]]:
         device = next(model.parameters()).device
         ids, mask = pad_rows(prompt_ids, self.pad, "left", device)
-        return self.generate(model, {"input_ids": ids, "attention_mask": mask,
-                                     "mm_token_type_ids": vision.token_type_rows(ids.shape[1], 0).to(device),
+        tokens = {k: v.to(device) for k, v in vision.token_rows(ids.shape[1], 0).items()}
+        return self.generate(model, {"input_ids": ids, "attention_mask": mask, **tokens,
                                      **vision.inputs(0, len(prompt_ids), device)})
 
     def prepare(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:

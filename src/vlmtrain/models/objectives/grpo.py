@@ -10,20 +10,28 @@ completion positions (``logits_to_keep``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from ...data.preference_vision import VISION_PREFIX
 from ...errors import ConfigError
 from .vision_pairs import with_pair_images
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 VISION_KEYS = ("vision_pixel_values", "vision_image_grid_thw", "image_token_index", "image_grid_thw",
-               "mm_token_type_ids")
-"""A batch's vision inputs (compat/grpo_vision.py): each group's images once, encoded once per forward."""
+               "mm_token_type_ids", "token_type_ids")
+"""A batch's vision inputs (compat/grpo_vision.py): each group's images once, encoded once per forward; with every
+other ``vision_*`` key, the family's image inputs (:func:`vision_inputs`)."""
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def vision_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The vision inputs of a batch: its :data:`VISION_KEYS` and the family's image inputs (``vision_*``)."""
+    return {k: v for k, v in batch.items() if k in VISION_KEYS or k.startswith(VISION_PREFIX)}
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -128,7 +136,7 @@ class GRPOObjective(nn.Module):
         dapo's weight as TRL's (else the micro-batch's own tokens)."""
         completion_ids = input_ids[:, -completion_mask.shape[1]:]
         mask = completion_mask.float()
-        vision = {k: v for k, v in inputs.items() if k in VISION_KEYS}
+        vision = vision_inputs(inputs)
         logps, entropies = completion_logps(self.policy, input_ids, attention_mask, completion_ids,
                                             self.temperature, entropy=True, **vision)
         old = logps.detach() if old_per_token_logps is None else old_per_token_logps
