@@ -332,6 +332,14 @@ def test_grpo_completions_table_as_trl_logs_it(model_dir, tmp_path):
     assert len({row["prompt"] for row in first}) > 1  # (a random sample spans the groups, not the first rows)
 
 
+def test_grpo_completions_table_of_unique_prompts(model_dir, tmp_path):
+    """log_unique_prompts (TRL's option): the table keeps each prompt's first row (8 rows: 2 groups of 4)."""
+    trainer = _trainer(model_dir, tmp_path, [length_reward], log_completions=True, log_unique_prompts=True)
+    trainer.train()
+    table = next(e["completions"] for e in trainer.state.log_history if "loss" in e)
+    assert len(table) == 2 and table[0]["prompt"] != table[1]["prompt"]
+
+
 def test_grpo_evaluating_during_training_keeps_each_rollouts_metrics_apart(model_dir, tmp_path):
     """eval_strategy steps: every training row logs its own rollout's reward, every evaluation row its eval
     rollouts' (the rollout after an evaluation is a training one again, the policy back in training mode)."""

@@ -262,7 +262,8 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         if self.args.log_completions and self.model.training:
             self._table = completions_table(prompts, completions, per_func, self.reward_func_names, rewards,
                                             advantages, self.args.num_completions_to_print,
-                                            f"{self.args.seed}-{self.state.global_step}")
+                                            f"{self.args.seed}-{self.state.global_step}",
+                                            self.args.log_unique_prompts)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer.log with the rollout metrics of the window (and skipped reward calls, per function); with
