@@ -99,3 +99,17 @@ def test_grpo_on_two_ranks_equals_one_process(tmp_path, model_dir, tiny_hub, one
         run(case, str(model_dir), vlm_dir, str(tmp_path))
     problems = {case: _problem(tmp_path, case, output) for case in CASES}
     assert not any(problems.values()), "\n".join(f"{c}: {p}" for c, p in problems.items() if p)
+
+
+def test_grpo_evaluation_on_several_processes_needs_whole_groups_per_process():
+    """Each process evaluates its own eval batches without a collective per batch: a group cut by two processes'
+    batches (TRL's global rule alone would allow per_device_eval_batch_size 4 x 2 processes for groups of 8) is
+    refused in one line naming the option."""
+    from types import SimpleNamespace
+
+    from vlmtrain.compat.grpo_eval import check_eval_batch
+    from vlmtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"per_device_eval_batch_size=4 on 2 processes: .* num_generations=8"):
+        check_eval_batch(SimpleNamespace(per_device_eval_batch_size=4, world_size=2, num_generations=8))
+    check_eval_batch(SimpleNamespace(per_device_eval_batch_size=8, world_size=2, num_generations=8))
