@@ -72,10 +72,12 @@ class GRPOEvaluation:
         """This process's rows among :meth:`_gather`'s."""
         return slice(self.rank * count, (self.rank + 1) * count) if self.model.training else slice(0, count)
 
-    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
-        """Trainer.evaluation_loop, then every process's per-batch rollout metrics, in the batches' order (each
-        process calls it)."""
-        output = super().evaluation_loop(*args, **kwargs)
+    def evaluation_loop(self, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.evaluation_loop, then, where the processes shared the eval batches, every process's per-batch
+        rollout metrics, in the batches' order (each process calls it)."""
+        output = super().evaluation_loop(dataloader, *args, **kwargs)
+        if self._eval_sharding(getattr(dataloader, "dataset", None)) != "strided":
+            return output
         parts = dist.all_gather_objects(dict(self._eval_rollout_metrics))
         merged: dict[str, list[float]] = defaultdict(list)
         for key in dict.fromkeys(k for part in parts for k in part):
