@@ -5,7 +5,7 @@ whose even prompts have an image: under 2 ranks rank 0's, rank 1's text only), i
 ``log_completions``), then evaluated on :func:`eval_prompts` (5 groups in eval batches of one group: rank 0 evaluates
 3 batches, rank 1 2; in the vision case rank 0's prompts all have an image, rank 1's none); rank 0 writes the
 policy's weights, the logged rows and the evaluation's metrics to OUT/<case>-<world size>.pt, each rank the number
-of eval batches it generated for to OUT/<case>-<world size>-evals-<rank>.txt. One process group serves every case.
+of eval batches it generated for (and of those with an image) to OUT/<case>-<world size>-evals-<rank>.txt. One process group serves every case.
 
 The prompts come in order (``shuffle_dataset=False``), one group per rank per generation: the ranks' prompts and
 completions differ in length, rank 1's first group is all truncated (``mask_truncated_completions``: no loss token
@@ -55,11 +55,14 @@ class ScriptedCompletions:
     tokens; ``long``: 3-6; ``truncated``: LIMIT tokens without EOS; ``equal``: 3 tokens, all ending in EOS."""
 
     def __init__(self, kinds: dict[tuple[int, ...], str], eos: int) -> None:
-        self.kinds, self.eos, self.calls, self.eval_calls = kinds, eos, 0, 0
+        self.kinds, self.eos, self.calls, self.eval_calls, self.eval_image_calls = kinds, eos, 0, 0, 0
 
     def __call__(self, model, prompt_ids, **vision):
         self.calls += model.training
         self.eval_calls += not model.training
+        groups = vision.get("vision")  # (a VLM's eval batch: whether its prompt has an image)
+        self.eval_image_calls += not model.training and groups is not None and any(
+            p is not None for p in groups.pixels)
         call = self.calls if model.training else "eval"  # (an eval batch's: whichever process evaluates it)
         first = int(os.environ.get("RANK", "0")) * len(prompt_ids)  # (this rank's first row in the generation)
         out = []
@@ -138,7 +141,7 @@ def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
     result = trainer.train()
     evaluation = trainer.evaluate()
     with open(os.path.join(out, f"{case}-{world}-evals-{trainer.rank}.txt"), "w") as f:
-        f.write(str(generator.eval_calls))
+        f.write(f"{generator.eval_calls} {generator.eval_image_calls}")
     if trainer.rank == 0:
         torch.save({"weights": {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()},
                     "global_step": result.global_step, "logs": trainer.state.log_history, "eval": evaluation},

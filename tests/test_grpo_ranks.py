@@ -45,9 +45,11 @@ def _table_problem(step: int, a: dict, b: dict, case: str) -> str | None:
 
 
 def _eval_problem(tmp: Path, case: str, two: dict, one: dict) -> str | None:
-    calls = {n: [int((tmp / f"{case}-{n}-evals-{r}.txt").read_text()) for r in range(n)] for n in (2, 1)}
-    if calls != {2: [3, 2], 1: [5]}:  # (each eval batch generated once, by one process)
-        return f"eval batches generated per rank: {calls}"
+    calls = {n: [tuple(map(int, (tmp / f"{case}-{n}-evals-{r}.txt").read_text().split())) for r in range(n)]
+             for n in (2, 1)}  # (eval batches generated, those with an image)
+    images = 3 if CASES[case].get("vision") else 0
+    if calls != {2: [(3, images), (2, 0)], 1: [(5, images)]}:  # (each eval batch generated once, by one process)
+        return f"eval batches generated per rank (with an image): {calls}"
     a, b = ({k: v for k, v in run["eval"].items() if k not in TIMES} for run in (two, one))
     if a.keys() != b.keys() or not {"eval_reward", "eval_loss", "eval_completions/mean_length"} <= b.keys():
         return f"eval keys: {sorted(a)} (2 ranks) vs {sorted(b)} (1 process)"
