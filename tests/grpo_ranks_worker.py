@@ -1,8 +1,11 @@
 """Run by tests/test_grpo_ranks.py, alone or as torchrun's ranks: `python grpo_ranks_worker.py OUT MODEL_DIR
 VLM_DIR CASE...`. Per case (:data:`CASES`): vlmtrain's GRPOTrainer on a tiny Llama (or, ``vision``, a tiny Qwen3-VL
 whose even prompts have an image: under 2 ranks rank 0's, rank 1's text only), its completions scripted per prompt
-(:class:`ScriptedCompletions`, through the Generator protocol), trained 3 steps with AdamW with weight decay; rank 0
-writes the policy's weights and the logged rows to OUT/<case>-<world size>.pt. One process group serves every case.
+(:class:`ScriptedCompletions`, through the Generator protocol), trained 3 steps with AdamW with weight decay (with
+``log_completions``), then evaluated on :func:`eval_prompts` (5 groups in eval batches of one group: rank 0 evaluates
+3 batches, rank 1 2; in the vision case rank 0's prompts all have an image, rank 1's none); rank 0 writes the
+policy's weights, the logged rows and the evaluation's metrics to OUT/<case>-<world size>.pt, each rank the number
+of eval batches it generated for (and of those with an image) to OUT/<case>-<world size>-evals-<rank>.txt. One process group serves every case.
 
 The prompts come in order (``shuffle_dataset=False``), one group per rank per generation: the ranks' prompts and
 completions differ in length, rank 1's first group is all truncated (``mask_truncated_completions``: no loss token
@@ -36,6 +39,7 @@ ADAM_EPSILON = 1e-3
 1e-3 bounds that, the weight decay still moves every parameter.)"""
 LIMIT = 6
 GROUP = 4  # num_generations
+EVAL_PROMPTS = 5  # (eval batches of one group: 5 batches, 3 on rank 0 and 2 on rank 1)
 # each prompt's behaviour, in dataset order: with one group per rank per generation, rank 0 gets the even prompts
 KINDS = ["short", "truncated", "equal", "long", "short", "long", "long", "short"]
 WORDS = ["w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8"]
@@ -54,15 +58,19 @@ class ScriptedCompletions:
     tokens; ``long``: 3-6; ``truncated``: LIMIT tokens without EOS; ``equal``: 3 tokens, all ending in EOS."""
 
     def __init__(self, kinds: dict[tuple[int, ...], str], eos: int) -> None:
-        self.kinds, self.eos, self.calls = kinds, eos, 0
+        self.kinds, self.eos, self.calls, self.eval_calls, self.eval_image_calls = kinds, eos, 0, 0, 0
 
     def __call__(self, model, prompt_ids, **vision):
-        self.calls += 1
+        self.calls += model.training
+        self.eval_calls += not model.training
+        groups = vision.get("vision")  # (a VLM's eval batch: whether its prompt has an image)
+        self.eval_image_calls += not model.training and groups is not None and any(groups.images)
+        call = self.calls if model.training else "eval"  # (an eval batch's: whichever process evaluates it)
         first = int(os.environ.get("RANK", "0")) * len(prompt_ids)  # (this rank's first row in the generation)
         out = []
         for i, ids in enumerate(prompt_ids):
             key = tuple(ids)
-            rng = random.Random(f"{key}-{self.calls}-{(first + i) % GROUP + 1}")
+            rng = random.Random(f"{key}-{call}-{(first + i) % GROUP + 1}")
             kind = self.kinds.get(key, "long")  # (a VLM's prompt ids: its image placeholders expanded)
             n = {"short": rng.randint(1, 3), "long": rng.randint(3, LIMIT), "truncated": LIMIT, "equal": 3}[kind]
             row = [rng.randrange(4, 16) for _ in range(n)]
@@ -99,6 +107,17 @@ def _stream(rows: list[dict], out: str, case: str):
     return StreamingDataset([JsonlSource(path)], seed=7)
 
 
+def eval_prompts(rows: list[dict], seed: int, vision: bool) -> list[dict]:
+    """5 of ``rows``; for a VLM, the image on the prompts that TRL's seeded eval order (a permutation seeded with
+    ``seed``) puts at even places: with one group per eval batch, dealt round-robin, those are rank 0's."""
+    rows = [dict(r) for r in rows[:EVAL_PROMPTS]]
+    if vision:
+        image = next(r["images"] for r in rows if r["images"])
+        for place, index in enumerate(torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))):
+            rows[index]["images"] = image if place % 2 == 0 else []
+    return rows
+
+
 def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
     from datasets import Dataset
 
@@ -114,7 +133,7 @@ def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
         shuffle_dataset=False, optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, adam_epsilon=ADAM_EPSILON,
         lr_scheduler_type="constant", logging_steps=1, seed=7, bf16=False, gradient_checkpointing=False,
         report_to="none", save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
-        ddp_timeout=30, **options)
+        ddp_timeout=30, log_completions=True, per_device_eval_batch_size=GROUP, **options)
     if vision:
         from transformers import AutoModelForImageTextToText
 
@@ -128,14 +147,19 @@ def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
         kinds = {tuple(tokenizer(r["prompt"])["input_ids"]): r["kind"] for r in rows}
         assert len(kinds) == len(rows), "two prompts alike"
         eos = tokenizer.eos_token_id
+    generator = ScriptedCompletions(kinds, eos)
     trainer = vlmtrain.GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
                                    train_dataset=_stream(rows, out, case) if stream else Dataset.from_list(rows),
                                    processing_class=tokenizer,
-                                   generator=ScriptedCompletions(kinds, eos))
+                                   eval_dataset=Dataset.from_list(eval_prompts(rows, args.seed, vision)),
+                                   generator=generator)
     result = trainer.train()
+    evaluation = trainer.evaluate()
+    with open(os.path.join(out, f"{case}-{world}-evals-{trainer.rank}.txt"), "w") as f:
+        f.write(f"{generator.eval_calls} {generator.eval_image_calls}")
     if trainer.rank == 0:
         torch.save({"weights": {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()},
-                    "global_step": result.global_step, "logs": trainer.state.log_history},
+                    "global_step": result.global_step, "logs": trainer.state.log_history, "eval": evaluation},
                    os.path.join(out, f"{case}-{world}.pt"))
 
 

@@ -368,6 +368,30 @@ def test_grpo_report_page_shows_the_completions_table_per_logged_step(logged_run
         assert f"{row['reward']:.4g}" in page
 
 
+def test_grpo_completions_table_as_trl_logs_it(model_dir, tmp_path):
+    """log_completions as TRL's: every logged step shows the last generation's table (num_iterations 2: step 2
+    trains on step 1's generation and shows its table again), a column per reward function beside the weighted
+    reward, and num_completions_to_print rows of it drawn at random, kept in the table's order."""
+    trainer = _trainer(model_dir, tmp_path, [length_reward, target_reward], max_steps=2, num_iterations=2,
+                       log_completions=True, num_completions_to_print=3, reward_weights=[1.0, 0.5])
+    trainer.train()
+    first, second = [e["completions"] for e in trainer.state.log_history if "loss" in e]
+    assert first == second and len(first) == 3
+    assert [list(row) for row in first] == [["prompt", "completion", "reward", "length_reward", "target_reward",
+                                             "advantage"]] * 3
+    for row in first:
+        assert row["reward"] == pytest.approx(row["length_reward"] + 0.5 * row["target_reward"])
+    assert len({row["prompt"] for row in first}) > 1  # (a random sample spans the groups, not the first rows)
+
+
+def test_grpo_completions_table_of_unique_prompts(model_dir, tmp_path):
+    """log_unique_prompts (TRL's option): the table keeps each prompt's first row (8 rows: 2 groups of 4)."""
+    trainer = _trainer(model_dir, tmp_path, [length_reward], log_completions=True, log_unique_prompts=True)
+    trainer.train()
+    table = next(e["completions"] for e in trainer.state.log_history if "loss" in e)
+    assert len(table) == 2 and table[0]["prompt"] != table[1]["prompt"]
+
+
 def test_grpo_evaluating_during_training_keeps_each_rollouts_metrics_apart(model_dir, tmp_path):
     """eval_strategy steps: every training row logs its own rollout's reward, every evaluation row its eval
     rollouts' (the rollout after an evaluation is a training one again, the policy back in training mode)."""

@@ -6,8 +6,11 @@ ranks' slices (each rank's rows read their own prompt's images); rewards gathere
 the advantages (``scale_rewards: batch`` over the global batch), ``dapo`` normalised by the global token count. Every
 case runs in one launch; the 1-process references in the test's process.
 
-Compared: the policy's final weights (AdamW with weight decay) and every step's logged loss and rollout metrics
-(TRL's names)."""
+Compared: the policy's final weights (AdamW with weight decay), every step's logged loss and rollout metrics
+(TRL's names) and completions table (``log_completions``: the generation batch's rows of both ranks, rank 0's
+first), and the evaluation after training (5 eval groups dealt to the ranks 3 and 2, each evaluated once; in the
+vision case rank 0's with images, rank 1's text only): every eval_ metric equals one process's over the same eval
+batches."""
 
 from __future__ import annotations
 
@@ -26,6 +29,34 @@ LOGGED = ("loss", "reward", "reward_std", "rewards/length_reward/mean", "frac_re
           "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
           "completions/mean_terminated_length")
 TOKEN_MEANS = ("kl", "entropy", "clip_ratio/region_mean")  # (dapo: micro-batches weighted by their tokens)
+TIMES = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time")
+
+
+def _table_problem(step: int, a: dict, b: dict, case: str) -> str | None:
+    """Both ranks' rows in one process's order (prompts and completions alike, rewards and advantages to 1e-5),
+    each step's table the last generation batch's."""
+    x, y = a.get("completions"), b.get("completions")
+    size = 2 * CASES[case]["per_device_train_batch_size"] * CASES[case]["gradient_accumulation_steps"]
+    if y is None or len(y) != size or len(x or []) != len(y) or any(
+            r.keys() != s.keys() or any(r[k] != (s[k] if k in ("prompt", "completion") else pytest.approx(s[k], rel=1e-5))
+                                        for k in s) for r, s in zip(x, y, strict=True)):
+        return f"step {step} completions table ({size} rows expected): {x} (2 ranks) vs {y} (1 process)"
+    return None
+
+
+def _eval_problem(tmp: Path, case: str, two: dict, one: dict) -> str | None:
+    calls = {n: [tuple(map(int, (tmp / f"{case}-{n}-evals-{r}.txt").read_text().split())) for r in range(n)]
+             for n in (2, 1)}  # (eval batches generated, those with an image)
+    images = 3 if CASES[case].get("vision") else 0
+    if calls != {2: [(3, images), (2, 0)], 1: [(5, images)]}:  # (each eval batch generated once, by one process)
+        return f"eval batches generated per rank (with an image): {calls}"
+    a, b = ({k: v for k, v in run["eval"].items() if k not in TIMES} for run in (two, one))
+    if a.keys() != b.keys() or not {"eval_reward", "eval_loss", "eval_completions/mean_length"} <= b.keys():
+        return f"eval keys: {sorted(a)} (2 ranks) vs {sorted(b)} (1 process)"
+    for key, value in b.items():
+        if a[key] != pytest.approx(value, rel=1e-5, abs=1e-6):
+            return f"{key}: {a[key]} (2 ranks) vs {value} (1 process)"
+    return None
 
 
 def _problem(tmp: Path, case: str, output: str) -> str | None:
@@ -46,12 +77,14 @@ def _problem(tmp: Path, case: str, output: str) -> str | None:
         for key in keys:
             if (key in a) != (key in b) or (key in b and a[key] != pytest.approx(b[key], rel=1e-5, abs=1e-6)):
                 return f"step {step} {key}: {a.get(key)} (2 ranks) vs {b.get(key)} (1 process)"
+        if problem := _table_problem(step, a, b, case):
+            return problem
     scripted = CASES[case].get("mask_truncated_completions")  # (the text cases: KINDS's equal and truncated groups)
     if scripted and not any(r.get("completions/clipped_ratio", 0) > 0 for r in rows[1]) or (
             scripted and CASES[case].get("scale_rewards", "group") == "group"
             and not any(r.get("frac_reward_zero_std", 0) > 0 for r in rows[1])):
         return "the scripted cases (an equal-reward group, a truncated one) did not happen"
-    return None
+    return _eval_problem(tmp, case, two, one)
 
 
 @pytest.mark.slow
@@ -68,3 +101,17 @@ def test_grpo_on_two_ranks_equals_one_process(tmp_path, model_dir, tiny_hub, one
         run(case, str(model_dir), vlm_dir, str(tmp_path))
     problems = {case: _problem(tmp_path, case, output) for case in CASES}
     assert not any(problems.values()), "\n".join(f"{c}: {p}" for c, p in problems.items() if p)
+
+
+def test_grpo_evaluation_on_several_processes_needs_whole_groups_per_process():
+    """Each process evaluates its own eval batches without a collective per batch: a group cut by two processes'
+    batches (TRL's global rule alone would allow per_device_eval_batch_size 4 x 2 processes for groups of 8) is
+    refused in one line naming the option."""
+    from types import SimpleNamespace
+
+    from vlmtrain.compat.grpo_eval import check_eval_batch
+    from vlmtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"per_device_eval_batch_size=4 on 2 processes: .* num_generations=8"):
+        check_eval_batch(SimpleNamespace(per_device_eval_batch_size=4, world_size=2, num_generations=8))
+    check_eval_batch(SimpleNamespace(per_device_eval_batch_size=8, world_size=2, num_generations=8))

@@ -33,8 +33,9 @@ from .grpo_rollout import (
     resolve_reward_funcs,
     score,
 )
-from .grpo_state import RolloutCheckpoints, gather_rows
+from .grpo_state import RolloutCheckpoints
 from .grpo_stream import is_stream, stream_loader, streamed_prompts
+from .grpo_table import completions_table
 from .grpo_vision import (
     VisionGenerate,
     check_vision_dataset,
@@ -197,12 +198,12 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         columns = {k: [r[k] for r in rows] for k in rows[0] if k not in ("prompt", "prompt_ids", "completion", "completion_ids")}
         per_func = score(self.reward_funcs, self.reward_func_names, prompts, completions, completion_ids, columns,
                          self._skipped, trainer_state=self.state)
-        per_func = gather_rows(per_func)  # (every process's: a group, or the batch, may span processes; as TRL)
+        per_func = self._gather(per_func)  # (every process's: a group, or the batch, may span processes; as TRL)
         unscorable = torch.isnan(per_func).all(dim=1)
         rewards = (per_func * self.reward_weights).nansum(dim=1)
         rewards[unscorable] = float("nan")
         advantages, std_zero = group_advantages(rewards, args.num_generations, args.scale_rewards)
-        mine = slice(self.rank * len(rows), (self.rank + 1) * len(rows))
+        mine = self._own_rows(len(rows))
         p_ids, p_mask = pad_rows(prompt_ids, self.tokenizer.pad_token_id, "left", device)
         c_ids, c_mask = pad_rows(completion_ids, self.tokenizer.pad_token_id, "right", device)
         ends = set(self.eos_token_ids) | {self.tokenizer.pad_token_id}
@@ -215,7 +216,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             # (TRL's normalizer: the generation batch's completion tokens, every process's, one micro-step's share of
             # them. Where a window is the whole generation batch, its own tokens are those: the metrics then stay
             # weighted by each micro-batch's tokens, as one process weighs them)
-            total = gather_rows(c_mask.sum().float().reshape(1)).sum().clamp(min=1.0)
+            total = self._gather(c_mask.sum().float().reshape(1)).sum().clamp(min=1.0)
             share = total / (args.steps_per_generation * self.world_size)
             batch["dapo_normalizer"] = share.expand(len(rows)).to(device)
         if groups is not None:
@@ -227,9 +228,9 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             batch["old_per_token_logps"] = self._chunked(objective.policy_logps, batch, c_ids)
         if args.beta != 0.0:
             batch["ref_per_token_logps"] = self._chunked(objective.reference_logps, batch, c_ids)
-        lengths = gather_rows(torch.tensor([float(len(c)) for c in completion_ids]))
-        self._log_rollout(per_func, rewards, std_zero, lengths, gather_rows(truncated.float()).bool(), prompts,
-                          completions, rewards[mine], advantages[mine])
+        lengths = self._gather(torch.tensor([float(len(c)) for c in completion_ids]))
+        self._log_rollout(per_func, rewards, std_zero, lengths, self._gather(truncated.float()).bool(), prompts,
+                          completions, advantages)
         return batch
 
     def _chunked(self, fn: Any, batch: dict[str, Any], completion_ids: torch.Tensor) -> torch.Tensor:
@@ -242,10 +243,10 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
 
     def _log_rollout(self, per_func: torch.Tensor, rewards: torch.Tensor, std_zero: torch.Tensor,
                      lengths: torch.Tensor, truncated: torch.Tensor, prompts: list, completions: list,
-                     own_rewards: torch.Tensor, advantages: torch.Tensor) -> None:
+                     advantages: torch.Tensor) -> None:
         """TRL's rollout metrics of the whole generation batch (every process's rows), averaged over a logging
-        window in :meth:`log` (an evaluation's into its own window); with log_completions, a sample of this
-        process's completions table."""
+        window in :meth:`log` (an evaluation's into its own window); with log_completions, the completions table
+        of the whole generation batch (grpo_table.py)."""
         m = self._rollout_metrics if self.model.training else self._eval_rollout_metrics
         m["completions/mean_length"].append(lengths.mean().item())
         m["completions/min_length"].append(lengths.min().item())
@@ -263,10 +264,10 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         m["reward_std"].append(nanstd(rewards).item())
         m["frac_reward_zero_std"].append(std_zero.float().mean().item())
         if self.args.log_completions and self.model.training:
-            count = self.args.num_completions_to_print or len(prompts)
-            self._table = [{"prompt": p, "completion": c, "reward": r, "advantage": a}
-                           for p, c, r, a in zip(prompts[:count], completions[:count], own_rewards.tolist(),
-                                                 advantages.tolist(), strict=False)]
+            self._table = completions_table(prompts, completions, per_func, self.reward_func_names, rewards,
+                                            advantages, self.args.num_completions_to_print,
+                                            f"{self.args.seed}-{self.state.global_step}",
+                                            self.args.log_unique_prompts)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer.log with the rollout metrics of the window (and skipped reward calls, per function); with
@@ -278,9 +279,8 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             for name, n in self._skipped.items():
                 logs[f"rewards/{name}/skipped"] = n
             self._rollout_metrics.clear()
-            if self._table:
+            if self._table:  # (TRL: every logged step shows the last generation's table)
                 logs["completions"] = self._table
-                self._table = []
         if any(v is None for v in logs.values()):
             warnings.warn("GRPO: a rollout metric had no finite value in this window.", stacklevel=2)
             logs = {k: v for k, v in logs.items() if v is not None}

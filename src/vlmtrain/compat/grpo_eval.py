@@ -2,7 +2,15 @@
 ``num_generations`` times (TRL's seeded RepeatSampler order, the same at every evaluation), an eval batch of
 ``per_device_eval_batch_size`` completions (whole groups) is generated, scored and run through the objective
 without gradients; the loss and the objective's metrics (``kl``, ``entropy``, ``clip_ratio/...``) and the
-rollout's (``reward``, ``rewards/<func>/mean``, ``completions/...``) are logged with the ``eval_`` prefix."""
+rollout's (``reward``, ``rewards/<func>/mean``, ``completions/...``) are logged with the ``eval_`` prefix.
+
+Several processes: the eval batches one process would evaluate are dealt round-robin (batch ``i`` to process
+``i % world_size``, as accelerate deals TRL's), each evaluated once by its process on its own: its groups are
+whole in it, so its rewards, advantages and statistics are those one process computes for that batch, and no
+collective runs per batch (the processes may hold different numbers of batches: an eval set that does not
+divide evenly leaves the last processes one batch fewer, where accelerate repeats the first batches). After the
+last batch the processes' losses (trainer/evaluation.py's gather) and rollout metrics are put together, so the
+logged metrics are one process's over the whole set."""
 
 from __future__ import annotations
 
@@ -10,19 +18,27 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from ..errors import ConfigError
+from ..trainer import distributed as dist
 from .grpo_rollout import GroupSampler
+from .grpo_state import gather_rows
 
 
 def check_eval_batch(args: Any) -> None:
-    """TRL's rule: the eval batch holds whole groups of ``num_generations`` completions."""
+    """TRL's rule: the eval batch holds whole groups of ``num_generations`` completions; under several processes
+    each process's batch does (module docstring: a process evaluates its batches on its own)."""
     if (args.per_device_eval_batch_size * args.world_size) % args.num_generations:
         raise ConfigError(f"The global eval batch size ({args.per_device_eval_batch_size} * {args.world_size}) must "
                           f"be divisible by the number of generations used for evaluation ({args.num_generations}): "
                           "set per_device_eval_batch_size to a multiple of num_generations.")
+    if args.per_device_eval_batch_size % args.num_generations:
+        raise ConfigError(f"per_device_eval_batch_size={args.per_device_eval_batch_size} on {args.world_size} "
+                          f"processes: each process evaluates whole groups of num_generations="
+                          f"{args.num_generations} completions; set per_device_eval_batch_size to a multiple of it.")
 
 
 class GRPOEvaluation:
@@ -40,9 +56,35 @@ class GRPOEvaluation:
             raise ValueError("Evaluation needs an eval_dataset: pass GRPOTrainer(eval_dataset=...) or "
                              "evaluate(dataset).")
         args = self.args
-        sampler = GroupSampler(len(dataset), args.num_generations, 1, 1, True, args.seed)
-        return DataLoader(dataset, batch_size=args.per_device_eval_batch_size, sampler=sampler,
-                          collate_fn=lambda rows: {"rows": rows})
+        order = list(GroupSampler(len(dataset), args.num_generations, 1, 1, True, args.seed))
+        size = args.per_device_eval_batch_size
+        batches = [order[i:i + size] for i in range(0, len(order), size)]
+        if self._eval_sharding(dataset) == "strided":  # (the trainer puts the processes' losses together)
+            batches = batches[self.rank::self.world_size]
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=lambda rows: {"rows": rows})
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A rollout's rows of every process (training: a group may span processes); in evaluation this
+        process's own (its batch holds whole groups; the processes are not in step)."""
+        return gather_rows(tensor) if self.model.training else tensor
+
+    def _own_rows(self, count: int) -> slice:
+        """This process's rows among :meth:`_gather`'s."""
+        return slice(self.rank * count, (self.rank + 1) * count) if self.model.training else slice(0, count)
+
+    def evaluation_loop(self, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
+        """Trainer.evaluation_loop, then, where the processes shared the eval batches, every process's per-batch
+        rollout metrics, in the batches' order (each process calls it)."""
+        output = super().evaluation_loop(dataloader, *args, **kwargs)
+        if self._eval_sharding(getattr(dataloader, "dataset", None)) != "strided":
+            return output
+        parts = dist.all_gather_objects(dict(self._eval_rollout_metrics))
+        merged: dict[str, list[float]] = defaultdict(list)
+        for key in dict.fromkeys(k for part in parts for k in part):
+            lists = [part.get(key, []) for part in parts]  # (rank r held batches r, r + W, ...)
+            merged[key] = [v[i] for i in range(max(map(len, lists))) for v in lists if i < len(v)]
+        self._eval_rollout_metrics = merged
+        return output
 
     def prediction_step(self, model: nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:

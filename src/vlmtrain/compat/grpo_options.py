@@ -56,7 +56,11 @@ class GRPOOptions(TrainingArguments):
     mask_truncated_completions: bool = False
     """(grpo) Leave completions that reach max_completion_length out of the loss."""
     log_completions: bool = False
-    """(grpo) Log a sample of each logged step's prompts, completions, rewards and advantages (`completions` in
-    metrics.jsonl, a table per step on the report page)."""
+    """(grpo) Log at each logged step the last generation batch's prompts, completions, rewards (each function's
+    too) and advantages, every process's rows (`completions` in metrics.jsonl, a table per step on the report
+    page)."""
     num_completions_to_print: int | None = None
-    """(grpo) How many completions log_completions logs; null: the whole generation batch."""
+    """(grpo) log_completions keeps that many of the table's rows, drawn at random (TRL's printed sample); null:
+    all."""
+    log_unique_prompts: bool = False
+    """(grpo) log_completions keeps each prompt's first row only."""

@@ -1,6 +1,6 @@
 """The run report's completions tables (GRPO's ``log_completions``): each logged step's sample of prompts, their
-completions, rewards and advantages, as metrics.jsonl keeps them under ``completions``; the newest steps first
-shown, the latest one open."""
+completions, rewards (the weighted one, then each reward function's) and advantages, as metrics.jsonl keeps them
+under ``completions``; the newest steps first shown, the latest one open."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 
 MAX_STEPS = 20
 """Logged steps shown (the newest): a long run logs many."""
+TEXT = ("prompt", "completion")
+"""The columns shown as text; the others (rewards, advantage) as numbers."""
 
 
 def _text(value: Any) -> str:
@@ -34,13 +36,14 @@ def completions_section(rows: list[dict[str, Any]], max_steps: int = MAX_STEPS) 
     shown = logged[-max_steps:]
     note = f" (the last {len(shown)} of {len(logged)} logged steps)" if len(shown) < len(logged) else ""
     parts = ["<h2>Completions</h2>", f'<p class="note">A sample of each logged step\'s rollouts{note}: '
-             "prompt, completion, reward and advantage.</p>"]
+             "prompt, completion, reward (then each reward function's) and advantage.</p>"]
     for row in reversed(shown):
-        body = "".join(f"<tr><td>{_text(c.get('prompt'))}</td><td>{_text(c.get('completion'))}</td>"
-                       f"<td>{_number(c.get('reward'))}</td><td>{_number(c.get('advantage'))}</td></tr>"
-                       for c in row["completions"] if isinstance(c, dict))
+        table = [c for c in row["completions"] if isinstance(c, dict)]
+        columns = list(dict.fromkeys(k for c in table for k in c))  # (the logged order: TRL's table's)
+        head = "".join(f"<th>{html.escape(str(k))}</th>" for k in columns)
+        body = "".join("<tr>" + "".join(f"<td>{_text(c.get(k)) if k in TEXT else _number(c.get(k))}</td>"
+                                        for k in columns) + "</tr>" for c in table)
         parts.append(f'<details class="step"{" open" if row is shown[-1] else ""}><summary>Completions at step '
                      f'{row.get("step")}</summary><div class="table-wrap"><table class="metrics completions">'
-                     "<thead><tr><th>prompt</th><th>completion</th><th>reward</th><th>advantage</th></tr></thead>"
-                     f"<tbody>{body}</tbody></table></div></details>")
+                     f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div></details>")
     return "\n".join(parts)
