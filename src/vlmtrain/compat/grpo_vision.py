@@ -21,7 +21,7 @@ groups that micro-batch holds (:meth:`VisionGroups.inputs`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,19 +33,15 @@ from ..data.preference_vision import _with_image_parts as with_image_parts
 from ..errors import ConfigError
 from ..models.objectives.vision_pairs import with_pair_images
 from .grpo_rollout import HFGenerate, pad_rows
+from .grpo_video import GroupVideos, group_clips, same_videos, video_call
 
-VIDEO_COLUMNS = ("video", "videos")
 FAMILIES = ("qwen3_vl", "qwen2_5_vl")
 """Families whose processors give pixel inputs per image patch with ``image_grid_thw`` (sliced per group here)."""
 
 
 def check_vision_dataset(sample: Mapping[str, Any]) -> None:
-    """TRL 1.16's rules for a dataset with images, refused in one line before the model loads: no videos (TRL's
-    GRPO takes none either), conversational prompts."""
-    for key in VIDEO_COLUMNS:
-        if key in sample:
-            raise ConfigError(f"the dataset has a {key!r} column: vlmtrain's GRPO takes images ('images' or 'image'), "
-                              "not videos yet; give frames as images, or train videos with SFT or DPO.")
+    """TRL 1.16's rule for a dataset with images (or videos: grpo_video.py), refused in one line before the model
+    loads: conversational prompts."""
     if not isinstance(sample["prompt"], list):
         raise ConfigError("GRPO with images needs conversational prompts (lists of chat messages, as TRL requires): "
                           "give 'prompt' as [{'role': 'user', 'content': ...}] and let the trainer apply the chat "
@@ -66,7 +62,7 @@ class VisionGroups:
     """The groups of a generation batch's rows, each prompt processed once: ``prompt_ids`` (image placeholders
     expanded), ``token_types`` (the processor's ``mm_token_type_ids``), ``pixels`` / ``grids`` (its images'
     ``pixel_values`` and ``image_grid_thw``, None without images) and ``image_tokens`` (its placeholder count);
-    ``row_group``: each row's group."""
+    ``row_group``: each row's group; ``videos``: each group's videos (grpo_video.py)."""
 
     prompt_ids: list[list[int]]
     token_types: list[list[int]]
@@ -74,6 +70,7 @@ class VisionGroups:
     grids: list[torch.Tensor | None]
     image_tokens: list[int]
     row_group: list[int]
+    videos: GroupVideos = field(default_factory=GroupVideos)
 
     def row_prompt_ids(self) -> list[list[int]]:
         """The prompt ids of every row (its group's)."""
@@ -87,35 +84,40 @@ class VisionGroups:
     def inputs(self, start: int, end: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The vision keys of rows ``start:end`` (whole groups or not): the pixel inputs of the groups they hold,
         once (``vision_*``), each row's placeholder tokens -> those groups' feature tokens (``image_token_index``)
-        and each row's images' ``image_grid_thw`` (the language model's rotary positions); {} without images."""
+        and each row's images' ``image_grid_thw`` (the language model's rotary positions); the same for their videos
+        (:meth:`GroupVideos.inputs`); {} without either."""
         rows = self.row_group[start:end]
+        out = self.videos.inputs(rows)
         groups = [g for g in dict.fromkeys(rows) if self.image_tokens[g]]
-        if not groups:
-            return {}
-        first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
-        index = [k for g in rows if self.image_tokens[g] for k in range(first[g], first[g] + self.image_tokens[g])]
-        out = {VISION_PREFIX + "pixel_values": torch.cat([self.pixels[g] for g in groups]),
-               VISION_PREFIX + "image_grid_thw": torch.cat([self.grids[g] for g in groups]),
-               "image_token_index": torch.tensor(index, dtype=torch.long),
-               "image_grid_thw": torch.cat([self.grids[g] for g in rows if self.image_tokens[g]])}
+        if groups:
+            first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
+            index = [k for g in rows if self.image_tokens[g] for k in range(first[g], first[g] + self.image_tokens[g])]
+            out.update({VISION_PREFIX + "pixel_values": torch.cat([self.pixels[g] for g in groups]),
+                        VISION_PREFIX + "image_grid_thw": torch.cat([self.grids[g] for g in groups]),
+                        "image_token_index": torch.tensor(index, dtype=torch.long),
+                        "image_grid_thw": torch.cat([self.grids[g] for g in rows if self.image_tokens[g]])})
         return {k: v.to(device) for k, v in out.items()}
 
 
-def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token_id: int) -> VisionGroups:
-    """Each group's prompt rendered and processed once with its images. The sampler repeats a prompt
-    ``num_generations`` times in a row, but a process's slice of a generation batch, or an eval batch, may cut a
-    group at either end: a group is a run of rows with the same prompt and images (two prompts alike that follow
-    each other share one encoding, which changes nothing)."""
+def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token_id: int, video: Any = None
+                  ) -> VisionGroups:
+    """Each group's prompt rendered and processed once with its images (and videos, decoded once: ``video``, the
+    family's video support). The sampler repeats a prompt ``num_generations`` times in a row, but a process's slice
+    of a generation batch, or an eval batch, may cut a group at either end: a group is a run of rows with the same
+    prompt, images and videos (two prompts alike that follow each other share one encoding, which changes
+    nothing)."""
     out = VisionGroups([], [], [], [], [], [])
     for i, row in enumerate(rows):
-        if i and row["prompt"] == rows[i - 1]["prompt"] and sample_images(row) == sample_images(rows[i - 1]):
+        if i and row["prompt"] == rows[i - 1]["prompt"] and sample_images(row) == sample_images(rows[i - 1]) \
+                and same_videos(row, rows[i - 1]):
             out.row_group.append(out.row_group[-1])
             continue
         out.row_group.append(len(out.prompt_ids))
-        images = sample_images(row)
-        messages = with_image_parts(row["prompt"], len(images))
+        images, clips = sample_images(row), group_clips(row, video)
+        messages = with_image_parts(row["prompt"], len(images), len(clips))
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        processed = processor(text=[text], images=images or None, return_tensors="pt")
+        call, videos = video_call(processor, video, clips)
+        processed = call(text=[text], images=images or None, return_tensors="pt", **videos)
         ids = processed["input_ids"][0].tolist()
         out.prompt_ids.append(ids)
         out.token_types.append(processed["mm_token_type_ids"][0].tolist() if "mm_token_type_ids" in processed
@@ -123,6 +125,7 @@ def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token
         out.pixels.append(processed.get("pixel_values"))
         out.grids.append(processed.get("image_grid_thw"))
         out.image_tokens.append(sum(t == image_token_id for t in ids))
+        out.videos.add(processor, processed)
     return out
 
 

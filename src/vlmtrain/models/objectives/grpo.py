@@ -20,8 +20,10 @@ from .vision_pairs import with_pair_images
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 VISION_KEYS = ("vision_pixel_values", "vision_image_grid_thw", "image_token_index", "image_grid_thw",
-               "mm_token_type_ids")
-"""A batch's vision inputs (compat/grpo_vision.py): each group's images once, encoded once per forward."""
+               "mm_token_type_ids", "videos_pixel_values_videos", "videos_video_grid_thw", "video_token_index",
+               "video_grid_thw", "second_per_grid_ts")
+"""A batch's vision inputs (compat/grpo_vision.py, grpo_video.py): each group's images and videos once, encoded
+once per forward."""
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
