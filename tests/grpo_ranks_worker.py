@@ -1,6 +1,6 @@
 """Run by tests/test_grpo_ranks.py, alone or as torchrun's ranks: `python grpo_ranks_worker.py OUT MODEL_DIR
 VLM_DIR CASE...`. Per case (:data:`CASES`): vlmtrain's GRPOTrainer on a tiny Llama (or, ``vision``, a tiny Qwen3-VL
-whose even prompts have an image: under 2 ranks rank 0's, rank 1's text only), its completions scripted per prompt
+whose even prompts have an image, or with ``vision="video"`` a video: under 2 ranks rank 0's, rank 1's text only), its completions scripted per prompt
 (:class:`ScriptedCompletions`, through the Generator protocol), trained 3 steps with AdamW with weight decay; rank 0
 writes the policy's weights and the logged rows to OUT/<case>-<world size>.pt. One process group serves every case.
 
@@ -27,6 +27,9 @@ CASES = {
     # groups of 4 cut by the ranks' slices (3 prompts, 6 rows a rank: rank 1's start in the second group's middle)
     "vision-group-across-ranks": dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=6,
                                       gradient_accumulation_steps=1, vision=True),
+    # rank 0's prompts have a video, rank 1's text only (its forwards run the dummy video and image)
+    "video-on-rank-0": dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                            vision="video"),
 }
 ADAM_EPSILON = 1e-3
 """(As tests/rank_preference_worker.py: Adam magnifies the ranks' other summation order on a near-zero gradient;
@@ -84,6 +87,17 @@ def vision_prompts() -> list[dict]:
             for i in range(8)]
 
 
+def video_prompts(processor) -> list[dict]:
+    """:func:`vision_prompts` with a video (4 random frames, decoded small as tests/test_grpo_video.py decodes
+    them) in the even prompts instead of an image."""
+    from tests.test_grpo_video import SETTINGS, clip
+    from vlmtrain.models.families import get_family
+
+    video = get_family("qwen3_vl").video(processor, SETTINGS)
+    return [{"prompt": row["prompt"], "videos": [clip(video, i, 4)] * (1 - i % 2)}
+            for i, row in enumerate(vision_prompts())]
+
+
 def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
     from datasets import Dataset
 
@@ -108,13 +122,14 @@ def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
         model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32)
         processor = get_family("qwen3_vl").load_processor(vlm_dir)
         rows, kinds, eos, tokenizer = vision_prompts(), {}, processor.tokenizer.convert_tokens_to_ids("<|im_end|>"), processor
+        rows = video_prompts(processor) if vision == "video" else Dataset.from_list(rows)
     else:
         model, tokenizer, rows = model_dir, _tokenizer(), prompts()
         kinds = {tuple(tokenizer(r["prompt"])["input_ids"]): r["kind"] for r in rows}
         assert len(kinds) == len(rows), "two prompts alike"
-        eos = tokenizer.eos_token_id
+        eos, rows = tokenizer.eos_token_id, Dataset.from_list(rows)
     trainer = vlmtrain.GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
-                                   train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                                   train_dataset=rows, processing_class=tokenizer,
                                    generator=ScriptedCompletions(kinds, eos))
     result = trainer.train()
     if trainer.rank == 0:
