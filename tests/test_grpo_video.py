@@ -106,10 +106,11 @@ def _plain_rows(processor, video, rows: list[dict]) -> dict:
         for r in rows]
     clips = [c for r in rows for c in r["videos"]]
     processor.tokenizer.padding_side = "left"
+    videos = {"videos": [c.frames for c in clips], "video_metadata": [c.metadata() for c in clips]} if clips else {}
     try:
         return video.attach(processor, [c.size for c in clips])(
-            text=texts, images=[im for r in rows for im in r["images"]], videos=[c.frames for c in clips],
-            video_metadata=[c.metadata() for c in clips], padding=True, return_tensors="pt")
+            text=texts, images=[im for r in rows for im in r["images"]] or None, padding=True, return_tensors="pt",
+            **videos)
     finally:
         processor.tokenizer.padding_side = "right"
 
@@ -213,3 +214,71 @@ def test_videos_on_a_family_without_video_support_refused_before_loading(tmp_pat
     with pytest.raises(ConfigError, match="'video' column.*gemma3 family has no video support"):
         vlmtrain.GRPOTrainer(model=str(tmp_path / "gemma"), reward_funcs=letters_reward, args=args,
                              train_dataset=rows)
+
+
+def video_reward(completions, target, **kwargs):
+    return [float(t in c[0]["content"]) + 0.1 * (len(c[0]["content"]) % 3) for c, t in zip(completions, target,
+                                                                                            strict=True)]
+
+
+def test_grpo_from_yaml_on_video_prompts_equals_grpo_trainer(tiny_hub, tmp_path, one_thread, capsys):
+    """`train.objective: grpo` on a tiny Qwen3-VL with JSONL prompts whose videos are frame files (paths relative to
+    the file; vlmtrain's `texts` layout and TRL's messages), one with an image too, the first text-only (without a
+    videos key: the rows get an empty one, so the run still knows videos come): `vlmtrain data
+    inspect --config` shows each prompt's tokens with the video placeholders expanded, and the run (data.video_*
+    settings applied) takes the steps vlmtrain.GRPOTrainer takes on the same prompts with the clips decoded under
+    the same settings (loss, rewards, KL, entropy: rel 1e-5)."""
+    import yaml
+    from transformers import AutoModelForImageTextToText
+
+    from tests.test_objective_grpo import _jsonl, _metrics
+    from vlmtrain import cli
+
+    fam, path, processor = tiny_hub("qwen3_vl")
+    video = fam.video(processor, SETTINGS)
+    rows, python_rows = [], []
+    for i, question in enumerate(QUESTIONS):
+        files = []
+        for k, frame in enumerate(frames(10 + i, 4) if i else []):
+            frame.save(tmp_path / f"v{i}-{k}.png")
+            files.append(f"v{i}-{k}.png")
+        images = [_image(i)] if i == 3 else []
+        for k, image in enumerate(images):
+            image.save(tmp_path / f"im{i}-{k}.png")
+        record = {**({"videos": [files]} if files else {}),  # (the first, text-only, has no videos key at all)
+                  "images": [f"im{i}-{k}.png" for k in range(len(images))], "target": "ab"[i % 2]}
+        rows.append({**record, "texts": [{"user": question}]} if i % 2 else
+                    {**record, "prompt": [{"role": "user", "content": question}]})
+        python_rows.append({"prompt": [{"role": "user", "content": question}], "target": "ab"[i % 2],
+                            "videos": [clip(video, 10 + i, 4)] if files else [],
+                            "images": [Image.open(tmp_path / f"im{i}-{k}.png").convert("RGB")
+                                       for k in range(len(images))]})
+    train = {"num_generations": 2, "per_device_train_batch_size": 4, "max_completion_length": 4, "max_steps": 2,
+             "learning_rate": 3e-3, "weight_decay": 0.1, "logging_steps": 1, "seed": 7, "report_to": "none",
+             "dataloader_num_workers": 0, "disable_tqdm": True, "beta": 0.1, "shuffle_dataset": False}
+    config = {"model": {"kind": "hub_vlm", "pretrained": str(path)},
+              "data": {"source": "jsonl", "train_file": _jsonl(tmp_path / "video.jsonl", rows), "video_fps": 1.0,
+                       "video_min_pixels": 1024, "max_video_tokens": 300},
+              "train": {"output_dir": str(tmp_path / "run"), "objective": "grpo", "save_strategy": "no",
+                        "reward_funcs": ["tests.test_grpo_video:video_reward"], **train}}
+    (tmp_path / "video.yaml").write_text(yaml.safe_dump(config))
+    assert cli.main(["data", "inspect", str(tmp_path / "video.jsonl"), "--config", str(tmp_path / "video.yaml")]) == 0
+    shown = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("prompt (")]
+    expected = [int(r["processed"]["input_ids"].eq(processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")).sum())
+                for r in [{"processed": _plain_rows(processor, video, [p])} for p in python_rows]]
+    assert expected[0] == 0 and expected[1] > 0
+    assert [line.count("<|video_pad|>") for line in shown] == expected  # (the same expansion as the run's)
+    assert cli.main(["train", "--config", str(tmp_path / "video.yaml")]) == 0
+    ours = [r for r in _metrics(tmp_path / "run") if "loss" in r]
+
+    args = vlmtrain.GRPOConfig(str(tmp_path / "python"), bf16=False, gradient_checkpointing=False,
+                               save_strategy="no", use_cpu=True, **train)
+    trainer = vlmtrain.GRPOTrainer(model=AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32),
+                                   reward_funcs=[video_reward], args=args, train_dataset=python_rows,
+                                   processing_class=processor)
+    trainer.train()
+    theirs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(ours) == len(theirs) == 2
+    for step, (mine, log) in enumerate(zip(ours, theirs, strict=True), 1):
+        for key in ("loss", "reward", "completions/mean_length", "kl", "entropy"):
+            assert mine[key] == pytest.approx(log[key], rel=1e-5, abs=1e-7), (step, key)
