@@ -210,7 +210,7 @@ def _vision_prompt_check(cfg: Any) -> Any:
 
     def check(sample: dict[str, Any]) -> dict[str, Any]:
         row = PromptRows([prompt_row(sample, processor, vision=True)])[0]
-        ids = encode_groups(processor, [row], -1, video).prompt_ids[0]
+        ids = encode_groups(processor, [row], -1, video=video).prompt_ids[0]
         return {**row, "tokens": {"prompt": processor.tokenizer.convert_ids_to_tokens(ids)}}
 
     return check

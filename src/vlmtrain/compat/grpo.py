@@ -181,7 +181,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         prompts = [r["prompt"] for r in rows]
         groups = None
         if self._image_token_id is not None:  # (each group's prompt and images processed once)
-            groups = encode_groups(self.processing_class, rows, self._image_token_id, self.video_support)
+            groups = encode_groups(self.processing_class, rows, self._image_token_id, video=self.video_support)
             prompt_ids = groups.row_prompt_ids()
         else:
             prompt_ids = prompt_token_ids(self.tokenizer, rows)

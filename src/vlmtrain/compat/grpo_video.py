@@ -27,6 +27,8 @@ from ..errors import ConfigError
 from .dpo import _family
 
 VIDEO_COLUMNS = ("video", "videos")
+VIDEO_KEYS = (*VIDEO_ENCODER_KEYS, *ROW_VIDEO_KEYS)
+"""A prompt's video outputs of the processor, kept per group by :class:`GroupVideos` (never image inputs)."""
 
 
 def has_videos(sample: Mapping[str, Any]) -> bool:
@@ -107,7 +109,7 @@ class GroupVideos:
 
     def add(self, processor: Any, processed: Mapping[str, Any]) -> None:
         """One group's processor outputs (its prompt's ``input_ids`` and, with videos, their keys)."""
-        has = "video_grid_thw" in processed
+        has = any(k in processed for k in VIDEO_KEYS)
         self.encoder.append({k: processed[k] for k in VIDEO_ENCODER_KEYS if has})
         self.per_video.append({k: torch.as_tensor(processed[k]) for k in ROW_VIDEO_KEYS if has and k in processed})
         self.tokens.append(int((processed["input_ids"][0] == video_token_id(processor)).sum()) if has else 0)
