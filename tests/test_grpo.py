@@ -89,20 +89,22 @@ def _config(cls, out, **kw):
     return cls(str(out), **{**base, **kw})
 
 
-def _run(framework: str, model_dir, out, conversational: bool = False, peft_config=None, **kw):
+def _run(framework: str, model_dir, out, conversational: bool = False, peft_config=None, funcs=None,
+         reward_processing_classes=None, **kw):
     rollout = FixedCompletions(6)
-    funcs = [length_reward, target_reward]
+    funcs = funcs(framework) if funcs else [length_reward, target_reward]
+    rpc = dict(reward_processing_classes=reward_processing_classes) if reward_processing_classes else {}
     if framework == "trl":
         import trl
 
         trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs, args=_config(trl.GRPOConfig, out, **kw),
                                   train_dataset=_prompts(conversational=conversational), processing_class=_tokenizer(),
-                                  rollout_func=rollout.trl, peft_config=peft_config)
+                                  rollout_func=rollout.trl, peft_config=peft_config, **rpc)
     else:
         trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
                                        args=_config(vlmtrain.GRPOConfig, out, **kw),
                                        train_dataset=_prompts(conversational=conversational),
-                                       processing_class=_tokenizer(), generator=rollout, peft_config=peft_config)
+                                       processing_class=_tokenizer(), generator=rollout, peft_config=peft_config, **rpc)
     trainer.train()
     policy = trainer.model if framework == "trl" else trainer.policy
     return [e for e in trainer.state.log_history if "loss" in e], {k: v.detach().clone() for k, v in
@@ -167,6 +169,54 @@ def test_grpo_lora_reference_is_the_policy_without_adapters_as_in_trl(model_dir,
         for key in ("loss", "kl", "entropy"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours["step"])
     assert any("lora_A" in k for k in trl_weights)
+    for name, value in trl_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    """A tiny random-init sequence-classification model with one label and its tokenizer, saved (TRL loads such a
+    reward_funcs entry with AutoModelForSequenceClassification, num_labels=1)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    path = tmp_path_factory.mktemp("tiny_rm") / "tiny-rm"
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, num_labels=1,
+                         attention_dropout=0.1,  # (scored in eval mode, as TRL: no dropout)
+                         pad_token_id=0)
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return path
+
+
+@requires("trl", "dev")
+@pytest.mark.parametrize("mixed,conversational", [(False, False), (True, True)], ids=["alone-path", "mixed-module"])
+def test_grpo_with_a_reward_model_equals_trl(model_dir, reward_model_dir, tmp_path, mixed, conversational):
+    """A sequence-classification reward model in reward_funcs, as TRL scores it (prompt + completion, the chat
+    template for messages, right padding, its logit; named after its path): alone as a path, or as a model object
+    with its reward_processing_classes tokenizer beside a weighted function: rewards, loss, metrics and final
+    weights equal TRL's GRPOTrainer's. (The model object is given to vlmtrain in training mode: it scores in eval
+    mode, without its dropout, as TRL's from_pretrained model does.)"""
+    from transformers import AutoModelForSequenceClassification
+
+    def funcs(framework):
+        if not mixed:
+            return [str(reward_model_dir)]
+        model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir)  # (eval mode, for TRL)
+        return [model.train() if framework == "ours" else model, length_reward]  # (ours: put in eval mode)
+
+    kw = dict(loss_type="grpo", beta=0.1, max_steps=2, reward_weights=[1.0, 0.5] if mixed else None, funcs=funcs,
+              reward_processing_classes=[_tokenizer(), None] if mixed else None)
+    trl_logs, trl_weights = _run("trl", model_dir, tmp_path / "trl", conversational, **kw)
+    logs, weights = _run("ours", model_dir, tmp_path / "ours", conversational, **kw)
+    keys = ["loss", "reward", "reward_std", "rewards/tiny-rm/mean", "rewards/tiny-rm/std", "frac_reward_zero_std",
+            "kl", "entropy"] + (["rewards/length_reward/mean"] if mixed else [])
+    assert len(logs) == len(trl_logs) == 2
+    for ours, theirs in zip(logs, trl_logs, strict=True):
+        for key in keys:
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), (key, ours["step"])
+    assert logs[0]["rewards/tiny-rm/std"] > 0  # (the model scores the completions differently)
     for name, value in trl_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 

@@ -75,11 +75,20 @@ def check_grpo(cfg: Any) -> None:
 
 
 def reward_functions(names: list[str]) -> list[Any]:
-    """Each `module:function` of train.reward_funcs imported (grpo_rollout.resolve_reward_funcs); one that does not
-    import is a ConfigError naming it and the import error."""
+    """train.reward_funcs' entries: a directory is a reward model (grpo_reward_models.check_reward_model_dir:
+    checked here without loading it, kept as its path for GRPOTrainer to load); a `module:function` is imported
+    (grpo_rollout.resolve_reward_funcs; one that does not import is a ConfigError naming it and the import error)."""
+    from vlmtrain.compat.grpo_reward_models import check_reward_model_dir
     from vlmtrain.compat.grpo_rollout import resolve_reward_funcs
 
-    return resolve_reward_funcs([str(name) for name in names], where="train.reward_funcs")[0]
+    where, funcs = "train.reward_funcs", []
+    for name in map(str, names):
+        if os.path.isdir(name):
+            check_reward_model_dir(name, where)
+            funcs.append(name)
+        else:
+            funcs += resolve_reward_funcs([name], where=where, models=False)[0]
+    return funcs
 
 
 def grpo_args(train: Any) -> Any:
@@ -232,10 +241,25 @@ def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
     vision = cfg.model.kind == "hub_vlm"
     train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file", vision)
     evals = prompt_rows(parts["eval_dataset"], tokenizer, "data.eval_file", vision) if cfg.data.num_eval > 0 else None
-    trainer = GRPOTrainer(parts["model"], reward_functions(cfg.train.reward_funcs), args=grpo_args(cfg.train),
-                          train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)
+    args = grpo_args(cfg.train)
+    trainer = GRPOTrainer(parts["model"], [_head_reward(f, args) for f in reward_functions(cfg.train.reward_funcs)],
+                          args=args, train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)
     if trainer.video_support is not None:  # (the clips decoded under data.video_*, as SFT and DPO decode them)
         from vlmtrain.models.families import get_family
 
         trainer.video_support = _video_support(cfg, get_family(parts["model"].config.model_type), tokenizer)
     return trainer
+
+
+def _head_reward(entry: Any, args: Any) -> Any:
+    """A train.reward_funcs directory holding a vlmtrain checkpoint with a reward head, loaded on the policy's
+    device and named after the entry (GRPOTrainer loads the other reward models itself); other entries as they
+    are."""
+    from vlmtrain.compat.grpo_reward_models import HeadReward, reward_head
+    from vlmtrain.inference import load_for_inference
+
+    head = reward_head(entry) if isinstance(entry, str) else None
+    if head is None:
+        return entry
+    return HeadReward(load_for_inference(entry, device=args.device), head, args.per_device_train_batch_size,
+                      name=entry.rstrip("/").split("/")[-1])

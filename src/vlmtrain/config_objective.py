@@ -33,7 +33,8 @@ class TrainConfig(GRPOOptions):
     reward_funcs: list[str] | None = None
     """(grpo) The reward functions, as `module:function` strings imported when the config is read (TRL's
     signature: `prompts`, `completions`, `completion_ids` and the prompt's other columns as keyword arguments ->
-    one float per completion, None: not scored). At least one."""
+    one float per completion, None: not scored), or reward model directories (a `train.objective: reward` run's,
+    or a sequence-classification model with one label: docs/grpo.md#reward-models). At least one."""
     beta: float | None = None
     """(dpo, grpo) dpo: temperature of the DPO loss (ipo: its regularization parameter tau); null: 0.1. grpo: the
     KL coefficient to the reference; null: 0.0 (no reference model is built or run)."""

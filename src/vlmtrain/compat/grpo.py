@@ -74,8 +74,6 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             raise ValueError("`train_dataset` is required")
         if eval_dataset is not None:  # (evaluated as TRL evaluates: compat/grpo_eval.py)
             check_eval_batch(args)
-        if reward_processing_classes is not None:
-            raise ConfigError("reward_processing_classes: reward models are not supported by vlmtrain's GRPO yet.")
         first = next(iter(train_dataset))
         if "prompt" not in first:
             raise ConfigError(f"GRPO's dataset needs a 'prompt' column (its columns: {sorted(first)}).")
@@ -83,7 +81,9 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         if vision:  # (before the model loads)
             check_vision_dataset(first)
             check_video_support(first, model)
-        self.reward_funcs, self.reward_func_names = resolve_reward_funcs(reward_funcs)
+        self.reward_funcs, self.reward_func_names = resolve_reward_funcs(  # (reward models: on this process's device)
+            reward_funcs, processing_classes=reward_processing_classes, init_kwargs=args.model_init_kwargs,
+            device=args.device, batch_size=args.per_device_train_batch_size)
         weights = args.reward_weights or [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
             raise ConfigError(f"reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -125,17 +126,32 @@ def prompt_token_ids(tokenizer: Any, rows: Sequence[dict[str, Any]]) -> list[lis
     return tokenizer(text=prompts)["input_ids"]
 
 
-def resolve_reward_funcs(reward_funcs: Any, where: str = "reward function") -> tuple[list[Callable], list[str]]:
+def resolve_reward_funcs(reward_funcs: Any, where: str = "reward function", processing_classes: Any = None,
+                         init_kwargs: dict[str, Any] | None = None, device: torch.device | str = "cpu",
+                         batch_size: int = 8, models: bool = True) -> tuple[list[Callable], list[str]]:
     """The reward functions (callables, or ``module:function`` strings imported here) and their names; ``where``
-    names the setting in errors (a run config: ``train.reward_funcs``)."""
-    funcs = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    names the setting in errors (a run config: ``train.reward_funcs``). With ``models``, an entry that is a
+    model (an ``nn.Module``, a directory, a string without ``:``: a Hub id, as TRL reads it, or a
+    ``vlmtrain.load_for_inference`` model with a reward head) is loaded as a reward function (compat/grpo_reward_models.py) on ``device``, scored with its ``processing_classes`` entry
+    (one per reward function, or one for all; None: the model's tokenizer) in batches of ``batch_size``."""
+    from .grpo_reward_models import load_reward_model
+
+    funcs = list(reward_funcs) if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    classes = (list(processing_classes) if isinstance(processing_classes, list | tuple)
+               else [processing_classes] * (len(funcs) if processing_classes is None else 1))
+    if len(classes) != len(funcs):
+        raise ConfigError(f"The number of reward processing classes ({len(classes)}) must match the number of "
+                          f"reward functions ({len(funcs)}).")
     resolved = []
-    for f in funcs:
-        if isinstance(f, str):
+    for f, processing_class in zip(funcs, classes, strict=True):
+        if models and (isinstance(f, nn.Module) or hasattr(f, "head_configs")
+                       or isinstance(f, str) and (os.path.isdir(f) or ":" not in f)):
+            f = load_reward_model(f, processing_class, init_kwargs, device, batch_size, where)
+        elif isinstance(f, str):
             f = _import_reward(f, where)
         if isinstance(f, nn.Module) or not callable(f):
-            raise ConfigError(f"{where} {f!r}: vlmtrain's GRPO takes Python callables (reward models are "
-                              "not supported yet).")
+            raise ConfigError(f"{where} {f!r}: vlmtrain's GRPO takes Python callables, 'module:function' strings "
+                              "and reward models.")
         resolved.append(f)
     return resolved, [getattr(f, "__name__", type(f).__name__) for f in resolved]
 
@@ -144,8 +160,8 @@ def _import_reward(name: str, where: str) -> Callable:
     """A ``module:function`` string's function; one that does not import is a ConfigError naming it and why."""
     module, _, attr = name.partition(":")
     if not module or not attr:
-        raise ConfigError(f"{where} {name!r}: vlmtrain's GRPO takes Python callables or 'module:function' strings "
-                          "(reward models are not supported yet).")
+        raise ConfigError(f"{where} {name!r}: not a 'module:function' string or a directory (a reward model); give "
+                          "one of those.")
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as err:
