@@ -231,7 +231,7 @@ def test_grpo_from_yaml_on_video_prompts_equals_grpo_trainer(tiny_hub, tmp_path,
     import yaml
     from transformers import AutoModelForImageTextToText
 
-    from tests.test_objective_grpo import _jsonl, _metrics
+    from tests.test_objective_grpo import _jsonl, _metrics, assert_steps_equal_python
     from vlmtrain import cli
 
     fam, path, processor = tiny_hub("qwen3_vl")
@@ -270,15 +270,5 @@ def test_grpo_from_yaml_on_video_prompts_equals_grpo_trainer(tiny_hub, tmp_path,
     assert [line.count("<|video_pad|>") for line in shown] == expected  # (the same expansion as the run's)
     assert cli.main(["train", "--config", str(tmp_path / "video.yaml")]) == 0
     ours = [r for r in _metrics(tmp_path / "run") if "loss" in r]
-
-    args = vlmtrain.GRPOConfig(str(tmp_path / "python"), bf16=False, gradient_checkpointing=False,
-                               save_strategy="no", use_cpu=True, **train)
-    trainer = vlmtrain.GRPOTrainer(model=AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32),
-                                   reward_funcs=[video_reward], args=args, train_dataset=python_rows,
-                                   processing_class=processor)
-    trainer.train()
-    theirs = [e for e in trainer.state.log_history if "loss" in e]
-    assert len(ours) == len(theirs) == 2
-    for step, (mine, log) in enumerate(zip(ours, theirs, strict=True), 1):
-        for key in ("loss", "reward", "completions/mean_length", "kl", "entropy"):
-            assert mine[key] == pytest.approx(log[key], rel=1e-5, abs=1e-7), (step, key)
+    assert_steps_equal_python(ours, AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), processor,
+                              python_rows, video_reward, train, tmp_path)
