@@ -1,11 +1,12 @@
 """Run by tests/test_grpo_ranks.py, alone or as torchrun's ranks: `python grpo_ranks_worker.py OUT MODEL_DIR
 VLM_DIR CASE...`. Per case (:data:`CASES`): vlmtrain's GRPOTrainer on a tiny Llama (or, ``vision``, a tiny Qwen3-VL
-whose even prompts have an image: under 2 ranks rank 0's, rank 1's text only), its completions scripted per prompt
-(:class:`ScriptedCompletions`, through the Generator protocol), trained 3 steps with AdamW with weight decay (with
-``log_completions``), then evaluated on :func:`eval_prompts` (5 groups in eval batches of one group: rank 0 evaluates
-3 batches, rank 1 2; in the vision case rank 0's prompts all have an image, rank 1's none); rank 0 writes the
-policy's weights, the logged rows and the evaluation's metrics to OUT/<case>-<world size>.pt, each rank the number
-of eval batches it generated for (and of those with an image) to OUT/<case>-<world size>-evals-<rank>.txt. One process group serves every case.
+whose even prompts have an image, or with ``vision="video"`` a video: under 2 ranks rank 0's, rank 1's text only),
+its completions scripted per prompt (:class:`ScriptedCompletions`, through the Generator protocol), trained 3 steps
+with AdamW with weight decay (with ``log_completions``), then evaluated on :func:`eval_prompts` (5 groups in eval
+batches of one group: rank 0 evaluates 3 batches, rank 1 2; in the vision cases rank 0's prompts all have an image
+or a video, rank 1's none); rank 0 writes the policy's weights, the logged rows and the evaluation's metrics to
+OUT/<case>-<world size>.pt, each rank the number of eval batches it generated for (and of those with an image or a
+video) to OUT/<case>-<world size>-evals-<rank>.txt. One process group serves every case.
 
 The prompts come in order (``shuffle_dataset=False``), one group per rank per generation: the ranks' prompts and
 completions differ in length, rank 1's first group is all truncated (``mask_truncated_completions``: no loss token
@@ -33,6 +34,9 @@ CASES = {
     # the prompts from a stream (StreamingDataset over a JSONL file): every rank reads it whole, takes its slice
     "stream-dapo-accum-mu2": dict(loss_type="dapo", beta=0.1, num_iterations=2, mask_truncated_completions=True,
                                   per_device_train_batch_size=2, gradient_accumulation_steps=2, stream=True),
+    # rank 0's prompts have a video, rank 1's text only (its forwards run the dummy video and image)
+    "video-on-rank-0": dict(loss_type="dapo", beta=0.1, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                            vision="video"),
 }
 ADAM_EPSILON = 1e-3
 """(As tests/rank_preference_worker.py: Adam magnifies the ranks' other summation order on a near-zero gradient;
@@ -64,7 +68,8 @@ class ScriptedCompletions:
         self.calls += model.training
         self.eval_calls += not model.training
         groups = vision.get("vision")  # (a VLM's eval batch: whether its prompt has an image)
-        self.eval_image_calls += not model.training and groups is not None and any(groups.images)
+        self.eval_image_calls += not model.training and groups is not None and (
+            any(groups.images) or any(groups.videos.tokens))
         call = self.calls if model.training else "eval"  # (an eval batch's: whichever process evaluates it)
         first = int(os.environ.get("RANK", "0")) * len(prompt_ids)  # (this rank's first row in the generation)
         out = []
@@ -112,10 +117,22 @@ def eval_prompts(rows: list[dict], seed: int, vision: bool) -> list[dict]:
     ``seed``) puts at even places: with one group per eval batch, dealt round-robin, those are rank 0's."""
     rows = [dict(r) for r in rows[:EVAL_PROMPTS]]
     if vision:
-        image = next(r["images"] for r in rows if r["images"])
+        key = "videos" if vision == "video" else "images"
+        media = next(r[key] for r in rows if r[key])
         for place, index in enumerate(torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))):
-            rows[index]["images"] = image if place % 2 == 0 else []
+            rows[index][key] = media if place % 2 == 0 else []
     return rows
+
+
+def video_prompts(processor) -> list[dict]:
+    """:func:`vision_prompts` with a video (4 random frames, decoded small as tests/test_grpo_video.py decodes
+    them) in the even prompts instead of an image."""
+    from tests.test_grpo_video import SETTINGS, clip
+    from vlmtrain.models.families import get_family
+
+    video = get_family("qwen3_vl").video(processor, SETTINGS)
+    return [{"prompt": row["prompt"], "videos": [clip(video, i, 4)] * (1 - i % 2)}
+            for i, row in enumerate(vision_prompts())]
 
 
 def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
@@ -142,16 +159,17 @@ def run(case: str, model_dir: str, vlm_dir: str, out: str) -> None:
         model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32)
         processor = get_family("qwen3_vl").load_processor(vlm_dir)
         rows, kinds, eos, tokenizer = vision_prompts(), {}, processor.tokenizer.convert_tokens_to_ids("<|im_end|>"), processor
+        rows = video_prompts(processor) if vision == "video" else rows
     else:
         model, tokenizer, rows = model_dir, _tokenizer(), prompts()
         kinds = {tuple(tokenizer(r["prompt"])["input_ids"]): r["kind"] for r in rows}
         assert len(kinds) == len(rows), "two prompts alike"
         eos = tokenizer.eos_token_id
     generator = ScriptedCompletions(kinds, eos)
+    dataset = list if vision == "video" else Dataset.from_list  # (decoded VideoClips stay Python objects)
     trainer = vlmtrain.GRPOTrainer(model=model, reward_funcs=length_reward, args=args,
-                                   train_dataset=_stream(rows, out, case) if stream else Dataset.from_list(rows),
-                                   processing_class=tokenizer,
-                                   eval_dataset=Dataset.from_list(eval_prompts(rows, args.seed, vision)),
+                                   train_dataset=_stream(rows, out, case) if stream else dataset(rows),
+                                   processing_class=tokenizer, eval_dataset=dataset(eval_prompts(rows, args.seed, vision)),
                                    generator=generator)
     result = trainer.train()
     evaluation = trainer.evaluate()

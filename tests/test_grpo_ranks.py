@@ -2,7 +2,8 @@
 hanging) equals one process over the same prompts and completions (tests/grpo_ranks_worker.py): ranks whose prompts
 and completions differ in length, a rank whose group is all truncated (``mask_truncated_completions``: no loss
 token there), a rank whose group's rewards are all equal (zero advantage), a tiny Qwen3-VL's groups cut by the
-ranks' slices (each rank's rows read their own prompt's images); rewards gathered over the ranks before
+ranks' slices (each rank's rows read their own prompt's images), videos on rank 0 only (rank 1 text only: its
+forwards run the dummy image and video); rewards gathered over the ranks before
 the advantages (``scale_rewards: batch`` over the global batch), ``dapo`` normalised by the global token count. Every
 case runs in one launch; the 1-process references in the test's process.
 

@@ -50,6 +50,24 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_steps_equal_python(runs: dict[str, list[dict]], model, processor, rows, reward, train: dict, out) -> None:
+    """YAML runs' logged training rows (name -> rows) against vlmtrain.GRPOTrainer's on ``model`` (a Hub VLM,
+    float32) with ``processor``, the same prompts (``rows``, TRL's VLM layout), reward function and ``train``
+    options: the same per-step loss, reward, completion length, KL and entropy (rel 1e-5)."""
+    args = vlmtrain.GRPOConfig(str(out / "python"), bf16=False, gradient_checkpointing=False, save_strategy="no",
+                               use_cpu=True, **train)
+    trainer = vlmtrain.GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=rows,
+                                   processing_class=processor)
+    trainer.train()
+    theirs = [e for e in trainer.state.log_history if "loss" in e]
+    assert len(theirs) == train["max_steps"]
+    for name, logged in runs.items():
+        assert len(logged) == len(theirs), name
+        for step, (mine, log) in enumerate(zip(logged, theirs, strict=True), 1):
+            for key in ("loss", "reward", "completions/mean_length", "kl", "entropy"):
+                assert mine[key] == pytest.approx(log[key], rel=1e-5, abs=1e-7), (name, step, key)
+
+
 @pytest.fixture(scope="module")
 def python_run(model_dir, tmp_path_factory):  # noqa: F811 (the fixture)
     """The job through vlmtrain.GRPOTrainer in Python: its logs, its policy and its final evaluation."""
@@ -219,15 +237,6 @@ def test_grpo_from_yaml_on_a_hub_vlm_equals_grpo_trainer(tiny_hub, tmp_path, one
     assert imported.OPENED and all(imported.OPENED)
     streamed = [r for r in _metrics(tmp_path / "stream") if "loss" in r]
 
-    args = vlmtrain.GRPOConfig(str(tmp_path / "python"), bf16=False, gradient_checkpointing=False,
-                               save_strategy="no", use_cpu=True, **train)
-    trainer = vlmtrain.GRPOTrainer(model=AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32),
-                                   reward_funcs=[vision_reward], args=args, train_dataset=python_rows,
-                                   processing_class=processor)
-    trainer.train()
-    theirs = [e for e in trainer.state.log_history if "loss" in e]
-    assert len(ours) == len(streamed) == len(theirs) == 2
-    for step, (mine, stream, log) in enumerate(zip(ours, streamed, theirs, strict=True), 1):
-        for key in ("loss", "reward", "completions/mean_length", "kl", "entropy"):
-            assert mine[key] == pytest.approx(log[key], rel=1e-5, abs=1e-7), (step, key)
-            assert stream[key] == pytest.approx(log[key], rel=1e-5, abs=1e-7), ("stream", step, key)
+    assert_steps_equal_python({"yaml": ours, "stream": streamed},
+                              AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), processor,
+                              python_rows, vision_reward, train, tmp_path)

@@ -123,6 +123,7 @@ def prompt_row(record: dict[str, Any], tokenizer: Any, vision: bool = False) -> 
     for image in row.get("images") or []:
         if isinstance(image, str) and not os.path.isfile(image):
             raise SkipSample("missing_image", image)
+    check_videos(row, vision)
     if "prompt" in row:
         if not row["prompt"] or not isinstance(row["prompt"], str | list):
             raise SkipSample("not_a_prompt", f"'prompt' is {row['prompt']!r}")
@@ -139,6 +140,21 @@ def prompt_row(record: dict[str, Any], tokenizer: Any, vision: bool = False) -> 
     chat = TextChatProcessor(tokenizer, max_length=1 << 30)
     ids = chat.process({"texts": [*turns[:-1], {"user": last["user"], "assistant": ""}]})["prompt_input_ids"]
     return {**row, "prompt": tokenizer.decode(ids, skip_special_tokens=True), "prompt_ids": ids}
+
+
+def check_videos(row: dict[str, Any], vision: bool) -> None:
+    """A prompt's videos (decoded when its group is rolled out): SkipSample for videos to a text model
+    (``videos_for_text_model``) or a video file, or frame file, that does not exist (``video_unreadable``)."""
+    from vlmtrain.data.hub_messages import sample_videos
+    from vlmtrain.data.processing import SkipSample
+
+    videos = sample_videos(row)
+    if videos and not vision:
+        raise SkipSample("videos_for_text_model", f"{len(videos)} video(s)")
+    for spec in videos:
+        for file in spec if isinstance(spec, list | tuple) else [spec]:
+            if isinstance(file, str) and not os.path.isfile(file):
+                raise SkipSample("video_unreadable", f"{file}: no such file")
 
 
 class PromptRows(Sequence):
@@ -176,6 +192,8 @@ def prompt_rows(records: list[dict[str, Any]] | None, tokenizer: Any, key: str, 
     if not rows:
         raise ConfigError(f"{key}: none of its {len(records)} samples is a GRPO prompt ({dict(skipped)}); see "
                           "docs/data.md#grpo-prompts.")
+    if any("videos" in r or "video" in r for r in rows):  # (every row a videos column, as a dataset's rows have)
+        rows = [r if "videos" in r or "video" in r else {**r, "videos": []} for r in rows]
     return PromptRows(rows)
 
 
@@ -200,14 +218,23 @@ def _vision_prompt_check(cfg: Any) -> Any:
     from vlmtrain.compat.grpo_vision import encode_groups
     from vlmtrain.models.families import family_of
 
-    processor = family_of(cfg.model.pretrained, key="model.pretrained").load_processor(cfg.model.pretrained)
+    family = family_of(cfg.model.pretrained, key="model.pretrained")
+    processor = family.load_processor(cfg.model.pretrained)
+    video = _video_support(cfg, family, processor)
 
     def check(sample: dict[str, Any]) -> dict[str, Any]:
         row = PromptRows([prompt_row(sample, processor, vision=True)])[0]
-        ids = encode_groups(processor, [row], -1).prompt_ids[0]
+        ids = encode_groups(processor, [row], -1, video=video).prompt_ids[0]
         return {**row, "tokens": {"prompt": processor.tokenizer.convert_ids_to_tokens(ids)}}
 
     return check
+
+
+def _video_support(cfg: Any, family: Any, processor: Any) -> Any:
+    """The family's video support under the config's ``data.video_*`` settings (None: a family without it)."""
+    from vlmtrain.data.video import VideoSettings
+
+    return None if family.video is None else family.video(processor, VideoSettings.from_data(cfg.data))
 
 
 def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
@@ -223,8 +250,13 @@ def build_trainer(cfg: Any, parts: dict[str, Any]) -> Any:
         train = prompt_rows(parts["train_dataset"], tokenizer, "data.train_file", vision)
     evals = prompt_rows(parts["eval_dataset"], tokenizer, "data.eval_file", vision) if cfg.data.num_eval > 0 else None
     args = grpo_args(cfg.train)
-    return GRPOTrainer(parts["model"], [_head_reward(f, args) for f in reward_functions(cfg.train.reward_funcs)],
-                       args=args, train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)
+    trainer = GRPOTrainer(parts["model"], [_head_reward(f, args) for f in reward_functions(cfg.train.reward_funcs)],
+                          args=args, train_dataset=train, eval_dataset=evals or None, processing_class=tokenizer)
+    if trainer.video_support is not None:  # (the clips decoded under data.video_*, as SFT and DPO decode them)
+        from vlmtrain.models.families import get_family
+
+        trainer.video_support = _video_support(cfg, get_family(parts["model"].config.model_type), tokenizer)
+    return trainer
 
 
 def _head_reward(entry: Any, args: Any) -> Any:

@@ -36,6 +36,7 @@ from .grpo_rollout import (
 from .grpo_state import RolloutCheckpoints
 from .grpo_stream import is_stream, stream_loader, streamed_prompts
 from .grpo_table import completions_table
+from .grpo_video import check_video_support, has_videos, video_support
 from .grpo_vision import (
     VisionGenerate,
     check_vision_dataset,
@@ -56,7 +57,8 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
     dataset with a ``prompt`` column (text, or conversational messages); its other columns reach the functions as
     keyword arguments. ``generator``: the rollout engine (default: the policy's ``generate``). The reference: none
     with ``beta`` 0, else the policy with its adapters off (a peft model, or ``peft_config``), else a frozen copy.
-    ``self.model`` is the :class:`GRPOObjective`; ``self.policy`` the model trained."""
+    ``self.model`` is the :class:`GRPOObjective`; ``self.policy`` the model trained; ``self.video_support``: the
+    family's video support for prompts with videos (grpo_video.py; a run config sets its ``data.video_*``)."""
 
     def __init__(self, model: str | nn.Module, reward_funcs: Any, args: GRPOConfig | None = None,
                  train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
@@ -78,9 +80,10 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         first = next(iter(train_dataset))
         if "prompt" not in first:
             raise ConfigError(f"GRPO's dataset needs a 'prompt' column (its columns: {sorted(first)}).")
-        vision = is_vision_pairs(first)  # (TRL's rule: an images / image column; videos are refused)
+        vision = is_vision_pairs(first)  # (TRL's rule: an images / image column; or videos: grpo_video.py)
         if vision:  # (before the model loads)
             check_vision_dataset(first)
+            check_video_support(first, model)
         self.reward_funcs, self.reward_func_names = resolve_reward_funcs(  # (reward models: on this process's device)
             reward_funcs, processing_classes=reward_processing_classes, init_kwargs=args.model_init_kwargs,
             device=args.device, batch_size=args.per_device_train_batch_size)
@@ -96,13 +99,14 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
             processing_class = (_load_processing_class(model) if vision
                                 else AutoTokenizer.from_pretrained(model.config._name_or_path))
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        self._image_token_id = None  # (a dataset with images: each group's prompt processed with them, once)
+        self._image_token_id = self.video_support = None  # (images / videos: each group's processed once)
         if vision:
             self._image_layout = check_vision_model(model).batch_layout
             if getattr(processing_class, "image_processor", None) is None:
                 raise ConfigError("the dataset's prompts have images ('images' or 'image' column) but "
                                   "processing_class is a tokenizer: pass the vision-language model's processor.")
             self._image_token_id = model.config.image_token_id
+            self.video_support = video_support(model, processing_class) if has_videos(first) else None
             _enable_dummy_vision(model)  # (several processes: a micro-batch without images runs the dummy image)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -130,7 +134,8 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
                            eos_token_id=self.eos_token_ids, temperature=args.temperature, top_p=args.top_p,
                            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
             if vision:  # (as TRL: a sampled image token would mismatch the image features)
-                options["suppress_tokens"] = [self._image_token_id]
+                options["suppress_tokens"] = [self._image_token_id] + (
+                    [model.config.video_token_id] if self.video_support is not None else [])
             config = GenerationConfig(**{**options, **(args.generation_kwargs or {})})
             generator = (VisionGenerate if vision else HFGenerate)(config, tokenizer.pad_token_id, self.eos_token_ids)
         self.generator = generator
@@ -181,7 +186,8 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         prompts = [r["prompt"] for r in rows]
         groups = None
         if self._image_token_id is not None:  # (each group's prompt and images processed once)
-            groups = encode_groups(self.processing_class, rows, self._image_token_id, self._image_layout)
+            groups = encode_groups(self.processing_class, rows, self._image_token_id, self._image_layout,
+                                   video=self.video_support)
             prompt_ids = groups.row_prompt_ids()
         else:
             prompt_ids = prompt_token_ids(self.tokenizer, rows)

@@ -38,17 +38,12 @@ from ..errors import ConfigError
 from ..models.families import REGISTRY, Family, Layout, get_family
 from ..models.objectives.vision_pairs import with_pair_images
 from .grpo_rollout import HFGenerate, pad_rows
-
-VIDEO_COLUMNS = ("video", "videos")
+from .grpo_video import VIDEO_KEYS, GroupVideos, group_clips, same_videos, video_call
 
 
 def check_vision_dataset(sample: Mapping[str, Any]) -> None:
-    """TRL 1.16's rules for a dataset with images, refused in one line before the model loads: no videos (TRL's
-    GRPO takes none either), conversational prompts."""
-    for key in VIDEO_COLUMNS:
-        if key in sample:
-            raise ConfigError(f"the dataset has a {key!r} column: vlmtrain's GRPO takes images ('images' or 'image'), "
-                              "not videos yet; give frames as images, or train videos with SFT or DPO.")
+    """TRL 1.16's rule for a dataset with images (or videos: grpo_video.py), refused in one line before the model
+    loads: conversational prompts."""
     if not isinstance(sample["prompt"], list):
         raise ConfigError("GRPO with images needs conversational prompts (lists of chat messages, as TRL requires): "
                           "give 'prompt' as [{'role': 'user', 'content': ...}] and let the trainer apply the chat "
@@ -81,7 +76,7 @@ class VisionGroups:
     expanded), ``token_types`` (its per-token processor outputs: Qwen's ``mm_token_type_ids``, Gemma 3's
     ``token_type_ids``), ``images`` (its image inputs per processor key as one sample's, {} without images),
     ``image_tokens`` (its placeholder count); ``row_group``: each row's group; ``layout``: how the family batches
-    each image key (``Family.batch_layout``)."""
+    each image key (``Family.batch_layout``); ``videos``: each group's videos (grpo_video.py)."""
 
     prompt_ids: list[list[int]]
     token_types: list[dict[str, list[int]]]
@@ -89,6 +84,7 @@ class VisionGroups:
     image_tokens: list[int]
     row_group: list[int]
     layout: Mapping[str, Layout] = field(default_factory=dict)
+    videos: GroupVideos = field(default_factory=GroupVideos)
 
     def row_prompt_ids(self) -> list[list[int]]:
         """The prompt ids of every row (its group's)."""
@@ -105,50 +101,55 @@ class VisionGroups:
         """The vision keys of rows ``start:end`` (whole groups or not): the image inputs of the groups they hold,
         once, batched by the family's layout (``vision_*``), each row's placeholder tokens -> those groups' feature
         tokens (``image_token_index``) and each row's images' per-image keys the language model reads (Qwen's
-        ``image_grid_thw``, for its rotary positions); {} without images."""
+        ``image_grid_thw``, for its rotary positions); the same for their videos (:meth:`GroupVideos.inputs`); {}
+        without either."""
         rows = self.row_group[start:end]
+        out = self.videos.inputs(rows)
         groups = [g for g in dict.fromkeys(rows) if self.image_tokens[g]]
-        if not groups:
-            return {}
-        first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
-        index = [k for g in rows if self.image_tokens[g] for k in range(first[g], first[g] + self.image_tokens[g])]
-        out = {VISION_PREFIX + k: _batched(self.layout.get(k), [self.images[g][k] for g in groups])
-               for k in self.images[groups[0]]}
-        out["image_token_index"] = torch.tensor(index, dtype=torch.long)
-        for key in ROW_IMAGE_KEYS:
-            if key in self.images[groups[0]]:
-                out[key] = torch.cat([self.images[g][key] for g in rows if self.image_tokens[g]])
+        if groups:
+            first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
+            index = [k for g in rows if self.image_tokens[g] for k in range(first[g], first[g] + self.image_tokens[g])]
+            out.update({VISION_PREFIX + k: _batched(self.layout.get(k), [self.images[g][k] for g in groups])
+                        for k in self.images[groups[0]]})
+            out["image_token_index"] = torch.tensor(index, dtype=torch.long)
+            for key in ROW_IMAGE_KEYS:
+                if key in self.images[groups[0]]:
+                    out[key] = torch.cat([self.images[g][key] for g in rows if self.image_tokens[g]])
         return {k: v.to(device) for k, v in out.items()}
 
 
 def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token_id: int,
-                  layout: Mapping[str, Layout] | None = None) -> VisionGroups:
-    """Each group's prompt rendered and processed once with its images. The sampler repeats a prompt
-    ``num_generations`` times in a row, but a process's slice of a generation batch, or an eval batch, may cut a
-    group at either end: a group is a run of rows with the same prompt and images (two prompts alike that follow
-    each other share one encoding, which changes nothing). ``layout``: the family's ``batch_layout`` (a key
+                  layout: Mapping[str, Layout] | None = None, video: Any = None) -> VisionGroups:
+    """Each group's prompt rendered and processed once with its images (and videos, decoded once: ``video``, the
+    family's video support). The sampler repeats a prompt ``num_generations`` times in a row, but a process's slice
+    of a generation batch, or an eval batch, may cut a group at either end: a group is a run of rows with the same
+    prompt, images and videos (two prompts alike that follow each other share one encoding, which changes
+    nothing). ``layout``: the family's ``batch_layout`` (a key
     batched per sample, not concatenated, loses the processor's leading batch dimension of 1 here)."""
     layout = dict(layout or {})
     out = VisionGroups([], [], [], [], [], layout)
     for i, row in enumerate(rows):
-        if i and row["prompt"] == rows[i - 1]["prompt"] and sample_images(row) == sample_images(rows[i - 1]):
+        if i and row["prompt"] == rows[i - 1]["prompt"] and sample_images(row) == sample_images(rows[i - 1]) \
+                and same_videos(row, rows[i - 1]):
             out.row_group.append(out.row_group[-1])
             continue
         out.row_group.append(len(out.prompt_ids))
-        images = sample_images(row)
-        messages = with_image_parts(row["prompt"], len(images))
+        images, clips = sample_images(row), group_clips(row, video)
+        messages = with_image_parts(row["prompt"], len(images), len(clips))
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # (nested, one list per text: LLaVA-OneVision expands a prompt's several images as one sample's, not tiled;
         # the template already holds the special tokens: Gemma 3's tokenizer would add a second BOS)
-        processed = processor(text=[text], images=[images] if images else None, return_tensors="pt",
-                              add_special_tokens=False)
+        call, videos = video_call(processor, video, clips)
+        processed = call(text=[text], images=[images] if images else None, return_tensors="pt",
+                         add_special_tokens=False, **videos)
         ids = processed["input_ids"][0].tolist()
         out.prompt_ids.append(ids)
         out.token_types.append({k: processed[k][0].tolist() for k in ROW_TOKEN_KEYS if k in processed})
-        image_keys = [k for k in processed if k not in ("input_ids", "attention_mask", *ROW_TOKEN_KEYS)]
+        image_keys = [k for k in processed if k not in ("input_ids", "attention_mask", *ROW_TOKEN_KEYS, *VIDEO_KEYS)]
         out.images.append({k: processed[k] if layout.get(k, "concat") == "concat" or callable(layout[k])
                            else processed[k][0] for k in image_keys} if images else {})
         out.image_tokens.append(sum(t == image_token_id for t in ids))
+        out.videos.add(processor, processed)
     return out
 
 

@@ -22,7 +22,8 @@ from .vision_pairs import with_pair_images
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 VISION_KEYS = ("vision_pixel_values", "vision_image_grid_thw", "image_token_index", "image_grid_thw",
-               "mm_token_type_ids", "token_type_ids")
+               "mm_token_type_ids", "token_type_ids", "videos_pixel_values_videos", "videos_video_grid_thw",
+               "video_token_index", "video_grid_thw", "second_per_grid_ts")
 """A batch's vision inputs (compat/grpo_vision.py): each group's images once, encoded once per forward; with every
 other ``vision_*`` key, the family's image inputs (:func:`vision_inputs`)."""
 SCALE_REWARDS = ("group", "batch", "none")
