@@ -23,11 +23,15 @@ def trainer_classes(contender: str, name: str) -> tuple[Any, Any]:
 
 
 def step_clock(stamps: list[float]) -> Any:
-    """A TrainerCallback appending ``time.perf_counter()`` to ``stamps`` at each step's end."""
+    """A TrainerCallback appending ``time.perf_counter()`` to ``stamps`` at each step's end (after a CUDA sync on a
+    GPU, so that a stamp is taken when the step's kernels are done, not when they were queued)."""
+    import torch
     from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003, D102
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             stamps.append(time.perf_counter())
 
     return Clock()
@@ -35,14 +39,24 @@ def step_clock(stamps: list[float]) -> Any:
 
 def run_contenders(script: str, path: str, opts: argparse.Namespace) -> dict[str, dict]:
     """Each contender's result: ``script --one CONTENDER --path PATH`` with ``opts`` in a fresh process, the JSON of
-    its last line."""
+    its last line, printed as it comes (a run cut short by a time limit still shows the contenders done). A
+    contender that fails ends the run with its exit status and the end of its stderr."""
     results = {}
     for contender in CONTENDERS:
-        out = subprocess.run([sys.executable, script, "--one", contender, "--path", path,
-                              *[f"--{k}={v}" for k, v in vars(opts).items() if k not in ("one", "path")]],
-                             check=True, capture_output=True, text=True)
+        out = subprocess.run([sys.executable, script, "--one", contender, "--path", path, *contender_flags(opts)],
+                             capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{contender} failed (exit {out.returncode}):\n{out.stderr[-6000:]}")
         results[contender] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{contender}: {json.dumps(results[contender])}", flush=True)
     return results
+
+
+def contender_flags(opts: argparse.Namespace) -> list[str]:
+    """``opts`` as the command-line flags that parse back to them in a contender's process (``--image-size=448``,
+    ``--lora``; an unset or false option left out: its default), the parent's ``--one`` / ``--path`` aside."""
+    return [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in vars(opts).items()
+            if k not in ("one", "path") and v is not None and v is not False]
 
 
 def add_contender_options(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_session.sh                    # ~7 minutes on one H200 (2026-11-26)
 #   PARTS="bench-2b compile" bash benchmarks/gpu_session.sh   # only these parts: bench (= bench-2b bench-8b),
 #                                                            # compile, varlen, budget, profile, variants, liger,
-#                                                            # table-2b, table-8b (issue 44's contenders), demo,
-#                                                            # tests
+#                                                            # table-2b, table-8b (issue 44's contenders), grpo,
+#                                                            # demo, tests
 #
 # compile: 2B vlmtrain padded with and without torch.compile (30 steps, lengths rounded to 64), recompiles
 # counted. varlen: the 2B benchmark with the vision attention in one call, and vlmtrain packed's text attention
@@ -16,6 +16,12 @@
 # contender; transformers compiles the whole model: ~150 s). liger: the 2B benchmark with transformers' Trainer with
 # and without use_liger_kernel and vlmtrain padded / packed with train.use_liger_kernel (needs the liger-kernel
 # wheel in .whl/: pip download --no-deps liger-kernel -d .whl).
+# grpo: GRPO on Qwen3-VL-2B LoRA (random init, bf16), TRL's GRPOTrainer against vlmtrain's, each in its own process
+# (benchmarks/grpo.py: 4 prompts x 8 completions of up to 128 tokens, one 448 px image per prompt, 5 steps, 3 timed,
+# one round), log $OUT/grpo-2b-lora.log; limit GRPO_S (200 s). Not measured yet: an estimate of ~2-3 minutes
+# (two processes' start and model init, then token-by-token generation), so it is not in the default PARTS (with
+# it the default would pass ~9 minutes): PARTS=grpo runs it alone. GRPO_ARGS replaces those sizes (GRPO_ARGS=--smoke:
+# the same code path on tiny dims, seconds on CPU).
 #
 # Packages missing on the machine can come as wheels in .whl/ (installed with --target, ahead of the machine's).
 set -u
@@ -96,6 +102,10 @@ if want table-8b; then  # the same at 8B LoRA
     TAIL=14 step table-8b "${TABLE_8B_S:-200}" $PY benchmarks/gpu_hub_vlm.py --only 8b-lora --steps "${TABLE_STEPS:-18}" \
         --warmup 4 --progress --contender transformers --contender "transformers + liger" \
         --contender "vlmtrain padded" --contender "vlmtrain budget" ${TABLE_ARGS:-}
+fi
+if want grpo; then  # GRPO Qwen3-VL-2B LoRA, TRL vs vlmtrain (estimated 2-3 minutes on an H200, not measured yet)
+    TAIL=12 step grpo-2b-lora "${GRPO_S:-200}" $PY benchmarks/grpo.py --model qwen3_vl_2b --lora \
+        ${GRPO_ARGS:---steps 5 --warmup 2 --rounds 1 --prompts 4 --generations 8 --length 128 --image-size 448}
 fi
 want demo && step demo "${DEMO_S:-130}" $PY -m vlmtrain demo --output-dir /tmp/gpu_session_demo
 cp /tmp/gpu_session_demo/metrics.jsonl "$OUT/demo-metrics.jsonl" 2>/dev/null

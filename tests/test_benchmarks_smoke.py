@@ -1,12 +1,17 @@
 """benchmarks/gpu_hub_vlm.py end to end on CPU: without CUDA it says so and measures nothing; with --smoke it runs
 its whole pipeline (offline processor, synthetic two-image data, meta-device init, the three contenders, the
-meter and the checks) on tiny Qwen3-VL configs."""
+meter and the checks) on tiny Qwen3-VL configs. benchmarks/grpo.py's Qwen3-VL-2B LoRA mode: its options reach the
+contender processes, and --smoke runs each contender's code path on the tiny config."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -16,14 +21,22 @@ from optional_extras import requires
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_hub_vlm.py"
 
 
-@pytest.fixture
-def bench():
-    spec = importlib.util.spec_from_file_location("gpu_hub_vlm", SCRIPT)
+def _script(path: Path, name: str) -> Iterator[ModuleType]:
+    """A benchmark script as a module (the files beside it importable, as when it runs), torch's thread count
+    restored afterwards."""
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     threads = torch.get_num_threads()
     yield module
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def bench():
+    yield from _script(SCRIPT, "gpu_hub_vlm")
 
 
 def test_without_cuda_it_says_so_and_exits_0(bench, capsys):
@@ -212,3 +225,50 @@ def test_vision_varlen_attention_takes_every_image_in_one_call_per_block(bench, 
     assert len(calls) == config.vision_config.depth and all(len(c) == 8 for c in calls)  # 7 images: 8 bounds
     assert losses["varlen"] == pytest.approx(losses["same"], rel=1e-4)  # (bf16 weights, another memory layout)
     AttentionInterface._global_mapping.pop(varlen.NAME, None)
+
+
+GRPO_SCRIPT = SCRIPT.parent / "grpo.py"
+
+
+@pytest.fixture(scope="module")
+def grpo_bench():
+    yield from _script(GRPO_SCRIPT, "grpo_bench")
+
+
+def test_grpo_options_reach_each_contender_as_given(grpo_bench):
+    """--smoke sets its sizes as defaults (an option given wins); every option, flags included, reaches the
+    contender processes as given; --lora / --smoke are refused on the tiny text model."""
+    from contenders import contender_flags
+
+    opts = grpo_bench.parse(["--model", "qwen3_vl_2b", "--lora", "--smoke", "--steps", "2"])
+    assert (opts.steps, opts.warmup, opts.length, opts.generations, opts.image_size) == (2, 1, 8, 4, 64)
+    full = grpo_bench.parse(["--model", "qwen3_vl_2b", "--lora", "--length", "128"])
+    assert (full.smoke, full.lora, full.steps, full.length, full.image_size) == (False, True, 12, 128, 448)
+    for o in (opts, full):
+        assert grpo_bench.parse(contender_flags(o)) == o
+    with pytest.raises(SystemExit):
+        grpo_bench.parse(["--lora"])
+
+
+@pytest.mark.slow
+@requires("peft", "lora")
+def test_grpo_smoke_trains_the_same_lora_from_the_same_weights_on_both_sides(grpo_bench, capsys, tmp_path):
+    """--model qwen3_vl_2b --lora --smoke, each contender as its process runs it: the same random-init weights
+    (gpu_hub_vlm_models' tiny Qwen3-VL under seed 0) and the same LoRA adapters (r 16 on every linear layer of the
+    language model, nothing else trainable) on TRL's GRPOTrainer and vlmtrain's; no CUDA: no GPU peak."""
+    import gpu_hub_vlm_models as hub
+    from gpu_hub_vlm_parts import LORA, LORA_TARGETS
+
+    model = hub.build_model(hub.model_config("tiny", "sdpa"), torch.device("cpu"), 0)
+    lora = sum(LORA["r"] * (m.in_features + m.out_features) for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and re.fullmatch(LORA_TARGETS, name))
+    results = {}
+    for contender in ("trl", "vlmtrain"):
+        grpo_bench.main(["--model", "qwen3_vl_2b", "--lora", "--smoke", "--steps", "2", "--prompts", "1",
+                         "--generations", "2", "--length", "4", "--threads", "1", "--one", contender,
+                         "--path", str(tmp_path)])
+        results[contender] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["trl"]["start"] == results["vlmtrain"]["start"] == pytest.approx(hub.checksum(model))
+    assert lora > 0 and results["trl"]["trainable"] == results["vlmtrain"]["trainable"] == lora, results
+    for r in results.values():
+        assert r["peak_gpu_gib"] is None and r["tokens_per_s"] > 0 and 0 < r["mean_length"] <= 4, results
