@@ -36,11 +36,11 @@ def _stream(out) -> object:
 
 
 def _train(model_dir, out, lora: bool, stop: int | None = None, resume: bool | str = False,  # noqa: F811
-           stream: bool = False):
+           stream: bool = False, save: int = STOP):
     from peft import LoraConfig
 
     args = vlmtrain.GRPOConfig(str(out), num_generations=4, per_device_train_batch_size=4, max_completion_length=5,
-                               num_iterations=2, beta=0.1, max_steps=STEPS, save_steps=STOP, logging_steps=2,
+                               num_iterations=2, beta=0.1, max_steps=STEPS, save_steps=save, logging_steps=2,
                                learning_rate=1e-2, weight_decay=0.1, seed=7, bf16=False, gradient_checkpointing=False,
                                report_to="none", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
                                log_completions=True)
@@ -53,22 +53,24 @@ def _train(model_dir, out, lora: bool, stop: int | None = None, resume: bool | s
     return [r for r in trainer.state.log_history if "loss" in r], weights, trainer
 
 
-@pytest.mark.parametrize("lora,stream", [(False, False), (True, False), (False, True)],
-                         ids=["full", "lora", "full-stream"])
+@pytest.mark.parametrize("lora,stream,stop", [(False, False, STOP), (True, False, STOP), (False, True, STOP),
+                                              (False, True, 6)],
+                         ids=["full", "lora", "full-stream", "full-stream-epoch-end"])
 def test_grpo_resumed_mid_buffer_ends_like_the_uninterrupted_run(model_dir, tmp_path, lora, stream,  # noqa: F811
-                                                                 one_thread):
+                                                                 stop, one_thread):
     """(``stream``: the prompts from a StreamingDataset; the checkpoint holds the stream's place where the buffered
-    generation batch began and the repeats of it already taken.)"""
+    generation batch began and the repeats of it already taken; ``stop`` 6: the checkpoint at the first epoch's end,
+    the stream read to its end, and the resumed run goes on with the next epoch.)"""
     straight_logs, straight, _ = _train(model_dir, tmp_path / "straight", lora, stream=stream)
-    _, stopped, _ = _train(model_dir, tmp_path / "run", lora, stop=STOP, stream=stream)
-    assert os.listdir(tmp_path / "run") and (tmp_path / "run" / f"checkpoint-{STOP}").is_dir()
+    _, stopped, _ = _train(model_dir, tmp_path / "run", lora, stop=stop, stream=stream, save=stop)
+    assert os.listdir(tmp_path / "run") and (tmp_path / "run" / f"checkpoint-{stop}").is_dir()
     logs, weights, trainer = _train(model_dir, tmp_path / "run", lora, resume=True, stream=stream)
     assert trainer.state.global_step == STEPS and trainer.state.epoch >= 1  # (a stream: the epochs done)
     assert any(not torch.equal(stopped[k], weights[k]) for k in weights)  # (the resumed run trained)
     differ = [k for k in straight if not torch.equal(straight[k], weights[k])]
     assert not differ, f"weights differ from the uninterrupted run's: {differ[:4]}"
-    resumed = [r for r in logs if r["step"] > STOP]
-    expected = [r for r in straight_logs if r["step"] > STOP]
+    resumed = [r for r in logs if r["step"] > stop]
+    expected = [r for r in straight_logs if r["step"] > stop]
     assert [r["step"] for r in resumed] == [r["step"] for r in expected] == [8]
     # epoch 2 begins with TRL's second permutation of the prompts (seed 7: [1, 0, 2] after [0, 1, 2]); a stream
     # with one shard: its order again
@@ -78,7 +80,7 @@ def test_grpo_resumed_mid_buffer_ends_like_the_uninterrupted_run(model_dir, tmp_
             assert ours[key] == theirs[key], key
     if lora:
         assert any("lora_A" in k for k in weights)
-        checkpoint = tmp_path / "run" / f"checkpoint-{STOP}"
+        checkpoint = tmp_path / "run" / f"checkpoint-{stop}"
         shutil.copy(checkpoint / "loop_state_0.pt", checkpoint / "loop_state_1.pt")  # (as if 2 processes wrote it)
         with pytest.raises(CheckpointError, match="a GRPO run resumes with the number of processes that wrote it"):
             _train(model_dir, tmp_path / "run", lora, resume=str(checkpoint))

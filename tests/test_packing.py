@@ -287,14 +287,20 @@ def test_window_packing_resumes_mid_window(proc):
         assert all(torch.equal(a, b) for a, b in zip(head + tail, full))
 
 
-def test_config_pack_window_trains_on_full_rows_and_resumes(tmp_path):
+@pytest.mark.parametrize("num_train", [96, 16], ids=["mid-epoch", "epoch-end"])
+def test_config_pack_window_trains_on_full_rows_and_resumes(tmp_path, num_train):
+    """Resumed from checkpoint-2, mid-epoch or (16 samples: 2 steps an epoch, the second a partial batch) at the
+    epoch's end, which goes on with the next epoch: the uninterrupted run's losses and weights (AdamW, weight decay)."""
+    from safetensors.torch import load_file
+
     from tests.test_vlm_run import _config
     from vlmtrain import run
     from vlmtrain.data.pack_stream import PackedDataset
 
     def config(out):
-        cfg = _config(tmp_path, data={"max_length": 200, "pack_window": 32, "num_train": 96},
-                      train={"max_steps": 4, "save_steps": 2, "eval_steps": 4, "per_device_train_batch_size": 3})
+        cfg = _config(tmp_path, data={"max_length": 200, "pack_window": 32, "num_train": num_train},
+                      train={"max_steps": 4, "save_steps": 2, "eval_steps": 4, "per_device_train_batch_size": 3,
+                             "weight_decay": 0.1})
         cfg.train.output_dir = str(tmp_path / out)
         return cfg
 
@@ -312,4 +318,6 @@ def test_config_pack_window_trains_on_full_rows_and_resumes(tmp_path):
     again = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
     loss = {r["step"]: r["loss"] for r in rows if "loss" in r and "train_runtime" not in r}
     loss_resumed = {r["step"]: r["loss"] for r in again if "loss" in r and "train_runtime" not in r}
-    assert [loss_resumed[3], loss_resumed[4]] == [loss[3], loss[4]]
+    assert loss_resumed == {3: loss[3], 4: loss[4]}
+    wa, wb = (load_file(str(tmp_path / name / "checkpoint-4" / "model.safetensors")) for name in ("straight", "resumed"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

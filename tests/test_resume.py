@@ -239,6 +239,33 @@ def test_data_order_after_resume_equals_straight_run(tmp_path, workers):
     assert_same_weights(resumed_model, straight_model)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["map-style", "stream"])
+def test_resume_from_a_checkpoint_saved_as_its_epoch_ended_goes_on_with_the_next_epoch(tmp_path, stream):
+    """save_strategy epoch writes checkpoint-8 after epoch 2 ended (the loader at that epoch's end): resumed from it,
+    a map-style dataset and a stream (StreamingDataset) train epochs 3 to 5 as the straight run did (AdamW, weight
+    decay): the same losses, epoch and weights."""
+    from vlmtrain.data.sources import IndexedSource, StreamingDataset
+
+    def data():
+        samples = token_samples(NUM_SAMPLES, seed=1)
+        return StreamingDataset([IndexedSource(samples, block_size=8)], seed=1) if stream else samples
+
+    kw = dict(save_strategy="epoch", weight_decay=0.1)
+    straight = run_straight(tmp_path / "a", data(), workers=0, **kw)
+    resumed = Trainer(tiny_llama(123, attention_dropout=0.1), make_args(tmp_path / "b", 0, **kw), train_dataset=data())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-8"))
+    assert resumed.state.global_step == MAX_STEPS and resumed.state.epoch == straight.state.epoch
+    assert logged(str(tmp_path / "b"), "loss") == {s: v for s, v in logged(straight, "loss").items() if s > 8}
+    assert_same_weights(resumed.model, straight.model)
+    # as if 2 processes wrote it, resumed by 1: the next epoch too (no position to split: a stream is not refused)
+    checkpoint = shutil.copytree(tmp_path / "a" / "checkpoint-8", tmp_path / "c" / "checkpoint-8")
+    shutil.copy(checkpoint / "loop_state_0.pt", checkpoint / "loop_state_1.pt")
+    again = Trainer(tiny_llama(5), make_args(tmp_path / "c", 0, **kw), train_dataset=data())
+    with pytest.warns(UserWarning, match="written by 2 process"):
+        again.train(resume_from_checkpoint=str(checkpoint))
+    assert again.state.global_step == MAX_STEPS
+
+
 @pytest.mark.parametrize(("before", "after"), [(0, 1), (1, 0)])
 def test_resume_with_another_number_of_dataloader_workers(tmp_path, before, after):
     """dataloader_num_workers ('auto' resolves by machine) changes between the crash and the resume: a map-style

@@ -37,20 +37,30 @@ def _stream_config(tmp_path, data_dir, out="run", **data):
 
 def _losses(path):
     rows = [json.loads(line) for line in open(path / "metrics.jsonl")]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r and "train_runtime" not in r}
+    return {r["step"]: (r["loss"], r["epoch"]) for r in rows if "loss" in r and "train_runtime" not in r}
 
 
-def test_stream_mixture_trains_and_resumes_exactly(tmp_path, data_dir):
-    straight = _stream_config(tmp_path, data_dir, "straight")
-    run.train(straight)
-    resumed = _stream_config(tmp_path, data_dir, "resumed")
-    resumed.train.resume_from_checkpoint = str(tmp_path / "straight" / "checkpoint-2")
-    run.train(resumed)
-    a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
-    assert set(a) == {1, 2, 3, 4} and {3, 4} <= set(b)
-    assert [b[3], b[4]] == [a[3], a[4]]  # the resumed run read exactly the samples the straight one did
-    wa = load_file(str(tmp_path / "straight" / "checkpoint-4" / "model.safetensors"))
-    wb = load_file(str(tmp_path / "resumed" / "checkpoint-4" / "model.safetensors"))
+@pytest.mark.parametrize("one_source", [False, True], ids=["mixture", "one-source-epoch-end"])
+def test_stream_mixture_trains_and_resumes_exactly(tmp_path, data_dir, one_source):
+    """A 2-source mixture resumed mid-run, and one source (40 samples over 2 workers in batches of 8: 6 steps an
+    epoch) resumed from the checkpoint at its epoch's end, which goes on with the next epoch: the same losses and
+    epochs as the uninterrupted run, identical weights (AdamW, weight decay)."""
+    save, steps = (6, 8) if one_source else (2, 4)
+    runs = {}
+    for name in ("straight", "resumed"):
+        cfg = _stream_config(tmp_path, data_dir, name)
+        cfg.train.max_steps, cfg.train.save_steps, cfg.train.weight_decay = steps, save, 0.1
+        if one_source:
+            cfg.data.sources = cfg.data.sources[1:]
+        if name == "resumed":
+            cfg.train.resume_from_checkpoint = str(tmp_path / "straight" / f"checkpoint-{save}")
+        run.train(cfg)
+        runs[name] = _losses(tmp_path / name)
+    a, b = runs["straight"], runs["resumed"]
+    assert set(a) == set(range(1, steps + 1)) and set(b) == set(range(save + 1, steps + 1))
+    assert b == {s: a[s] for s in b}  # (loss, epoch): the resumed run read exactly the samples the straight one did
+    wa = load_file(str(tmp_path / "straight" / f"checkpoint-{steps}" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "resumed" / f"checkpoint-{steps}" / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 

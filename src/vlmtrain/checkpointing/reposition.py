@@ -98,7 +98,7 @@ def reposition(loader: Any, loop: dict, saved: int, world_size: int, accumulatio
     it is not exact."""
     micro_step, state = loop["micro_step"], loop["loader"]
     refusal = f"{path} was written by {saved} process(es) and is resumed by {world_size}"
-    if state is None:  # (at an epoch's end, or a loader without state: the epoch's data starts afresh)
+    if state is None or not micro_step:  # (at an epoch's end, or a loader without state: the next data starts afresh)
         return micro_step * saved // world_size // accumulation * accumulation
     sampler = getattr(loader, "sampler", None)
     if isinstance(getattr(loader, "dataset", None), IterableDataset) or \

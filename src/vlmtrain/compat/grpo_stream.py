@@ -77,6 +77,7 @@ class PromptStream(IterableDataset):
         stream.rank, stream.world_size = 0, 1  # (every process reads every record: see the module docstring)
         self.stream, self.convert, self.name = stream, convert or _prompt_columns, name
         self._warned: set[str] = set()
+        self._resumed = False  # (the next pass begins at a checkpoint's place: see __iter__)
 
     def set_epoch(self, epoch: int) -> None:
         self.stream.set_epoch(epoch)
@@ -86,9 +87,11 @@ class PromptStream(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stream.load_state_dict(state)
+        self._resumed = True
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         pending, total, records, prompts = Counter[str](), Counter[str](), 0, 0
+        resumed, self._resumed = self._resumed, False
         for sample in self.stream:
             pending.update(drop_counts(sample))
             total.update(drop_counts(sample))
@@ -109,7 +112,7 @@ class PromptStream(IterableDataset):
             prompts += 1
             yield {**row, SKIPPED: dict(pending)} if pending else row
             pending.clear()
-        if not prompts:
+        if not prompts and not resumed:  # (a pass resumed at an epoch's end reads nothing: the next epoch follows)
             raise ConfigError(f"{self.name}: none of its {records} samples is a GRPO prompt ({dict(total)}); see "
                               "docs/data.md#grpo-prompts.")
 

@@ -54,6 +54,10 @@ class PackedDataset(IterableDataset):
         self._resume: tuple[dict[str, Any], int] | None = None
 
     def set_epoch(self, epoch: int) -> None:
+        if self._resume is not None and self._resume[0].get("epoch", epoch) != epoch:
+            # a checkpoint's place in an epoch that ended unread (its last batch was partial: the loader had nothing
+            # left to ask for), as the stream forgets its own
+            self._resume = None
         if hasattr(self.stream, "set_epoch"):
             self.stream.set_epoch(epoch)
 

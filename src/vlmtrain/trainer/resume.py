@@ -137,7 +137,7 @@ class CheckpointMixin:
             return None, saved
         if saved == self.world_size:
             loop = ckpt.load_torch(os.path.join(path, f"{LOOP_STATE}_{self.rank}.pt"))
-            state = loop["loader"]
+            state = loop["loader"] if loop["micro_step"] else None  # (0: saved as its epoch ended: the next one)
             if state is not None and saved_workers(state) == int(getattr(self.train_dataloader, "num_workers", 0)):
                 self.train_dataloader.load_state_dict(state)
             elif state is not None:  # (saved with another dataloader_num_workers)

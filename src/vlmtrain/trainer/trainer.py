@@ -178,7 +178,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
     def _run_epoch(self, model: nn.Module, loader: StatefulDataLoader) -> None:
         accum, steps_in_epoch = self.args.gradient_accumulation_steps, self._steps_in_epoch
         self._set_data_epoch(loader)
-        batches, seen, self._epoch_cut = self._usable_batches(iter(loader)), 0, False
+        batches, seen, self._epoch_cut = self._usable_batches(iter(loader)), self._micro_step, False
         count_items = getattr(self.model, "count_items", None)
         window: list[Any] = []
         while True:
@@ -213,7 +213,7 @@ class TrainerCore(SetupMixin, StepMixin, CheckpointMixin, EvaluationMixin, Count
         if self._window_weight is not None:
             self._optimizer_step(model)  # an iterable dataset ran out mid-window: step on what was accumulated
         self._epoch_index, self._micro_step = self._epoch_index + 1, 0
-        if seen == 0:
+        if seen == 0:  # (a resumed epoch counts its batches before the checkpoint: a stream may end there)
             warnings.warn("The train dataloader yielded no batch this epoch: stopping training.", stacklevel=2)
             self.control.should_training_stop = True
 
