@@ -64,7 +64,7 @@ def test_grpo_resumed_mid_buffer_ends_like_the_uninterrupted_run(model_dir, tmp_
     straight_logs, straight, _ = _train(model_dir, tmp_path / "straight", lora, stream=stream)
     _, stopped, _ = _train(model_dir, tmp_path / "run", lora, stop=stop, stream=stream, save=stop)
     assert os.listdir(tmp_path / "run") and (tmp_path / "run" / f"checkpoint-{stop}").is_dir()
-    logs, weights, trainer = _train(model_dir, tmp_path / "run", lora, resume=True, stream=stream)
+    logs, weights, trainer = _train(model_dir, tmp_path / "run", lora, resume=True, stream=stream, save=stop)
     assert trainer.state.global_step == STEPS and trainer.state.epoch >= 1  # (a stream: the epochs done)
     assert any(not torch.equal(stopped[k], weights[k]) for k in weights)  # (the resumed run trained)
     differ = [k for k in straight if not torch.equal(straight[k], weights[k])]
