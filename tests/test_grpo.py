@@ -293,35 +293,97 @@ EVAL_KEYS = ["eval_loss", "eval_reward", "eval_reward_std", "eval_rewards/length
              "eval_completions/clipped_ratio", "eval_kl", "eval_entropy", "eval_clip_ratio/region_mean"]
 
 
+def _num_samples(trainer) -> list:
+    """The evaluation loop's num_samples (what transformers' evaluate() divides by for eval_samples_per_second)."""
+    seen, loop = [], trainer.evaluation_loop
+
+    def counted(*args, **kwargs):
+        output = loop(*args, **kwargs)
+        seen.append(output.num_samples)
+        return output
+
+    trainer.evaluation_loop = counted
+    return seen
+
+
 @requires("trl", "dev")
-def test_grpo_evaluate_equals_trl(model_dir, tmp_path):
+@pytest.mark.parametrize("iterable", [False, True], ids=["dataset", "iterable"])
+def test_grpo_evaluate_equals_trl(model_dir, tmp_path, iterable):
     """eval_dataset: evaluate() rolls out num_generations completions per eval prompt (TRL's seeded order, eval
     batches of whole groups) and reports TRL's metrics with the eval_ prefix: the loss, rewards, lengths, KL and
     entropy equal TRL's GRPOTrainer.evaluate() on the same completions (each eval batch's loss averaged over the
     batches, as TRL's evaluation loop does, whatever the loss type). (8 eval prompts: with a count that is not a
     multiple of per_device_eval_batch_size, accelerate's gather_for_metrics in TRL's loop cuts the last batch's
-    loss weight to len(eval_dataset) % batch size rows, a weighting vlmtrain does not copy.)"""
-    results = {}
+    loss weight to len(eval_dataset) % batch size rows, a weighting vlmtrain does not copy.) The samples evaluated
+    (eval_samples, the count eval_samples_per_second divides) are the eval prompts, as TRL's len(eval_dataset).
+    An iterable eval set (a datasets.IterableDataset) is read in TRL's order (shuffled by seed in datasets'
+    buffer, each prompt num_generations times): the same metrics as TRL's."""
+    results, samples = {}, {}
     for framework in ("trl", "ours"):
         rollout, funcs = FixedCompletions(6), [length_reward, target_reward]
         kw = dict(loss_type="dapo", beta=0.1, per_device_eval_batch_size=8, max_steps=1)
+        evals = _prompts(8, seed=1)
+        evals = evals.to_iterable_dataset(num_shards=2) if iterable else evals
         if framework == "trl":
             import trl
 
             trainer = trl.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
                                       args=_config(trl.GRPOConfig, tmp_path / "trl", **kw),
-                                      train_dataset=_prompts(), eval_dataset=_prompts(8, seed=1),
+                                      train_dataset=_prompts(), eval_dataset=evals,
                                       processing_class=_tokenizer(), rollout_func=rollout.trl)
         else:
             trainer = vlmtrain.GRPOTrainer(model=str(model_dir), reward_funcs=funcs,
                                            args=_config(vlmtrain.GRPOConfig, tmp_path / "ours", **kw),
-                                           train_dataset=_prompts(), eval_dataset=_prompts(8, seed=1),
+                                           train_dataset=_prompts(), eval_dataset=evals,
                                            processing_class=_tokenizer(), generator=rollout)
+        seen = _num_samples(trainer)
         results[framework] = trainer.evaluate()
+        samples[framework] = seen
         assert rollout.calls == 4  # (32 completions in eval batches of 8)
     for key in EVAL_KEYS:
         assert results["ours"][key] == pytest.approx(results["trl"][key], rel=1e-4, abs=1e-6), key
     assert results["ours"]["eval_kl"] == pytest.approx(0.0, abs=1e-6)  # (the policy is still its reference)
+    assert samples["ours"] == [results["ours"]["eval_samples"]] == [8]  # (the prompts, not the 4 batches)
+    if not iterable:  # (TRL counts an iterable set's samples by find_batch_size, which finds no tensor: 0)
+        assert samples["trl"] == [8]
+
+
+class _Listed(torch.utils.data.IterableDataset):
+    """A torch iterable of rows, read as it comes."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+def test_grpo_evaluates_a_streaming_dataset_read_whole(model_dir, tmp_path):
+    """A StreamingDataset of one JSONL source as eval_dataset is read whole, in its order, its record without a
+    prompt skipped: the eval metrics equal those of the same good prompts as a torch iterable, and eval_samples
+    counts the 5 prompts; a StreamingDataset mixing two sources (endless) is refused before the model loads."""
+    import json
+
+    from vlmtrain.data.sources import JsonlSource, StreamingDataset
+
+    good = _prompts(5, seed=1).to_list()
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good[:2] + [{"question": "no prompt"}] + good[2:]))
+    results = []
+    for evals in (StreamingDataset([JsonlSource(str(path))], shuffle=False), _Listed(good)):
+        trainer = _trainer(model_dir, tmp_path, [length_reward, target_reward], eval_dataset=evals,
+                           per_device_eval_batch_size=8)
+        results.append(trainer.evaluate())
+    assert results[0]["eval_samples"] == results[1]["eval_samples"] == 5
+    timing = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_model_preparation_time")
+    assert results[0].keys() == results[1].keys() and "eval_rewards/target_reward/mean" in results[1]
+    for key in results[1].keys() - set(timing):
+        assert results[0][key] == pytest.approx(results[1][key], rel=1e-5, abs=1e-7), key
+    mixture = StreamingDataset([JsonlSource(str(path)), JsonlSource(str(path))])
+    with pytest.raises(ConfigError, match="eval_dataset: a StreamingDataset mixing 2 sources never ends"):
+        vlmtrain.GRPOTrainer(model="no/such-model", reward_funcs=length_reward, eval_dataset=mixture,
+                             args=_config(vlmtrain.GRPOConfig, tmp_path), train_dataset=_prompts(),
+                             processing_class=_tokenizer())
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from ..models.objectives.grpo import GRPOObjective, group_advantages, nanstd, vi
 from .dpo import _enable_dummy_vision, _load_model, _load_processing_class
 from .dpo_reference import PolicyObjectiveTrainer
 from .grpo_config import GRPOConfig
-from .grpo_eval import GRPOEvaluation, check_eval_batch
+from .grpo_eval import GRPOEvaluation, check_eval_batch, check_eval_dataset
 from .grpo_rollout import (
     Generator,
     GroupSampler,
@@ -77,6 +77,7 @@ class GRPOTrainer(RolloutCheckpoints, GRPOEvaluation, PolicyObjectiveTrainer):
         train_dataset = streamed_prompts(train_dataset, args.max_steps)  # (a stream: read whole by each process)
         if eval_dataset is not None:  # (evaluated as TRL evaluates: compat/grpo_eval.py)
             check_eval_batch(args)
+            check_eval_dataset(eval_dataset)
         first = next(iter(train_dataset))
         if "prompt" not in first:
             raise ConfigError(f"GRPO's dataset needs a 'prompt' column (its columns: {sorted(first)}).")

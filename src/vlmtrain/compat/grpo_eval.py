@@ -10,7 +10,12 @@ whole in it, so its rewards, advantages and statistics are those one process com
 collective runs per batch (the processes may hold different numbers of batches: an eval set that does not
 divide evenly leaves the last processes one batch fewer, where accelerate repeats the first batches). After the
 last batch the processes' losses (trainer/evaluation.py's gather) and rollout metrics are put together, so the
-logged metrics are one process's over the whole set."""
+logged metrics are one process's over the whole set. The samples evaluated (``eval_samples``, what
+``eval_samples_per_second`` counts) are the eval prompts, as TRL's ``len(eval_dataset)``.
+
+An iterable eval set (a ``datasets.IterableDataset``, a torch IterableDataset, vlmtrain's StreamingDataset) is
+read whole at each evaluation, in TRL's order (a ``datasets.IterableDataset`` shuffled by ``seed`` in datasets'
+buffer, as TRL's ``get_eval_dataloader``; another as it comes), and its prompts evaluated as a list's are."""
 
 from __future__ import annotations
 
@@ -26,6 +31,19 @@ from ..errors import ConfigError
 from ..trainer import distributed as dist
 from .grpo_rollout import GroupSampler
 from .grpo_state import gather_rows
+from .grpo_stream import SKIPPED, PromptStream, _hf_iterable, is_stream
+
+
+def eval_prompts(dataset: Any, seed: int) -> list[dict]:
+    """An iterable eval set's prompts, in the order TRL 1.16 evaluates them (module docstring); the records a
+    StreamingDataset skips are left out (a set without a prompt is refused, naming ``eval_dataset``)."""
+    if hasattr(dataset, "splits_by_rank") and not isinstance(dataset, PromptStream):
+        dataset = PromptStream(dataset, name="eval_dataset")
+    if _hf_iterable(dataset):
+        dataset = dataset.shuffle(seed=seed)
+    opener = getattr(dataset, "open_row", None)
+    rows = [{k: v for k, v in row.items() if k != SKIPPED} for row in dataset]
+    return [opener(row) for row in rows] if opener is not None else rows
 
 
 def check_eval_batch(args: Any) -> None:
@@ -41,10 +59,21 @@ def check_eval_batch(args: Any) -> None:
                           f"{args.num_generations} completions; set per_device_eval_batch_size to a multiple of it.")
 
 
+def check_eval_dataset(dataset: Any) -> None:
+    """An eval set is read whole at each evaluation: a StreamingDataset mixing several sources is endless (refused
+    before the model loads, naming ``eval_dataset``)."""
+    sources = getattr(getattr(dataset, "stream", dataset), "sources", None)
+    if hasattr(dataset, "splits_by_rank") and sources is not None and len(sources) > 1:
+        raise ConfigError(f"eval_dataset: a StreamingDataset mixing {len(sources)} sources never ends, and an "
+                          "evaluation reads its eval set whole: give a StreamingDataset of one source, a "
+                          "datasets.Dataset or IterableDataset, or a list of prompts.")
+
+
 class GRPOEvaluation:
     """The evaluation part of vlmtrain.GRPOTrainer (a mixin before its Trainer base)."""
 
     _eval_rollout_metrics: dict[str, list[float]]
+    _eval_prompts = 0  # (this process's prompts evaluated: the evaluation's num_samples)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Eval batches of dataset rows: each prompt ``num_generations`` times in a row, the prompts in TRL's
@@ -56,7 +85,10 @@ class GRPOEvaluation:
             raise ValueError("Evaluation needs an eval_dataset: pass GRPOTrainer(eval_dataset=...) or "
                              "evaluate(dataset).")
         args = self.args
-        order = list(GroupSampler(len(dataset), args.num_generations, 1, 1, True, args.seed))
+        iterable = is_stream(dataset)
+        if iterable:  # (read whole, in TRL's order: module docstring)
+            dataset = eval_prompts(dataset, args.seed)
+        order = list(GroupSampler(len(dataset), args.num_generations, 1, 1, not iterable, args.seed))
         size = args.per_device_eval_batch_size
         batches = [order[i:i + size] for i in range(0, len(order), size)]
         if self._eval_sharding(dataset) == "strided":  # (the trainer puts the processes' losses together)
@@ -75,21 +107,24 @@ class GRPOEvaluation:
     def evaluation_loop(self, dataloader: DataLoader, *args: Any, **kwargs: Any) -> Any:
         """Trainer.evaluation_loop, then, where the processes shared the eval batches, every process's per-batch
         rollout metrics, in the batches' order (each process calls it)."""
+        self._eval_prompts = 0
         output = super().evaluation_loop(dataloader, *args, **kwargs)
         if self._eval_sharding(getattr(dataloader, "dataset", None)) != "strided":
-            return output
-        parts = dist.all_gather_objects(dict(self._eval_rollout_metrics))
+            return output._replace(num_samples=self._eval_prompts)  # (the core counts the {"rows"} batches)
+        parts = dist.all_gather_objects((self._eval_prompts, dict(self._eval_rollout_metrics)))
+        prompts, parts = sum(part[0] for part in parts), [part[1] for part in parts]
         merged: dict[str, list[float]] = defaultdict(list)
         for key in dict.fromkeys(k for part in parts for k in part):
             lists = [part.get(key, []) for part in parts]  # (rank r held batches r, r + W, ...)
             merged[key] = [v[i] for i in range(max(map(len, lists))) for v in lists if i < len(v)]
         self._eval_rollout_metrics = merged
-        return output
+        return output._replace(num_samples=prompts)
 
     def prediction_step(self, model: nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> Any:
         """The eval batch rolled out and scored, then the objective's forward (its loss alone, as TRL's)."""
         if "rows" in inputs:
+            self._eval_prompts += len(inputs["rows"]) // self.args.num_generations
             inputs = self._generate_and_score(inputs["rows"])
         return super().prediction_step(model, inputs, True, ignore_keys)
 
