@@ -381,7 +381,7 @@ def test_grpo_evaluates_a_streaming_dataset_read_whole(model_dir, tmp_path):
         assert results[0][key] == pytest.approx(results[1][key], rel=1e-5, abs=1e-7), key
     mixture = StreamingDataset([JsonlSource(str(path)), JsonlSource(str(path))])
     with pytest.raises(ConfigError, match="eval_dataset: a StreamingDataset mixing 2 sources never ends"):
-        vlmtrain.GRPOTrainer(model="no/such-model", reward_funcs=length_reward, eval_dataset=mixture,
+        vlmtrain.GRPOTrainer(model="no/such-model", reward_funcs=[length_reward, target_reward], eval_dataset=mixture,
                              args=_config(vlmtrain.GRPOConfig, tmp_path), train_dataset=_prompts(),
                              processing_class=_tokenizer())
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests import preloaded
-from tests.grpo_ranks_worker import CASES
+from tests.grpo_ranks_worker import CASES, EVAL_PROMPTS
 from tests.test_grpo import model_dir  # noqa: F401 (the tiny Llama, a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +54,8 @@ def _eval_problem(tmp: Path, case: str, two: dict, one: dict) -> str | None:
     a, b = ({k: v for k, v in run["eval"].items() if k not in TIMES} for run in (two, one))
     if a.keys() != b.keys() or not {"eval_reward", "eval_loss", "eval_completions/mean_length"} <= b.keys():
         return f"eval keys: {sorted(a)} (2 ranks) vs {sorted(b)} (1 process)"
+    if a.get("eval_samples") != EVAL_PROMPTS:  # (the prompts of every process, as TRL's len(eval_dataset))
+        return f"eval_samples: {a.get('eval_samples')} on 2 ranks ({EVAL_PROMPTS} eval prompts)"
     for key, value in b.items():
         if a[key] != pytest.approx(value, rel=1e-5, abs=1e-6):
             return f"{key}: {a[key]} (2 ranks) vs {value} (1 process)"
