@@ -37,6 +37,7 @@ from .grpo_stream import SKIPPED, PromptStream, _hf_iterable, is_stream
 def eval_prompts(dataset: Any, seed: int) -> list[dict]:
     """An iterable eval set's prompts, in the order TRL 1.16 evaluates them (module docstring); the records a
     StreamingDataset skips are left out (a set without a prompt is refused, naming ``eval_dataset``)."""
+    check_eval_dataset(dataset)  # (also a set given to evaluate())
     if hasattr(dataset, "splits_by_rank") and not isinstance(dataset, PromptStream):
         dataset = PromptStream(dataset, name="eval_dataset")
     if _hf_iterable(dataset):
