@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..trainer import distributed as dist
 from .grpo_rollout import GroupSampler
 from .grpo_state import gather_rows
-from .grpo_stream import SKIPPED, PromptStream, _hf_iterable, is_stream
+from .grpo_stream import SKIPPED, PromptStream, is_hf_iterable, is_stream
 
 
 def eval_prompts(dataset: Any, seed: int) -> list[dict]:
@@ -40,7 +40,7 @@ def eval_prompts(dataset: Any, seed: int) -> list[dict]:
     check_eval_dataset(dataset)  # (also a set given to evaluate())
     if hasattr(dataset, "splits_by_rank") and not isinstance(dataset, PromptStream):
         dataset = PromptStream(dataset, name="eval_dataset")
-    if _hf_iterable(dataset):
+    if is_hf_iterable(dataset):
         dataset = dataset.shuffle(seed=seed)
     opener = getattr(dataset, "open_row", None)
     rows = [{k: v for k, v in row.items() if k != SKIPPED} for row in dataset]

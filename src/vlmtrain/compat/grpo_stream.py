@@ -33,10 +33,11 @@ SKIPPED = "__skipped__"  # (a prompt row's count of the records skipped just bef
 
 def is_stream(dataset: Any) -> bool:
     """Whether ``dataset`` is read as a stream (no indexing): a torch or HF ``datasets`` IterableDataset."""
-    return isinstance(dataset, IterableDataset) or _hf_iterable(dataset)
+    return isinstance(dataset, IterableDataset) or is_hf_iterable(dataset)
 
 
-def _hf_iterable(dataset: Any) -> bool:
+def is_hf_iterable(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets.IterableDataset`` (shuffled in a buffer by seed, as TRL shuffles it)."""
     try:
         import datasets
     except ImportError:  # pragma: no cover - the extra is missing
@@ -210,7 +211,7 @@ def stream_loader(trainer: Any) -> Any:
     args, prompts = trainer.args, trainer.train_dataset
     if isinstance(prompts, PromptStream):  # (its shards reshuffled per epoch, by the stream's own seed)
         prompts.stream.shuffle = args.shuffle_dataset
-    elif args.shuffle_dataset and _hf_iterable(prompts):
+    elif args.shuffle_dataset and is_hf_iterable(prompts):
         prompts = prompts.shuffle(seed=args.seed)
     groups = GroupStream(prompts, args.num_generations, args.generation_batch_size // args.num_generations,
                          args.num_iterations * args.steps_per_generation, trainer.rank, trainer.world_size)
