@@ -2,8 +2,8 @@
 ``video`` per row, each a file, a list of frame images, or a decoded :class:`~vlmtrain.data.video.VideoClip`), for
 the Hub VLM families with video support (Qwen3-VL, Qwen2.5-VL).
 
-Each group's videos are decoded once (:func:`group_clips`, to the frames and size the family's plan keeps under the
-``data.video_*`` settings) and processed with its prompt and images in one processor call (grpo_vision.py's
+Each group's videos are decoded once (data/preference_vision.decode_clips, as DPO's pairs: to the frames and size
+the family's plan keeps under the ``data.video_*`` settings) and processed with its prompt and images in one processor call (grpo_vision.py's
 ``encode_groups``: the video placeholders expanded, Qwen3-VL's timestamps written). :class:`GroupVideos` keeps each
 group's video pixel inputs once and gives the rows of a slice, as for images, the groups' inputs once
 (``videos_pixel_values_videos``, ``videos_video_grid_thw``: one ``get_video_features`` call per rollout and per
@@ -21,8 +21,13 @@ import torch
 from torch import nn
 
 from ..data.hub_messages import sample_videos
-from ..data.preference_vision import ROW_VIDEO_KEYS, VIDEO_ENCODER_KEYS, VIDEO_PREFIX, video_token_id
-from ..data.video import VideoClip, VideoSettings, load_planned
+from ..data.preference_vision import (
+    ROW_VIDEO_KEYS,
+    VIDEO_ENCODER_KEYS,
+    VIDEO_PREFIX,
+    video_token_id,
+)
+from ..data.video import VideoClip, VideoSettings
 from ..errors import ConfigError
 from .dpo import _family
 
@@ -71,30 +76,13 @@ def same_videos(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
 
 
-def group_clips(row: Mapping[str, Any], video: Any) -> list[VideoClip]:
-    """A group's videos decoded to the frames (and size) the family's plan keeps; a VideoClip as it is. ``video``:
-    the family's video support (``Family.video(processor, settings)``)."""
-    specs = sample_videos(row)
-    if specs and video is None:
-        raise ConfigError("a GRPO prompt with videos, but no video support was given: prompts with videos train on "
-                          "a Hub VLM family that takes video (Qwen3-VL, Qwen2.5-VL).")
-    clips = []
-    for spec in specs:
-        if not isinstance(spec, VideoClip):
-            spec, plan = load_planned(spec, video.settings, video.plan)
-            spec.size = (plan.height, plan.width)
-        clips.append(spec)
-    return clips
-
-
-def video_call(processor: Any, video: Any, clips: list[VideoClip]) -> tuple[Any, dict[str, Any]]:
-    """The processor that expands ``clips``' placeholders and makes their pixels (the family's video processor
-    attached, each clip resized as its plan says) and the call's video arguments; ``processor`` and {} without
-    clips."""
-    if not clips:
-        return processor, {}
-    return (video.attach(processor, [c.size for c in clips]),
-            {"videos": [c.frames for c in clips], "video_metadata": [c.metadata() for c in clips]})
+def feature_token_index(rows: Sequence[int], tokens: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+    """The groups of ``rows`` (each row's group) that have placeholder tokens (``tokens``: per group), in order,
+    each once, and each row's placeholder tokens -> those groups' feature tokens (encoded once, in that order)."""
+    groups = [g for g in dict.fromkeys(rows) if tokens[g]]
+    first = dict(zip(groups, torch.tensor([0] + [tokens[g] for g in groups]).cumsum(0).tolist()))
+    index = [k for g in rows if tokens[g] for k in range(first[g], first[g] + tokens[g])]
+    return groups, torch.tensor(index, dtype=torch.long)
 
 
 @dataclass
@@ -118,13 +106,11 @@ class GroupVideos:
         """The video keys of rows whose groups are ``rows``: the groups' video inputs once (``videos_*``), each
         row's placeholder tokens -> those groups' feature tokens, and each row's per-video keys; {} without
         videos."""
-        groups = [g for g in dict.fromkeys(rows) if self.tokens[g]]
+        groups, index = feature_token_index(rows, self.tokens)
         if not groups:
             return {}
-        first = dict(zip(groups, torch.tensor([0] + [self.tokens[g] for g in groups]).cumsum(0).tolist()))
-        index = [k for g in rows if self.tokens[g] for k in range(first[g], first[g] + self.tokens[g])]
         out = {VIDEO_PREFIX + k: torch.cat([self.encoder[g][k] for g in groups]) for k in VIDEO_ENCODER_KEYS}
-        out["video_token_index"] = torch.tensor(index, dtype=torch.long)
+        out["video_token_index"] = index
         for key in self.per_video[groups[0]]:
             out[key] = torch.cat([self.per_video[g][key] for g in rows if self.tokens[g]])
         return out

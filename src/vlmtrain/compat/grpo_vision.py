@@ -31,14 +31,14 @@ import torch
 from torch import nn
 
 from ..data.hub_packing import pad_images
-from ..data.preference_vision import ROW_IMAGE_KEYS, ROW_TOKEN_KEYS, VISION_PREFIX
+from ..data.preference_vision import ROW_IMAGE_KEYS, ROW_TOKEN_KEYS, VISION_PREFIX, decode_clips, video_call
 from ..data.preference_vision import _images_of as sample_images
 from ..data.preference_vision import _with_image_parts as with_image_parts
 from ..errors import ConfigError
 from ..models.families import REGISTRY, Family, Layout, get_family
 from ..models.objectives.vision_pairs import with_pair_images
 from .grpo_rollout import HFGenerate, pad_rows
-from .grpo_video import VIDEO_KEYS, GroupVideos, group_clips, same_videos, video_call
+from .grpo_video import VIDEO_KEYS, GroupVideos, feature_token_index, same_videos
 
 
 def check_vision_dataset(sample: Mapping[str, Any]) -> None:
@@ -105,13 +105,11 @@ class VisionGroups:
         without either."""
         rows = self.row_group[start:end]
         out = self.videos.inputs(rows)
-        groups = [g for g in dict.fromkeys(rows) if self.image_tokens[g]]
+        groups, index = feature_token_index(rows, self.image_tokens)
         if groups:
-            first = dict(zip(groups, torch.tensor([0] + [self.image_tokens[g] for g in groups]).cumsum(0).tolist()))
-            index = [k for g in rows if self.image_tokens[g] for k in range(first[g], first[g] + self.image_tokens[g])]
             out.update({VISION_PREFIX + k: _batched(self.layout.get(k), [self.images[g][k] for g in groups])
                         for k in self.images[groups[0]]})
-            out["image_token_index"] = torch.tensor(index, dtype=torch.long)
+            out["image_token_index"] = index
             for key in ROW_IMAGE_KEYS:
                 if key in self.images[groups[0]]:
                     out[key] = torch.cat([self.images[g][key] for g in rows if self.image_tokens[g]])
@@ -134,7 +132,7 @@ def encode_groups(processor: Any, rows: Sequence[Mapping[str, Any]], image_token
             out.row_group.append(out.row_group[-1])
             continue
         out.row_group.append(len(out.prompt_ids))
-        images, clips = sample_images(row), group_clips(row, video)
+        images, clips = sample_images(row), decode_clips(row, video, "a GRPO prompt with videos")
         messages = with_image_parts(row["prompt"], len(images), len(clips))
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         # (nested, one list per text: LLaVA-OneVision expands a prompt's several images as one sample's, not tiled;

@@ -168,11 +168,7 @@ class VisionPreferenceCollator:
         texts = [render_pair(s, self.processor) for s in samples]
         images = [_images_of(s) for s in samples]
         clips = [self.clips(s) for s in samples]
-        processor, videos = self.processor, {}
-        if any(clips):  # (the family's video processor, each clip resized as its plan says; metadata: timestamps)
-            flat = [c for pair in clips for c in pair]
-            processor = self.video.attach(self.processor, [c.size for c in flat])
-            videos = {"videos": [c.frames for c in flat], "video_metadata": [c.metadata() for c in flat]}
+        processor, videos = video_call(self.processor, self.video, [c for pair in clips for c in pair])
         prompts = processor(text=[t[0] for t in texts], images=images if any(images) else None,
                             padding=True, return_tensors="pt", add_special_tokens=False, **videos)
         answers = {side: tokenizer([t[i] for t in texts], add_special_tokens=False)["input_ids"]
@@ -214,17 +210,7 @@ class VisionPreferenceCollator:
 
     def clips(self, sample: Mapping[str, Any]) -> list[VideoClip]:
         """A pair's videos decoded to the frames the family's plan keeps (a VideoClip as it is)."""
-        specs = sample_videos(sample)
-        if specs and self.video is None:
-            raise ConfigError("a pair with videos, but no video support was given (the collator's video): pairs "
-                              "with videos train on a Hub VLM family that takes video (Qwen3-VL, Qwen2.5-VL).")
-        clips = []
-        for spec in specs:
-            if not isinstance(spec, VideoClip):
-                spec, plan = load_planned(spec, self.video.settings, self.video.plan)
-                spec.size = (plan.height, plan.width)
-            clips.append(spec)
-        return clips
+        return decode_clips(sample, self.video, "a pair with videos (the collator's video)")
 
     def _index_images(self, batch: dict[str, torch.Tensor], prompt_ids: list[list[int]], counts: list[int],
                       prompts: Mapping[str, Any], video_counts: Sequence[int] = ()) -> None:
@@ -267,6 +253,33 @@ class VisionPreferenceCollator:
                                   "None), or give that pair smaller or fewer images.")
             token_index += range(starts[i], starts[i] + per_prompt[i])
         return torch.tensor(token_index, dtype=torch.long)
+
+
+def decode_clips(sample: Mapping[str, Any], video: Any, what: str) -> list[VideoClip]:
+    """A sample's videos decoded to the frames (and size) the family's plan keeps; a VideoClip as it is. ``video``:
+    the family's video support (``Family.video(processor, settings)``); None with videos is an error naming
+    ``what`` holds them."""
+    specs = sample_videos(sample)
+    if specs and video is None:
+        raise ConfigError(f"{what}, but no video support was given: videos train on a Hub VLM family that takes "
+                          "video (Qwen3-VL, Qwen2.5-VL).")
+    clips = []
+    for spec in specs:
+        if not isinstance(spec, VideoClip):
+            spec, plan = load_planned(spec, video.settings, video.plan)
+            spec.size = (plan.height, plan.width)
+        clips.append(spec)
+    return clips
+
+
+def video_call(processor: Any, video: Any, clips: list[VideoClip]) -> tuple[Any, dict[str, Any]]:
+    """The processor that expands ``clips``' placeholders and makes their pixels (the family's video processor
+    attached, each clip resized as its plan says) and the call's video arguments (metadata: the timestamps);
+    ``processor`` and {} without clips."""
+    if not clips:
+        return processor, {}
+    return (video.attach(processor, [c.size for c in clips]),
+            {"videos": [c.frames for c in clips], "video_metadata": [c.metadata() for c in clips]})
 
 
 def _row_items(counts: Sequence[int]) -> torch.Tensor:
