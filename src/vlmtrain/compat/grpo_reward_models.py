@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..data.vision_reward_pairs import message_text, message_turns
 from ..errors import ConfigError
 
 
@@ -82,7 +83,7 @@ class HeadReward:
                  **kwargs: Any) -> list[float | None]:
         samples = []
         for i, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-            turns = _turns(prompt, _text(completion[-1]["content"]) if isinstance(completion, list) else completion)
+            turns = _turns(prompt, message_text(completion[-1]["content"]) if isinstance(completion, list) else completion)
             row_images = list(images[i] or []) if images is not None else (
                 [image[i]] if image is not None and image[i] is not None else [])
             samples.append({"images": row_images, "texts": turns})
@@ -91,19 +92,9 @@ class HeadReward:
 
 
 def _turns(prompt: str | list[dict], completion: str) -> list[dict[str, str]]:
-    """vlmtrain's ``texts`` turns of a prompt (a string: one user turn; messages: each user message a turn, each
-    assistant message its answer) answered by ``completion``."""
-    if isinstance(prompt, str):
-        return [{"user": prompt, "assistant": completion}]
-    turns: list[dict[str, str]] = []
-    for message in prompt:
-        if message["role"] == "user":
-            turns.append({"user": _text(message["content"])})
-        elif message["role"] == "assistant" and turns:
-            turns[-1]["assistant"] = _text(message["content"])
-        else:  # (the training format has user and assistant turns only)
-            raise ConfigError(f"a reward model with a score head scores user and assistant turns: a prompt's "
-                              f"{message['role']!r} message has no place in them; leave it out of the prompts.")
+    """vlmtrain's ``texts`` turns of a prompt (a string: one user turn; messages: as a reward pair's prompt becomes
+    its turns, data/vision_reward_pairs.message_turns) answered by ``completion``."""
+    turns = [{"user": prompt}] if isinstance(prompt, str) else message_turns(prompt)
     turns[-1]["assistant"] = completion
     return turns
 

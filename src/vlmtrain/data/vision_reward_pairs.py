@@ -20,20 +20,21 @@ HEAD = "reward"
 """RewardTrainer's head name."""
 
 
-def _text(content: Any) -> str:
+def message_text(content: Any) -> str:
     """A message's text: the string, or its text parts joined (image parts: the sample's images)."""
     if isinstance(content, str):
         return content
     return " ".join(p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text")
 
 
-def _turns(messages: list[Mapping[str, Any]]) -> list[dict[str, str]]:
+def message_turns(messages: list[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Chat messages as vlmtrain's ``texts`` turns (each user message a turn, each assistant message its answer)."""
     turns: list[dict[str, str]] = []
     for m in messages:
         if m.get("role") == "user":
-            turns.append({"user": _text(m.get("content", ""))})
+            turns.append({"user": message_text(m.get("content", ""))})
         elif m.get("role") == "assistant" and turns and "assistant" not in turns[-1]:
-            turns[-1]["assistant"] = _text(m.get("content", ""))
+            turns[-1]["assistant"] = message_text(m.get("content", ""))
         else:
             raise ConfigError(f"a VLM reward pair's prompt has a {m.get('role')!r} message where vlmtrain's samples "
                               "take alternating user / assistant turns (no system turn yet).")
@@ -56,8 +57,8 @@ def pair_samples(pair: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
             raise ConfigError("a VLM reward pair of plain strings needs a 'prompt' column (the answer's start "
                               "cannot be told from the prompt's).")
         prompt, chosen, rejected = chosen[:-1], chosen[-1:], rejected[-1:]
-    turns = _turns(prompt) if isinstance(prompt, list) else [{"user": prompt}]
-    answers = [_text(a[-1]["content"]) if isinstance(a, list) else a for a in (chosen, rejected)]
+    turns = message_turns(prompt) if isinstance(prompt, list) else [{"user": prompt}]
+    answers = [message_text(a[-1]["content"]) if isinstance(a, list) else a for a in (chosen, rejected)]
     images = pair.get("images") or []
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     videos = {k: pair[k] for k in ("videos", "video") if pair.get(k) is not None}  # (first, before the images)
